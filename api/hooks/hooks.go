@@ -1,0 +1,287 @@
+// Package hooks is the engine-hook contract between a vhi agent and the
+// engine it sits beside (vLLM with the vllm-hi plugin, or vhi sim). The
+// hooks travel as JSON over the engine's own HTTP port under /vllm_hi/engine;
+// docs/engine-hooks.md says how each one maps onto vLLM's internals.
+package hooks
+
+import (
+	"context"
+
+	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
+)
+
+// Version is the hook contract version an engine reports in its layout.
+const Version = 1
+
+// HTTP paths of the hooks, relative to the engine's base URL.
+const (
+	PathLayout   = "/vllm_hi/engine/layout"
+	PathRequests = "/vllm_hi/engine/requests"
+	PathChanges  = "/vllm_hi/engine/changes" // GET ?since=CURSOR
+	PathPause    = "/vllm_hi/engine/pause"
+	PathResume   = "/vllm_hi/engine/resume"
+	PathExport   = "/vllm_hi/engine/export"
+	PathAllocate = "/vllm_hi/engine/install/allocate"
+	PathInstall  = "/vllm_hi/engine/install/commit"
+	PathAbort    = "/vllm_hi/engine/abort"
+	PathStats    = "/vllm_hi/engine/stats"
+	// PathAttach streams a request's output from token index ?from=K as the
+	// same OpenAI SSE chunks its original stream carries.
+	PathAttach = "/vllm_hi/engine/requests/{request_id}/stream"
+)
+
+// Engine is the hook surface. The sim implements it in process; the agent's
+// HTTP client implements it against any engine that serves the hooks.
+// Attach is HTTP-only (PathAttach) because it is a stream.
+type Engine interface {
+	Layout(ctx context.Context) (Layout, error)
+	Requests(ctx context.Context) (RequestList, error)
+	Changes(ctx context.Context, since uint64) (Changes, error)
+	Pause(ctx context.Context, req PauseRequest) (PauseResponse, error)
+	Resume(ctx context.Context, req ResumeRequest) (ResumeResponse, error)
+	Export(ctx context.Context, req ExportRequest) (ExportResponse, error)
+	Allocate(ctx context.Context, req AllocateRequest) (AllocateResponse, error)
+	Install(ctx context.Context, req InstallRequest) (InstallResponse, error)
+	Abort(ctx context.Context, req AbortRequest) (AbortResponse, error)
+	Stats(ctx context.Context) (Stats, error)
+}
+
+// Memory kinds a region can be exported as.
+const (
+	MemoryShm     = "shm"      // a file (normally under /dev/shm) the agent mmaps
+	MemoryCUDAIPC = "cuda_ipc" // a CUDA IPC handle of the base allocation + offset
+)
+
+// Layout describes the engine's model geometry and where its KV lives.
+type Layout struct {
+	Engine        string            `json:"engine"` // "vhi-sim" or "vllm"
+	EngineVersion string            `json:"engine_version"`
+	HooksVersion  int               `json:"hooks_version"`
+	Model         string            `json:"model"`
+	ServedModels  []string          `json:"served_model_names"`
+	Geometry      kvlayout.Geometry `json:"geometry"`
+	Parallel      kvlayout.Parallel `json:"parallel"`
+	KVLayout      string            `json:"kv_layout"` // "HND": (2, blocks, heads, block_size, head_dim) per layer
+	Regions       []Region          `json:"regions"`
+}
+
+// Region is one rank × stage's KV memory.
+type Region struct {
+	TPRank      int    `json:"tp_rank"`
+	PPStage     int    `json:"pp_stage"`
+	FirstLayer  int    `json:"first_layer"`
+	NumLayers   int    `json:"num_layers"`
+	FirstHead   int    `json:"first_head"`
+	NumHeads    int    `json:"num_heads"`
+	Size        int64  `json:"size_bytes"`
+	LayerStride int64  `json:"layer_stride"`
+	KVStride    int64  `json:"kv_stride"`
+	BlockStride int64  `json:"block_stride"`
+	HeadStride  int64  `json:"head_stride"`
+	Memory      Memory `json:"memory"`
+}
+
+// Memory says how an agent maps a region.
+type Memory struct {
+	Kind string `json:"kind"`
+	// Shm: the file path. CUDA IPC: empty.
+	Path string `json:"path,omitempty"`
+	// CUDA IPC: device ordinal, base64 of the 64-byte cudaIpcMemHandle of the
+	// base allocation, and the region's offset into it.
+	Device    int    `json:"device,omitempty"`
+	IPCHandle string `json:"ipc_handle,omitempty"`
+	Offset    int64  `json:"offset,omitempty"`
+}
+
+// Request statuses as the hooks report them.
+const (
+	StatusWaiting   = "waiting"
+	StatusRunning   = "running"
+	StatusPreempted = "preempted"
+)
+
+// RequestInfo is one live request as the scheduler sees it.
+type RequestInfo struct {
+	RequestID         string  `json:"request_id"`
+	Status            string  `json:"status"`
+	Paused            bool    `json:"paused"`
+	NumPromptTokens   int     `json:"num_prompt_tokens"`
+	NumOutputTokens   int     `json:"num_output_tokens"`
+	NumComputedTokens int     `json:"num_computed_tokens"`
+	BlockIDs          []int   `json:"block_ids"`
+	ArrivalTime       float64 `json:"arrival_time"`
+}
+
+// RequestList is every live request plus the cursor they were read at.
+type RequestList struct {
+	Cursor      uint64        `json:"cursor"`
+	Requests    []RequestInfo `json:"requests"`
+	FreeBlocks  int           `json:"free_blocks"`
+	TotalBlocks int           `json:"total_blocks"`
+}
+
+// BlockWrite says which token slots of a block were written since a cursor.
+// Slots are written in order, so the changed slots are one range.
+type BlockWrite struct {
+	Block     int    `json:"block"`
+	FirstSlot int    `json:"first_slot"`
+	NumSlots  int    `json:"num_slots"`
+	RequestID string `json:"request_id"`
+}
+
+// Changes is what happened to the KV between Since and Cursor.
+type Changes struct {
+	Since   uint64       `json:"since"`
+	Cursor  uint64       `json:"cursor"`
+	Written []BlockWrite `json:"written"`
+	Freed   []int        `json:"freed"`
+}
+
+// PauseRequest pauses requests (all when RequestIDs is empty) at the next
+// step boundary. They keep their blocks. If nobody resumes, exports or aborts
+// them within LeaseMS, the engine resumes them by itself.
+type PauseRequest struct {
+	RequestIDs []string `json:"request_ids,omitempty"`
+	LeaseMS    int      `json:"lease_ms,omitempty"`
+}
+
+// PauseResponse answers once the engine is at a step boundary with the
+// requests paused.
+type PauseResponse struct {
+	Paused         []string `json:"paused"`
+	Cursor         uint64   `json:"cursor"`
+	LeaseExpiresAt float64  `json:"lease_expires_at"`
+}
+
+// ResumeRequest resumes paused requests (all when empty).
+type ResumeRequest struct {
+	RequestIDs []string `json:"request_ids,omitempty"`
+}
+
+// ResumeResponse lists what was resumed.
+type ResumeResponse struct {
+	Resumed []string `json:"resumed"`
+}
+
+// SamplingParams are the parts of vLLM's SamplingParams a migrated request
+// needs to continue exactly.
+type SamplingParams struct {
+	Temperature  float64  `json:"temperature"`
+	TopP         float64  `json:"top_p"`
+	Seed         int64    `json:"seed"` // the effective seed (generated when the client gave none)
+	MaxTokens    int      `json:"max_tokens"`
+	IgnoreEOS    bool     `json:"ignore_eos"`
+	Stop         []string `json:"stop,omitempty"`
+	StopTokenIDs []int    `json:"stop_token_ids,omitempty"`
+}
+
+// ResponseMeta is what the API server needs to keep a request's client
+// stream looking the same after it moved: ids, kind, and usage options.
+type ResponseMeta struct {
+	Kind            string `json:"kind"` // "completion" or "chat"
+	ResponseID      string `json:"response_id"`
+	Model           string `json:"model"`
+	Created         int64  `json:"created"`
+	Stream          bool   `json:"stream"`
+	IncludeUsage    bool   `json:"include_usage"`
+	ContinuousUsage bool   `json:"continuous_usage"`
+}
+
+// RequestState is everything needed to continue a paused request elsewhere.
+type RequestState struct {
+	RequestID         string         `json:"request_id"`
+	PromptTokenIDs    []int          `json:"prompt_token_ids"`
+	OutputTokenIDs    []int          `json:"output_token_ids"`
+	NumComputedTokens int            `json:"num_computed_tokens"`
+	Sampling          SamplingParams `json:"sampling_params"`
+	// RNGPosition is how many random draws the sampler has made for this
+	// request; vhi sim draws once per output token.
+	RNGPosition int `json:"rng_position"`
+	// OutputText is the detokenized output so far (after stop-string
+	// truncation) and TextOffsets the visible text length after each output
+	// token, so the target streams the same deltas.
+	OutputText  string       `json:"output_text"`
+	TextOffsets []int        `json:"text_offsets"`
+	ArrivalTime float64      `json:"arrival_time"`
+	Priority    int          `json:"priority"`
+	BlockIDs    []int        `json:"block_ids"`
+	Response    ResponseMeta `json:"response"`
+}
+
+// ExportRequest asks for the state of paused requests.
+type ExportRequest struct {
+	RequestIDs []string `json:"request_ids"`
+}
+
+// ExportResponse carries their state and the cursor it was read at.
+type ExportResponse struct {
+	Cursor   uint64         `json:"cursor"`
+	Requests []RequestState `json:"requests"`
+}
+
+// AllocateRequest reserves blocks on the target for requests about to move.
+// Unused reservations are freed when LeaseMS passes without an Install.
+type AllocateRequest struct {
+	Requests []AllocateItem `json:"requests"`
+	LeaseMS  int            `json:"lease_ms,omitempty"`
+}
+
+// AllocateItem is one request's need.
+type AllocateItem struct {
+	RequestID string `json:"request_id"`
+	NumTokens int    `json:"num_tokens"`
+}
+
+// AllocateResponse gives the target's block ids per request.
+type AllocateResponse struct {
+	Requests   []AllocatedItem `json:"requests"`
+	FreeBlocks int             `json:"free_blocks"`
+}
+
+// AllocatedItem is one request's target blocks.
+type AllocatedItem struct {
+	RequestID string `json:"request_id"`
+	BlockIDs  []int  `json:"block_ids"`
+}
+
+// InstallRequest installs requests whose KV is already in the blocks that
+// Allocate returned. With Resume they start decoding at once; otherwise they
+// wait paused for a Resume.
+type InstallRequest struct {
+	Requests []RequestState `json:"requests"`
+	Resume   bool           `json:"resume"`
+}
+
+// InstallResponse lists what was installed.
+type InstallResponse struct {
+	Installed []string `json:"installed"`
+}
+
+// AbortRequest drops requests and frees their blocks. Silent aborts end the
+// request's own client stream without a finish chunk (the Host carries the
+// client on elsewhere); loud ones finish it with finish_reason "abort".
+// Requests only allocated (not installed) are released too.
+type AbortRequest struct {
+	RequestIDs []string `json:"request_ids"`
+	Silent     bool     `json:"silent"`
+}
+
+// AbortResponse lists what was aborted.
+type AbortResponse struct {
+	Aborted []string `json:"aborted"`
+}
+
+// Stats is the engine's block accounting.
+type Stats struct {
+	Cursor         uint64 `json:"cursor"`
+	TotalBlocks    int    `json:"total_blocks"`
+	FreeBlocks     int    `json:"free_blocks"`
+	UsedBlocks     int    `json:"used_blocks"`
+	ReservedBlocks int    `json:"reserved_blocks"`
+	NumRunning     int    `json:"num_running"`
+	NumWaiting     int    `json:"num_waiting"`
+	NumPaused      int    `json:"num_paused"`
+	PausedAll      bool   `json:"paused_all"`
+	Sleeping       bool   `json:"sleeping"`
+	Steps          uint64 `json:"steps"`
+}

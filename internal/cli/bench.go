@@ -1,0 +1,14 @@
+package cli
+
+import (
+	"github.com/spf13/cobra"
+)
+
+func newBenchCommand(g *globalFlags) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "bench",
+		Short: "Benchmarks (results belong in docs/benchmarks.md)",
+	}
+	cmd.AddCommand(newBenchSimCommand(g))
+	return cmd
+}

@@ -1,0 +1,77 @@
+// Package cli holds the cobra commands of the vhi binary.
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/spf13/cobra"
+	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/internal/logging"
+	"github.com/vllm-hi/vllm-hi/internal/version"
+)
+
+type globalFlags struct {
+	logLevel  string
+	logFormat string
+}
+
+func (g *globalFlags) logger() (*zap.Logger, error) { return logging.New(g.logLevel, g.logFormat) }
+
+// NewRootCommand builds the command tree.
+func NewRootCommand() *cobra.Command {
+	g := &globalFlags{}
+	root := &cobra.Command{
+		Use:           "vhi",
+		Short:         "vllm-hi: hot migration of live LLM inference between vLLM instances",
+		SilenceUsage:  true,
+		SilenceErrors: true,
+	}
+	root.PersistentFlags().StringVar(&g.logLevel, "log-level", "info", "log level: debug, info, warn, error")
+	root.PersistentFlags().StringVar(&g.logFormat, "log-format", "console", "log format: console or json")
+	root.AddCommand(newVersionCommand(), newSimCommand(g), newDemoCommand(g), newBenchCommand(g))
+	return root
+}
+
+// Execute runs the CLI and returns the process exit code.
+func Execute(args []string) int {
+	root := NewRootCommand()
+	root.SetArgs(args)
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := root.ExecuteContext(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, "vhi:", err)
+		var ee exitError
+		if errors.As(err, &ee) {
+			return ee.code
+		}
+		return 1
+	}
+	return 0
+}
+
+// exitError carries a specific exit code.
+type exitError struct {
+	code int
+	err  error
+}
+
+func (e exitError) Error() string { return e.err.Error() }
+func (e exitError) Unwrap() error { return e.err }
+
+func newVersionCommand() *cobra.Command {
+	return &cobra.Command{
+		Use:   "version",
+		Short: "Print the version, commit and Go version",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			fmt.Fprintf(cmd.OutOrStdout(), "vhi %s (commit %s, %s)\n", version.Version, version.Commit, version.GoVersion())
+			return nil
+		},
+	}
+}

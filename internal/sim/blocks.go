@@ -1,0 +1,97 @@
+package sim
+
+import "fmt"
+
+// blockPool is a paged-KV block allocator with vLLM's free-queue order
+// (freed blocks go to the back, allocation takes from the front) and
+// per-block, per-slot write generations so "what changed since cursor X" is
+// a scan of two arrays, not a journal.
+//
+// Block 0 is the null block, as in vLLM: never handed out.
+type blockPool struct {
+	blockSize int
+	free      []int // FIFO ring of free block ids
+	head, n   int
+	allocated []bool
+	owner     []string // request id owning each allocated block
+	writeGen  []uint64 // per block: generation of its last write
+	slotGen   []uint64 // per block × slot: generation of its last write
+	freeGen   []uint64 // per block: generation it was last freed at
+}
+
+func newBlockPool(numBlocks, blockSize int) *blockPool {
+	p := &blockPool{
+		blockSize: blockSize,
+		free:      make([]int, numBlocks),
+		allocated: make([]bool, numBlocks),
+		owner:     make([]string, numBlocks),
+		writeGen:  make([]uint64, numBlocks),
+		slotGen:   make([]uint64, numBlocks*blockSize),
+		freeGen:   make([]uint64, numBlocks),
+	}
+	p.allocated[0] = true // null block
+	for b := 1; b < numBlocks; b++ {
+		p.free[p.n] = b
+		p.n++
+	}
+	return p
+}
+
+func (p *blockPool) total() int   { return len(p.allocated) - 1 }
+func (p *blockPool) numFree() int { return p.n }
+
+// allocate takes k blocks for owner, or none when fewer than k are free.
+func (p *blockPool) allocate(k int, owner string) ([]int, bool) {
+	if k > p.n {
+		return nil, false
+	}
+	out := make([]int, k)
+	for i := range out {
+		b := p.free[p.head]
+		p.head = (p.head + 1) % len(p.free)
+		p.n--
+		p.allocated[b] = true
+		p.owner[b] = owner
+		out[i] = b
+	}
+	return out, true
+}
+
+// release returns blocks to the back of the free queue at generation gen.
+func (p *blockPool) release(blocks []int, gen uint64) {
+	for _, b := range blocks {
+		if b <= 0 || b >= len(p.allocated) || !p.allocated[b] {
+			panic(fmt.Sprintf("sim: freeing block %d that is not allocated", b))
+		}
+		p.allocated[b] = false
+		p.owner[b] = ""
+		p.freeGen[b] = gen
+		p.free[(p.head+p.n)%len(p.free)] = b
+		p.n++
+	}
+}
+
+// markWritten records a write of slot in block at generation gen.
+func (p *blockPool) markWritten(block, slot int, gen uint64) {
+	p.writeGen[block] = gen
+	p.slotGen[block*p.blockSize+slot] = gen
+}
+
+// changedSlots returns the range of slots of block written after since
+// (slots are appended in order, so it is one range), or n == 0.
+func (p *blockPool) changedSlots(block int, since uint64) (first, n int) {
+	gens := p.slotGen[block*p.blockSize : (block+1)*p.blockSize]
+	first, last := -1, -1
+	for s, g := range gens {
+		if g > since {
+			if first < 0 {
+				first = s
+			}
+			last = s
+		}
+	}
+	if first < 0 {
+		return 0, 0
+	}
+	return first, last - first + 1
+}

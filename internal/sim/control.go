@@ -1,0 +1,228 @@
+package sim
+
+import (
+	"context"
+	"fmt"
+	"time"
+)
+
+// PauseMode is vLLM's /pause mode.
+type PauseMode string
+
+// vLLM's pause modes.
+const (
+	PauseAbort PauseMode = "abort" // abort everything in flight, admit nothing new
+	PauseWait  PauseMode = "wait"  // let in-flight requests finish, admit nothing new
+	PauseKeep  PauseMode = "keep"  // freeze everything in place
+)
+
+// PauseGeneration is vLLM's POST /pause. New requests queue (they do not
+// fail) until ResumeGeneration.
+func (e *Engine) PauseGeneration(ctx context.Context, mode PauseMode) error {
+	e.mu.Lock()
+	switch mode {
+	case PauseKeep:
+		e.pausedAll = true
+		e.mu.Unlock()
+		return nil
+	case PauseAbort:
+		e.pausedNew = true
+		e.abortAllLocked()
+		e.mu.Unlock()
+		return nil
+	case PauseWait:
+		e.pausedNew = true
+		e.mu.Unlock()
+		return e.waitIdle(ctx, 0)
+	}
+	e.mu.Unlock()
+	return badRequest("mode", "Invalid pause mode: %s", mode)
+}
+
+// ResumeGeneration is vLLM's POST /resume.
+func (e *Engine) ResumeGeneration() {
+	e.mu.Lock()
+	e.pausedAll, e.pausedNew = false, false
+	e.mu.Unlock()
+	e.signal()
+}
+
+// IsPaused is vLLM's GET /is_paused.
+func (e *Engine) IsPaused() bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.pausedAll || e.pausedNew
+}
+
+func (e *Engine) abortAllLocked() {
+	now := time.Now()
+	for _, r := range append(append([]*request(nil), e.running...), e.waiting...) {
+		e.finish(r, "abort", nil, now)
+	}
+	e.cursor++
+}
+
+// waitIdle waits until no request is running (and, with includeWaiting,
+// none waits), up to timeout (0: until ctx ends).
+func (e *Engine) waitIdle(ctx context.Context, timeout time.Duration) error {
+	var deadline <-chan time.Time
+	if timeout > 0 {
+		t := time.NewTimer(timeout)
+		defer t.Stop()
+		deadline = t.C
+	}
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		e.mu.Lock()
+		idle := len(e.running) == 0 && (e.pausedNew || len(e.waiting) == 0)
+		e.mu.Unlock()
+		if idle {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-deadline:
+			return context.DeadlineExceeded
+		case <-tick.C:
+		}
+	}
+}
+
+// Sleep is vLLM's POST /sleep: it releases the KV cache (the shared-memory
+// files are unmapped and removed). Level 1 would also offload weights and
+// level 2 discard them; the sim has no weights, so both release only KV.
+// Mode abort aborts in-flight requests; wait lets them finish first; keep
+// preempts them so they recompute after wake-up.
+func (e *Engine) Sleep(ctx context.Context, level int, mode PauseMode) error {
+	if level < 0 || level > 2 {
+		return badRequest("level", "level must be 0, 1 or 2, got %d", level)
+	}
+	switch mode {
+	case PauseAbort, PauseKeep:
+	case PauseWait:
+		e.mu.Lock()
+		e.pausedNew = true
+		e.mu.Unlock()
+		err := e.waitIdle(ctx, 0)
+		e.mu.Lock()
+		e.pausedNew = false
+		e.mu.Unlock()
+		if err != nil {
+			return err
+		}
+	default:
+		return badRequest("mode", "Invalid pause mode: %s", mode)
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.sleeping {
+		return nil
+	}
+	if mode == PauseKeep {
+		for len(e.running) > 0 {
+			e.preempt(e.running[len(e.running)-1])
+		}
+		e.cursor++
+	} else {
+		e.abortAllLocked()
+	}
+	for _, r := range e.requests {
+		if r.state == stateReserved {
+			e.pool.release(r.blocks, e.cursor+1)
+			delete(e.requests, r.id)
+		}
+	}
+	e.cursor++
+	if e.kv != nil {
+		e.kv.close()
+		e.kv = nil
+	}
+	e.sleeping, e.sleepLevel = true, max(level, 1)
+	e.log.Info("engine sleeping: KV cache released")
+	return nil
+}
+
+// WakeUp is vLLM's POST /wake_up: after the configured wake-up time the
+// KV memory is recreated (empty) and queued requests run.
+func (e *Engine) WakeUp(ctx context.Context) error {
+	e.mu.Lock()
+	sleeping := e.sleeping
+	e.mu.Unlock()
+	if !sleeping {
+		return nil
+	}
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(e.cfg.WakeUpTime):
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if !e.sleeping {
+		return nil
+	}
+	kv, err := newKVMemory(e.geo, e.par, e.cfg.ShmDir, e.cfg.ShmPrefix)
+	if err != nil {
+		return fmt.Errorf("wake up: %w", err)
+	}
+	e.kv = kv
+	e.pool = newBlockPool(e.geo.NumBlocks, e.geo.BlockSize)
+	e.sleeping, e.sleepLevel = false, 0
+	e.signal()
+	e.log.Info("engine awake")
+	return nil
+}
+
+// IsSleeping is vLLM's GET /is_sleeping.
+func (e *Engine) IsSleeping() bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.sleeping
+}
+
+// ErrScaleDrainTimeout reports that in-flight requests did not drain.
+var ErrScaleDrainTimeout = fmt.Errorf("scale failed due to request drain timeout")
+
+// ScaleElasticEP is vLLM's POST /scale_elastic_ep: while it runs every HTTP
+// request is answered 503 (the server's middleware checks Scaling); new work
+// is not admitted, in-flight requests drain, then the reconfiguration takes
+// the configured scale time.
+func (e *Engine) ScaleElasticEP(ctx context.Context, newDP int, drain time.Duration) error {
+	e.mu.Lock()
+	if e.scaling {
+		e.mu.Unlock()
+		return conflict("A scale operation is already in progress.")
+	}
+	e.scaling, e.pausedNew = true, true
+	e.mu.Unlock()
+	defer func() {
+		e.mu.Lock()
+		e.scaling, e.pausedNew = false, false
+		e.mu.Unlock()
+		e.signal()
+	}()
+	if err := e.waitIdle(ctx, drain); err != nil {
+		if err == context.DeadlineExceeded {
+			return ErrScaleDrainTimeout
+		}
+		return err
+	}
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(e.cfg.ScaleTime):
+	}
+	e.mu.Lock()
+	e.dpSize = newDP
+	e.mu.Unlock()
+	return nil
+}
+
+// Scaling reports whether an elastic-EP scale is under way.
+func (e *Engine) Scaling() bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.scaling
+}

@@ -1,0 +1,466 @@
+// Package sim is vhi sim: a vLLM stand-in with real paged KV memory whose
+// next token is computed from KV bytes read back from that memory, so a
+// migration that loses or alters one byte changes the output.
+package sim
+
+import (
+	"context"
+	"math"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/cespare/xxhash/v2"
+	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
+	"github.com/vllm-hi/vllm-hi/internal/tokenizer"
+)
+
+// Engine is the continuous-batching engine. One goroutine (Run) steps it;
+// HTTP handlers and hooks call in under mu. Steps run entirely under mu, so
+// whenever a caller holds mu the engine is at a step boundary.
+type Engine struct {
+	cfg  Config
+	geo  kvlayout.Geometry
+	par  kvlayout.Parallel
+	tok  *tokenizer.Tokenizer
+	log  *zap.Logger
+	met  *engineMetrics
+	wake chan struct{}
+
+	mu       sync.Mutex
+	kv       *kvMemory // nil while sleeping
+	pool     *blockPool
+	requests map[string]*request // live and reserved requests
+	done     map[string]*request // finished, kept for attach until retention ends
+	waiting  []*request
+	running  []*request
+	cursor   uint64 // generation of the last completed mutation
+	steps    uint64
+
+	pausedAll   bool // vLLM /pause?mode=keep: nothing is scheduled
+	pausedNew   bool // vLLM /pause?mode=wait|abort: no new request is admitted
+	sleeping    bool
+	sleepLevel  int
+	scaling     bool
+	dpSize      int
+	lastStep    time.Duration // modelled duration of the last step
+	lastCompute time.Duration // real compute time of the last step
+}
+
+// NewEngine validates cfg, creates the KV memory and returns an engine
+// ready to Run. Close releases the KV files.
+func NewEngine(cfg Config, log *zap.Logger) (*Engine, error) {
+	geo, par, err := cfg.geometry()
+	if err != nil {
+		return nil, err
+	}
+	kv, err := newKVMemory(geo, par, cfg.ShmDir, cfg.ShmPrefix)
+	if err != nil {
+		return nil, err
+	}
+	e := &Engine{
+		cfg: cfg, geo: geo, par: par, tok: tokenizer.New(), log: log,
+		wake:     make(chan struct{}, 1),
+		kv:       kv,
+		pool:     newBlockPool(geo.NumBlocks, geo.BlockSize),
+		requests: map[string]*request{},
+		done:     map[string]*request{},
+		dpSize:   1,
+	}
+	e.met = newEngineMetrics(e)
+	return e, nil
+}
+
+// Config returns the validated configuration.
+func (e *Engine) Config() Config { return e.cfg }
+
+// Geometry returns the KV geometry.
+func (e *Engine) Geometry() kvlayout.Geometry { return e.geo }
+
+// Tokenizer returns the engine's tokenizer.
+func (e *Engine) Tokenizer() *tokenizer.Tokenizer { return e.tok }
+
+// Close removes the KV memory. Call it after Run has returned.
+func (e *Engine) Close() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.kv != nil {
+		e.kv.close()
+		e.kv = nil
+	}
+}
+
+func (e *Engine) signal() {
+	select {
+	case e.wake <- struct{}{}:
+	default:
+	}
+}
+
+// Generations: a mutation (a step, an abort, a lease expiry) stamps what it
+// writes and frees with e.cursor+1 and then advances e.cursor, all under mu,
+// so a reader that sees cursor X has seen every change stamped ≤ X.
+
+// Run steps the engine until ctx ends.
+func (e *Engine) Run(ctx context.Context) {
+	idle := time.NewTimer(time.Hour)
+	defer idle.Stop()
+	for {
+		e.mu.Lock()
+		now := time.Now()
+		e.expireLeases(now)
+		var model time.Duration
+		stepped := false
+		if !e.sleeping && e.kv != nil {
+			stepped, model = e.step(now)
+		}
+		e.mu.Unlock()
+
+		if stepped {
+			// Fill the modelled step time; the real work above is small.
+			if rest := model - time.Since(now); rest > 0 {
+				idle.Reset(rest)
+				select {
+				case <-ctx.Done():
+					return
+				case <-idle.C:
+				}
+			} else if ctx.Err() != nil {
+				return
+			}
+			continue
+		}
+		// Nothing to do: wait for work, or for a lease to expire.
+		idle.Reset(50 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			return
+		case <-e.wake:
+		case <-idle.C:
+		}
+	}
+}
+
+// work is one request's share of a step.
+type work struct {
+	r      *request
+	tokens int
+}
+
+// step schedules and executes one step. It reports whether anything ran
+// and the modelled duration.
+func (e *Engine) step(now time.Time) (bool, time.Duration) {
+	batch := e.schedule(now)
+	if len(batch) == 0 {
+		return false, 0
+	}
+	gen := e.cursor + 1 // every write and free of this step
+	e.steps++
+	start := time.Now()
+	ctxTokens, prefill := 0, 0
+	var d xxhash.Digest
+	for _, w := range batch {
+		r := w.r
+		for i := 0; i < w.tokens; i++ {
+			pos := r.numComputed + i
+			b, slot := r.blocks[pos/e.geo.BlockSize], pos%e.geo.BlockSize
+			e.kv.writeToken(b, slot, r.params.Seed, r.token(pos), pos)
+			e.pool.markWritten(b, slot, gen)
+		}
+		if w.tokens > 1 || r.numComputed < len(r.prompt) {
+			prefill += w.tokens
+		}
+		r.numComputed += w.tokens
+		ctxTokens += r.numComputed
+		if r.numComputed == r.numTokens() {
+			e.sample(&d, r, now)
+		}
+	}
+	e.cursor = gen
+	e.lastCompute = time.Since(start)
+	e.lastStep = e.cfg.Step.Duration(len(batch), ctxTokens, prefill)
+	e.met.stepDone(len(batch), e.lastStep, e.lastCompute)
+	return true, e.lastStep
+}
+
+// schedule picks this step's batch: running requests first (decode or the
+// next prefill chunk), then waiting ones while seats, token budget and blocks
+// last. When blocks run out it preempts the latest-arrived running request
+// by recompute, as vLLM does.
+func (e *Engine) schedule(now time.Time) []work {
+	if e.pausedAll {
+		return nil
+	}
+	budget := e.cfg.MaxNumBatchedTokens
+	var batch []work
+	for i := 0; i < len(e.running) && budget > 0; i++ {
+		r := e.running[i]
+		if r.paused {
+			continue
+		}
+		n := min(r.numTokens()-r.numComputed, budget)
+		if n <= 0 {
+			continue
+		}
+		for !e.ensureBlocks(r, r.numComputed+n) {
+			victim := e.preemptionVictim(i)
+			e.preempt(victim)
+			if victim == r {
+				break
+			}
+		}
+		if r.state != stateRunning {
+			i-- // r itself was preempted and removed from running
+			continue
+		}
+		batch = append(batch, work{r, n})
+		budget -= n
+	}
+	for len(e.waiting) > 0 && len(e.running) < e.cfg.MaxNumSeqs && budget > 0 && !e.pausedNew {
+		idx := -1
+		for i, r := range e.waiting {
+			if !r.paused {
+				idx = i
+				break
+			}
+		}
+		if idx < 0 {
+			break
+		}
+		r := e.waiting[idx]
+		n := min(r.numTokens()-r.numComputed, budget)
+		if !e.ensureBlocks(r, r.numComputed+n) {
+			break
+		}
+		e.waiting = append(e.waiting[:idx], e.waiting[idx+1:]...)
+		r.state = stateRunning
+		if r.scheduledAt.IsZero() {
+			r.scheduledAt = now
+			e.met.queueTime.Observe(now.Sub(r.arrival).Seconds())
+		}
+		e.running = append(e.running, r)
+		batch = append(batch, work{r, n})
+		budget -= n
+	}
+	return batch
+}
+
+// ensureBlocks grows r's block table to hold n tokens.
+func (e *Engine) ensureBlocks(r *request, n int) bool {
+	need := (n+e.geo.BlockSize-1)/e.geo.BlockSize - len(r.blocks)
+	if need <= 0 {
+		return true
+	}
+	got, ok := e.pool.allocate(need, r.id)
+	if !ok {
+		return false
+	}
+	r.blocks = append(r.blocks, got...)
+	return true
+}
+
+// preemptionVictim is the latest-arrived unpaused running request not yet
+// scheduled this step (those after index i), or running[i] itself.
+func (e *Engine) preemptionVictim(i int) *request {
+	for j := len(e.running) - 1; j > i; j-- {
+		if c := e.running[j]; !c.paused {
+			return c
+		}
+	}
+	return e.running[i]
+}
+
+// preempt frees r's blocks and puts it at the front of the waiting queue to
+// recompute its prompt and output later.
+func (e *Engine) preempt(r *request) {
+	e.pool.release(r.blocks, e.cursor+1)
+	r.blocks = nil
+	r.numComputed = 0
+	r.state = stateWaiting
+	r.preempted = true
+	r.numPreemptions++
+	e.removeRunning(r)
+	e.waiting = append([]*request{r}, e.waiting...)
+	e.met.preemptions.Inc()
+}
+
+func (e *Engine) removeRunning(r *request) {
+	for i, c := range e.running {
+		if c == r {
+			e.running = append(e.running[:i], e.running[i+1:]...)
+			return
+		}
+	}
+}
+
+func (e *Engine) removeWaiting(r *request) {
+	for i, c := range e.waiting {
+		if c == r {
+			e.waiting = append(e.waiting[:i], e.waiting[i+1:]...)
+			return
+		}
+	}
+}
+
+// sample computes r's next token from KV bytes read back from memory: the
+// written slots of the tail block and one earlier block, chosen round-robin
+// by position so that every block is read within one pass over the
+// sequence. Same bytes ⇒ same token; any altered byte ⇒ (almost surely) a
+// different one.
+func (e *Engine) sample(d *xxhash.Digest, r *request, now time.Time) {
+	pos := r.numTokens() // position of the token being produced
+	bs := e.geo.BlockSize
+	tail := (pos - 1) / bs
+	d.Reset()
+	e.kv.hashSlots(d, r.blocks[tail], (pos-1)%bs+1)
+	if tail > 0 {
+		e.kv.hashSlots(d, r.blocks[pos%tail], bs)
+	}
+	state := mix64(d.Sum64() ^ uint64(r.params.Seed)*0xD6E8FEB86659FD93 ^ uint64(pos))
+
+	var tok int
+	if !r.params.IgnoreEOS && e.cfg.EOSOneIn > 0 && state%uint64(e.cfg.EOSOneIn) == 0 {
+		tok = tokenizer.EOS
+	} else {
+		tok = e.pick(state, r.params.Temperature, r.params.Seed, len(r.output))
+	}
+	e.emit(r, tok, now)
+}
+
+// pick chooses among eight candidate words whose logits fall by one per
+// rank: greedy takes the first; with temperature the request's own RNG
+// stream (seed, draw index) samples the softmax. The draw index is the RNG
+// position a migration carries over.
+func (e *Engine) pick(state uint64, temperature float64, seed int64, draw int) int {
+	const k = 8
+	if temperature <= 0 {
+		return e.tok.WordID(mix64(state))
+	}
+	u := float64(mix64(uint64(seed)^0xA0761D6478BD642F*uint64(draw+1))>>11) / (1 << 53)
+	var w [k]float64
+	sum := 0.0
+	for i := range w {
+		w[i] = math.Exp(-float64(i) / temperature)
+		sum += w[i]
+	}
+	acc := 0.0
+	for i := range w {
+		acc += w[i] / sum
+		if u < acc {
+			return e.tok.WordID(mix64(state + uint64(i)))
+		}
+	}
+	return e.tok.WordID(mix64(state + k - 1))
+}
+
+// emit appends a sampled token, applies the stop conditions and publishes.
+func (e *Engine) emit(r *request, tok int, now time.Time) {
+	r.output = append(r.output, tok)
+	e.met.generationTokens.Inc()
+	if r.firstTokenAt.IsZero() {
+		r.firstTokenAt = now
+		e.met.ttft.Observe(now.Sub(r.arrival).Seconds())
+	} else {
+		e.met.itl.Observe(now.Sub(r.lastTokenAt).Seconds())
+	}
+	r.lastTokenAt = now
+	hit, stopped := r.appendText(e.tok.Piece(tok))
+	switch {
+	case stopped:
+		e.finish(r, "stop", hit, now)
+	case tok == tokenizer.EOS && !r.params.IgnoreEOS:
+		e.finish(r, "stop", nil, now)
+	case containsInt(r.params.StopTokenIDs, tok):
+		e.finish(r, "stop", tok, now)
+	case len(r.output) >= r.params.MaxTokens || r.numTokens() >= e.cfg.MaxModelLen:
+		e.finish(r, "length", nil, now)
+	default:
+		r.publish()
+	}
+}
+
+// finish ends r, frees its blocks and publishes the end to its streams.
+func (e *Engine) finish(r *request, reason string, stopReason any, now time.Time) {
+	if r.finished() {
+		return
+	}
+	if len(r.blocks) > 0 {
+		e.pool.release(r.blocks, e.cursor+1)
+		r.blocks = nil
+	}
+	switch r.state {
+	case stateRunning:
+		e.removeRunning(r)
+	case stateWaiting:
+		e.removeWaiting(r)
+	}
+	r.state = stateFinished
+	r.finishReason, r.stopReason = reason, stopReason
+	r.finishedAt = now
+	r.releaseText()
+	delete(e.requests, r.id)
+	e.done[r.id] = r
+	if !r.silent {
+		e.met.finished(r, now)
+	}
+	r.publish()
+}
+
+// expireLeases resumes hook-paused requests and releases reservations whose
+// lease ran out (the Host may have died mid-migration), and forgets finished
+// requests past retention.
+func (e *Engine) expireLeases(now time.Time) {
+	var resumed []string
+	released := false
+	for _, r := range e.requests {
+		switch {
+		case r.paused && !r.pauseDeadline.IsZero() && now.After(r.pauseDeadline):
+			r.paused = false
+			r.pauseDeadline = time.Time{}
+			resumed = append(resumed, r.id)
+		case r.state == stateReserved && now.After(r.reserveUntil):
+			e.log.Warn("block reservation lease expired; releasing", zap.String("request_id", r.id), zap.Int("blocks", len(r.blocks)))
+			e.pool.release(r.blocks, e.cursor+1)
+			r.blocks = nil
+			delete(e.requests, r.id)
+			released = true
+		}
+	}
+	if released {
+		e.cursor++
+	}
+	if len(resumed) > 0 {
+		sort.Strings(resumed)
+		e.log.Warn("pause lease expired with no confirmation; resuming", zap.Strings("request_ids", resumed))
+	}
+	for id, r := range e.done {
+		if now.Sub(r.finishedAt) > e.cfg.FinishedRetention {
+			delete(e.done, id)
+		}
+	}
+}
+
+func containsInt(xs []int, x int) bool {
+	for _, v := range xs {
+		if v == x {
+			return true
+		}
+	}
+	return false
+}
+
+// Preemptions is how many times a request was preempted by recompute.
+func (e *Engine) Preemptions() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	n := 0
+	for _, r := range e.requests {
+		n += r.numPreemptions
+	}
+	for _, r := range e.done {
+		n += r.numPreemptions
+	}
+	return n
+}

@@ -1,0 +1,312 @@
+package sim
+
+import (
+	"context"
+	"sort"
+	"time"
+
+	"github.com/vllm-hi/vllm-hi/api/hooks"
+	"github.com/vllm-hi/vllm-hi/internal/version"
+)
+
+var _ hooks.Engine = (*Engine)(nil)
+
+// Layout implements hooks.Engine.
+func (e *Engine) Layout(context.Context) (hooks.Layout, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.kv == nil {
+		return hooks.Layout{}, conflict("The engine is sleeping: its KV cache is released.")
+	}
+	l := hooks.Layout{
+		Engine: "vhi-sim", EngineVersion: version.Version, HooksVersion: hooks.Version,
+		Model: e.cfg.Model, ServedModels: e.cfg.ServedModelNames,
+		Geometry: e.geo, Parallel: e.par, KVLayout: "HND",
+	}
+	for _, r := range e.kv.regions {
+		rl := r.layout
+		l.Regions = append(l.Regions, hooks.Region{
+			TPRank: rl.Shard.TPRank, PPStage: rl.Shard.PPStage,
+			FirstLayer: rl.FirstLayer, NumLayers: rl.NumLayers, FirstHead: rl.FirstHead, NumHeads: rl.NumHeads,
+			Size: rl.Size(), LayerStride: rl.LayerStride(), KVStride: rl.KVStride(),
+			BlockStride: rl.BlockStride(), HeadStride: rl.HeadStride(),
+			Memory: hooks.Memory{Kind: hooks.MemoryShm, Path: r.path},
+		})
+	}
+	return l, nil
+}
+
+// Requests implements hooks.Engine.
+func (e *Engine) Requests(context.Context) (hooks.RequestList, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	out := hooks.RequestList{Cursor: e.cursor, FreeBlocks: e.pool.numFree(), TotalBlocks: e.pool.total(), Requests: []hooks.RequestInfo{}}
+	for _, r := range e.running {
+		out.Requests = append(out.Requests, r.info())
+	}
+	for _, r := range e.waiting {
+		out.Requests = append(out.Requests, r.info())
+	}
+	return out, nil
+}
+
+// Changes implements hooks.Engine: blocks (with their slot ranges) written
+// after since, and blocks freed after since and still free.
+func (e *Engine) Changes(_ context.Context, since uint64) (hooks.Changes, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if since > e.cursor {
+		return hooks.Changes{}, badRequest("since", "Cursor %d is ahead of the engine's cursor %d.", since, e.cursor)
+	}
+	c := hooks.Changes{Since: since, Cursor: e.cursor, Written: []hooks.BlockWrite{}, Freed: []int{}}
+	p := e.pool
+	for b := 1; b < len(p.allocated); b++ {
+		switch {
+		case p.allocated[b] && p.writeGen[b] > since:
+			first, n := p.changedSlots(b, since)
+			c.Written = append(c.Written, hooks.BlockWrite{Block: b, FirstSlot: first, NumSlots: n, RequestID: p.owner[b]})
+		case !p.allocated[b] && p.freeGen[b] > since:
+			c.Freed = append(c.Freed, b)
+		}
+	}
+	return c, nil
+}
+
+// lookup resolves ids (all live requests when ids is empty) or fails with
+// 404 naming the first unknown one. Nothing is changed on failure.
+func (e *Engine) lookup(ids []string, allowReserved bool) ([]*request, error) {
+	if len(ids) == 0 {
+		out := make([]*request, 0, len(e.requests))
+		for _, r := range e.requests {
+			if r.state != stateReserved {
+				out = append(out, r)
+			}
+		}
+		sort.Slice(out, func(i, j int) bool { return out[i].id < out[j].id })
+		return out, nil
+	}
+	out := make([]*request, 0, len(ids))
+	for _, id := range ids {
+		r := e.requests[id]
+		if r == nil || (r.state == stateReserved && !allowReserved) {
+			return nil, notFound("request_ids", "Request %s is not running on this engine.", id)
+		}
+		out = append(out, r)
+	}
+	return out, nil
+}
+
+func (e *Engine) lease(ms int) time.Duration {
+	if ms <= 0 {
+		return e.cfg.DefaultPauseLease
+	}
+	return time.Duration(ms) * time.Millisecond
+}
+
+// Pause implements hooks.Engine. Steps run under mu, so once Pause holds mu
+// no step is in flight: the requests stop at a step boundary.
+func (e *Engine) Pause(_ context.Context, req hooks.PauseRequest) (hooks.PauseResponse, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	rs, err := e.lookup(req.RequestIDs, false)
+	if err != nil {
+		return hooks.PauseResponse{}, err
+	}
+	deadline := time.Now().Add(e.lease(req.LeaseMS))
+	out := hooks.PauseResponse{Paused: []string{}, Cursor: e.cursor, LeaseExpiresAt: unixSeconds(deadline)}
+	for _, r := range rs {
+		r.paused = true
+		r.pauseDeadline = deadline
+		out.Paused = append(out.Paused, r.id)
+	}
+	return out, nil
+}
+
+// Resume implements hooks.Engine.
+func (e *Engine) Resume(_ context.Context, req hooks.ResumeRequest) (hooks.ResumeResponse, error) {
+	e.mu.Lock()
+	rs, err := e.lookup(req.RequestIDs, false)
+	if err != nil {
+		e.mu.Unlock()
+		return hooks.ResumeResponse{}, err
+	}
+	out := hooks.ResumeResponse{Resumed: []string{}}
+	for _, r := range rs {
+		if r.paused {
+			r.paused = false
+			r.pauseDeadline = time.Time{}
+			out.Resumed = append(out.Resumed, r.id)
+		}
+	}
+	e.mu.Unlock()
+	e.signal()
+	return out, nil
+}
+
+// Export implements hooks.Engine. Only paused requests can be exported: a
+// running one would change under the caller.
+func (e *Engine) Export(_ context.Context, req hooks.ExportRequest) (hooks.ExportResponse, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if len(req.RequestIDs) == 0 {
+		return hooks.ExportResponse{}, badRequest("request_ids", "request_ids must name at least one request.")
+	}
+	rs, err := e.lookup(req.RequestIDs, false)
+	if err != nil {
+		return hooks.ExportResponse{}, err
+	}
+	out := hooks.ExportResponse{Cursor: e.cursor}
+	for _, r := range rs {
+		if !r.paused {
+			return hooks.ExportResponse{}, conflict("Request %s is not paused; pause it before exporting.", r.id)
+		}
+		out.Requests = append(out.Requests, r.exportState())
+	}
+	return out, nil
+}
+
+// Allocate implements hooks.Engine: all or nothing.
+func (e *Engine) Allocate(_ context.Context, req hooks.AllocateRequest) (hooks.AllocateResponse, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.kv == nil {
+		return hooks.AllocateResponse{}, conflict("The engine is sleeping: its KV cache is released.")
+	}
+	need := 0
+	seen := map[string]bool{}
+	for _, it := range req.Requests {
+		switch {
+		case it.RequestID == "":
+			return hooks.AllocateResponse{}, badRequest("request_id", "Every item needs a request_id.")
+		case it.NumTokens < 1 || it.NumTokens > e.cfg.MaxModelLen:
+			return hooks.AllocateResponse{}, badRequest("num_tokens", "num_tokens %d of %s is outside 1..%d.", it.NumTokens, it.RequestID, e.cfg.MaxModelLen)
+		case e.requests[it.RequestID] != nil || seen[it.RequestID]:
+			return hooks.AllocateResponse{}, conflict("Request %s already exists on this engine.", it.RequestID)
+		}
+		seen[it.RequestID] = true
+		need += (it.NumTokens + e.geo.BlockSize - 1) / e.geo.BlockSize
+	}
+	if need > e.pool.numFree() {
+		return hooks.AllocateResponse{}, insufficient("Need %d KV blocks, %d free.", need, e.pool.numFree())
+	}
+	until := time.Now().Add(e.lease(req.LeaseMS))
+	out := hooks.AllocateResponse{}
+	for _, it := range req.Requests {
+		blocks, _ := e.pool.allocate((it.NumTokens+e.geo.BlockSize-1)/e.geo.BlockSize, it.RequestID)
+		e.requests[it.RequestID] = &request{id: it.RequestID, blocks: blocks, state: stateReserved, reserveUntil: until, notify: make(chan struct{})}
+		out.Requests = append(out.Requests, hooks.AllocatedItem{RequestID: it.RequestID, BlockIDs: append([]int(nil), blocks...)})
+	}
+	out.FreeBlocks = e.pool.numFree()
+	return out, nil
+}
+
+// Install implements hooks.Engine: the KV is already in the reserved
+// blocks (the agent wrote it); this adds the scheduler state and joins the
+// running batch, paused unless Resume.
+func (e *Engine) Install(_ context.Context, req hooks.InstallRequest) (hooks.InstallResponse, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for _, st := range req.Requests {
+		r := e.requests[st.RequestID]
+		if r == nil || r.state != stateReserved {
+			return hooks.InstallResponse{}, notFound("request_id", "Request %s has no reservation on this engine; allocate first.", st.RequestID)
+		}
+		total := len(st.PromptTokenIDs) + len(st.OutputTokenIDs)
+		switch {
+		case len(st.PromptTokenIDs) == 0:
+			return hooks.InstallResponse{}, badRequest("prompt_token_ids", "Request %s has no prompt tokens.", st.RequestID)
+		case st.NumComputedTokens < 0 || st.NumComputedTokens > total:
+			return hooks.InstallResponse{}, badRequest("num_computed_tokens", "Request %s: num_computed_tokens %d outside 0..%d.", st.RequestID, st.NumComputedTokens, total)
+		case (total+e.geo.BlockSize-1)/e.geo.BlockSize > len(r.blocks)+e.pool.numFree():
+			return hooks.InstallResponse{}, insufficient("Request %s needs more blocks than are reserved and free.", st.RequestID)
+		case len(st.TextOffsets) != len(st.OutputTokenIDs):
+			return hooks.InstallResponse{}, badRequest("text_offsets", "Request %s: %d text offsets for %d output tokens.", st.RequestID, len(st.TextOffsets), len(st.OutputTokenIDs))
+		case st.Sampling.MaxTokens < 1:
+			return hooks.InstallResponse{}, badRequest("sampling_params", "Request %s: max_tokens must be ≥ 1.", st.RequestID)
+		}
+	}
+	gen := e.cursor + 1
+	out := hooks.InstallResponse{Installed: []string{}}
+	for _, st := range req.Requests {
+		r := e.requests[st.RequestID]
+		r.prompt = append([]int(nil), st.PromptTokenIDs...)
+		r.output = append([]int(nil), st.OutputTokenIDs...)
+		r.text = st.OutputText
+		r.textOffsets = append([]int(nil), st.TextOffsets...)
+		r.numComputed = st.NumComputedTokens
+		r.params = st.Sampling
+		r.meta = st.Response
+		r.arrival = fromUnixSeconds(st.ArrivalTime)
+		r.priority = st.Priority
+		r.state = stateRunning
+		r.scheduledAt = time.Now()
+		r.firstTokenAt = r.scheduledAt
+		r.lastTokenAt = r.scheduledAt
+		r.paused = !req.Resume
+		r.pauseDeadline = time.Time{}
+		if r.paused {
+			r.pauseDeadline = time.Now().Add(e.cfg.DefaultPauseLease)
+		}
+		// Blocks past the computed tokens may be spare; the KV the agent
+		// wrote counts as written now, so a later migration off this engine
+		// sees it.
+		used := (r.numComputed + e.geo.BlockSize - 1) / e.geo.BlockSize
+		for pos := 0; pos < r.numComputed && pos/e.geo.BlockSize < used; pos++ {
+			e.pool.markWritten(r.blocks[pos/e.geo.BlockSize], pos%e.geo.BlockSize, gen)
+		}
+		e.running = append(e.running, r)
+		out.Installed = append(out.Installed, r.id)
+	}
+	e.cursor = gen
+	e.signal()
+	return out, nil
+}
+
+// Abort implements hooks.Engine.
+func (e *Engine) Abort(_ context.Context, req hooks.AbortRequest) (hooks.AbortResponse, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if len(req.RequestIDs) == 0 {
+		return hooks.AbortResponse{}, badRequest("request_ids", "request_ids must name at least one request.")
+	}
+	rs, err := e.lookup(req.RequestIDs, true)
+	if err != nil {
+		return hooks.AbortResponse{}, err
+	}
+	out := hooks.AbortResponse{Aborted: []string{}}
+	now := time.Now()
+	for _, r := range rs {
+		if r.state == stateReserved {
+			e.pool.release(r.blocks, e.cursor+1)
+			r.blocks = nil
+			delete(e.requests, r.id)
+		} else {
+			r.silent = req.Silent
+			e.finish(r, "abort", nil, now)
+		}
+		out.Aborted = append(out.Aborted, r.id)
+	}
+	e.cursor++
+	return out, nil
+}
+
+// Stats implements hooks.Engine.
+func (e *Engine) Stats(context.Context) (hooks.Stats, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	s := hooks.Stats{
+		Cursor: e.cursor, TotalBlocks: e.pool.total(), FreeBlocks: e.pool.numFree(),
+		NumRunning: len(e.running), NumWaiting: len(e.waiting),
+		PausedAll: e.pausedAll, Sleeping: e.sleeping, Steps: e.steps,
+	}
+	s.UsedBlocks = s.TotalBlocks - s.FreeBlocks
+	for _, r := range e.requests {
+		if r.state == stateReserved {
+			s.ReservedBlocks += len(r.blocks)
+		}
+		if r.paused {
+			s.NumPaused++
+		}
+	}
+	return s, nil
+}

@@ -1,0 +1,158 @@
+package sim
+
+import (
+	"strings"
+	"time"
+
+	"github.com/vllm-hi/vllm-hi/api/hooks"
+)
+
+type reqState int
+
+const (
+	stateWaiting  reqState = iota // queued, or preempted and waiting to recompute
+	stateRunning                  // in the running batch
+	stateReserved                 // blocks allocated by the install hook, not yet installed
+	stateFinished
+)
+
+// request is one sequence inside the engine. Every field is guarded by the
+// engine's mutex.
+type request struct {
+	id     string
+	prompt []int
+	output []int
+	// text is the detokenized output (truncated at a stop string);
+	// textOffsets[i] is how much of it is visible after output token i.
+	text        string
+	textOffsets []int
+	numComputed int // tokens whose KV is in the blocks
+	blocks      []int
+	params      hooks.SamplingParams
+	meta        hooks.ResponseMeta
+	arrival     time.Time
+	priority    int
+	state       reqState
+	preempted   bool
+
+	paused        bool
+	pauseDeadline time.Time // zero: no lease (vLLM's own /pause)
+	reserveUntil  time.Time
+
+	finishReason string // "length", "stop", "abort"
+	stopReason   any    // nil, a stop string, or a stop token id
+	silent       bool   // aborted by a hook: end the stream without a finish chunk
+
+	numPreemptions int
+	scheduledAt    time.Time
+	firstTokenAt   time.Time
+	lastTokenAt    time.Time
+	finishedAt     time.Time
+
+	// notify is closed and replaced whenever output is published.
+	notify chan struct{}
+}
+
+func (r *request) numTokens() int { return len(r.prompt) + len(r.output) }
+
+// token returns the id at absolute position pos.
+func (r *request) token(pos int) int {
+	if pos < len(r.prompt) {
+		return r.prompt[pos]
+	}
+	return r.output[pos-len(r.prompt)]
+}
+
+func (r *request) finished() bool { return r.state == stateFinished }
+
+func (r *request) maxStopLen() int {
+	n := 0
+	for _, s := range r.params.Stop {
+		n = max(n, len(s))
+	}
+	return n
+}
+
+// appendText adds the piece of a new token, applies stop strings and
+// records the visible text length. It reports whether a stop string hit.
+func (r *request) appendText(piece string) (hit string, ok bool) {
+	old := len(r.text)
+	r.text += piece
+	if ms := r.maxStopLen(); ms > 0 {
+		from := max(0, old-ms+1)
+		best := -1
+		for _, s := range r.params.Stop {
+			if s == "" {
+				continue
+			}
+			if i := strings.Index(r.text[from:], s); i >= 0 && (best < 0 || from+i < best) {
+				best, hit = from+i, s
+			}
+		}
+		if best >= 0 {
+			r.text = r.text[:best]
+			r.textOffsets = append(r.textOffsets, len(r.text))
+			return hit, true
+		}
+	}
+	visible := len(r.text)
+	if ms := r.maxStopLen(); ms > 1 {
+		// Hold back a tail that could still become a stop string, as vLLM's
+		// detokenizer does.
+		visible = max(0, visible-(ms-1))
+	}
+	if n := len(r.textOffsets); n > 0 && visible < r.textOffsets[n-1] {
+		visible = r.textOffsets[n-1]
+	}
+	r.textOffsets = append(r.textOffsets, visible)
+	return "", false
+}
+
+// release makes the whole text visible once the request is done.
+func (r *request) releaseText() {
+	if n := len(r.textOffsets); n > 0 {
+		r.textOffsets[n-1] = len(r.text)
+	}
+}
+
+func (r *request) publish() {
+	close(r.notify)
+	r.notify = make(chan struct{})
+}
+
+func (r *request) info() hooks.RequestInfo {
+	st := hooks.StatusRunning
+	switch {
+	case r.state == stateWaiting && r.preempted:
+		st = hooks.StatusPreempted
+	case r.state == stateWaiting:
+		st = hooks.StatusWaiting
+	}
+	return hooks.RequestInfo{
+		RequestID: r.id, Status: st, Paused: r.paused,
+		NumPromptTokens: len(r.prompt), NumOutputTokens: len(r.output),
+		NumComputedTokens: r.numComputed, BlockIDs: append([]int(nil), r.blocks...),
+		ArrivalTime: unixSeconds(r.arrival),
+	}
+}
+
+func (r *request) exportState() hooks.RequestState {
+	return hooks.RequestState{
+		RequestID:         r.id,
+		PromptTokenIDs:    append([]int(nil), r.prompt...),
+		OutputTokenIDs:    append([]int(nil), r.output...),
+		NumComputedTokens: r.numComputed,
+		Sampling:          r.params,
+		RNGPosition:       len(r.output),
+		OutputText:        r.text,
+		TextOffsets:       append([]int(nil), r.textOffsets...),
+		ArrivalTime:       unixSeconds(r.arrival),
+		Priority:          r.priority,
+		BlockIDs:          append([]int(nil), r.blocks...),
+		Response:          r.meta,
+	}
+}
+
+func unixSeconds(t time.Time) float64 { return float64(t.UnixNano()) / 1e9 }
+
+func fromUnixSeconds(s float64) time.Time { return time.Unix(0, int64(s*1e9)) }

@@ -1,0 +1,134 @@
+package sim
+
+import (
+	"context"
+	"time"
+
+	"github.com/vllm-hi/vllm-hi/api/hooks"
+)
+
+// NewRequest is a validated generation request.
+type NewRequest struct {
+	ID       string
+	Prompt   []int
+	Params   hooks.SamplingParams
+	Meta     hooks.ResponseMeta
+	Priority int
+	// SeedSet says the client gave a seed; otherwise one is derived from the
+	// engine seed and the prompt so the same request is reproducible on any
+	// instance (and the derived seed travels with a migration).
+	SeedSet bool
+}
+
+// Submit validates and queues a request.
+func (e *Engine) Submit(nr NewRequest) error {
+	if len(nr.Prompt) == 0 {
+		return badRequest("prompt", "The prompt cannot be empty.")
+	}
+	if nr.Params.MaxTokens < 1 {
+		return badRequest("max_tokens", "max_tokens must be at least 1, got %d.", nr.Params.MaxTokens)
+	}
+	if len(nr.Prompt)+nr.Params.MaxTokens > e.cfg.MaxModelLen {
+		return badRequest("max_tokens",
+			"This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion). Please reduce the length of the messages or completion.",
+			e.cfg.MaxModelLen, len(nr.Prompt)+nr.Params.MaxTokens, len(nr.Prompt), nr.Params.MaxTokens)
+	}
+	if !nr.SeedSet {
+		nr.Params.Seed = e.derivedSeed(nr.Prompt)
+	}
+	now := time.Now()
+	r := &request{
+		id: nr.ID, prompt: nr.Prompt, params: nr.Params, meta: nr.Meta,
+		arrival: now, priority: nr.Priority, state: stateWaiting,
+		notify: make(chan struct{}),
+	}
+	e.mu.Lock()
+	if _, dup := e.requests[r.id]; dup {
+		e.mu.Unlock()
+		return badRequest("request_id", "Request id %s is already running.", r.id)
+	}
+	e.requests[r.id] = r
+	e.waiting = append(e.waiting, r)
+	e.met.promptTokens.Add(float64(len(r.prompt)))
+	e.mu.Unlock()
+	e.signal()
+	return nil
+}
+
+func (e *Engine) derivedSeed(prompt []int) int64 {
+	x := uint64(e.cfg.Seed) ^ 0x51_7C_C1_B7_27_22_0A_95
+	for _, t := range prompt {
+		x = mix64(x ^ uint64(t))
+	}
+	return int64(x >> 1)
+}
+
+// Output is a consistent view of a request's output from one index on.
+type Output struct {
+	Tokens      []int  // output tokens from index From
+	TextOffsets []int  // visible text length after each of them
+	Text        string // the whole visible output text
+	From        int
+	Finished    bool
+	Silent      bool
+	Reason      string
+	StopReason  any
+	NumPrompt   int
+	NumOutput   int
+	Meta        hooks.ResponseMeta
+}
+
+// Watch returns r's output from token index from, waiting until there is
+// something new, the request finishes or ctx ends. It returns a not-found
+// error for unknown (or long-finished) ids.
+func (e *Engine) Watch(ctx context.Context, id string, from int) (Output, error) {
+	for {
+		e.mu.Lock()
+		r := e.requests[id]
+		if r == nil {
+			r = e.done[id]
+		}
+		if r == nil || r.state == stateReserved {
+			e.mu.Unlock()
+			return Output{}, notFound("request_id", "Request %s does not exist.", id)
+		}
+		if from > len(r.output) {
+			from = len(r.output)
+		}
+		if from < len(r.output) || r.finished() {
+			o := Output{
+				Tokens:      append([]int(nil), r.output[from:]...),
+				TextOffsets: append([]int(nil), r.textOffsets[from:]...),
+				Text:        r.text,
+				From:        from,
+				Finished:    r.finished(),
+				Silent:      r.silent,
+				Reason:      r.finishReason,
+				StopReason:  r.stopReason,
+				NumPrompt:   len(r.prompt),
+				NumOutput:   len(r.output),
+				Meta:        r.meta,
+			}
+			e.mu.Unlock()
+			return o, nil
+		}
+		ch := r.notify
+		e.mu.Unlock()
+		select {
+		case <-ctx.Done():
+			return Output{}, ctx.Err()
+		case <-ch:
+		}
+	}
+}
+
+// AbortClient aborts a request whose client went away. Unknown ids are
+// ignored: the request may have finished or moved.
+func (e *Engine) AbortClient(id string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if r := e.requests[id]; r != nil && r.state != stateReserved {
+		e.finish(r, "abort", nil, time.Now())
+		e.cursor++
+	}
+}
