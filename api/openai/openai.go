@@ -249,14 +249,16 @@ type Delta struct {
 }
 
 // ChatStreamChoice is one streamed chat choice. vLLM sets stop_reason only
-// on the finishing chunk and token_ids on every content chunk.
+// on the finishing chunk and token_ids on every content chunk. Optional
+// fields that vLLM writes as an explicit null are *any: a pointer to a nil
+// any marshals as null, a nil pointer is left out.
 type ChatStreamChoice struct {
-	Index        int    `json:"index"`
-	Delta        Delta  `json:"delta"`
-	Logprobs     any    `json:"logprobs"`
-	FinishReason any    `json:"finish_reason"`
-	StopReason   *any   `json:"stop_reason,omitempty"`
-	TokenIDs     *[]int `json:"token_ids,omitempty"`
+	Index        int   `json:"index"`
+	Delta        Delta `json:"delta"`
+	Logprobs     any   `json:"logprobs"`
+	FinishReason any   `json:"finish_reason"`
+	StopReason   *any  `json:"stop_reason,omitempty"`
+	TokenIDs     *any  `json:"token_ids,omitempty"`
 }
 
 // ChatChunk is one streamed chat event.
@@ -267,7 +269,7 @@ type ChatChunk struct {
 	Model          string             `json:"model"`
 	Choices        []ChatStreamChoice `json:"choices"`
 	Usage          *Usage             `json:"usage,omitempty"`
-	PromptTokenIDs *[]int             `json:"prompt_token_ids,omitempty"`
+	PromptTokenIDs *any               `json:"prompt_token_ids,omitempty"`
 	PromptText     *any               `json:"prompt_text,omitempty"`
 }
 

@@ -3,6 +3,7 @@ package cli
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -16,6 +17,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
 )
 
@@ -175,7 +177,14 @@ func runBenchSim(ctx context.Context, out io.Writer, streams, maxTokens, promptW
 	modelled, steps, _ := scrape(child.URL+"/metrics", "vhi_sim_step_modelled_seconds")
 	compute, _, _ := scrape(child.URL+"/metrics", "vhi_sim_step_compute_seconds")
 	cores := (cpu1 - cpu0) / wall.Seconds()
+	var lay hooks.Layout
+	if resp, err := http.Get(child.URL + hooks.PathLayout); err == nil {
+		_ = json.NewDecoder(resp.Body).Decode(&lay)
+		resp.Body.Close()
+	}
 	fmt.Fprintf(out, "vhi bench sim: %d streams × %d tokens (prompt ≈ %d tokens), sim defaults %v\n", streams, maxTokens, promptWords, simArgs)
+	fmt.Fprintf(out, "  KV geometry          %d layers × %d KV heads × head dim %d, %d B/token, %d blocks\n",
+		lay.Geometry.Layers, lay.Geometry.KVHeads, lay.Geometry.HeadDim, lay.Geometry.TokenBytes(), lay.Geometry.NumBlocks)
 	fmt.Fprintf(out, "  wall                 %.2f s\n", wall.Seconds())
 	fmt.Fprintf(out, "  tokens streamed      %d (%.0f tok/s)\n", sum.Tokens, sum.TokensPerSec)
 	fmt.Fprintf(out, "  steps                %.0f, modelled mean %.1f ms, compute mean %.2f ms\n", steps, 1000*modelled/steps, 1000*compute/steps)

@@ -24,6 +24,9 @@ type kvRegion struct {
 	layout kvlayout.RegionLayout
 	path   string
 	data   []byte
+	// Strides, precomputed: the decode step touches every layer and head of
+	// every token, so this is the sim's hottest arithmetic.
+	layerStride, kvStride, blockStride, headStride, slotBytes int
 }
 
 // newKVMemory creates (truncating) one file per shard under dir, named
@@ -39,7 +42,11 @@ func newKVMemory(geo kvlayout.Geometry, par kvlayout.Parallel, dir, prefix strin
 			m.close()
 			return nil, err
 		}
-		m.regions = append(m.regions, kvRegion{layout: l, path: path, data: data})
+		m.regions = append(m.regions, kvRegion{
+			layout: l, path: path, data: data,
+			layerStride: int(l.LayerStride()), kvStride: int(l.KVStride()), blockStride: int(l.BlockStride()),
+			headStride: int(l.HeadStride()), slotBytes: geo.HeadSlotBytes(),
+		})
 	}
 	return m, nil
 }
@@ -73,13 +80,17 @@ func (m *kvMemory) close() {
 	m.regions = nil
 }
 
-// kvWord is the deterministic content of the w-th 8-byte word of one head's
-// K or V vector for one token. It depends on everything the issue names:
-// token id, position, layer, head, K/V and the request's seed.
-func kvWord(seed int64, token, pos, layer, kv, head, w int) uint64 {
-	x := uint64(seed)*0x9E3779B97F4A7C15 ^ uint64(token)<<40 ^ uint64(pos)<<8 ^ uint64(w)
-	x = mix64(x ^ uint64(layer)<<52 ^ uint64(kv)<<51 ^ uint64(head)<<44)
-	return mix64(x)
+// tokenKey is the part of a token's KV content shared by all its layers and
+// heads: the request's seed, the token id and its position.
+func tokenKey(seed int64, token, pos int) uint64 {
+	return mix64(uint64(seed)*0x9E3779B97F4A7C15 ^ uint64(token)<<32 ^ uint64(pos))
+}
+
+// kvWord is the deterministic content of the w-th 8-byte word of one
+// head's K or V vector of the token with key k: a function of token id,
+// position, layer, head, K/V and the request's seed.
+func kvWord(k uint64, layer, kv, head, w int) uint64 {
+	return mix64(k ^ uint64(layer)<<48 ^ uint64(kv)<<47 ^ uint64(head)<<32 ^ uint64(w))
 }
 
 // mix64 is the SplitMix64 finalizer.
@@ -95,24 +106,26 @@ func mix64(x uint64) uint64 {
 // writeToken writes the KV of one token (every layer, K and V, every head,
 // in every shard) into slot of block.
 func (m *kvMemory) writeToken(block, slot int, seed int64, token, pos int) {
-	hb := m.geo.HeadSlotBytes()
-	var buf [8]byte
+	k := tokenKey(seed, token, pos)
+	var tail [8]byte
 	for i := range m.regions {
 		r := &m.regions[i]
-		l := r.layout
+		l := &r.layout
+		base := block*r.blockStride + slot*r.slotBytes
 		for layer := 0; layer < l.NumLayers; layer++ {
 			for kv := 0; kv < 2; kv++ {
+				off := layer*r.layerStride + kv*r.kvStride + base
 				for h := 0; h < l.NumHeads; h++ {
-					off := l.Offset(layer, kv, block, h, slot)
-					dst := r.data[off : off+int64(hb)]
-					for w := 0; w*8 < hb; w++ {
-						v := kvWord(seed, token, pos, l.FirstLayer+layer, kv, l.FirstHead+h, w)
-						if (w+1)*8 <= hb {
-							binary.LittleEndian.PutUint64(dst[w*8:], v)
-						} else {
-							binary.LittleEndian.PutUint64(buf[:], v)
-							copy(dst[w*8:], buf[:])
-						}
+					dst := r.data[off : off+r.slotBytes]
+					off += r.headStride
+					gl, gh := l.FirstLayer+layer, l.FirstHead+h
+					w := 0
+					for ; (w+1)*8 <= len(dst); w++ {
+						binary.LittleEndian.PutUint64(dst[w*8:], kvWord(k, gl, kv, gh, w))
+					}
+					if w*8 < len(dst) {
+						binary.LittleEndian.PutUint64(tail[:], kvWord(k, gl, kv, gh, w))
+						copy(dst[w*8:], tail[:])
 					}
 				}
 			}
@@ -120,32 +133,63 @@ func (m *kvMemory) writeToken(block, slot int, seed int64, token, pos int) {
 	}
 }
 
-// hashSlots feeds slots [0, n) of block, every shard, into d. A full block
-// is read as whole per-layer runs; a partial one head by head, so stale
-// bytes past the written slots never reach the hash.
-func (m *kvMemory) hashSlots(d *xxhash.Digest, block, n int) {
+// hashSlots feeds slots [0, n) of block into d in a canonical order —
+// global layer, K/V, global head, slot — whatever the TP/PP sharding, so
+// the same KV gives the same hash (and the same tokens) at any shape. A
+// full block goes in as whole per-layer runs of each rank (xxhash streams
+// them at memory speed); a partial one is folded word by word, head by head,
+// into one value (cheaper than many tiny digest writes), so stale bytes past
+// the written slots never reach the hash.
+//
+// With groups > 1 only the layers whose global index ≡ group (mod groups)
+// are read: a 1/groups sample of the block.
+func (m *kvMemory) hashSlots(d *xxhash.Digest, block, n, group, groups int) {
 	full := n == m.geo.BlockSize
-	for i := range m.regions {
-		r := &m.regions[i]
-		l := r.layout
-		if full {
-			stride := l.BlockStride()
-			for layer := 0; layer < l.NumLayers; layer++ {
-				for kv := 0; kv < 2; kv++ {
-					off := l.Offset(layer, kv, block, 0, 0)
-					_, _ = d.Write(r.data[off : off+stride])
-				}
+	length := n * m.geo.HeadSlotBytes()
+	tp := m.regions[0].layout.Shard.TPSize
+	fold := uint64(n)
+	for stage := 0; stage < len(m.regions)/tp; stage++ {
+		ranks := m.regions[stage*tp : (stage+1)*tp]
+		for layer := 0; layer < ranks[0].layout.NumLayers; layer++ {
+			if (ranks[0].layout.FirstLayer+layer)%groups != group {
+				continue
 			}
-			continue
-		}
-		length := int64(n) * int64(m.geo.HeadSlotBytes())
-		for layer := 0; layer < l.NumLayers; layer++ {
 			for kv := 0; kv < 2; kv++ {
-				for h := 0; h < l.NumHeads; h++ {
-					off := l.Offset(layer, kv, block, h, 0)
-					_, _ = d.Write(r.data[off : off+length])
+				for i := range ranks {
+					r := &ranks[i]
+					off := layer*r.layerStride + kv*r.kvStride + block*r.blockStride
+					if full {
+						_, _ = d.Write(r.data[off : off+r.blockStride])
+						continue
+					}
+					for h := 0; h < r.layout.NumHeads; h++ {
+						fold = foldBytes(fold, r.data[off:off+length])
+						off += r.headStride
+					}
 				}
 			}
 		}
 	}
+	if !full {
+		var b [8]byte
+		binary.LittleEndian.PutUint64(b[:], fold)
+		_, _ = d.Write(b[:])
+	}
+}
+
+// foldBytes mixes b into h, 8 bytes at a time (a trailing partial word is
+// zero-padded). Any changed byte changes the result.
+func foldBytes(h uint64, b []byte) uint64 {
+	for len(b) >= 8 {
+		h = (h ^ binary.LittleEndian.Uint64(b)) * 0x9E3779B97F4A7C15
+		h ^= h >> 29
+		b = b[8:]
+	}
+	if len(b) > 0 {
+		var t [8]byte
+		copy(t[:], b)
+		h = (h ^ binary.LittleEndian.Uint64(t[:])) * 0x9E3779B97F4A7C15
+		h ^= h >> 29
+	}
+	return h
 }

@@ -327,12 +327,16 @@ func (s *Server) stream(w http.ResponseWriter, ctx context.Context, id string, f
 	m := o.Meta
 	if sendRole && m.Kind == "chat" {
 		empty := ""
-		var nullText any
-		enc.event(openai.ChatChunk{
+		var null any
+		first := openai.ChatChunk{
 			ID: m.ResponseID, Object: "chat.completion.chunk", Created: m.Created, Model: m.Model,
 			Choices:        []openai.ChatStreamChoice{{Delta: openai.Delta{Role: "assistant", Content: &empty}}},
-			PromptTokenIDs: nil, PromptText: &nullText,
-		})
+			PromptTokenIDs: &null, PromptText: &null,
+		}
+		if m.ContinuousUsage {
+			first.Usage = &openai.Usage{PromptTokens: o.NumPrompt, TotalTokens: o.NumPrompt}
+		}
+		enc.event(first)
 	}
 	prev := 0
 	if o.From > 0 {
@@ -411,7 +415,8 @@ func (s *Server) chunk(m hooks.ResponseMeta, delta string, tok, idx int, o Outpu
 		usage = &openai.Usage{PromptTokens: o.NumPrompt, CompletionTokens: n, TotalTokens: o.NumPrompt + n}
 	}
 	if m.Kind == "chat" {
-		c := openai.ChatStreamChoice{Delta: openai.Delta{Content: &delta}, FinishReason: finish}
+		var null any
+		c := openai.ChatStreamChoice{Delta: openai.Delta{Content: &delta}, FinishReason: finish, TokenIDs: &null}
 		if last {
 			c.StopReason = &stop
 		}

@@ -1,0 +1,310 @@
+package sim
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/vllm-hi/vllm-hi/api/hooks"
+	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
+)
+
+// copyBlocks copies whole blocks from one engine's KV files to another's,
+// as a data plane would (same TP/PP on both sides).
+func copyBlocks(t *testing.T, src, dst hooks.Layout, from, to []int) {
+	t.Helper()
+	for i, reg := range src.Regions {
+		rs := kvlayout.NewRegionLayout(src.Geometry, kvlayout.Shard{TPRank: reg.TPRank, PPStage: reg.PPStage, TPSize: src.Parallel.TP, PPSize: src.Parallel.PP})
+		rd := kvlayout.NewRegionLayout(dst.Geometry, kvlayout.Shard{TPRank: reg.TPRank, PPStage: reg.PPStage, TPSize: dst.Parallel.TP, PPSize: dst.Parallel.PP})
+		fs, err := os.Open(reg.Memory.Path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fd, err := os.OpenFile(dst.Regions[i].Memory.Path, os.O_RDWR, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for j := range from {
+			srcRuns, dstRuns := rs.BlockRuns(from[j]), rd.BlockRuns(to[j])
+			for k := range srcRuns {
+				buf := make([]byte, srcRuns[k].Length)
+				if _, err := fs.ReadAt(buf, srcRuns[k].Offset); err != nil {
+					t.Fatal(err)
+				}
+				if _, err := fd.WriteAt(buf, dstRuns[k].Offset); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		fs.Close()
+		fd.Close()
+	}
+}
+
+type streamResult struct {
+	events []string
+	err    error
+}
+
+func streamCompletion(t *testing.T, url, id, body string) <-chan streamResult {
+	t.Helper()
+	ch := make(chan streamResult, 1)
+	req, _ := http.NewRequest(http.MethodPost, url+"/v1/completions", strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Request-Id", id)
+	go func() {
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			ch <- streamResult{err: err}
+			return
+		}
+		defer resp.Body.Close()
+		ev, err := readSSE(resp.Body)
+		ch <- streamResult{ev, err}
+	}()
+	return ch
+}
+
+func textOf(t *testing.T, events []string) (string, int) {
+	t.Helper()
+	var text strings.Builder
+	done := 0
+	for _, ev := range events {
+		if ev == "[DONE]" {
+			done++
+			continue
+		}
+		var c struct {
+			Choices []struct {
+				Text string `json:"text"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal([]byte(ev), &c); err != nil {
+			t.Fatalf("bad event %s", ev)
+		}
+		for _, ch := range c.Choices {
+			text.WriteString(ch.Text)
+		}
+	}
+	return text.String(), done
+}
+
+// The hooks carry a request from A to B mid-stream: pause, export,
+// allocate, copy KV, install, silent abort on A, attach on B. The text the
+// client would see (A's part, then B's from the next token) equals an
+// unmigrated run, and both engines end with every block free.
+func TestHooksMoveARequest(t *testing.T) {
+	ca, cb := testConfig(t), testConfig(t)
+	ca.Step.Fixed, cb.Step.Fixed = 4*time.Millisecond, 4*time.Millisecond
+	a, b := startEngine(t, ca), startEngine(t, cb)
+	_, tsA := startServer(t, a)
+	_, tsB := startServer(t, b)
+	ctx := context.Background()
+	body := `{"model":"test-model","prompt":"move me across please","max_tokens":90,"temperature":0.7,"seed":5,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`
+
+	ref := <-streamCompletion(t, tsA.URL, "ref", body)
+	refText, _ := textOf(t, ref.events)
+
+	live := streamCompletion(t, tsA.URL, "mig", body)
+	id := "cmpl-mig"
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		o, err := a.Watch(ctx, id, 0)
+		if err == nil && o.NumOutput >= 25 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("request never produced 25 tokens")
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	freeB0, _ := b.Stats(ctx)
+
+	if _, err := a.Pause(ctx, hooks.PauseRequest{RequestIDs: []string{id}, LeaseMS: 5000}); err != nil {
+		t.Fatal(err)
+	}
+	exp, err := a.Export(ctx, hooks.ExportRequest{RequestIDs: []string{id}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := exp.Requests[0]
+	if st.NumComputedTokens != len(st.PromptTokenIDs)+len(st.OutputTokenIDs)-1 {
+		t.Fatalf("paused mid-step? computed %d of %d+%d", st.NumComputedTokens, len(st.PromptTokenIDs), len(st.OutputTokenIDs))
+	}
+	alloc, err := b.Allocate(ctx, hooks.AllocateRequest{Requests: []hooks.AllocateItem{{RequestID: id, NumTokens: len(st.PromptTokenIDs) + len(st.OutputTokenIDs)}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	layA, _ := a.Layout(ctx)
+	layB, _ := b.Layout(ctx)
+	used := (st.NumComputedTokens + ca.BlockSize - 1) / ca.BlockSize
+	copyBlocks(t, layA, layB, st.BlockIDs[:used], alloc.Requests[0].BlockIDs[:used])
+	st.BlockIDs = alloc.Requests[0].BlockIDs
+	if _, err := b.Install(ctx, hooks.InstallRequest{Requests: []hooks.RequestState{st}, Resume: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Abort(ctx, hooks.AbortRequest{RequestIDs: []string{id}, Silent: true}); err != nil {
+		t.Fatal(err)
+	}
+	onA := <-live
+	if onA.err == nil {
+		t.Fatalf("A's stream ended cleanly after a silent abort; want a cut connection")
+	}
+	textA, doneA := textOf(t, onA.events)
+	if doneA != 0 {
+		t.Fatalf("A sent [DONE] after a silent abort")
+	}
+	k := len(st.OutputTokenIDs)
+	resp, err := http.Get(tsB.URL + "/vllm_hi/engine/requests/" + id + "/stream?from=" + itoa(k))
+	if err != nil {
+		t.Fatal(err)
+	}
+	evB, err := readSSE(resp.Body)
+	resp.Body.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	textB, doneB := textOf(t, evB)
+	if doneB != 1 {
+		t.Fatalf("B's stream had %d [DONE]", doneB)
+	}
+	if got := textA + textB; got != refText {
+		t.Fatalf("migrated text differs:\n got %q\nwant %q", got, refText)
+	}
+	if !strings.Contains(evB[len(evB)-2], `"completion_tokens":90`) {
+		t.Fatalf("usage after the move: %s", evB[len(evB)-2])
+	}
+	sa, _ := a.Stats(ctx)
+	sb, _ := b.Stats(ctx)
+	if sa.FreeBlocks != sa.TotalBlocks || sb.FreeBlocks != freeB0.FreeBlocks {
+		t.Fatalf("blocks leaked: A %+v, B %+v", sa, sb)
+	}
+}
+
+// An aborted move: B's reservation is released, A resumes, the stream
+// finishes on A exactly as if nothing happened.
+func TestHooksAbortedMove(t *testing.T) {
+	c := testConfig(t)
+	c.Step.Fixed = 3 * time.Millisecond
+	a, b := startEngine(t, c), startEngine(t, testConfig(t))
+	_, tsA := startServer(t, a)
+	ctx := context.Background()
+	body := `{"model":"test-model","prompt":"stay here","max_tokens":60,"temperature":0,"ignore_eos":true,"stream":true}`
+	ref := <-streamCompletion(t, tsA.URL, "ref", body)
+	live := streamCompletion(t, tsA.URL, "stay", body)
+	id := "cmpl-stay"
+	for {
+		if o, err := a.Watch(ctx, id, 0); err == nil && o.NumOutput >= 10 {
+			break
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	b0, _ := b.Stats(ctx)
+	if _, err := a.Pause(ctx, hooks.PauseRequest{RequestIDs: []string{id}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Allocate(ctx, hooks.AllocateRequest{Requests: []hooks.AllocateItem{{RequestID: id, NumTokens: 100}}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Abort(ctx, hooks.AbortRequest{RequestIDs: []string{id}, Silent: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Resume(ctx, hooks.ResumeRequest{RequestIDs: []string{id}}); err != nil {
+		t.Fatal(err)
+	}
+	got := <-live
+	if got.err != nil {
+		t.Fatal(got.err)
+	}
+	gotText, done := textOf(t, got.events)
+	refText, _ := textOf(t, ref.events)
+	if gotText != refText || done != 1 {
+		t.Fatalf("stream after an aborted move differs (done=%d)", done)
+	}
+	b1, _ := b.Stats(ctx)
+	if b1.FreeBlocks != b0.FreeBlocks {
+		t.Fatalf("B leaked blocks: %d → %d", b0.FreeBlocks, b1.FreeBlocks)
+	}
+}
+
+// A paused engine resumes by itself when nobody confirms within the lease,
+// and an unclaimed reservation is released when its lease ends.
+func TestLeasesExpire(t *testing.T) {
+	e := startEngine(t, testConfig(t))
+	ctx := context.Background()
+	if err := e.Submit(NewRequest{ID: "lease", Prompt: prompt(10, 1), Params: greedy(40), SeedSet: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.Watch(ctx, "lease", 0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.Pause(ctx, hooks.PauseRequest{RequestIDs: []string{"lease"}, LeaseMS: 80}); err != nil {
+		t.Fatal(err)
+	}
+	if o := waitFinished(t, e, "lease"); o.Reason != "length" {
+		t.Fatalf("did not resume after the lease: %s", o.Reason)
+	}
+	before, _ := e.Stats(ctx)
+	if _, err := e.Allocate(ctx, hooks.AllocateRequest{Requests: []hooks.AllocateItem{{RequestID: "r", NumTokens: 64}}, LeaseMS: 50}); err != nil {
+		t.Fatal(err)
+	}
+	mid, _ := e.Stats(ctx)
+	if mid.ReservedBlocks != 16 {
+		t.Fatalf("reserved %d blocks, want 16", mid.ReservedBlocks)
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		s, _ := e.Stats(ctx)
+		if s.FreeBlocks == before.FreeBlocks && s.ReservedBlocks == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("reservation not released: %+v", s)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// Changes since a cursor name the written slots and freed blocks.
+func TestChangesSinceCursor(t *testing.T) {
+	c := testConfig(t)
+	c.Step.Fixed = 2 * time.Millisecond
+	e := startEngine(t, c)
+	ctx := context.Background()
+	if err := e.Submit(NewRequest{ID: "w", Prompt: prompt(9, 1), Params: greedy(30), SeedSet: true}); err != nil {
+		t.Fatal(err)
+	}
+	o, _ := e.Watch(ctx, "w", 0)
+	_ = o
+	c0, _ := e.Changes(ctx, 0)
+	if len(c0.Written) == 0 {
+		t.Fatal("no written blocks after prefill")
+	}
+	time.Sleep(20 * time.Millisecond)
+	c1, err := e.Changes(ctx, c0.Cursor)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(c1.Written) == 0 || len(c1.Written) > 3 {
+		t.Fatalf("after a few decode steps: %d blocks written, want 1..3: %+v", len(c1.Written), c1.Written)
+	}
+	for _, w := range c1.Written {
+		if w.RequestID != "w" || w.NumSlots < 1 || w.FirstSlot+w.NumSlots > c.BlockSize {
+			t.Fatalf("bad write record %+v", w)
+		}
+	}
+	waitFinished(t, e, "w")
+	c2, _ := e.Changes(ctx, c1.Cursor)
+	if len(c2.Freed) == 0 {
+		t.Fatal("finished request's blocks not reported freed")
+	}
+	if c3, _ := e.Changes(ctx, c2.Cursor); len(c3.Written)+len(c3.Freed) != 0 {
+		t.Fatalf("changes with nothing happening: %+v", c3)
+	}
+}
+
+func itoa(n int) string { b, _ := json.Marshal(n); return string(b) }

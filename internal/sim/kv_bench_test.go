@@ -1,0 +1,91 @@
+package sim
+
+import (
+	"testing"
+
+	"github.com/cespare/xxhash/v2"
+	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
+)
+
+func benchKV(b *testing.B) *kvMemory {
+	c := DefaultConfig()
+	geo, par, _ := c.geometry()
+	m, err := newKVMemory(geo, par, "/dev/shm", "vhi-kvbench")
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(m.close)
+	return m
+}
+
+func BenchmarkWriteToken(b *testing.B) {
+	m := benchKV(b)
+	for i := 0; i < b.N; i++ {
+		m.writeToken(1+i%4096/16, i%16, 7, 300, i)
+	}
+}
+
+func BenchmarkHashFullBlock(b *testing.B) {
+	m := benchKV(b)
+	var d xxhash.Digest
+	for i := 0; i < 64; i++ {
+		m.writeToken(1+i/16, i%16, 7, 300, i)
+	}
+	for i := 0; i < b.N; i++ {
+		d.Reset()
+		m.hashSlots(&d, 1+i%4, 16, 0, 1)
+	}
+}
+
+func BenchmarkHashPartialBlock(b *testing.B) {
+	m := benchKV(b)
+	var d xxhash.Digest
+	for i := 0; i < 64; i++ {
+		m.writeToken(1+i/16, i%16, 7, 300, i)
+	}
+	for i := 0; i < b.N; i++ {
+		d.Reset()
+		m.hashSlots(&d, 1+i%4, 9, 0, 1)
+	}
+}
+
+var _ = kvlayout.Run{}
+
+func warm(m *kvMemory) {
+	for blk := 1; blk <= 20000; blk++ {
+		for s := 0; s < 16; s++ {
+			m.writeToken(blk, s, 1, 1, s)
+		}
+	}
+}
+
+func BenchmarkWriteTokenScattered(b *testing.B) {
+	m := benchKV(b)
+	warm(m)
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		m.writeToken(1+(i*7919)%20000, i%16, 7, 300, i)
+	}
+}
+
+func BenchmarkHashFullScattered(b *testing.B) {
+	m := benchKV(b)
+	warm(m)
+	b.ResetTimer()
+	var d xxhash.Digest
+	for i := 0; i < b.N; i++ {
+		d.Reset()
+		m.hashSlots(&d, 1+(i*7919)%20000, 16, 0, 1)
+	}
+}
+
+func BenchmarkHashPartialScattered(b *testing.B) {
+	m := benchKV(b)
+	warm(m)
+	b.ResetTimer()
+	var d xxhash.Digest
+	for i := 0; i < b.N; i++ {
+		d.Reset()
+		m.hashSlots(&d, 1+(i*7919)%20000, 9, 0, 1)
+	}
+}

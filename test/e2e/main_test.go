@@ -1,0 +1,97 @@
+// Package e2e runs the real vhi binary as separate processes on loopback.
+package e2e
+
+import (
+	"bytes"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"testing"
+	"time"
+)
+
+var vhiBin string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "vhi-e2e-")
+	if err != nil {
+		panic(err)
+	}
+	vhiBin = filepath.Join(dir, "vhi")
+	build := exec.Command("go", "build", "-race", "-o", vhiBin, "github.com/vllm-hi/vllm-hi/cmd/vhi")
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, "building vhi:", err)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+// proc is a vhi process that the test stops at cleanup.
+type proc struct {
+	cmd    *exec.Cmd
+	stderr *bytes.Buffer
+}
+
+func startVHI(t *testing.T, args ...string) *proc {
+	t.Helper()
+	cmd := exec.Command(vhiBin, args...)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &proc{cmd: cmd, stderr: &stderr}
+	t.Cleanup(func() { p.stop(t) })
+	return p
+}
+
+func (p *proc) stop(t *testing.T) {
+	if p.cmd.ProcessState != nil {
+		return
+	}
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	done := make(chan error, 1)
+	go func() { done <- p.cmd.Wait() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("%s exited with %v; stderr:\n%s", p.cmd.Args, err, p.stderr)
+		}
+	case <-time.After(15 * time.Second):
+		_ = p.cmd.Process.Kill()
+		t.Errorf("%s did not stop on SIGTERM", p.cmd.Args)
+	}
+}
+
+func waitHealthy(t *testing.T, url string) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for time.Now().Before(deadline) {
+		if resp, err := http.Get(url); err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				return
+			}
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Fatalf("%s never became healthy", url)
+}
