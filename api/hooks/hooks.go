@@ -65,7 +65,14 @@ type Layout struct {
 	Regions       []Region          `json:"regions"`
 }
 
-// Region is one rank × stage's KV memory.
+// Region is one rank × stage's KV memory. Its layout is fully strided: the
+// HeadDim×dtype bytes of (local layer l, K/V kv, block b, local head h,
+// slot s) start at
+//
+//	l*LayerStride + kv*KVStride + b*BlockStride + h*HeadStride + s*SlotStride
+//
+// so any of vLLM's physical layouts (per-layer FlashAttention tensors,
+// 0.2x's cross-layer [L,B,H,N,C] permutations) can be described and copied.
 type Region struct {
 	TPRank      int    `json:"tp_rank"`
 	PPStage     int    `json:"pp_stage"`
@@ -78,6 +85,7 @@ type Region struct {
 	KVStride    int64  `json:"kv_stride"`
 	BlockStride int64  `json:"block_stride"`
 	HeadStride  int64  `json:"head_stride"`
+	SlotStride  int64  `json:"slot_stride"`
 	Memory      Memory `json:"memory"`
 }
 

@@ -29,7 +29,7 @@ func (e *Engine) Layout(context.Context) (hooks.Layout, error) {
 			TPRank: rl.Shard.TPRank, PPStage: rl.Shard.PPStage,
 			FirstLayer: rl.FirstLayer, NumLayers: rl.NumLayers, FirstHead: rl.FirstHead, NumHeads: rl.NumHeads,
 			Size: rl.Size(), LayerStride: rl.LayerStride(), KVStride: rl.KVStride(),
-			BlockStride: rl.BlockStride(), HeadStride: rl.HeadStride(),
+			BlockStride: rl.BlockStride(), HeadStride: rl.HeadStride(), SlotStride: int64(e.geo.HeadSlotBytes()),
 			Memory: hooks.Memory{Kind: hooks.MemoryShm, Path: r.path},
 		})
 	}
