@@ -17,7 +17,7 @@ build:
 
 ## test: lint, then every test with the race detector (end-to-end tests
 ## build and run the real binary).
-test: lint unit
+test: lint proto-check unit
 
 unit:
 	$(GO) test -race -count=1 -timeout 20m ./...
@@ -42,3 +42,34 @@ bench: build
 
 clean:
 	rm -rf bin
+
+## proto: regenerate api/vllmhi/v1 from proto/ with pinned generators
+## (protoc from grpcio-tools on PyPI, protoc-gen-go, protoc-gen-go-grpc).
+PROTOC_PY_VERSION := 1.85.1
+PROTOC_GEN_GO_VERSION := v1.36.12
+PROTOC_GEN_GO_GRPC_VERSION := v1.6.2
+TOOLS := $(CURDIR)/.dev
+
+.PHONY: proto proto-tools proto-check
+
+$(TOOLS)/venv/.protoc-$(PROTOC_PY_VERSION):
+	python3 -m venv $(TOOLS)/venv
+	$(TOOLS)/venv/bin/pip install -q grpcio-tools==$(PROTOC_PY_VERSION)
+	touch $@
+
+$(TOOLS)/bin/.gen-$(PROTOC_GEN_GO_VERSION)-$(PROTOC_GEN_GO_GRPC_VERSION):
+	GOBIN=$(TOOLS)/bin $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@$(PROTOC_GEN_GO_VERSION)
+	GOBIN=$(TOOLS)/bin $(GO) install google.golang.org/grpc/cmd/protoc-gen-go-grpc@$(PROTOC_GEN_GO_GRPC_VERSION)
+	touch $@
+
+proto-tools: $(TOOLS)/venv/.protoc-$(PROTOC_PY_VERSION) $(TOOLS)/bin/.gen-$(PROTOC_GEN_GO_VERSION)-$(PROTOC_GEN_GO_GRPC_VERSION)
+
+proto: proto-tools
+	hack/genproto.sh
+
+## proto-check: fail when the checked-in generated code is stale.
+proto-check: proto-tools
+	@tmp=$$(mktemp -d); hack/genproto.sh $$tmp; \
+	if ! diff -r $$tmp/api/vllmhi api/vllmhi; then \
+		echo "api/vllmhi is stale: run 'make proto' and commit"; rm -rf $$tmp; exit 1; fi; \
+	rm -rf $$tmp; echo "generated protobuf code is current"

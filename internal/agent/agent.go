@@ -1,0 +1,345 @@
+// Package agent is vhi agent: the sidecar beside one engine. It discovers
+// the engine, registers it with the Host, heartbeats, re-registers when the
+// Host restarts and deregisters on shutdown; it serves the Agent gRPC
+// service the Host drives it through.
+package agent
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
+	"github.com/vllm-hi/vllm-hi/internal/engine"
+)
+
+// Config configures an agent.
+type Config struct {
+	Type            string // "A" or "B"
+	HostAddr        string // the Host's address, IP:PORT
+	EngineURL       string
+	DataPort        int    // KV data-plane port (0: none yet)
+	ID              string // vllm_hi_id; default derived from type and engine URL
+	Listen          string // the Agent gRPC service's listen address
+	AdvertiseHost   string // host other machines reach this agent at; default: the local address that routes to the Host
+	AdminToken      string
+	TransferBackend string
+	TP, PP          int           // for engines without hooks
+	EngineWait      time.Duration // how long to wait for the engine to become healthy
+}
+
+// Validate checks the configuration.
+func (c *Config) Validate() error {
+	c.Type = strings.ToUpper(c.Type)
+	if c.Type != "A" && c.Type != "B" {
+		return fmt.Errorf("--type must be A or B, got %q", c.Type)
+	}
+	if _, _, err := net.SplitHostPort(c.HostAddr); err != nil {
+		return fmt.Errorf("--host must be IP:PORT of the Host, got %q", c.HostAddr)
+	}
+	if c.EngineURL == "" {
+		return fmt.Errorf("--engine URL of the engine is required")
+	}
+	if _, err := engine.NewClient(c.EngineURL); err != nil {
+		return err
+	}
+	if c.DataPort < 0 || c.DataPort > 65535 {
+		return fmt.Errorf("--data-port %d out of range", c.DataPort)
+	}
+	switch c.TransferBackend {
+	case "", "auto", "tcp_shm", "cuda_ipc", "rdma":
+	default:
+		return fmt.Errorf("transfer backend %q: want auto, tcp_shm, cuda_ipc or rdma", c.TransferBackend)
+	}
+	if c.TP < 1 || c.PP < 1 {
+		return fmt.Errorf("tp and pp must be ≥ 1")
+	}
+	return nil
+}
+
+// DefaultID derives a stable id from the type and the engine URL, so an
+// agent restarted beside the same engine keeps its id.
+func DefaultID(typ, engineURL string) string {
+	sum := sha256.Sum256([]byte(engineURL))
+	return strings.ToLower(typ) + "-" + hex.EncodeToString(sum[:4])
+}
+
+// Agent is one running agent.
+type Agent struct {
+	cfg     Config
+	log     *zap.Logger
+	eng     *engine.Client
+	session string
+
+	mu         sync.Mutex
+	info       engine.Info
+	registered bool
+	lastStats  *v1.EngineStats
+}
+
+// New returns an agent for cfg (validated).
+func New(cfg Config, log *zap.Logger) (*Agent, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	c, err := engine.NewClient(cfg.EngineURL)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.ID == "" {
+		cfg.ID = DefaultID(cfg.Type, c.BaseURL())
+	}
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return &Agent{cfg: cfg, log: log.With(zap.String("vllm_hi_id", cfg.ID)), eng: c, session: hex.EncodeToString(b[:])}, nil
+}
+
+// ID is the agent's vllm_hi_id.
+func (a *Agent) ID() string { return a.cfg.ID }
+
+// Run discovers the engine, serves the Agent service, registers and
+// heartbeats until ctx ends, then deregisters. It returns an error when the
+// engine never becomes healthy or the Host refuses the registration for
+// good (bad token, invalid data, id held by another live agent).
+func (a *Agent) Run(ctx context.Context) error {
+	wctx, cancel := context.WithTimeout(ctx, a.cfg.EngineWait)
+	err := a.eng.WaitHealthy(wctx, 500*time.Millisecond)
+	cancel()
+	if err != nil {
+		return err
+	}
+	info, err := a.eng.Discover(ctx, a.cfg.TP, a.cfg.PP)
+	if err != nil {
+		return err
+	}
+	a.mu.Lock()
+	a.info = info
+	a.mu.Unlock()
+	a.log.Info("engine discovered", zap.String("engine_url", info.URL), zap.Strings("served_model_names", info.ServedModels),
+		zap.String("kind", info.Kind), zap.Bool("migratable", info.Migratable), zap.Int("tp", info.TP), zap.Int("pp", info.PP))
+
+	advertise := a.cfg.AdvertiseHost
+	if advertise == "" {
+		advertise = localAddrTowards(a.cfg.HostAddr)
+	}
+	ln, err := net.Listen("tcp", a.cfg.Listen)
+	if err != nil {
+		return fmt.Errorf("agent listen %s: %w", a.cfg.Listen, err)
+	}
+	srv := grpc.NewServer()
+	v1.RegisterAgentServer(srv, &agentService{a: a})
+	go func() { _ = srv.Serve(ln) }()
+	defer srv.GracefulStop()
+	_, port, _ := net.SplitHostPort(ln.Addr().String())
+	agentAddr := net.JoinHostPort(advertise, port)
+	dataAddr := ""
+	if a.cfg.DataPort > 0 {
+		dataAddr = net.JoinHostPort(advertise, strconv.Itoa(a.cfg.DataPort))
+	}
+
+	conn, err := grpc.NewClient(a.cfg.HostAddr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithPerRPCCredentials(tokenCreds(a.cfg.AdminToken)))
+	if err != nil {
+		return fmt.Errorf("agent: dial host %s: %w", a.cfg.HostAddr, err)
+	}
+	defer conn.Close()
+	reg := v1.NewRegistryClient(conn)
+	req := a.registerRequest(info, agentAddr, dataAddr)
+	err = a.loop(ctx, reg, req)
+	// Deregister with a fresh context: ctx is already done.
+	dctx, dcancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer dcancel()
+	if _, derr := reg.Deregister(dctx, &v1.DeregisterRequest{VllmHiId: a.cfg.ID, Session: a.session}); derr == nil {
+		a.log.Info("deregistered")
+	}
+	return err
+}
+
+func (a *Agent) registerRequest(info engine.Info, agentAddr, dataAddr string) *v1.RegisterRequest {
+	hostname, _ := os.Hostname()
+	typ := v1.InstanceType_INSTANCE_TYPE_A
+	if a.cfg.Type == "B" {
+		typ = v1.InstanceType_INSTANCE_TYPE_B
+	}
+	e := &v1.EngineInfo{
+		EngineUrl: info.URL, ServedModelNames: info.ServedModels, Model: info.Model,
+		Tp: int32(info.TP), Pp: int32(info.PP), MaxModelLen: int32(info.MaxModelLen),
+		Migratable: info.Migratable, EngineKind: info.Kind, EngineVersion: info.Version,
+	}
+	if l := info.Layout; l != nil {
+		g := l.Geometry
+		e.Geometry = &v1.KVGeometry{NumLayers: int32(g.Layers), NumKvHeads: int32(g.KVHeads), HeadDim: int32(g.HeadDim),
+			DtypeBytes: int32(g.DTypeBytes), Dtype: g.DType, BlockSize: int32(g.BlockSize), NumBlocks: int32(g.NumBlocks)}
+	}
+	backend := a.cfg.TransferBackend
+	if backend == "" {
+		backend = "auto"
+	}
+	return &v1.RegisterRequest{VllmHiId: a.cfg.ID, Type: typ, Engine: e, AgentAddress: agentAddr, DataAddress: dataAddr,
+		Session: a.session, Hostname: hostname, TransferBackend: backend}
+}
+
+// errFatal marks registration errors that retrying cannot fix.
+var errFatal = errors.New("registration refused")
+
+func fatalRegistration(err error) bool {
+	switch status.Code(err) {
+	case codes.InvalidArgument, codes.Unauthenticated, codes.PermissionDenied, codes.AlreadyExists:
+		return true
+	}
+	return false
+}
+
+// loop registers (with backoff while the Host is unreachable) and then
+// heartbeats; a NOT_FOUND heartbeat (the Host restarted and forgot us)
+// goes back to registering.
+func (a *Agent) loop(ctx context.Context, reg v1.RegistryClient, req *v1.RegisterRequest) error {
+	backoff := 200 * time.Millisecond
+	interval := time.Second
+	everRegistered := false
+	for ctx.Err() == nil {
+		if !a.isRegistered() {
+			rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			resp, err := reg.Register(rctx, req)
+			cancel()
+			if err != nil {
+				if fatalRegistration(err) && !everRegistered {
+					return fmt.Errorf("%w by the Host: %s", errFatal, status.Convert(err).Message())
+				}
+				a.log.Warn("registration failed; retrying", zap.Error(err), zap.Duration("in", backoff))
+				if !sleep(ctx, backoff) {
+					break
+				}
+				backoff = min(backoff*2, 5*time.Second)
+				continue
+			}
+			backoff = 200 * time.Millisecond
+			if ms := resp.GetHeartbeatIntervalMs(); ms > 0 {
+				interval = time.Duration(ms) * time.Millisecond
+			}
+			a.setRegistered(true)
+			if everRegistered {
+				a.log.Info("re-registered with the Host", zap.String("host", a.cfg.HostAddr))
+			} else {
+				a.log.Info("registered with the Host", zap.String("host", a.cfg.HostAddr), zap.Duration("heartbeat", interval))
+			}
+			everRegistered = true
+		}
+		if !sleep(ctx, interval) {
+			break
+		}
+		stats := a.stats(ctx)
+		hctx, cancel := context.WithTimeout(ctx, interval*3)
+		_, err := reg.Heartbeat(hctx, &v1.HeartbeatRequest{VllmHiId: a.cfg.ID, Session: a.session, Stats: stats})
+		cancel()
+		switch status.Code(err) {
+		case codes.OK:
+		case codes.NotFound:
+			a.log.Warn("the Host does not know this agent (it restarted?); registering again")
+			a.setRegistered(false)
+		default:
+			if ctx.Err() == nil {
+				a.log.Warn("heartbeat failed", zap.Error(err))
+			}
+		}
+	}
+	return nil
+}
+
+func (a *Agent) isRegistered() bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.registered
+}
+
+func (a *Agent) setRegistered(v bool) {
+	a.mu.Lock()
+	a.registered = v
+	a.mu.Unlock()
+}
+
+// stats reads the engine's load: the stats hook when it has one, health
+// alone otherwise.
+func (a *Agent) stats(ctx context.Context) *v1.EngineStats {
+	sctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	s := &v1.EngineStats{Healthy: a.eng.Health(sctx) == nil}
+	a.mu.Lock()
+	migratable := a.info.Migratable
+	a.mu.Unlock()
+	if migratable && s.Healthy {
+		if st, err := a.eng.Stats(sctx); err == nil {
+			s.NumRunning, s.NumWaiting = int32(st.NumRunning), int32(st.NumWaiting)
+			s.FreeBlocks, s.TotalBlocks, s.Sleeping = int32(st.FreeBlocks), int32(st.TotalBlocks), st.Sleeping
+		}
+	}
+	a.mu.Lock()
+	a.lastStats = s
+	a.mu.Unlock()
+	return s
+}
+
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+// localAddrTowards is the local IP the kernel would use to reach addr (no
+// packet is sent), the address the Host can reach this agent at.
+func localAddrTowards(addr string) string {
+	c, err := net.Dial("udp", addr)
+	if err != nil {
+		return "127.0.0.1"
+	}
+	defer c.Close()
+	host, _, _ := net.SplitHostPort(c.LocalAddr().String())
+	return host
+}
+
+// tokenCreds sends the admin token as gRPC metadata.
+type tokenCreds string
+
+func (t tokenCreds) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	if t == "" {
+		return nil, nil
+	}
+	return map[string]string{"authorization": "Bearer " + string(t)}, nil
+}
+
+func (tokenCreds) RequireTransportSecurity() bool { return false }
+
+// agentService is the Agent gRPC service.
+type agentService struct {
+	v1.UnimplementedAgentServer
+	a *Agent
+}
+
+func (s *agentService) Status(context.Context, *v1.AgentStatusRequest) (*v1.AgentStatusResponse, error) {
+	a := s.a
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return &v1.AgentStatusResponse{VllmHiId: a.cfg.ID, Registered: a.registered, Stats: a.lastStats,
+		Engine: &v1.EngineInfo{EngineUrl: a.info.URL, ServedModelNames: a.info.ServedModels, Model: a.info.Model,
+			Tp: int32(a.info.TP), Pp: int32(a.info.PP), Migratable: a.info.Migratable, EngineKind: a.info.Kind}}, nil
+}

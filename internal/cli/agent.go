@@ -1,0 +1,75 @@
+package cli
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/vllm-hi/vllm-hi/internal/agent"
+	"github.com/vllm-hi/vllm-hi/internal/host"
+)
+
+// envDefault returns the environment variable's value, or def.
+func envDefault(key, def string) string {
+	if v, ok := os.LookupEnv(key); ok && v != "" {
+		return v
+	}
+	return def
+}
+
+func newAgentCommand(g *globalFlags) *cobra.Command {
+	var (
+		cfg       agent.Config
+		tokenFile string
+		dataPort  string
+	)
+	cmd := &cobra.Command{
+		Use:   "agent",
+		Short: "Run the sidecar beside one engine: register it with the Host and drive its hooks",
+		Long: `vhi agent registers its engine with the Host, heartbeats, re-registers when the Host
+restarts, and deregisters on shutdown. An engine that serves the vllm-hi hooks (vhi sim,
+vLLM with the vllm-hi plugin) is migratable; any other OpenAI-compatible server
+registers as routing-only.
+
+Flags default to the seed's environment variables: VLLM_HI_TYPE, VLLM_HI_HOST,
+VLLM_HI_DATA_PORT, VLLM_HI_TRANSFER_BACKEND.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			log, err := g.logger()
+			if err != nil {
+				return err
+			}
+			defer func() { _ = log.Sync() }()
+			if cfg.DataPort, err = strconv.Atoi(dataPort); err != nil {
+				return fmt.Errorf("--data-port (or VLLM_HI_DATA_PORT) %q is not a port number", dataPort)
+			}
+			if tokenFile != "" {
+				if cfg.AdminToken, err = host.ReadAdminToken(tokenFile); err != nil {
+					return err
+				}
+			}
+			a, err := agent.New(cfg, log)
+			if err != nil {
+				return err
+			}
+			return a.Run(cmd.Context())
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&cfg.Type, "type", envDefault("VLLM_HI_TYPE", ""), "instance type: A (active) or B (standby) [VLLM_HI_TYPE]")
+	f.StringVar(&cfg.HostAddr, "host", envDefault("VLLM_HI_HOST", ""), "the Host's address IP:PORT [VLLM_HI_HOST]")
+	f.StringVar(&cfg.EngineURL, "engine", "http://127.0.0.1:8000", "the engine's base URL")
+	f.StringVar(&dataPort, "data-port", envDefault("VLLM_HI_DATA_PORT", "0"), "KV data-plane TCP port [VLLM_HI_DATA_PORT]")
+	f.StringVar(&cfg.TransferBackend, "transfer-backend", envDefault("VLLM_HI_TRANSFER_BACKEND", "auto"), "auto, tcp_shm, cuda_ipc or rdma [VLLM_HI_TRANSFER_BACKEND]")
+	f.StringVar(&cfg.ID, "id", "", "vllm_hi_id to register as (default: derived from --type and --engine, stable across restarts)")
+	f.StringVar(&cfg.Listen, "listen", "0.0.0.0:0", "address of the agent's own gRPC service (the Host dials it)")
+	f.StringVar(&cfg.AdvertiseHost, "advertise-host", "", "host the Host reaches this agent at (default: the local address routing to the Host)")
+	f.StringVar(&tokenFile, "admin-token-file", "", "file holding the Host's admin token")
+	f.IntVar(&cfg.TP, "tensor-parallel-size", 1, "TP size to report for an engine without hooks")
+	f.IntVar(&cfg.PP, "pipeline-parallel-size", 1, "PP size to report for an engine without hooks")
+	f.DurationVar(&cfg.EngineWait, "engine-wait", 15*time.Minute, "how long to wait for the engine to become healthy")
+	return cmd
+}

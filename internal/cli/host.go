@@ -1,0 +1,55 @@
+package cli
+
+import (
+	"fmt"
+	"net"
+
+	"github.com/spf13/cobra"
+
+	"github.com/vllm-hi/vllm-hi/internal/host"
+)
+
+func newHostCommand(g *globalFlags) *cobra.Command {
+	cfg := host.DefaultConfig()
+	var tokenFile string
+	cmd := &cobra.Command{
+		Use:   "host",
+		Short: "Run the Host: registry, OpenAI routing and SSE proxy, REST API, metrics, agents' gRPC",
+		Long: `vhi host is the one address clients, operators and agents use. OpenAI traffic
+(/v1/chat/completions, /v1/completions, /v1/models) is routed by model to the active
+instance serving it; /vllm_hi/* is the REST API; /metrics is Prometheus; agents reach
+the gRPC registry on the same address.
+
+With --admin-token-file, /vllm_hi/* mutations and agent registration need the token
+(HTTP: "Authorization: Bearer <token>"; agents: --admin-token-file on vhi agent).`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			log, err := g.logger()
+			if err != nil {
+				return err
+			}
+			defer func() { _ = log.Sync() }()
+			if tokenFile != "" {
+				if cfg.AdminToken, err = host.ReadAdminToken(tokenFile); err != nil {
+					return err
+				}
+			}
+			if cfg.HeartbeatInterval <= 0 || cfg.MissedHeartbeats < 1 {
+				return fmt.Errorf("--heartbeat-interval must be > 0 and --missed-heartbeats ≥ 1")
+			}
+			ln, err := net.Listen("tcp", cfg.Listen)
+			if err != nil {
+				return fmt.Errorf("host: listen: %w", err)
+			}
+			return host.New(cfg, log).Serve(cmd.Context(), ln)
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&cfg.Listen, "listen", cfg.Listen, "address for HTTP, metrics and the agents' gRPC")
+	f.StringVar(&tokenFile, "admin-token-file", "", "file holding the admin token; when set, mutations and agent registration need it")
+	f.DurationVar(&cfg.HeartbeatInterval, "heartbeat-interval", cfg.HeartbeatInterval, "how often agents heartbeat")
+	f.IntVar(&cfg.MissedHeartbeats, "missed-heartbeats", cfg.MissedHeartbeats, "missed heartbeats before an instance is unreachable")
+	f.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", cfg.ShutdownTimeout, "on SIGTERM, how long open streams may finish")
+	f.DurationVar(&cfg.ClientWriteTimeout, "client-write-timeout", cfg.ClientWriteTimeout, "cut a streaming client whose socket accepts nothing for this long")
+	return cmd
+}

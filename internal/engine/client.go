@@ -1,0 +1,192 @@
+// Package engine is the agent's client for its engine: discovery over
+// vLLM's OpenAI surface and the engine hooks (api/hooks) over HTTP.
+package engine
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/vllm-hi/vllm-hi/api/hooks"
+)
+
+// Client talks to one engine.
+type Client struct {
+	base string
+	http *http.Client
+}
+
+var _ hooks.Engine = (*Client)(nil)
+
+// NewClient returns a client for the engine at base (e.g.
+// http://127.0.0.1:8000).
+func NewClient(base string) (*Client, error) {
+	u, err := url.Parse(base)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, fmt.Errorf("engine URL %q: want http(s)://host:port", base)
+	}
+	return &Client{base: strings.TrimRight(base, "/"), http: &http.Client{Timeout: 30 * time.Second}}, nil
+}
+
+// BaseURL is the engine's base URL.
+func (c *Client) BaseURL() string { return c.base }
+
+// HTTPError is a non-2xx answer from the engine.
+type HTTPError struct {
+	Status  int
+	Message string
+}
+
+func (e *HTTPError) Error() string { return fmt.Sprintf("engine answered %d: %s", e.Status, e.Message) }
+
+// IsStatus reports whether err is an HTTPError with that status.
+func IsStatus(err error, status int) bool {
+	var he *HTTPError
+	return errors.As(err, &he) && he.Status == status
+}
+
+func (c *Client) do(ctx context.Context, method, path string, in, out any) error {
+	var body io.Reader
+	if in != nil {
+		b, err := json.Marshal(in)
+		if err != nil {
+			return err
+		}
+		body = bytes.NewReader(b)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, c.base+path, body)
+	if err != nil {
+		return err
+	}
+	if in != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return fmt.Errorf("%s %s: %w", method, path, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	if err != nil {
+		return fmt.Errorf("%s %s: read: %w", method, path, err)
+	}
+	if resp.StatusCode/100 != 2 {
+		return &HTTPError{Status: resp.StatusCode, Message: errorMessage(b)}
+	}
+	if out == nil {
+		return nil
+	}
+	if err := json.Unmarshal(b, out); err != nil {
+		return fmt.Errorf("%s %s: decode: %w", method, path, err)
+	}
+	return nil
+}
+
+// errorMessage extracts the message of vLLM's error shapes.
+func errorMessage(b []byte) string {
+	var e struct {
+		Error json.RawMessage `json:"error"`
+		Msg   string          `json:"message"`
+		Det   any             `json:"detail"`
+	}
+	if json.Unmarshal(b, &e) == nil {
+		var inner struct {
+			Message string `json:"message"`
+		}
+		if json.Unmarshal(e.Error, &inner) == nil && inner.Message != "" {
+			return inner.Message
+		}
+		var s string
+		if json.Unmarshal(e.Error, &s) == nil && s != "" {
+			return s
+		}
+		if e.Msg != "" {
+			return e.Msg
+		}
+		if e.Det != nil {
+			return fmt.Sprint(e.Det)
+		}
+	}
+	return strings.TrimSpace(string(b))
+}
+
+// Health checks GET /health.
+func (c *Client) Health(ctx context.Context) error {
+	return c.do(ctx, http.MethodGet, "/health", nil, nil)
+}
+
+// Model is one entry of the engine's /v1/models.
+type Model struct {
+	ID          string `json:"id"`
+	Root        string `json:"root"`
+	MaxModelLen int    `json:"max_model_len"`
+}
+
+// Models lists GET /v1/models.
+func (c *Client) Models(ctx context.Context) ([]Model, error) {
+	var out struct {
+		Data []Model `json:"data"`
+	}
+	if err := c.do(ctx, http.MethodGet, "/v1/models", nil, &out); err != nil {
+		return nil, err
+	}
+	return out.Data, nil
+}
+
+// Layout implements hooks.Engine.
+func (c *Client) Layout(ctx context.Context) (out hooks.Layout, err error) {
+	return out, c.do(ctx, http.MethodGet, hooks.PathLayout, nil, &out)
+}
+
+// Requests implements hooks.Engine.
+func (c *Client) Requests(ctx context.Context) (out hooks.RequestList, err error) {
+	return out, c.do(ctx, http.MethodGet, hooks.PathRequests, nil, &out)
+}
+
+// Changes implements hooks.Engine.
+func (c *Client) Changes(ctx context.Context, since uint64) (out hooks.Changes, err error) {
+	return out, c.do(ctx, http.MethodGet, hooks.PathChanges+"?since="+strconv.FormatUint(since, 10), nil, &out)
+}
+
+// Pause implements hooks.Engine.
+func (c *Client) Pause(ctx context.Context, req hooks.PauseRequest) (out hooks.PauseResponse, err error) {
+	return out, c.do(ctx, http.MethodPost, hooks.PathPause, req, &out)
+}
+
+// Resume implements hooks.Engine.
+func (c *Client) Resume(ctx context.Context, req hooks.ResumeRequest) (out hooks.ResumeResponse, err error) {
+	return out, c.do(ctx, http.MethodPost, hooks.PathResume, req, &out)
+}
+
+// Export implements hooks.Engine.
+func (c *Client) Export(ctx context.Context, req hooks.ExportRequest) (out hooks.ExportResponse, err error) {
+	return out, c.do(ctx, http.MethodPost, hooks.PathExport, req, &out)
+}
+
+// Allocate implements hooks.Engine.
+func (c *Client) Allocate(ctx context.Context, req hooks.AllocateRequest) (out hooks.AllocateResponse, err error) {
+	return out, c.do(ctx, http.MethodPost, hooks.PathAllocate, req, &out)
+}
+
+// Install implements hooks.Engine.
+func (c *Client) Install(ctx context.Context, req hooks.InstallRequest) (out hooks.InstallResponse, err error) {
+	return out, c.do(ctx, http.MethodPost, hooks.PathInstall, req, &out)
+}
+
+// Abort implements hooks.Engine.
+func (c *Client) Abort(ctx context.Context, req hooks.AbortRequest) (out hooks.AbortResponse, err error) {
+	return out, c.do(ctx, http.MethodPost, hooks.PathAbort, req, &out)
+}
+
+// Stats implements hooks.Engine.
+func (c *Client) Stats(ctx context.Context) (out hooks.Stats, err error) {
+	return out, c.do(ctx, http.MethodGet, hooks.PathStats, nil, &out)
+}

@@ -1,0 +1,122 @@
+package host
+
+import (
+	"context"
+	"crypto/subtle"
+	"errors"
+	"strings"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
+	"github.com/vllm-hi/vllm-hi/internal/host/registry"
+)
+
+// registryService is the Registry gRPC service. Registry errors are
+// translated to gRPC status codes here, once.
+type registryService struct {
+	v1.UnimplementedRegistryServer
+	h *Host
+}
+
+func grpcError(err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, registry.ErrInvalid):
+		return status.Error(codes.InvalidArgument, err.Error())
+	case errors.Is(err, registry.ErrAlreadyExists):
+		return status.Error(codes.AlreadyExists, err.Error())
+	case errors.Is(err, registry.ErrNotFound):
+		return status.Error(codes.NotFound, err.Error())
+	case errors.Is(err, registry.ErrConflict):
+		return status.Error(codes.FailedPrecondition, err.Error())
+	}
+	return status.Error(codes.Internal, err.Error())
+}
+
+func (s *registryService) Register(_ context.Context, req *v1.RegisterRequest) (*v1.RegisterResponse, error) {
+	reg := registrationFromProto(req)
+	inst, err := s.h.reg.Register(reg)
+	if err != nil {
+		result := "invalid"
+		if errors.Is(err, registry.ErrAlreadyExists) {
+			result = "conflict"
+		}
+		s.h.m.registrations.WithLabelValues(result).Inc()
+		return nil, grpcError(err)
+	}
+	s.h.m.registrations.WithLabelValues("ok").Inc()
+	s.h.logInstance("registered", inst)
+	return &v1.RegisterResponse{VllmHiId: inst.ID, HeartbeatIntervalMs: s.h.reg.HeartbeatInterval().Milliseconds()}, nil
+}
+
+func (s *registryService) Heartbeat(_ context.Context, req *v1.HeartbeatRequest) (*v1.HeartbeatResponse, error) {
+	st := req.GetStats()
+	err := s.h.reg.Heartbeat(req.GetVllmHiId(), req.GetSession(), registry.Stats{
+		Healthy: st.GetHealthy(), Running: int(st.GetNumRunning()), Waiting: int(st.GetNumWaiting()),
+		FreeBlocks: int(st.GetFreeBlocks()), TotalBlocks: int(st.GetTotalBlocks()), Sleeping: st.GetSleeping(),
+	})
+	if err != nil {
+		s.h.m.heartbeats.WithLabelValues("unknown").Inc()
+		return nil, grpcError(err)
+	}
+	s.h.m.heartbeats.WithLabelValues("ok").Inc()
+	return &v1.HeartbeatResponse{}, nil
+}
+
+func (s *registryService) Deregister(_ context.Context, req *v1.DeregisterRequest) (*v1.DeregisterResponse, error) {
+	inst, _ := s.h.reg.Get(req.GetVllmHiId())
+	if err := s.h.reg.Deregister(req.GetVllmHiId(), req.GetSession()); err != nil {
+		return nil, grpcError(err)
+	}
+	s.h.logInstance("deregistered", inst)
+	return &v1.DeregisterResponse{}, nil
+}
+
+func registrationFromProto(req *v1.RegisterRequest) registry.Registration {
+	e := req.GetEngine()
+	g := e.GetGeometry()
+	typ := ""
+	switch req.GetType() {
+	case v1.InstanceType_INSTANCE_TYPE_A:
+		typ = "A"
+	case v1.InstanceType_INSTANCE_TYPE_B:
+		typ = "B"
+	}
+	return registry.Registration{
+		ID: req.GetVllmHiId(), Type: typ, Session: req.GetSession(), Hostname: req.GetHostname(),
+		AgentAddress: req.GetAgentAddress(), DataAddress: req.GetDataAddress(), TransferBackend: req.GetTransferBackend(),
+		Engine: registry.Engine{
+			URL: e.GetEngineUrl(), ServedModels: e.GetServedModelNames(), Model: e.GetModel(),
+			TP: int(e.GetTp()), PP: int(e.GetPp()), MaxModelLen: int(e.GetMaxModelLen()),
+			Migratable: e.GetMigratable(), Kind: e.GetEngineKind(), Version: e.GetEngineVersion(),
+			Geometry: registry.Geometry{
+				Layers: int(g.GetNumLayers()), KVHeads: int(g.GetNumKvHeads()), HeadDim: int(g.GetHeadDim()),
+				DTypeBytes: int(g.GetDtypeBytes()), DType: g.GetDtype(), BlockSize: int(g.GetBlockSize()), NumBlocks: int(g.GetNumBlocks()),
+			},
+		},
+	}
+}
+
+// authInterceptor requires the admin token (as "authorization: Bearer …"
+// metadata) on every Registry call when one is configured.
+func authInterceptor(token string, refused func(method string)) grpc.UnaryServerInterceptor {
+	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+		if token != "" {
+			md, _ := metadata.FromIncomingContext(ctx)
+			var got string
+			if v := md.Get("authorization"); len(v) > 0 {
+				got = strings.TrimPrefix(v[0], "Bearer ")
+			}
+			if subtle.ConstantTimeCompare([]byte(got), []byte(token)) != 1 {
+				refused(info.FullMethod)
+				return nil, status.Error(codes.Unauthenticated, "missing or wrong admin token")
+			}
+		}
+		return handler(ctx, req)
+	}
+}

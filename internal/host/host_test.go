@@ -1,0 +1,296 @@
+package host
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"flag"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/prometheus/common/expfmt"
+	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
+	"github.com/vllm-hi/vllm-hi/internal/host/registry"
+	"github.com/vllm-hi/vllm-hi/internal/sim"
+)
+
+var update = flag.Bool("update", false, "rewrite golden files")
+
+type testHost struct {
+	*Host
+	url, addr string
+	stop      func()
+}
+
+func startHost(t *testing.T, mod func(*Config)) *testHost {
+	t.Helper()
+	cfg := DefaultConfig()
+	cfg.HeartbeatInterval = 100 * time.Millisecond
+	cfg.ShutdownTimeout = 2 * time.Second
+	if mod != nil {
+		mod(&cfg)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := New(cfg, zap.NewNop())
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- h.Serve(ctx, ln) }()
+	th := &testHost{Host: h, url: "http://" + ln.Addr().String(), addr: ln.Addr().String()}
+	th.stop = func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("host Serve: %v", err)
+		}
+	}
+	t.Cleanup(func() {
+		if ctx.Err() == nil {
+			th.stop()
+		}
+	})
+	return th
+}
+
+func grpcClient(t *testing.T, addr string) v1.RegistryClient {
+	t.Helper()
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return v1.NewRegistryClient(conn)
+}
+
+func withToken(ctx context.Context, token string) context.Context {
+	return metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+token)
+}
+
+// startSim serves a small sim engine for routing tests.
+func startSim(t *testing.T, name string) string {
+	t.Helper()
+	c := sim.DefaultConfig()
+	c.Model, c.ServedModelNames = name, []string{name}
+	c.Profile, c.KVScale, c.NumBlocks, c.MaxModelLen = "tiny", 1, 256, 256
+	c.Step = sim.StepModel{Fixed: time.Millisecond}
+	c.ShmDir, c.ShmPrefix = t.TempDir(), name
+	e, err := sim.NewEngine(c, zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); e.Run(ctx) }()
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	srv := &http.Server{Handler: sim.NewServer(e, zap.NewNop()).Handler(), ReadHeaderTimeout: time.Second}
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() { _ = srv.Close(); cancel(); <-done; e.Close() })
+	return "http://" + ln.Addr().String()
+}
+
+func register(t *testing.T, c v1.RegistryClient, ctx context.Context, id string, typ v1.InstanceType, url string, models ...string) error {
+	t.Helper()
+	_, err := c.Register(ctx, &v1.RegisterRequest{VllmHiId: id, Type: typ, Session: "s-" + id,
+		Engine: &v1.EngineInfo{EngineUrl: url, ServedModelNames: models, Tp: 1, Pp: 1, Migratable: true, EngineKind: "vhi-sim"}})
+	return err
+}
+
+func httpDo(t *testing.T, method, url, body string, hdr map[string]string) (int, string, http.Header) {
+	t.Helper()
+	req, _ := http.NewRequest(method, url, strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	for k, v := range hdr {
+		req.Header.Set(k, v)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b), resp.Header
+}
+
+func TestRoutingAndErrors(t *testing.T) {
+	h := startHost(t, nil)
+	c := grpcClient(t, h.addr)
+	ctx := context.Background()
+	engA := startSim(t, "m")
+	if err := register(t, c, ctx, "b1", v1.InstanceType_INSTANCE_TYPE_B, startSim(t, "m"), "m"); err != nil {
+		t.Fatal(err)
+	}
+	// Only a standby: 503 with Retry-After.
+	code, body, hdr := httpDo(t, "POST", h.url+"/v1/completions", `{"model":"m","prompt":"x","max_tokens":2}`, nil)
+	if code != 503 || hdr.Get("Retry-After") == "" || !strings.Contains(body, `"code":503`) {
+		t.Fatalf("no active instance: %d %s %v", code, body, hdr)
+	}
+	if err := register(t, c, ctx, "a1", v1.InstanceType_INSTANCE_TYPE_A, engA, "m"); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name, path, body string
+		code             int
+		contains         string
+	}{
+		{"stream", "/v1/completions", `{"model":"m","prompt":"x","max_tokens":3,"stream":true}`, 200, "data: [DONE]"},
+		{"chat", "/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":3}`, 200, `"chat.completion"`},
+		{"unknown model", "/v1/completions", `{"model":"nope","prompt":"x"}`, 404, `"code":404`},
+		{"malformed", "/v1/completions", `{"model":`, 400, `"code":400`},
+		{"no model", "/v1/completions", `{"prompt":"x"}`, 400, `"code":400`},
+		{"engine rejects", "/v1/completions", `{"model":"m","prompt":"x","max_tokens":0}`, 400, "max_tokens"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			code, body, _ := httpDo(t, "POST", h.url+tc.path, tc.body, nil)
+			if code != tc.code || !strings.Contains(body, tc.contains) {
+				t.Fatalf("%d %s", code, body)
+			}
+		})
+	}
+	// The client's X-Request-Id names the engine request.
+	_, body, _ = httpDo(t, "POST", h.url+"/v1/completions", `{"model":"m","prompt":"x","max_tokens":1}`, map[string]string{"X-Request-Id": "abc"})
+	if !strings.Contains(body, `"id":"cmpl-abc"`) {
+		t.Fatalf("request id not passed on: %s", body)
+	}
+	code, body, _ = httpDo(t, "GET", h.url+"/v1/models", "", nil)
+	if code != 200 || !strings.Contains(body, `"id":"m"`) {
+		t.Fatalf("models: %s", body)
+	}
+	var st StatusView
+	_, body, _ = httpDo(t, "GET", h.url+"/vllm_hi/status", "", nil)
+	if err := json.Unmarshal([]byte(body), &st); err != nil || st.Status != "ok" || st.InstanceCount != 2 {
+		t.Fatalf("status: %s", body)
+	}
+	var list struct {
+		Instances []map[string]any `json:"instances"`
+	}
+	_, body, _ = httpDo(t, "GET", h.url+"/vllm_hi/instances", "", nil)
+	if err := json.Unmarshal([]byte(body), &list); err != nil || len(list.Instances) != 2 {
+		t.Fatalf("instances: %s", body)
+	}
+	for _, k := range []string{"vllm_hi_id", "type", "role", "state", "served_model_name", "engine_url", "tp", "pp", "migratable"} {
+		if _, ok := list.Instances[0][k]; !ok {
+			t.Errorf("instance lacks contract field %q", k)
+		}
+	}
+	if list.Instances[0]["role"] != "active" || list.Instances[1]["role"] != "standby" {
+		t.Fatalf("roles: %v", list.Instances)
+	}
+	if code, _, _ := httpDo(t, "GET", h.url+"/vllm_hi/instances/zzz", "", nil); code != 404 {
+		t.Fatalf("unknown instance: %d", code)
+	}
+}
+
+func TestRegistrationErrors(t *testing.T) {
+	h := startHost(t, nil)
+	c := grpcClient(t, h.addr)
+	ctx := context.Background()
+	if err := register(t, c, ctx, "", v1.InstanceType_INSTANCE_TYPE_A, "http://x", "m"); status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("empty id: %v", err)
+	}
+	if err := register(t, c, ctx, "x", v1.InstanceType_INSTANCE_TYPE_UNSPECIFIED, "http://x", "m"); status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("no type: %v", err)
+	}
+	if err := register(t, c, ctx, "x", v1.InstanceType_INSTANCE_TYPE_A, "http://x", "m"); err != nil {
+		t.Fatal(err)
+	}
+	_, err := c.Register(ctx, &v1.RegisterRequest{VllmHiId: "x", Type: v1.InstanceType_INSTANCE_TYPE_A, Session: "another",
+		Engine: &v1.EngineInfo{EngineUrl: "http://y", ServedModelNames: []string{"m"}, Tp: 1, Pp: 1}})
+	if status.Code(err) != codes.AlreadyExists {
+		t.Fatalf("duplicate id from another live agent: %v", err)
+	}
+	if _, err := c.Heartbeat(ctx, &v1.HeartbeatRequest{VllmHiId: "ghost", Session: "s"}); status.Code(err) != codes.NotFound {
+		t.Fatalf("unknown heartbeat: %v", err)
+	}
+	// Missed heartbeats make the instance unreachable; routing stops.
+	time.Sleep(500 * time.Millisecond)
+	if i, _ := h.Registry().Get("x"); i.EffectiveState() != registry.StateUnreachable {
+		t.Fatalf("after missed heartbeats: %s", i.EffectiveState())
+	}
+	if code, _, _ := httpDo(t, "POST", h.url+"/v1/completions", `{"model":"m","prompt":"x"}`, nil); code != 503 {
+		t.Fatalf("routed to an unreachable instance: %d", code)
+	}
+}
+
+func TestAdminToken(t *testing.T) {
+	h := startHost(t, func(c *Config) { c.AdminToken = "s3cret" })
+	c := grpcClient(t, h.addr)
+	ctx := context.Background()
+	if err := register(t, c, ctx, "a", v1.InstanceType_INSTANCE_TYPE_A, "http://x", "m"); status.Code(err) != codes.Unauthenticated {
+		t.Fatalf("registration without token: %v", err)
+	}
+	if err := register(t, c, withToken(ctx, "wrong"), "a", v1.InstanceType_INSTANCE_TYPE_A, "http://x", "m"); status.Code(err) != codes.Unauthenticated {
+		t.Fatalf("registration with a wrong token: %v", err)
+	}
+	if err := register(t, c, withToken(ctx, "s3cret"), "a", v1.InstanceType_INSTANCE_TYPE_A, "http://x", "m"); err != nil {
+		t.Fatal(err)
+	}
+	if code, body, _ := httpDo(t, "POST", h.url+"/vllm_hi/instances/a/drain", "", nil); code != 401 || !strings.Contains(body, `"code":401`) {
+		t.Fatalf("drain without token: %d %s", code, body)
+	}
+	if i, _ := h.Registry().Get("a"); i.State != registry.StateActive {
+		t.Fatal("an unauthenticated drain changed state")
+	}
+	if code, _, _ := httpDo(t, "POST", h.url+"/vllm_hi/instances/a/drain", "", map[string]string{"Authorization": "Bearer s3cret"}); code != 200 {
+		t.Fatalf("drain with token: %d", code)
+	}
+	if code, _, _ := httpDo(t, "POST", h.url+"/vllm_hi/instances/a/drain", "", map[string]string{"Authorization": "Bearer s3cret"}); code != 409 {
+		t.Fatalf("drain twice: %d", code)
+	}
+	// Reads stay open.
+	if code, _, _ := httpDo(t, "GET", h.url+"/vllm_hi/instances", "", nil); code != 200 {
+		t.Fatalf("read needs no token: %d", code)
+	}
+	if got := testutil.ToFloat64(h.m.registrations.WithLabelValues("unauthenticated")); got != 2 {
+		t.Fatalf("unauthenticated registrations counted %v", got)
+	}
+}
+
+// The vhi_ metric names, types and help are pinned by a golden file.
+func TestMetricsGolden(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	r := registry.New(registry.Options{})
+	m := newMetrics(reg, r)
+	_, _ = r.Register(registry.Registration{ID: "a", Type: "A", Session: "s", Engine: registry.Engine{URL: "http://e", ServedModels: []string{"m"}, TP: 1, PP: 1}})
+	m.requests.WithLabelValues("m", "200").Inc()
+	m.heartbeats.WithLabelValues("ok").Add(3)
+	m.registrations.WithLabelValues("ok").Inc()
+	m.proxy.AddedLatency.Observe(0.00003)
+	m.proxy.UpstreamErrors.WithLabelValues("m", "read").Inc()
+	m.proxy.StreamsInFlight.Set(2)
+	m.proxy.StreamTokens.Add(7)
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var buf bytes.Buffer
+	for _, mf := range mfs {
+		if _, err := expfmt.MetricFamilyToText(&buf, mf); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got := buf.Bytes()
+	path := filepath.Join("testdata", "metrics.golden")
+	if *update {
+		_ = os.WriteFile(path, got, 0o644)
+	}
+	want, _ := os.ReadFile(path)
+	if string(got) != string(want) {
+		t.Fatalf("metrics differ from %s (go test -update):\n%s", path, got)
+	}
+}

@@ -1,0 +1,216 @@
+package proxy
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/api/openai"
+)
+
+// Metrics are the proxy's instruments; the Host registers them.
+type Metrics struct {
+	AddedLatency    prometheus.Observer    // upstream event read → client write flushed
+	UpstreamErrors  *prometheus.CounterVec // labels: model, kind
+	StreamsInFlight prometheus.Gauge       //
+	StreamTokens    prometheus.Counter     // token events forwarded
+}
+
+// Proxy forwards OpenAI requests to engines.
+type Proxy struct {
+	client       *http.Client
+	log          *zap.Logger
+	m            *Metrics
+	writeTimeout time.Duration
+}
+
+// Options configure a Proxy.
+type Options struct {
+	// ClientWriteTimeout caps how long one write to a client may block: a
+	// client that stops reading is cut off and its upstream cancelled.
+	ClientWriteTimeout time.Duration
+	// MaxConnsPerEngine bounds idle keep-alive connections kept per engine.
+	MaxIdleConnsPerEngine int
+}
+
+// New returns a Proxy.
+func New(o Options, m *Metrics, log *zap.Logger) *Proxy {
+	if o.ClientWriteTimeout <= 0 {
+		o.ClientWriteTimeout = 30 * time.Second
+	}
+	if o.MaxIdleConnsPerEngine <= 0 {
+		o.MaxIdleConnsPerEngine = 4096
+	}
+	tr := &http.Transport{
+		Proxy:               nil, // engines are reached directly, never through HTTP_PROXY
+		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		MaxIdleConns:        0,
+		MaxIdleConnsPerHost: o.MaxIdleConnsPerEngine,
+		IdleConnTimeout:     90 * time.Second,
+		DisableCompression:  true, // pass bytes through; never gzip SSE
+		WriteBufferSize:     16 << 10,
+		ReadBufferSize:      32 << 10,
+	}
+	return &Proxy{client: &http.Client{Transport: tr}, log: log, m: m, writeTimeout: o.ClientWriteTimeout}
+}
+
+// Close releases idle upstream connections.
+func (p *Proxy) Close() { p.client.CloseIdleConnections() }
+
+// Upstream is where one request goes.
+type Upstream struct {
+	BaseURL    string // engine base URL
+	Path       string // e.g. /v1/chat/completions
+	Body       []byte
+	Header     http.Header // headers to pass on
+	Model      string
+	InstanceID string
+}
+
+// Result says how a forwarded request ended.
+type Result struct {
+	Status    int
+	Tokens    int  // token events forwarded (streams)
+	Done      bool // the stream ended with [DONE]
+	Truncated bool // the upstream died mid-stream; an error event was sent
+}
+
+// StatusClientClosed is recorded when the client went away first (nginx's
+// convention).
+const StatusClientClosed = 499
+
+// Forward sends the request upstream and relays the answer. Streams are
+// relayed event by event; everything else passes through unchanged.
+func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Result {
+	ctx, cancel := context.WithCancel(r.Context())
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(up.BaseURL, "/")+up.Path, bytes.NewReader(up.Body))
+	if err != nil {
+		return p.fail(w, up, http.StatusBadGateway, "bad_url", fmt.Sprintf("bad engine URL %q: %v", up.BaseURL, err))
+	}
+	for k, vs := range up.Header {
+		req.Header[k] = vs
+	}
+	resp, err := p.client.Do(req)
+	if err != nil {
+		if r.Context().Err() != nil {
+			return Result{Status: StatusClientClosed}
+		}
+		return p.fail(w, up, http.StatusBadGateway, "connect", fmt.Sprintf("engine %s unreachable: %v", up.InstanceID, err))
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
+		return p.passThrough(w, resp)
+	}
+	return p.relay(ctx, w, resp.Body, up)
+}
+
+func (p *Proxy) passThrough(w http.ResponseWriter, resp *http.Response) Result {
+	for _, k := range []string{"Content-Type", "Retry-After"} {
+		if v := resp.Header.Get(k); v != "" {
+			w.Header().Set(k, v)
+		}
+	}
+	w.WriteHeader(resp.StatusCode)
+	_, _ = io.Copy(w, resp.Body)
+	return Result{Status: resp.StatusCode}
+}
+
+// relay is the streaming loop: read an event, classify it, write it
+// byte-exact, and flush unless the next event is already in hand.
+func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader, up Upstream) Result {
+	h := w.Header()
+	h.Set("Content-Type", "text/event-stream; charset=utf-8")
+	h.Set("Cache-Control", "no-cache")
+	h.Set("X-Accel-Buffering", "no")
+	rc := http.NewResponseController(w)
+	w.WriteHeader(http.StatusOK)
+	p.m.StreamsInFlight.Inc()
+	defer p.m.StreamsInFlight.Dec()
+
+	res := Result{Status: http.StatusOK}
+	er := NewEventReader(body)
+	var pending []time.Time // read times of events written but not yet flushed
+	for {
+		ev, err := er.Next()
+		if err != nil {
+			if ctx.Err() != nil {
+				res.Status = StatusClientClosed
+				return res
+			}
+			kind := "read"
+			if err == io.EOF {
+				kind = "eof_without_done"
+			}
+			p.m.UpstreamErrors.WithLabelValues(up.Model, kind).Inc()
+			p.log.Warn("upstream stream ended early", zap.String("instance", up.InstanceID), zap.Error(err), zap.Int("tokens", res.Tokens))
+			p.writeStreamError(w, rc, fmt.Sprintf("the engine stream ended unexpectedly after %d tokens: %v", res.Tokens, err))
+			res.Truncated = true
+			return res
+		}
+		read := time.Now()
+		kind, _ := Classify(ev.Data)
+		if kind == KindToken {
+			res.Tokens++
+			p.m.StreamTokens.Inc()
+		}
+		_ = rc.SetWriteDeadline(read.Add(p.writeTimeout))
+		if _, err := w.Write(ev.Raw); err != nil {
+			res.Status = StatusClientClosed
+			return res
+		}
+		pending = append(pending, read)
+		if kind == KindDone || !er.Buffered() {
+			if err := rc.Flush(); err != nil {
+				res.Status = StatusClientClosed
+				return res
+			}
+			now := time.Now()
+			for _, t := range pending {
+				p.m.AddedLatency.Observe(now.Sub(t).Seconds())
+			}
+			pending = pending[:0]
+		}
+		if kind == KindDone {
+			res.Done = true
+			return res
+		}
+	}
+}
+
+// writeStreamError ends a stream whose upstream died with an OpenAI-style
+// error event and [DONE], so clients see a clean, explained end.
+func (p *Proxy) writeStreamError(w http.ResponseWriter, rc *http.ResponseController, msg string) {
+	b, _ := json.Marshal(openai.NewError(http.StatusBadGateway, "BadGatewayError", "", msg))
+	_ = rc.SetWriteDeadline(time.Now().Add(p.writeTimeout))
+	_, _ = w.Write(append(append([]byte("data: "), b...), "\n\ndata: [DONE]\n\n"...))
+	_ = rc.Flush()
+}
+
+func (p *Proxy) fail(w http.ResponseWriter, up Upstream, status int, kind, msg string) Result {
+	p.m.UpstreamErrors.WithLabelValues(up.Model, kind).Inc()
+	WriteError(w, status, "BadGatewayError", msg)
+	return Result{Status: status}
+}
+
+// WriteError writes the contract's JSON error shape.
+func WriteError(w http.ResponseWriter, status int, typ, msg string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(openai.NewError(status, typ, "", msg))
+}
+
+// IsClientGone reports whether err means the client went away.
+func IsClientGone(err error) bool {
+	return errors.Is(err, context.Canceled) || errors.Is(err, net.ErrClosed)
+}

@@ -1,0 +1,235 @@
+package proxy
+
+import (
+	"bufio"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"testing/iotest"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"go.uber.org/zap"
+)
+
+func testMetrics() *Metrics {
+	return &Metrics{
+		AddedLatency:    prometheus.NewHistogram(prometheus.HistogramOpts{Name: "l"}),
+		UpstreamErrors:  prometheus.NewCounterVec(prometheus.CounterOpts{Name: "e"}, []string{"model", "kind"}),
+		StreamsInFlight: prometheus.NewGauge(prometheus.GaugeOpts{Name: "s"}),
+		StreamTokens:    prometheus.NewCounter(prometheus.CounterOpts{Name: "t"}),
+	}
+}
+
+const upstreamStream = "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n" +
+	"data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" a\"}}]}\n\n" +
+	": a comment\n\n" +
+	"data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" b\"},\"finish_reason\":\"length\"}]}\r\n\r\n" +
+	"data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":1}}\n\n" +
+	"data: [DONE]\n\n"
+
+// Events are found however the bytes arrive.
+func TestEventReader(t *testing.T) {
+	er := NewEventReader(iotest.OneByteReader(strings.NewReader(upstreamStream)))
+	var kinds []Kind
+	var raw strings.Builder
+	for {
+		ev, err := er.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		raw.Write(ev.Raw)
+		k, err := Classify(ev.Data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		kinds = append(kinds, k)
+	}
+	want := []Kind{KindRole, KindToken, KindOther, KindToken, KindUsage, KindDone}
+	if len(kinds) != len(want) {
+		t.Fatalf("kinds %v, want %v", kinds, want)
+	}
+	for i := range want {
+		if kinds[i] != want[i] {
+			t.Fatalf("kinds %v, want %v", kinds, want)
+		}
+	}
+	if raw.String() != upstreamStream {
+		t.Fatal("raw bytes do not reassemble the stream")
+	}
+	// Cut inside an event: unexpected EOF, not a clean end.
+	er = NewEventReader(strings.NewReader("data: {\"a\":1}\n\ndata: {\"b\""))
+	if _, err := er.Next(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := er.Next(); err != io.ErrUnexpectedEOF {
+		t.Fatalf("cut event: %v", err)
+	}
+	if k, _ := Classify([]byte(`{"error":{"message":"x"}}`)); k != KindError {
+		t.Fatal("error event")
+	}
+	if _, err := Classify([]byte(`{not json`)); err == nil {
+		t.Fatal("garbage accepted")
+	}
+	er = NewEventReader(strings.NewReader("data: line1\ndata: line2\n\n"))
+	if ev, _ := er.Next(); string(ev.Data) != "line1\nline2" {
+		t.Fatalf("multi-line data %q", ev.Data)
+	}
+}
+
+func serveProxy(t *testing.T, upstream string) (*httptest.Server, *Metrics) {
+	t.Helper()
+	m := testMetrics()
+	p := New(Options{ClientWriteTimeout: 200 * time.Millisecond}, m, zap.NewNop())
+	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		p.Forward(w, r, Upstream{BaseURL: upstream, Path: r.URL.Path, Body: body, Model: "m", InstanceID: "i",
+			Header: http.Header{"Content-Type": {"application/json"}}})
+	}))
+	t.Cleanup(front.Close)
+	return front, m
+}
+
+// The client receives exactly the upstream's bytes, and tokens are counted.
+func TestRelayIsByteExact(t *testing.T) {
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for _, part := range strings.SplitAfter(upstreamStream, "\n\n") {
+			_, _ = io.WriteString(w, part)
+			w.(http.Flusher).Flush()
+			time.Sleep(time.Millisecond)
+		}
+	}))
+	defer up.Close()
+	front, m := serveProxy(t, up.URL)
+	resp, err := http.Post(front.URL+"/v1/chat/completions", "application/json", strings.NewReader(`{}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if string(b) != upstreamStream {
+		t.Fatalf("relayed bytes differ:\n%q\nwant\n%q", b, upstreamStream)
+	}
+	if got := testutil.ToFloat64(m.StreamTokens); got != 2 {
+		t.Fatalf("counted %v tokens, want 2", got)
+	}
+	if testutil.ToFloat64(m.StreamsInFlight) != 0 {
+		t.Fatal("stream gauge not back to 0")
+	}
+}
+
+// An upstream that dies mid-stream gives the client an error event and one
+// [DONE].
+func TestUpstreamDiesMidStream(t *testing.T) {
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, "data: {\"choices\":[{\"text\":\"x\"}]}\n\n")
+		w.(http.Flusher).Flush()
+		panic(http.ErrAbortHandler) // cut the connection
+	}))
+	defer up.Close()
+	front, m := serveProxy(t, up.URL)
+	resp, err := http.Post(front.URL+"/v1/completions", "application/json", strings.NewReader(`{}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	s := string(b)
+	if !strings.HasPrefix(s, "data: {\"choices\":[{\"text\":\"x\"}]}\n\ndata: {\"error\":") || !strings.HasSuffix(s, "\n\ndata: [DONE]\n\n") || strings.Count(s, "[DONE]") != 1 {
+		t.Fatalf("stream after upstream death:\n%s", s)
+	}
+	if testutil.ToFloat64(m.UpstreamErrors.WithLabelValues("m", "read")) != 1 {
+		t.Fatal("upstream error not counted")
+	}
+}
+
+// Non-streaming answers and engine errors pass through unchanged.
+func TestPassThrough(t *testing.T) {
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusBadRequest)
+		_, _ = io.WriteString(w, `{"error":{"message":"too long","type":"BadRequestError","param":null,"code":400}}`)
+	}))
+	defer up.Close()
+	front, _ := serveProxy(t, up.URL)
+	resp, _ := http.Post(front.URL+"/v1/completions", "application/json", strings.NewReader(`{}`))
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 400 || !strings.Contains(string(b), "too long") {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	// An unreachable engine: 502 in the contract's shape.
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	dead := "http://" + ln.Addr().String()
+	ln.Close()
+	front2, m := serveProxy(t, dead)
+	resp, _ = http.Post(front2.URL+"/v1/completions", "application/json", strings.NewReader(`{}`))
+	b, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 502 || !strings.Contains(string(b), `"code":502`) {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	if testutil.ToFloat64(m.UpstreamErrors.WithLabelValues("m", "connect")) != 1 {
+		t.Fatal("connect error not counted")
+	}
+}
+
+// A client that goes away cancels the upstream request; so does a client
+// that stops reading (write deadline).
+func TestClientGoneCancelsUpstream(t *testing.T) {
+	for _, mode := range []string{"disconnect", "stops reading"} {
+		t.Run(mode, func(t *testing.T) {
+			cancelled := make(chan struct{})
+			up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("Content-Type", "text/event-stream")
+				payload := "data: {\"choices\":[{\"text\":\"" + strings.Repeat("x", 16<<10) + "\"}]}\n\n"
+				for {
+					if _, err := io.WriteString(w, payload); err != nil {
+						break
+					}
+					w.(http.Flusher).Flush()
+					select {
+					case <-r.Context().Done():
+						close(cancelled)
+						return
+					case <-time.After(time.Millisecond):
+					}
+				}
+				close(cancelled)
+			}))
+			defer up.Close()
+			front, _ := serveProxy(t, up.URL)
+			conn, err := net.Dial("tcp", strings.TrimPrefix(front.URL, "http://"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tc, ok := conn.(*net.TCPConn); ok {
+				_ = tc.SetReadBuffer(4096)
+			}
+			_, _ = io.WriteString(conn, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+			br := bufio.NewReader(conn)
+			if _, err := br.ReadString('\n'); err != nil {
+				t.Fatal(err)
+			}
+			if mode == "disconnect" {
+				conn.Close()
+			} else {
+				defer conn.Close() // never read again
+			}
+			select {
+			case <-cancelled:
+			case <-time.After(10 * time.Second):
+				t.Fatal("upstream still streaming after the client left")
+			}
+		})
+	}
+}

@@ -1,0 +1,153 @@
+// Package proxy is the Host's OpenAI proxy: its own SSE loop rather than
+// httputil.ReverseProxy, because a migration splices a second upstream into
+// the same client stream, so the Host must see every event, count tokens,
+// and own the client connection.
+package proxy
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+)
+
+// maxEventBytes bounds one SSE event from an engine.
+const maxEventBytes = 4 << 20
+
+// Event is one SSE event as read from an upstream.
+type Event struct {
+	Raw  []byte // the whole event, lines and terminating blank line, as received
+	Data []byte // the payload of its data: line(s), joined with \n
+}
+
+// Kind says what an OpenAI stream event carries.
+type Kind int
+
+// Event kinds.
+const (
+	KindOther  Kind = iota // comments, events without data
+	KindRole               // chat's first chunk: the assistant role, no token
+	KindToken              // carries one output token (text may be empty: held-back stop text)
+	KindFinish             // a finish_reason with no new token
+	KindUsage              // the usage-only chunk (choices: [])
+	KindError              // an error object
+	KindDone               // data: [DONE]
+)
+
+// EventReader reads SSE events.
+type EventReader struct {
+	r *bufio.Reader
+}
+
+// NewEventReader reads events from r.
+func NewEventReader(r io.Reader) *EventReader {
+	return &EventReader{r: bufio.NewReaderSize(r, 32<<10)}
+}
+
+// Buffered reports whether more input is already in hand, so a writer can
+// batch a flush.
+func (er *EventReader) Buffered() bool { return er.r.Buffered() > 0 }
+
+// ErrEventTooLarge is returned for an event over maxEventBytes.
+var ErrEventTooLarge = errors.New("sse: event too large")
+
+// Next returns the next event. At a clean end of stream it returns io.EOF;
+// a stream cut inside an event returns io.ErrUnexpectedEOF.
+func (er *EventReader) Next() (Event, error) {
+	var raw, data []byte
+	for {
+		line, err := er.r.ReadSlice('\n')
+		if err == bufio.ErrBufferFull {
+			// A long line: fall back to accumulating.
+			acc := append([]byte(nil), line...)
+			for err == bufio.ErrBufferFull {
+				if len(acc) > maxEventBytes {
+					return Event{}, ErrEventTooLarge
+				}
+				line, err = er.r.ReadSlice('\n')
+				acc = append(acc, line...)
+			}
+			line = acc
+		}
+		if err != nil {
+			if err == io.EOF && len(raw) == 0 && len(line) == 0 {
+				return Event{}, io.EOF
+			}
+			if err == io.EOF {
+				return Event{}, io.ErrUnexpectedEOF
+			}
+			return Event{}, err
+		}
+		raw = append(raw, line...)
+		if len(raw) > maxEventBytes {
+			return Event{}, ErrEventTooLarge
+		}
+		content := bytes.TrimRight(line, "\r\n")
+		if len(content) == 0 {
+			if len(raw) == len(line) {
+				raw = raw[:0] // a stray blank line between events
+				continue
+			}
+			return Event{Raw: raw, Data: data}, nil
+		}
+		if v, ok := bytes.CutPrefix(content, []byte("data:")); ok {
+			v = bytes.TrimPrefix(v, []byte(" "))
+			if data != nil {
+				data = append(data, '\n')
+			}
+			data = append(data, v...)
+		}
+	}
+}
+
+// chunkShape is the part of an OpenAI chunk the Host needs to classify it.
+type chunkShape struct {
+	Choices *[]struct {
+		Text  *string `json:"text"`
+		Delta *struct {
+			Role    *string `json:"role"`
+			Content *string `json:"content"`
+		} `json:"delta"`
+		FinishReason *string `json:"finish_reason"`
+	} `json:"choices"`
+	Error json.RawMessage `json:"error"`
+}
+
+// Classify says what an event carries.
+func Classify(data []byte) (Kind, error) {
+	if data == nil {
+		return KindOther, nil
+	}
+	if bytes.Equal(data, []byte("[DONE]")) {
+		return KindDone, nil
+	}
+	var c chunkShape
+	if err := json.Unmarshal(data, &c); err != nil {
+		return KindOther, fmt.Errorf("sse: event is not JSON: %w", err)
+	}
+	if len(c.Error) > 0 && string(c.Error) != "null" {
+		return KindError, nil
+	}
+	if c.Choices == nil {
+		return KindOther, nil
+	}
+	if len(*c.Choices) == 0 {
+		return KindUsage, nil
+	}
+	ch := (*c.Choices)[0]
+	switch {
+	case ch.Delta != nil && ch.Delta.Role != nil:
+		return KindRole, nil
+	case ch.Text != nil || (ch.Delta != nil && ch.Delta.Content != nil):
+		// One content chunk per output token (vLLM streams one per step
+		// and request; the sim one per token). A finishing chunk with empty
+		// text is ambiguous, but once a stream finished its count no longer
+		// matters for splicing.
+		return KindToken, nil
+	case ch.FinishReason != nil:
+		return KindFinish, nil
+	}
+	return KindOther, nil
+}
