@@ -73,3 +73,10 @@ proto-check: proto-tools
 	if ! diff -r $$tmp/api/vllmhi api/vllmhi; then \
 		echo "api/vllmhi is stale: run 'make proto' and commit"; rm -rf $$tmp; exit 1; fi; \
 	rm -rf $$tmp; echo "generated protobuf code is current"
+
+## bench-proxy: the Host's SSE proxy vs direct vs nginx (installs Debian's nginx-light if missing).
+.PHONY: bench-proxy
+bench-proxy: build
+	@command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light)
+	./$(BIN) bench proxy --levels 1000,2000,3000 --tokens 150 --spread
+	./$(BIN) bench proxy --levels 1000,2000,3000 --tokens 150

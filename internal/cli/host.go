@@ -11,7 +11,7 @@ import (
 
 func newHostCommand(g *globalFlags) *cobra.Command {
 	cfg := host.DefaultConfig()
-	var tokenFile string
+	var tokenFile, debugAddr string
 	cmd := &cobra.Command{
 		Use:   "host",
 		Short: "Run the Host: registry, OpenAI routing and SSE proxy, REST API, metrics, agents' gRPC",
@@ -37,6 +37,11 @@ With --admin-token-file, /vllm_hi/* mutations and agent registration need the to
 			if cfg.HeartbeatInterval <= 0 || cfg.MissedHeartbeats < 1 {
 				return fmt.Errorf("--heartbeat-interval must be > 0 and --missed-heartbeats ≥ 1")
 			}
+			if debugAddr != "" {
+				if err := serveDebug(debugAddr, log); err != nil {
+					return err
+				}
+			}
 			ln, err := net.Listen("tcp", cfg.Listen)
 			if err != nil {
 				return fmt.Errorf("host: listen: %w", err)
@@ -50,6 +55,7 @@ With --admin-token-file, /vllm_hi/* mutations and agent registration need the to
 	f.DurationVar(&cfg.HeartbeatInterval, "heartbeat-interval", cfg.HeartbeatInterval, "how often agents heartbeat")
 	f.IntVar(&cfg.MissedHeartbeats, "missed-heartbeats", cfg.MissedHeartbeats, "missed heartbeats before an instance is unreachable")
 	f.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", cfg.ShutdownTimeout, "on SIGTERM, how long open streams may finish")
+	f.StringVar(&debugAddr, "debug-addr", "", "serve Go's pprof profiles on this separate address (e.g. 127.0.0.1:6060)")
 	f.DurationVar(&cfg.ClientWriteTimeout, "client-write-timeout", cfg.ClientWriteTimeout, "cut a streaming client whose socket accepts nothing for this long")
 	return cmd
 }

@@ -294,3 +294,37 @@ func TestMetricsGolden(t *testing.T) {
 		t.Fatalf("metrics differ from %s (go test -update):\n%s", path, got)
 	}
 }
+
+// On shutdown the Host lets open streams finish (within the timeout)
+// before it stops.
+func TestShutdownDrainsStreams(t *testing.T) {
+	h := startHost(t, func(c *Config) { c.ShutdownTimeout = 10 * time.Second })
+	c := grpcClient(t, h.addr)
+	if err := register(t, c, context.Background(), "a", v1.InstanceType_INSTANCE_TYPE_A, startSim(t, "m"), "m"); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.Post(h.url+"/v1/completions", "application/json",
+		strings.NewReader(`{"model":"m","prompt":"long","max_tokens":150,"ignore_eos":true,"stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	buf := make([]byte, 1)
+	if _, err := resp.Body.Read(buf); err != nil { // the stream has started
+		t.Fatal(err)
+	}
+	stopped := make(chan struct{})
+	go func() { h.stop(); close(stopped) }()
+	rest, err := io.ReadAll(resp.Body)
+	if err != nil || !strings.HasSuffix(string(rest), "data: [DONE]\n\n") {
+		t.Fatalf("stream cut by shutdown: %v …%q", err, tail(string(rest)))
+	}
+	<-stopped
+}
+
+func tail(s string) string {
+	if len(s) > 80 {
+		return s[len(s)-80:]
+	}
+	return s
+}

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -141,6 +140,7 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 	res := Result{Status: http.StatusOK}
 	er := NewEventReader(body)
 	var pending []time.Time // read times of events written but not yet flushed
+	var deadline time.Time  // the client write deadline currently set
 	for {
 		ev, err := er.Next()
 		if err != nil {
@@ -164,7 +164,12 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 			res.Tokens++
 			p.m.StreamTokens.Inc()
 		}
-		_ = rc.SetWriteDeadline(read.Add(p.writeTimeout))
+		// Moving the deadline costs a runtime timer update; refresh it
+		// only when half of it has passed.
+		if deadline.Sub(read) < p.writeTimeout/2 {
+			deadline = read.Add(p.writeTimeout)
+			_ = rc.SetWriteDeadline(deadline)
+		}
 		if _, err := w.Write(ev.Raw); err != nil {
 			res.Status = StatusClientClosed
 			return res
@@ -208,9 +213,4 @@ func WriteError(w http.ResponseWriter, status int, typ, msg string) {
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(status)
 	_ = json.NewEncoder(w).Encode(openai.NewError(status, typ, "", msg))
-}
-
-// IsClientGone reports whether err means the client went away.
-func IsClientGone(err error) bool {
-	return errors.Is(err, context.Canceled) || errors.Is(err, net.ErrClosed)
 }

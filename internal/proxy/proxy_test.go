@@ -233,3 +233,23 @@ func TestClientGoneCancelsUpstream(t *testing.T) {
 		})
 	}
 }
+
+// The fast path and the full decoder agree on every shape vLLM and the sim
+// send.
+func TestClassifyFastMatchesSlow(t *testing.T) {
+	for _, ev := range []string{
+		`{"id":"c","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" a","logprobs":null,"finish_reason":null,"stop_reason":null}]}`,
+		`{"id":"c","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"","logprobs":null,"finish_reason":"stop","stop_reason":"x"}]}`,
+		`{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],"prompt_token_ids":null}`,
+		`{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" \"delta\":{\"role\":"},"logprobs":null,"finish_reason":null,"token_ids":null}]}`,
+		`{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":1,"total_tokens":2,"completion_tokens":1}}`,
+		`{"error":{"message":"boom","type":"x","param":null,"code":500}}`,
+		`{"id":"c","choices":[{"index":0,"delta":{"tool_calls":[{"index":0}]}}]}`,
+	} {
+		fast, err1 := Classify([]byte(ev))
+		slow, err2 := classifySlow([]byte(ev))
+		if fast != slow || err1 != nil || err2 != nil {
+			t.Errorf("%s: fast %v, slow %v (%v %v)", ev, fast, slow, err1, err2)
+		}
+	}
+}

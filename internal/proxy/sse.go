@@ -36,9 +36,12 @@ const (
 	KindDone               // data: [DONE]
 )
 
-// EventReader reads SSE events.
+// EventReader reads SSE events. The Raw and Data of an event it returns
+// stay valid until the next call to Next (buffers are reused: the relay
+// writes each event before reading the next).
 type EventReader struct {
-	r *bufio.Reader
+	r         *bufio.Reader
+	raw, data []byte
 }
 
 // NewEventReader reads events from r.
@@ -56,7 +59,9 @@ var ErrEventTooLarge = errors.New("sse: event too large")
 // Next returns the next event. At a clean end of stream it returns io.EOF;
 // a stream cut inside an event returns io.ErrUnexpectedEOF.
 func (er *EventReader) Next() (Event, error) {
-	var raw, data []byte
+	raw, data := er.raw[:0], er.data[:0]
+	hasData := false
+	defer func() { er.raw, er.data = raw[:0], data[:0] }()
 	for {
 		line, err := er.r.ReadSlice('\n')
 		if err == bufio.ErrBufferFull {
@@ -90,14 +95,19 @@ func (er *EventReader) Next() (Event, error) {
 				raw = raw[:0] // a stray blank line between events
 				continue
 			}
-			return Event{Raw: raw, Data: data}, nil
+			ev := Event{Raw: raw}
+			if hasData {
+				ev.Data = data
+			}
+			return ev, nil
 		}
 		if v, ok := bytes.CutPrefix(content, []byte("data:")); ok {
 			v = bytes.TrimPrefix(v, []byte(" "))
-			if data != nil {
+			if hasData {
 				data = append(data, '\n')
 			}
 			data = append(data, v...)
+			hasData = true
 		}
 	}
 }
@@ -115,7 +125,19 @@ type chunkShape struct {
 	Error json.RawMessage `json:"error"`
 }
 
-// Classify says what an event carries.
+var (
+	keyChoices    = []byte(`"choices":`)
+	keyRoleDelta  = []byte(`"delta":{"role":`)
+	keyText       = []byte(`"text":"`)
+	keyContent    = []byte(`"delta":{"content":"`)
+	keyError      = []byte(`{"error":`)
+	keyToolsDelta = []byte(`"tool_calls"`)
+)
+
+// Classify says what an event carries. vLLM's and the sim's chunks have a
+// fixed shape, so the common cases are recognised by their structural keys
+// (a key's quotes cannot occur unescaped inside a JSON string, so these
+// byte patterns only match structure); anything else is decoded properly.
 func Classify(data []byte) (Kind, error) {
 	if data == nil {
 		return KindOther, nil
@@ -123,6 +145,25 @@ func Classify(data []byte) (Kind, error) {
 	if bytes.Equal(data, []byte("[DONE]")) {
 		return KindDone, nil
 	}
+	if bytes.HasPrefix(data, keyError) {
+		return KindError, nil
+	}
+	if i := bytes.Index(data, keyChoices); i >= 0 && !bytes.Contains(data, keyToolsDelta) {
+		rest := data[i+len(keyChoices):]
+		switch {
+		case bytes.HasPrefix(rest, []byte("[]")):
+			return KindUsage, nil
+		case bytes.HasPrefix(rest, []byte("[{")) && bytes.Contains(rest, keyRoleDelta):
+			return KindRole, nil
+		case bytes.HasPrefix(rest, []byte("[{")) && (bytes.Contains(rest, keyText) || bytes.Contains(rest, keyContent)):
+			return KindToken, nil
+		}
+	}
+	return classifySlow(data)
+}
+
+// classifySlow decodes the event.
+func classifySlow(data []byte) (Kind, error) {
 	var c chunkShape
 	if err := json.Unmarshal(data, &c); err != nil {
 		return KindOther, fmt.Errorf("sse: event is not JSON: %w", err)

@@ -1,0 +1,334 @@
+package cli
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/vllm-hi/vllm-hi/internal/loadgen"
+)
+
+func newBenchUpstreamCommand() *cobra.Command {
+	var (
+		port     int
+		interval time.Duration
+		model    string
+		spread   bool
+	)
+	cmd := &cobra.Command{
+		Use:    "sse-upstream",
+		Short:  "Serve a tick-driven OpenAI streaming upstream for proxy benchmarks",
+		Hidden: true,
+		Args:   cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			u := loadgen.NewTickUpstream(model, interval, spread)
+			defer u.Close()
+			ln, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+			if err != nil {
+				return err
+			}
+			srv := &http.Server{Handler: u, ReadHeaderTimeout: 10 * time.Second}
+			go func() { <-cmd.Context().Done(); _ = srv.Close() }()
+			if err := srv.Serve(ln); err != http.ErrServerClosed {
+				return err
+			}
+			return nil
+		},
+	}
+	cmd.Flags().IntVar(&port, "port", 0, "port")
+	cmd.Flags().DurationVar(&interval, "interval", 40*time.Millisecond, "time between two tokens of a stream (one engine step)")
+	cmd.Flags().StringVar(&model, "model", "bench", "served model name")
+	cmd.Flags().BoolVar(&spread, "spread", false, "each stream ticks at its own phase instead of all at once")
+	return cmd
+}
+
+type proxyBenchConfig struct {
+	levels   []int
+	tokens   int
+	interval time.Duration
+	nginx    string // "auto", "on", "off"
+	jsonOut  string
+	spread   bool
+}
+
+func newBenchProxyCommand() *cobra.Command {
+	c := proxyBenchConfig{}
+	cmd := &cobra.Command{
+		Use:   "proxy",
+		Short: "Compare the Host's SSE proxy with streaming directly and with nginx",
+		Long: `Starts a tick-driven streaming upstream (one token per stream every --interval,
+stamped with its send time), vhi host with a vhi agent registering that upstream, and
+nginx (Debian's package; proxy_buffering off, upstream keep-alive) on loopback, then for
+each stream count in --levels runs the same load directly, through the Host and through
+nginx, one after the other. Per path it reports per-token delivery latency (arrival −
+send) p50/p99/max, the latency each proxy adds over direct (p50 and p99 differences),
+delivered tokens/s, completed streams, and the proxy process's CPU.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return runBenchProxy(cmd.Context(), cmd.OutOrStdout(), c)
+		},
+	}
+	cmd.Flags().IntSliceVar(&c.levels, "levels", []int{1000, 2000, 4000}, "concurrent stream counts to run")
+	cmd.Flags().IntVar(&c.tokens, "tokens", 150, "tokens per stream")
+	cmd.Flags().DurationVar(&c.interval, "interval", 40*time.Millisecond, "time between two tokens of a stream")
+	cmd.Flags().StringVar(&c.nginx, "nginx", "auto", "compare with nginx: auto (when installed), on, off")
+	cmd.Flags().StringVar(&c.jsonOut, "json", "", "also write the results as JSON to this file")
+	cmd.Flags().BoolVar(&c.spread, "spread", false, "streams tick at their own phases (no per-step burst)")
+	return cmd
+}
+
+// proc is a child process the benchmark owns.
+type benchProc struct {
+	cmd  *exec.Cmd
+	name string
+}
+
+func startProc(ctx context.Context, name string, bin string, args ...string) (*benchProc, error) {
+	cmd := exec.CommandContext(ctx, bin, args...)
+	cmd.Stderr = os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start %s: %w", name, err)
+	}
+	return &benchProc{cmd: cmd, name: name}, nil
+}
+
+func (p *benchProc) stop() {
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	done := make(chan struct{})
+	go func() { _ = p.cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		_ = p.cmd.Process.Kill()
+		<-done
+	}
+}
+
+// cpuOfTree is the CPU seconds of pid and its direct children (nginx's
+// workers).
+func cpuOfTree(pid int) float64 {
+	total, _ := cpuSeconds(pid)
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", pid, pid))
+	if err == nil {
+		for _, f := range strings.Fields(string(b)) {
+			if c, err := strconv.Atoi(f); err == nil {
+				s, _ := cpuSeconds(c)
+				total += s
+			}
+		}
+	}
+	return total
+}
+
+func pickPort() (int, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port, nil
+}
+
+func waitHTTP(url string, ok func(*http.Response) bool) error {
+	deadline := time.Now().Add(20 * time.Second)
+	for time.Now().Before(deadline) {
+		if resp, err := http.Get(url); err == nil {
+			good := ok(resp)
+			resp.Body.Close()
+			if good {
+				return nil
+			}
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	return fmt.Errorf("%s not ready", url)
+}
+
+const nginxConf = `worker_processes auto;
+worker_rlimit_nofile 65535;
+daemon off;
+pid %[1]s/nginx.pid;
+error_log %[1]s/error.log warn;
+events { worker_connections 16384; multi_accept on; }
+http {
+  access_log off;
+  client_body_temp_path %[1]s/body;
+  proxy_temp_path %[1]s/proxy;
+  fastcgi_temp_path %[1]s/fastcgi;
+  uwsgi_temp_path %[1]s/uwsgi;
+  scgi_temp_path %[1]s/scgi;
+  upstream engine { server 127.0.0.1:%[2]d; keepalive 1024; }
+  server {
+    listen 127.0.0.1:%[3]d;
+    location / {
+      proxy_pass http://engine;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_cache off;
+      proxy_read_timeout 3600s;
+    }
+  }
+}
+`
+
+// pathResult is one (level, path) measurement.
+type pathResult struct {
+	Level        int     `json:"streams"`
+	Path         string  `json:"path"`
+	Completed    int     `json:"completed"`
+	Tokens       int     `json:"tokens"`
+	TokensPerSec float64 `json:"tokens_per_sec"`
+	OfferedTPS   float64 `json:"offered_tokens_per_sec"`
+	P50ms        float64 `json:"latency_p50_ms"`
+	P99ms        float64 `json:"latency_p99_ms"`
+	Maxms        float64 `json:"latency_max_ms"`
+	AddedP50ms   float64 `json:"added_p50_ms"`
+	AddedP99ms   float64 `json:"added_p99_ms"`
+	ProxyCores   float64 `json:"proxy_cpu_cores"`
+	Errors       int     `json:"errors"`
+}
+
+func runBenchProxy(ctx context.Context, out io.Writer, c proxyBenchConfig) error {
+	exe, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	upPort, _ := pickPort()
+	hostPort, _ := pickPort()
+	up, err := startProc(ctx, "upstream", exe, "bench", "sse-upstream", "--port", strconv.Itoa(upPort), "--interval", c.interval.String(),
+		"--spread="+strconv.FormatBool(c.spread))
+	if err != nil {
+		return err
+	}
+	defer up.stop()
+	upURL := fmt.Sprintf("http://127.0.0.1:%d", upPort)
+	if err := waitHTTP(upURL+"/health", func(r *http.Response) bool { return r.StatusCode == 200 }); err != nil {
+		return err
+	}
+	hostAddr := fmt.Sprintf("127.0.0.1:%d", hostPort)
+	h, err := startProc(ctx, "host", exe, "host", "--listen", hostAddr, "--log-level", "warn")
+	if err != nil {
+		return err
+	}
+	defer h.stop()
+	ag, err := startProc(ctx, "agent", exe, "agent", "--type", "A", "--host", hostAddr, "--engine", upURL, "--log-level", "warn")
+	if err != nil {
+		return err
+	}
+	defer ag.stop()
+	hostURL := "http://" + hostAddr
+	if err := waitHTTP(hostURL+"/vllm_hi/status", func(r *http.Response) bool {
+		var s struct {
+			N int `json:"instance_count"`
+		}
+		return json.NewDecoder(r.Body).Decode(&s) == nil && s.N == 1
+	}); err != nil {
+		return fmt.Errorf("agent did not register: %w", err)
+	}
+
+	paths := []struct {
+		name string
+		url  string
+		pid  int
+	}{{"direct", upURL, 0}, {"vhi host", hostURL, h.cmd.Process.Pid}}
+	nginxBin, lookErr := exec.LookPath("nginx")
+	if lookErr != nil {
+		nginxBin = "/usr/sbin/nginx"
+		if _, err := os.Stat(nginxBin); err != nil {
+			nginxBin = ""
+		}
+	}
+	switch {
+	case c.nginx == "off":
+	case nginxBin == "" && c.nginx == "on":
+		return fmt.Errorf("nginx not installed (Debian: apt-get install nginx-light)")
+	case nginxBin == "":
+		fmt.Fprintln(out, "nginx not installed: comparing with direct only (make bench-proxy installs it)")
+	default:
+		dir, err := os.MkdirTemp("", "vhi-bench-nginx-")
+		if err != nil {
+			return err
+		}
+		defer os.RemoveAll(dir)
+		nport, _ := pickPort()
+		conf := filepath.Join(dir, "nginx.conf")
+		if err := os.WriteFile(conf, []byte(fmt.Sprintf(nginxConf, dir, upPort, nport)), 0o644); err != nil {
+			return err
+		}
+		ng, err := startProc(ctx, "nginx", nginxBin, "-p", dir, "-c", conf)
+		if err != nil {
+			return err
+		}
+		defer ng.stop()
+		nURL := fmt.Sprintf("http://127.0.0.1:%d", nport)
+		if err := waitHTTP(nURL+"/health", func(r *http.Response) bool { return r.StatusCode == 200 }); err != nil {
+			return fmt.Errorf("nginx: %w", err)
+		}
+		paths = append(paths, struct {
+			name string
+			url  string
+			pid  int
+		}{"nginx", nURL, ng.cmd.Process.Pid})
+	}
+
+	mode := "all streams tick together (one burst per engine step)"
+	if c.spread {
+		mode = "each stream ticks at its own phase (no bursts)"
+	}
+	fmt.Fprintf(out, "vhi bench proxy: %d tokens per stream, one token per stream every %v, %s; paths run one after another\n", c.tokens, c.interval, mode)
+	var results []pathResult
+	tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "streams\tpath\tcompleted\ttok/s\toffered\tp50 ms\tp99 ms\tmax ms\tadded p50\tadded p99\tproxy CPU\t")
+	for _, n := range c.levels {
+		var direct pathResult
+		for _, p := range paths {
+			cpu0 := 0.0
+			if p.pid > 0 {
+				cpu0 = cpuOfTree(p.pid)
+			}
+			r := loadgen.RunLatency(ctx, p.url+"/v1/completions", "bench", n, c.tokens, time.Second)
+			pr := pathResult{Level: n, Path: p.name, Completed: r.Completed, Tokens: r.Tokens, TokensPerSec: r.TokensPerSec(),
+				OfferedTPS: float64(n) / c.interval.Seconds(), Errors: len(r.Errors)}
+			pr.P50ms = ms(loadgen.Percentile(r.Latencies, 0.5))
+			pr.P99ms = ms(loadgen.Percentile(r.Latencies, 0.99))
+			pr.Maxms = ms(loadgen.Percentile(r.Latencies, 1))
+			if p.pid > 0 {
+				pr.ProxyCores = (cpuOfTree(p.pid) - cpu0) / r.Wall.Seconds()
+			}
+			if p.name == "direct" {
+				direct = pr
+			} else {
+				pr.AddedP50ms, pr.AddedP99ms = pr.P50ms-direct.P50ms, pr.P99ms-direct.P99ms
+			}
+			results = append(results, pr)
+			fmt.Fprintf(tw, "%d\t%s\t%d/%d\t%.0f\t%.0f\t%.2f\t%.2f\t%.1f\t%.3f\t%.3f\t%.2f\t\n", n, p.name, pr.Completed, n,
+				pr.TokensPerSec, pr.OfferedTPS, pr.P50ms, pr.P99ms, pr.Maxms, pr.AddedP50ms, pr.AddedP99ms, pr.ProxyCores)
+			_ = tw.Flush()
+			time.Sleep(500 * time.Millisecond)
+		}
+	}
+	if c.jsonOut != "" {
+		b, _ := json.MarshalIndent(results, "", "  ")
+		if err := os.WriteFile(c.jsonOut, b, 0o644); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
