@@ -118,6 +118,10 @@ type RequestInfo struct {
 	NumComputedTokens int     `json:"num_computed_tokens"`
 	BlockIDs          []int   `json:"block_ids"`
 	ArrivalTime       float64 `json:"arrival_time"`
+	// Stream says the client is streaming: only streams can be spliced
+	// onto another engine mid-way.
+	Stream    bool `json:"stream"`
+	MaxTokens int  `json:"max_tokens"`
 }
 
 // RequestList is every live request plus the cursor they were read at.
@@ -272,6 +276,9 @@ type InstallResponse struct {
 type AbortRequest struct {
 	RequestIDs []string `json:"request_ids"`
 	Silent     bool     `json:"silent"`
+	// IgnoreMissing skips ids the engine no longer has (they finished or
+	// their client left) instead of refusing the whole call.
+	IgnoreMissing bool `json:"ignore_missing,omitempty"`
 }
 
 // AbortResponse lists what was aborted.

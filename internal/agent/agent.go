@@ -26,6 +26,7 @@ import (
 
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 	"github.com/vllm-hi/vllm-hi/internal/engine"
+	"github.com/vllm-hi/vllm-hi/internal/transfer/tcpshm"
 )
 
 // Config configures an agent.
@@ -41,6 +42,7 @@ type Config struct {
 	TransferBackend string
 	TP, PP          int           // for engines without hooks
 	EngineWait      time.Duration // how long to wait for the engine to become healthy
+	DefaultTN       int           // data-plane connections when the Host names none
 }
 
 // Validate checks the configuration.
@@ -90,6 +92,9 @@ type Agent struct {
 	info       engine.Info
 	registered bool
 	lastStats  *v1.EngineStats
+
+	dp       dataPlane
+	dataAddr string
 }
 
 // New returns an agent for cfg (validated).
@@ -106,7 +111,11 @@ func New(cfg Config, log *zap.Logger) (*Agent, error) {
 	}
 	var b [8]byte
 	_, _ = rand.Read(b[:])
-	return &Agent{cfg: cfg, log: log.With(zap.String("vllm_hi_id", cfg.ID)), eng: c, session: hex.EncodeToString(b[:])}, nil
+	if cfg.DefaultTN < 1 {
+		cfg.DefaultTN = 2
+	}
+	return &Agent{cfg: cfg, log: log.With(zap.String("vllm_hi_id", cfg.ID)), eng: c, session: hex.EncodeToString(b[:]),
+		dp: dataPlane{sessions: map[string]bool{}}}, nil
 }
 
 // ID is the agent's vllm_hi_id.
@@ -137,6 +146,28 @@ func (a *Agent) Run(ctx context.Context) error {
 	if advertise == "" {
 		advertise = localAddrTowards(a.cfg.HostAddr)
 	}
+	dataAddr := ""
+	if info.Migratable {
+		// The tcp_shm data plane: --data-port, or any free port.
+		ds, err := tcpshm.Listen(net.JoinHostPort("0.0.0.0", strconv.Itoa(a.cfg.DataPort)), a.dataTarget, a.log)
+		if err != nil {
+			return err
+		}
+		a.dp.server = ds
+		defer func() {
+			_ = ds.Close()
+			a.dp.mu.Lock()
+			a.dp.src.Close()
+			a.dp.dst.Close()
+			a.dp.mu.Unlock()
+		}()
+		_, dport, _ := net.SplitHostPort(ds.Addr().String())
+		dataAddr = net.JoinHostPort(advertise, dport)
+	} else if a.cfg.DataPort > 0 {
+		dataAddr = net.JoinHostPort(advertise, strconv.Itoa(a.cfg.DataPort))
+	}
+	a.dataAddr = dataAddr
+
 	ln, err := net.Listen("tcp", a.cfg.Listen)
 	if err != nil {
 		return fmt.Errorf("agent listen %s: %w", a.cfg.Listen, err)
@@ -147,10 +178,6 @@ func (a *Agent) Run(ctx context.Context) error {
 	defer srv.GracefulStop()
 	_, port, _ := net.SplitHostPort(ln.Addr().String())
 	agentAddr := net.JoinHostPort(advertise, port)
-	dataAddr := ""
-	if a.cfg.DataPort > 0 {
-		dataAddr = net.JoinHostPort(advertise, strconv.Itoa(a.cfg.DataPort))
-	}
 
 	conn, err := grpc.NewClient(a.cfg.HostAddr, grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithPerRPCCredentials(tokenCreds(a.cfg.AdminToken)))

@@ -80,7 +80,7 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 }
 
 func baseConfig(hostAddr, engineURL, typ string) Config {
-	return Config{Type: typ, HostAddr: hostAddr, EngineURL: engineURL, Listen: "127.0.0.1:0", TP: 1, PP: 1, EngineWait: 5 * time.Second, DataPort: 9100}
+	return Config{Type: typ, HostAddr: hostAddr, EngineURL: engineURL, Listen: "127.0.0.1:0", TP: 1, PP: 1, EngineWait: 5 * time.Second, DataPort: 0}
 }
 
 // Register, survive a Host restart by registering again, deregister on

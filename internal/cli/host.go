@@ -3,10 +3,13 @@ package cli
 import (
 	"fmt"
 	"net"
+	"os"
+	"strconv"
 
 	"github.com/spf13/cobra"
 
 	"github.com/vllm-hi/vllm-hi/internal/host"
+	"github.com/vllm-hi/vllm-hi/internal/migrate"
 )
 
 func newHostCommand(g *globalFlags) *cobra.Command {
@@ -34,6 +37,9 @@ With --admin-token-file, /vllm_hi/* mutations and agent registration need the to
 					return err
 				}
 			}
+			if err := migrationEnv(&cfg.Migration); err != nil {
+				return err
+			}
 			if cfg.HeartbeatInterval <= 0 || cfg.MissedHeartbeats < 1 {
 				return fmt.Errorf("--heartbeat-interval must be > 0 and --missed-heartbeats ≥ 1")
 			}
@@ -58,4 +64,27 @@ With --admin-token-file, /vllm_hi/* mutations and agent registration need the to
 	f.StringVar(&debugAddr, "debug-addr", "", "serve Go's pprof profiles on this separate address (e.g. 127.0.0.1:6060)")
 	f.DurationVar(&cfg.ClientWriteTimeout, "client-write-timeout", cfg.ClientWriteTimeout, "cut a streaming client whose socket accepts nothing for this long")
 	return cmd
+}
+
+// migrationEnv reads the seed's tuning variables.
+func migrationEnv(c *migrate.Config) error {
+	for _, v := range []struct {
+		key string
+		dst *int
+	}{{"VLLM_HI_MAX_INCR_ROUNDS", &c.MaxIncrRounds}, {"VLLM_HI_INCR_STALL_ROUNDS", &c.StallRounds}} {
+		if s := os.Getenv(v.key); s != "" {
+			n, err := strconv.Atoi(s)
+			if err != nil || n < 1 {
+				return fmt.Errorf("%s=%q: want an integer ≥ 1", v.key, s)
+			}
+			*v.dst = n
+		}
+	}
+	if s := os.Getenv("VLLM_HI_REQUEST_FILTER"); s != "" {
+		if _, err := migrate.ParseFilter(s); err != nil {
+			return fmt.Errorf("VLLM_HI_REQUEST_FILTER: %w", err)
+		}
+		c.DefaultFilter = s
+	}
+	return nil
 }

@@ -35,7 +35,7 @@ func NewRootCommand() *cobra.Command {
 	root.PersistentFlags().StringVar(&g.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	root.PersistentFlags().StringVar(&g.logFormat, "log-format", "console", "log format: console or json")
 	root.AddCommand(newVersionCommand(), newHostCommand(g), newAgentCommand(g), newSimCommand(g), newDemoCommand(g),
-		newBenchCommand(g), newInstancesCommand())
+		newBenchCommand(g), newInstancesCommand(), newMigrateCommand(), newMigrationCommand())
 	return root
 }
 

@@ -190,3 +190,9 @@ func (c *Client) Abort(ctx context.Context, req hooks.AbortRequest) (out hooks.A
 func (c *Client) Stats(ctx context.Context) (out hooks.Stats, err error) {
 	return out, c.do(ctx, http.MethodGet, hooks.PathStats, nil, &out)
 }
+
+// Sleep is vLLM's POST /sleep: it releases the engine's KV (level 1 also
+// offloads weights). mode "wait" lets in-flight requests finish first.
+func (c *Client) Sleep(ctx context.Context, level int, mode string) error {
+	return c.do(ctx, http.MethodPost, fmt.Sprintf("/sleep?level=%d&mode=%s", level, url.QueryEscape(mode)), nil, nil)
+}

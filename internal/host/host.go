@@ -28,6 +28,7 @@ import (
 
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 	"github.com/vllm-hi/vllm-hi/internal/host/registry"
+	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
 	"github.com/vllm-hi/vllm-hi/internal/version"
 )
@@ -43,6 +44,7 @@ type Config struct {
 	MissedHeartbeats   int
 	ShutdownTimeout    time.Duration // how long shutdown waits for streams to finish
 	ClientWriteTimeout time.Duration
+	Migration          migrate.Config
 }
 
 // DefaultConfig returns the documented defaults.
@@ -50,6 +52,7 @@ func DefaultConfig() Config {
 	return Config{
 		Listen: "0.0.0.0:8002", HeartbeatInterval: time.Second, MissedHeartbeats: 3,
 		ShutdownTimeout: 30 * time.Second, ClientWriteTimeout: 30 * time.Second,
+		Migration: migrate.DefaultConfig(),
 	}
 }
 
@@ -74,6 +77,7 @@ type Host struct {
 	prom    *prometheus.Registry
 	m       *metrics
 	proxy   *proxy.Proxy
+	mig     *migrate.Orchestrator
 	grpc    *grpc.Server
 	started time.Time
 }
@@ -85,6 +89,9 @@ func New(cfg Config, log *zap.Logger) *Host {
 	h.prom.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	h.m = newMetrics(h.prom, h.reg)
 	h.proxy = proxy.New(proxy.Options{ClientWriteTimeout: cfg.ClientWriteTimeout}, h.m.proxy, log)
+	mcfg := cfg.Migration
+	mcfg.AgentToken = cfg.AdminToken
+	h.mig = migrate.New(mcfg, h.reg, h.proxy.Streams(), log)
 	h.grpc = grpc.NewServer(grpc.UnaryInterceptor(authInterceptor(cfg.AdminToken, func(string) {
 		h.m.registrations.WithLabelValues("unauthenticated").Inc()
 	})))
@@ -108,10 +115,13 @@ func (h *Host) Handler() http.Handler {
 		r.Get("/status", h.status)
 		r.Get("/instances", h.instances)
 		r.Get("/instances/{id}", h.instance)
+		r.Get("/migration/{id}/status", h.migrationStatus)
+		r.Get("/migrations", h.migrations)
 		r.Group(func(r chi.Router) {
 			r.Use(h.requireAdmin)
 			r.Post("/instances/{id}/drain", h.drain)
 			r.Post("/instances/{id}/undrain", h.undrain)
+			r.Post("/migrate", h.migrate)
 		})
 	})
 	r.NotFound(func(w http.ResponseWriter, _ *http.Request) {
@@ -169,6 +179,7 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 	case <-time.After(5 * time.Second):
 		h.grpc.Stop()
 	}
+	h.mig.Close()
 	h.proxy.Close()
 	return nil
 }
@@ -259,8 +270,13 @@ func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 			hdr.Set(k, v)
 		}
 	}
+	prefix := "cmpl-"
+	if strings.HasSuffix(r.URL.Path, "/chat/completions") {
+		prefix = "chatcmpl-"
+	}
 	res := h.proxy.Forward(w, r, proxy.Upstream{
 		BaseURL: inst.Engine.URL, Path: r.URL.Path, Body: body, Header: hdr, Model: head.Model, InstanceID: inst.ID,
+		RequestID: prefix + rid,
 	})
 	h.count(head.Model, res.Status)
 }
@@ -335,6 +351,14 @@ type InstanceStats struct {
 	Sleeping    bool `json:"sleeping"`
 }
 
+func (h *Host) view(i registry.Instance) InstanceView {
+	v := view(i)
+	if h.mig.Busy(i.ID) && v.State != string(registry.StateUnreachable) {
+		v.State = string(registry.StateMigrating)
+	}
+	return v
+}
+
 func view(i registry.Instance) InstanceView {
 	v := InstanceView{
 		ID: i.ID, Type: i.Type, Role: string(i.Role), State: string(i.EffectiveState()),
@@ -386,7 +410,7 @@ func (h *Host) status(w http.ResponseWriter, _ *http.Request) {
 func (h *Host) instances(w http.ResponseWriter, _ *http.Request) {
 	out := []InstanceView{}
 	for _, i := range h.reg.List() {
-		out = append(out, view(i))
+		out = append(out, h.view(i))
 	}
 	writeJSON(w, http.StatusOK, map[string]any{"instances": out})
 }
@@ -397,7 +421,7 @@ func (h *Host) instance(w http.ResponseWriter, r *http.Request) {
 		h.registryError(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, view(i))
+	writeJSON(w, http.StatusOK, h.view(i))
 }
 
 // drain stops routing new requests to an active instance; streams in
@@ -430,4 +454,39 @@ func (h *Host) registryError(w http.ResponseWriter, err error) {
 	default:
 		proxy.WriteError(w, http.StatusInternalServerError, "InternalServerError", err.Error())
 	}
+}
+
+// migrate starts a migration: 202-style immediate answer with its id.
+func (h *Host) migrate(w http.ResponseWriter, r *http.Request) {
+	var req migrate.Request
+	dec := json.NewDecoder(io.LimitReader(r.Body, 1<<20))
+	if err := dec.Decode(&req); err != nil {
+		proxy.WriteError(w, http.StatusBadRequest, "BadRequestError", "malformed migrate body: "+err.Error())
+		return
+	}
+	id, err := h.mig.Start(req)
+	if err != nil {
+		var me *migrate.Error
+		if errors.As(err, &me) {
+			typ := map[int]string{400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError"}[me.Status]
+			proxy.WriteError(w, me.Status, typ, me.Msg)
+			return
+		}
+		proxy.WriteError(w, http.StatusInternalServerError, "InternalServerError", err.Error())
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]string{"migration_id": id})
+}
+
+func (h *Host) migrationStatus(w http.ResponseWriter, r *http.Request) {
+	s, ok := h.mig.Get(chi.URLParam(r, "id"))
+	if !ok {
+		proxy.WriteError(w, http.StatusNotFound, "NotFoundError", "unknown migration "+chi.URLParam(r, "id"))
+		return
+	}
+	writeJSON(w, http.StatusOK, s)
+}
+
+func (h *Host) migrations(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, map[string]any{"migrations": h.mig.List()})
 }

@@ -31,6 +31,7 @@ type Proxy struct {
 	log          *zap.Logger
 	m            *Metrics
 	writeTimeout time.Duration
+	streams      *Streams
 }
 
 // Options configure a Proxy.
@@ -60,8 +61,11 @@ func New(o Options, m *Metrics, log *zap.Logger) *Proxy {
 		WriteBufferSize:     16 << 10,
 		ReadBufferSize:      32 << 10,
 	}
-	return &Proxy{client: &http.Client{Transport: tr}, log: log, m: m, writeTimeout: o.ClientWriteTimeout}
+	return &Proxy{client: &http.Client{Transport: tr}, log: log, m: m, writeTimeout: o.ClientWriteTimeout, streams: NewStreams()}
 }
+
+// Streams is the table of live streams (for splicing).
+func (p *Proxy) Streams() *Streams { return p.streams }
 
 // Close releases idle upstream connections.
 func (p *Proxy) Close() { p.client.CloseIdleConnections() }
@@ -74,6 +78,7 @@ type Upstream struct {
 	Header     http.Header // headers to pass on
 	Model      string
 	InstanceID string
+	RequestID  string // the engine's request id; streams are registered under it for splicing
 }
 
 // Result says how a forwarded request ended.
@@ -91,9 +96,12 @@ const StatusClientClosed = 499
 // Forward sends the request upstream and relays the answer. Streams are
 // relayed event by event; everything else passes through unchanged.
 func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Result {
-	ctx, cancel := context.WithCancel(r.Context())
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(up.BaseURL, "/")+up.Path, bytes.NewReader(up.Body))
+	ctx := r.Context()
+	// The upstream request has a context of its own so that a splice can
+	// stop reading the source engine while the client stream goes on.
+	upCtx, cancelUp := context.WithCancel(ctx)
+	defer cancelUp()
+	req, err := http.NewRequestWithContext(upCtx, http.MethodPost, strings.TrimRight(up.BaseURL, "/")+up.Path, bytes.NewReader(up.Body))
 	if err != nil {
 		return p.fail(w, up, http.StatusBadGateway, "bad_url", fmt.Sprintf("bad engine URL %q: %v", up.BaseURL, err))
 	}
@@ -111,7 +119,7 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 	if resp.StatusCode != http.StatusOK || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
 		return p.passThrough(w, resp)
 	}
-	return p.relay(ctx, w, resp.Body, up)
+	return p.relay(ctx, w, resp.Body, cancelUp, up)
 }
 
 func (p *Proxy) passThrough(w http.ResponseWriter, resp *http.Response) Result {
@@ -126,8 +134,10 @@ func (p *Proxy) passThrough(w http.ResponseWriter, resp *http.Response) Result {
 }
 
 // relay is the streaming loop: read an event, classify it, write it
-// byte-exact, and flush unless the next event is already in hand.
-func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader, up Upstream) Result {
+// byte-exact, and flush unless the next event is already in hand. A splice
+// (see Stream.Splice) swaps the upstream once exactly the source's tokens
+// went to the client.
+func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader, cancelUp context.CancelFunc, up Upstream) Result {
 	h := w.Header()
 	h.Set("Content-Type", "text/event-stream; charset=utf-8")
 	h.Set("Cache-Control", "no-cache")
@@ -137,8 +147,24 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 	p.m.StreamsInFlight.Inc()
 	defer p.m.StreamsInFlight.Dec()
 
+	s := &Stream{ID: up.RequestID, Instance: up.InstanceID, cancelA: cancelUp, done: make(chan struct{})}
+	if up.RequestID != "" {
+		p.streams.add(s)
+		defer p.streams.remove(s)
+	}
+	defer func() {
+		s.mu.Lock()
+		close(s.done)
+		if sp := s.splice; sp != nil && sp.switched != nil {
+			sp.switched <- fmt.Errorf("stream %s ended before it could move", s.ID)
+			sp.switched = nil
+		}
+		s.mu.Unlock()
+	}()
+
 	res := Result{Status: http.StatusOK}
 	er := NewEventReader(body)
+	onTarget := false
 	var pending []time.Time // read times of events written but not yet flushed
 	var deadline time.Time  // the client write deadline currently set
 	for {
@@ -147,6 +173,17 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 			if ctx.Err() != nil {
 				res.Status = StatusClientClosed
 				return res
+			}
+			if next, ok := p.trySwitch(ctx, s); ok {
+				if next == nil {
+					p.writeStreamError(w, rc, fmt.Sprintf("moving the stream to another engine failed after %d tokens", res.Tokens))
+					res.Truncated = true
+					return res
+				}
+				defer next.Close()
+				er = NewEventReader(next)
+				onTarget = true
+				continue
 			}
 			kind := "read"
 			if err == io.EOF {
@@ -163,6 +200,12 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 		if kind == KindToken {
 			res.Tokens++
 			p.m.StreamTokens.Inc()
+			s.mu.Lock()
+			s.tokens++
+			if sp := s.splice; sp != nil && sp.switched != nil && s.tokens == sp.from {
+				s.cancelA() // the source's last token: stop waiting on it after this write
+			}
+			s.mu.Unlock()
 		}
 		// Moving the deadline costs a runtime timer update; refresh it
 		// only when half of it has passed.
@@ -185,12 +228,48 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 				p.m.AddedLatency.Observe(now.Sub(t).Seconds())
 			}
 			pending = pending[:0]
+			if onTarget {
+				s.mu.Lock()
+				if s.splice.at.IsZero() {
+					s.splice.at = now
+				}
+				s.mu.Unlock()
+			}
 		}
 		if kind == KindDone {
 			res.Done = true
 			return res
 		}
 	}
+}
+
+// trySwitch is called when the upstream read ended: if a splice is due
+// (exactly its token count went out), it opens the target's stream. ok
+// reports whether a splice was due; next is nil when opening failed.
+func (p *Proxy) trySwitch(ctx context.Context, s *Stream) (next io.ReadCloser, ok bool) {
+	s.mu.Lock()
+	sp := s.splice
+	due := sp != nil && sp.switched != nil && s.tokens == sp.from
+	s.mu.Unlock()
+	if !due {
+		return nil, false
+	}
+	actx, cancel := context.WithCancel(ctx)
+	resp, err := p.openAttach(actx, sp, s.ID)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err != nil {
+		cancel()
+		sp.switched <- err
+		sp.switched = nil
+		p.log.Error("stream splice failed", zap.String("request_id", s.ID), zap.Error(err))
+		return nil, true
+	}
+	s.cancelA = cancel
+	s.Instance = sp.instance
+	sp.switched <- nil
+	sp.switched = nil
+	return resp.Body, true
 }
 
 // writeStreamError ends a stream whose upstream died with an OpenAI-style

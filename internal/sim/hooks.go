@@ -269,7 +269,19 @@ func (e *Engine) Abort(_ context.Context, req hooks.AbortRequest) (hooks.AbortRe
 	if len(req.RequestIDs) == 0 {
 		return hooks.AbortResponse{}, badRequest("request_ids", "request_ids must name at least one request.")
 	}
-	rs, err := e.lookup(req.RequestIDs, true)
+	ids := req.RequestIDs
+	if req.IgnoreMissing {
+		ids = ids[:0:0]
+		for _, id := range req.RequestIDs {
+			if e.requests[id] != nil {
+				ids = append(ids, id)
+			}
+		}
+		if len(ids) == 0 {
+			return hooks.AbortResponse{Aborted: []string{}}, nil
+		}
+	}
+	rs, err := e.lookup(ids, true)
 	if err != nil {
 		return hooks.AbortResponse{}, err
 	}

@@ -133,6 +133,7 @@ func (r *request) info() hooks.RequestInfo {
 		NumPromptTokens: len(r.prompt), NumOutputTokens: len(r.output),
 		NumComputedTokens: r.numComputed, BlockIDs: append([]int(nil), r.blocks...),
 		ArrivalTime: unixSeconds(r.arrival),
+		Stream:      r.meta.Stream, MaxTokens: r.params.MaxTokens,
 	}
 }
 

@@ -77,6 +77,630 @@ func (InstanceType) EnumDescriptor() ([]byte, []int) {
 	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{0}
 }
 
+type HookRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// One of: layout, requests, changes, pause, resume, export, allocate,
+	// install, abort, stats.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Body []byte `protobuf:"bytes,2,opt,name=body,proto3" json:"body,omitempty"`
+	// For "changes": the cursor.
+	Since         uint64 `protobuf:"varint,3,opt,name=since,proto3" json:"since,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *HookRequest) Reset() {
+	*x = HookRequest{}
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HookRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HookRequest) ProtoMessage() {}
+
+func (x *HookRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HookRequest.ProtoReflect.Descriptor instead.
+func (*HookRequest) Descriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *HookRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *HookRequest) GetBody() []byte {
+	if x != nil {
+		return x.Body
+	}
+	return nil
+}
+
+func (x *HookRequest) GetSince() uint64 {
+	if x != nil {
+		return x.Since
+	}
+	return 0
+}
+
+type HookResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Body          []byte                 `protobuf:"bytes,1,opt,name=body,proto3" json:"body,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *HookResponse) Reset() {
+	*x = HookResponse{}
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HookResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HookResponse) ProtoMessage() {}
+
+func (x *HookResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HookResponse.ProtoReflect.Descriptor instead.
+func (*HookResponse) Descriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *HookResponse) GetBody() []byte {
+	if x != nil {
+		return x.Body
+	}
+	return nil
+}
+
+type PrepareTargetRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	MigrationId   string                 `protobuf:"bytes,1,opt,name=migration_id,json=migrationId,proto3" json:"migration_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PrepareTargetRequest) Reset() {
+	*x = PrepareTargetRequest{}
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PrepareTargetRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PrepareTargetRequest) ProtoMessage() {}
+
+func (x *PrepareTargetRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PrepareTargetRequest.ProtoReflect.Descriptor instead.
+func (*PrepareTargetRequest) Descriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *PrepareTargetRequest) GetMigrationId() string {
+	if x != nil {
+		return x.MigrationId
+	}
+	return ""
+}
+
+type PrepareTargetResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Layout        []byte                 `protobuf:"bytes,1,opt,name=layout,proto3" json:"layout,omitempty"`
+	DataAddress   string                 `protobuf:"bytes,2,opt,name=data_address,json=dataAddress,proto3" json:"data_address,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PrepareTargetResponse) Reset() {
+	*x = PrepareTargetResponse{}
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PrepareTargetResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PrepareTargetResponse) ProtoMessage() {}
+
+func (x *PrepareTargetResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PrepareTargetResponse.ProtoReflect.Descriptor instead.
+func (*PrepareTargetResponse) Descriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *PrepareTargetResponse) GetLayout() []byte {
+	if x != nil {
+		return x.Layout
+	}
+	return nil
+}
+
+func (x *PrepareTargetResponse) GetDataAddress() string {
+	if x != nil {
+		return x.DataAddress
+	}
+	return ""
+}
+
+type ReleaseTargetRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	MigrationId   string                 `protobuf:"bytes,1,opt,name=migration_id,json=migrationId,proto3" json:"migration_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReleaseTargetRequest) Reset() {
+	*x = ReleaseTargetRequest{}
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReleaseTargetRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReleaseTargetRequest) ProtoMessage() {}
+
+func (x *ReleaseTargetRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReleaseTargetRequest.ProtoReflect.Descriptor instead.
+func (*ReleaseTargetRequest) Descriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *ReleaseTargetRequest) GetMigrationId() string {
+	if x != nil {
+		return x.MigrationId
+	}
+	return ""
+}
+
+type ReleaseTargetResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReleaseTargetResponse) Reset() {
+	*x = ReleaseTargetResponse{}
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReleaseTargetResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReleaseTargetResponse) ProtoMessage() {}
+
+func (x *ReleaseTargetResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReleaseTargetResponse.ProtoReflect.Descriptor instead.
+func (*ReleaseTargetResponse) Descriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{5}
+}
+
+// RequestBlocks maps a request's blocks: index i of the source's block
+// table goes to dst_block_ids[i].
+type RequestBlocks struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	RequestId     string                 `protobuf:"bytes,1,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	SrcBlockIds   []int32                `protobuf:"varint,2,rep,packed,name=src_block_ids,json=srcBlockIds,proto3" json:"src_block_ids,omitempty"`
+	DstBlockIds   []int32                `protobuf:"varint,3,rep,packed,name=dst_block_ids,json=dstBlockIds,proto3" json:"dst_block_ids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RequestBlocks) Reset() {
+	*x = RequestBlocks{}
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RequestBlocks) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RequestBlocks) ProtoMessage() {}
+
+func (x *RequestBlocks) ProtoReflect() protoreflect.Message {
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RequestBlocks.ProtoReflect.Descriptor instead.
+func (*RequestBlocks) Descriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *RequestBlocks) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
+func (x *RequestBlocks) GetSrcBlockIds() []int32 {
+	if x != nil {
+		return x.SrcBlockIds
+	}
+	return nil
+}
+
+func (x *RequestBlocks) GetDstBlockIds() []int32 {
+	if x != nil {
+		return x.DstBlockIds
+	}
+	return nil
+}
+
+type CopyRoundRequest struct {
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	MigrationId string                 `protobuf:"bytes,1,opt,name=migration_id,json=migrationId,proto3" json:"migration_id,omitempty"`
+	// "full" copies every computed block; "incremental" the blocks written
+	// since since_cursor; "final" likewise, and only the written slots when
+	// slot_granular.
+	Kind              string           `protobuf:"bytes,2,opt,name=kind,proto3" json:"kind,omitempty"`
+	SinceCursor       uint64           `protobuf:"varint,3,opt,name=since_cursor,json=sinceCursor,proto3" json:"since_cursor,omitempty"`
+	Requests          []*RequestBlocks `protobuf:"bytes,4,rep,name=requests,proto3" json:"requests,omitempty"`
+	TargetDataAddress string           `protobuf:"bytes,5,opt,name=target_data_address,json=targetDataAddress,proto3" json:"target_data_address,omitempty"`
+	TargetLayout      []byte           `protobuf:"bytes,6,opt,name=target_layout,json=targetLayout,proto3" json:"target_layout,omitempty"`
+	Tn                int32            `protobuf:"varint,7,opt,name=tn,proto3" json:"tn,omitempty"`
+	SlotGranular      bool             `protobuf:"varint,8,opt,name=slot_granular,json=slotGranular,proto3" json:"slot_granular,omitempty"`
+	// Test hook: "corrupt" or "cut" injects a data-plane fault.
+	InjectFault   string `protobuf:"bytes,9,opt,name=inject_fault,json=injectFault,proto3" json:"inject_fault,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CopyRoundRequest) Reset() {
+	*x = CopyRoundRequest{}
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CopyRoundRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CopyRoundRequest) ProtoMessage() {}
+
+func (x *CopyRoundRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CopyRoundRequest.ProtoReflect.Descriptor instead.
+func (*CopyRoundRequest) Descriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *CopyRoundRequest) GetMigrationId() string {
+	if x != nil {
+		return x.MigrationId
+	}
+	return ""
+}
+
+func (x *CopyRoundRequest) GetKind() string {
+	if x != nil {
+		return x.Kind
+	}
+	return ""
+}
+
+func (x *CopyRoundRequest) GetSinceCursor() uint64 {
+	if x != nil {
+		return x.SinceCursor
+	}
+	return 0
+}
+
+func (x *CopyRoundRequest) GetRequests() []*RequestBlocks {
+	if x != nil {
+		return x.Requests
+	}
+	return nil
+}
+
+func (x *CopyRoundRequest) GetTargetDataAddress() string {
+	if x != nil {
+		return x.TargetDataAddress
+	}
+	return ""
+}
+
+func (x *CopyRoundRequest) GetTargetLayout() []byte {
+	if x != nil {
+		return x.TargetLayout
+	}
+	return nil
+}
+
+func (x *CopyRoundRequest) GetTn() int32 {
+	if x != nil {
+		return x.Tn
+	}
+	return 0
+}
+
+func (x *CopyRoundRequest) GetSlotGranular() bool {
+	if x != nil {
+		return x.SlotGranular
+	}
+	return false
+}
+
+func (x *CopyRoundRequest) GetInjectFault() string {
+	if x != nil {
+		return x.InjectFault
+	}
+	return ""
+}
+
+type CopyRoundResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The cursor read before this round copied: the next round's since.
+	Cursor     uint64  `protobuf:"varint,1,opt,name=cursor,proto3" json:"cursor,omitempty"`
+	BlockCount int32   `protobuf:"varint,2,opt,name=block_count,json=blockCount,proto3" json:"block_count,omitempty"`
+	Bytes      int64   `protobuf:"varint,3,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	DurationS  float64 `protobuf:"fixed64,4,opt,name=duration_s,json=durationS,proto3" json:"duration_s,omitempty"`
+	// Requests that finished, left or were preempted: no longer migrating.
+	DroppedRequestIds []string `protobuf:"bytes,5,rep,name=dropped_request_ids,json=droppedRequestIds,proto3" json:"dropped_request_ids,omitempty"`
+	// The source block tables now (they grow as requests decode).
+	Requests      []*RequestBlocks `protobuf:"bytes,6,rep,name=requests,proto3" json:"requests,omitempty"`
+	TokenSlots    int32            `protobuf:"varint,7,opt,name=token_slots,json=tokenSlots,proto3" json:"token_slots,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CopyRoundResponse) Reset() {
+	*x = CopyRoundResponse{}
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CopyRoundResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CopyRoundResponse) ProtoMessage() {}
+
+func (x *CopyRoundResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CopyRoundResponse.ProtoReflect.Descriptor instead.
+func (*CopyRoundResponse) Descriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *CopyRoundResponse) GetCursor() uint64 {
+	if x != nil {
+		return x.Cursor
+	}
+	return 0
+}
+
+func (x *CopyRoundResponse) GetBlockCount() int32 {
+	if x != nil {
+		return x.BlockCount
+	}
+	return 0
+}
+
+func (x *CopyRoundResponse) GetBytes() int64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+func (x *CopyRoundResponse) GetDurationS() float64 {
+	if x != nil {
+		return x.DurationS
+	}
+	return 0
+}
+
+func (x *CopyRoundResponse) GetDroppedRequestIds() []string {
+	if x != nil {
+		return x.DroppedRequestIds
+	}
+	return nil
+}
+
+func (x *CopyRoundResponse) GetRequests() []*RequestBlocks {
+	if x != nil {
+		return x.Requests
+	}
+	return nil
+}
+
+func (x *CopyRoundResponse) GetTokenSlots() int32 {
+	if x != nil {
+		return x.TokenSlots
+	}
+	return 0
+}
+
+type RetireRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RetireRequest) Reset() {
+	*x = RetireRequest{}
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RetireRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RetireRequest) ProtoMessage() {}
+
+func (x *RetireRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RetireRequest.ProtoReflect.Descriptor instead.
+func (*RetireRequest) Descriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{9}
+}
+
+type RetireResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RetireResponse) Reset() {
+	*x = RetireResponse{}
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RetireResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RetireResponse) ProtoMessage() {}
+
+func (x *RetireResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RetireResponse.ProtoReflect.Descriptor instead.
+func (*RetireResponse) Descriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{10}
+}
+
 type KVGeometry struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	NumLayers     int32                  `protobuf:"varint,1,opt,name=num_layers,json=numLayers,proto3" json:"num_layers,omitempty"`
@@ -92,7 +716,7 @@ type KVGeometry struct {
 
 func (x *KVGeometry) Reset() {
 	*x = KVGeometry{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[0]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -104,7 +728,7 @@ func (x *KVGeometry) String() string {
 func (*KVGeometry) ProtoMessage() {}
 
 func (x *KVGeometry) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[0]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -117,7 +741,7 @@ func (x *KVGeometry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KVGeometry.ProtoReflect.Descriptor instead.
 func (*KVGeometry) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{0}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *KVGeometry) GetNumLayers() int32 {
@@ -191,7 +815,7 @@ type EngineInfo struct {
 
 func (x *EngineInfo) Reset() {
 	*x = EngineInfo{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[1]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -203,7 +827,7 @@ func (x *EngineInfo) String() string {
 func (*EngineInfo) ProtoMessage() {}
 
 func (x *EngineInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[1]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -216,7 +840,7 @@ func (x *EngineInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EngineInfo.ProtoReflect.Descriptor instead.
 func (*EngineInfo) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{1}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *EngineInfo) GetEngineUrl() string {
@@ -303,7 +927,7 @@ type EngineStats struct {
 
 func (x *EngineStats) Reset() {
 	*x = EngineStats{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[2]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -315,7 +939,7 @@ func (x *EngineStats) String() string {
 func (*EngineStats) ProtoMessage() {}
 
 func (x *EngineStats) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[2]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -328,7 +952,7 @@ func (x *EngineStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EngineStats.ProtoReflect.Descriptor instead.
 func (*EngineStats) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{2}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *EngineStats) GetHealthy() bool {
@@ -393,7 +1017,7 @@ type RegisterRequest struct {
 
 func (x *RegisterRequest) Reset() {
 	*x = RegisterRequest{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[3]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -405,7 +1029,7 @@ func (x *RegisterRequest) String() string {
 func (*RegisterRequest) ProtoMessage() {}
 
 func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[3]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -418,7 +1042,7 @@ func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterRequest.ProtoReflect.Descriptor instead.
 func (*RegisterRequest) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{3}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *RegisterRequest) GetVllmHiId() string {
@@ -488,7 +1112,7 @@ type RegisterResponse struct {
 
 func (x *RegisterResponse) Reset() {
 	*x = RegisterResponse{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[4]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -500,7 +1124,7 @@ func (x *RegisterResponse) String() string {
 func (*RegisterResponse) ProtoMessage() {}
 
 func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[4]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -513,7 +1137,7 @@ func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterResponse.ProtoReflect.Descriptor instead.
 func (*RegisterResponse) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{4}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *RegisterResponse) GetVllmHiId() string {
@@ -541,7 +1165,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[5]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -553,7 +1177,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[5]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -566,7 +1190,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{5}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *HeartbeatRequest) GetVllmHiId() string {
@@ -598,7 +1222,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[6]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -610,7 +1234,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[6]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -623,7 +1247,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{6}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{17}
 }
 
 type DeregisterRequest struct {
@@ -636,7 +1260,7 @@ type DeregisterRequest struct {
 
 func (x *DeregisterRequest) Reset() {
 	*x = DeregisterRequest{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[7]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -648,7 +1272,7 @@ func (x *DeregisterRequest) String() string {
 func (*DeregisterRequest) ProtoMessage() {}
 
 func (x *DeregisterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[7]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -661,7 +1285,7 @@ func (x *DeregisterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterRequest.ProtoReflect.Descriptor instead.
 func (*DeregisterRequest) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{7}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *DeregisterRequest) GetVllmHiId() string {
@@ -686,7 +1310,7 @@ type DeregisterResponse struct {
 
 func (x *DeregisterResponse) Reset() {
 	*x = DeregisterResponse{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[8]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -698,7 +1322,7 @@ func (x *DeregisterResponse) String() string {
 func (*DeregisterResponse) ProtoMessage() {}
 
 func (x *DeregisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[8]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -711,7 +1335,7 @@ func (x *DeregisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterResponse.ProtoReflect.Descriptor instead.
 func (*DeregisterResponse) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{8}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{19}
 }
 
 type AgentStatusRequest struct {
@@ -722,7 +1346,7 @@ type AgentStatusRequest struct {
 
 func (x *AgentStatusRequest) Reset() {
 	*x = AgentStatusRequest{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[9]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -734,7 +1358,7 @@ func (x *AgentStatusRequest) String() string {
 func (*AgentStatusRequest) ProtoMessage() {}
 
 func (x *AgentStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[9]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -747,7 +1371,7 @@ func (x *AgentStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AgentStatusRequest.ProtoReflect.Descriptor instead.
 func (*AgentStatusRequest) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{9}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{20}
 }
 
 type AgentStatusResponse struct {
@@ -762,7 +1386,7 @@ type AgentStatusResponse struct {
 
 func (x *AgentStatusResponse) Reset() {
 	*x = AgentStatusResponse{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[10]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -774,7 +1398,7 @@ func (x *AgentStatusResponse) String() string {
 func (*AgentStatusResponse) ProtoMessage() {}
 
 func (x *AgentStatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[10]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -787,7 +1411,7 @@ func (x *AgentStatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AgentStatusResponse.ProtoReflect.Descriptor instead.
 func (*AgentStatusResponse) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{10}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *AgentStatusResponse) GetVllmHiId() string {
@@ -822,7 +1446,49 @@ var File_vllmhi_v1_vllmhi_proto protoreflect.FileDescriptor
 
 const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\n" +
-	"\x16vllmhi/v1/vllmhi.proto\x12\tvllmhi.v1\"\xdd\x01\n" +
+	"\x16vllmhi/v1/vllmhi.proto\x12\tvllmhi.v1\"K\n" +
+	"\vHookRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
+	"\x04body\x18\x02 \x01(\fR\x04body\x12\x14\n" +
+	"\x05since\x18\x03 \x01(\x04R\x05since\"\"\n" +
+	"\fHookResponse\x12\x12\n" +
+	"\x04body\x18\x01 \x01(\fR\x04body\"9\n" +
+	"\x14PrepareTargetRequest\x12!\n" +
+	"\fmigration_id\x18\x01 \x01(\tR\vmigrationId\"R\n" +
+	"\x15PrepareTargetResponse\x12\x16\n" +
+	"\x06layout\x18\x01 \x01(\fR\x06layout\x12!\n" +
+	"\fdata_address\x18\x02 \x01(\tR\vdataAddress\"9\n" +
+	"\x14ReleaseTargetRequest\x12!\n" +
+	"\fmigration_id\x18\x01 \x01(\tR\vmigrationId\"\x17\n" +
+	"\x15ReleaseTargetResponse\"v\n" +
+	"\rRequestBlocks\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\x01 \x01(\tR\trequestId\x12\"\n" +
+	"\rsrc_block_ids\x18\x02 \x03(\x05R\vsrcBlockIds\x12\"\n" +
+	"\rdst_block_ids\x18\x03 \x03(\x05R\vdstBlockIds\"\xcf\x02\n" +
+	"\x10CopyRoundRequest\x12!\n" +
+	"\fmigration_id\x18\x01 \x01(\tR\vmigrationId\x12\x12\n" +
+	"\x04kind\x18\x02 \x01(\tR\x04kind\x12!\n" +
+	"\fsince_cursor\x18\x03 \x01(\x04R\vsinceCursor\x124\n" +
+	"\brequests\x18\x04 \x03(\v2\x18.vllmhi.v1.RequestBlocksR\brequests\x12.\n" +
+	"\x13target_data_address\x18\x05 \x01(\tR\x11targetDataAddress\x12#\n" +
+	"\rtarget_layout\x18\x06 \x01(\fR\ftargetLayout\x12\x0e\n" +
+	"\x02tn\x18\a \x01(\x05R\x02tn\x12#\n" +
+	"\rslot_granular\x18\b \x01(\bR\fslotGranular\x12!\n" +
+	"\finject_fault\x18\t \x01(\tR\vinjectFault\"\x88\x02\n" +
+	"\x11CopyRoundResponse\x12\x16\n" +
+	"\x06cursor\x18\x01 \x01(\x04R\x06cursor\x12\x1f\n" +
+	"\vblock_count\x18\x02 \x01(\x05R\n" +
+	"blockCount\x12\x14\n" +
+	"\x05bytes\x18\x03 \x01(\x03R\x05bytes\x12\x1d\n" +
+	"\n" +
+	"duration_s\x18\x04 \x01(\x01R\tdurationS\x12.\n" +
+	"\x13dropped_request_ids\x18\x05 \x03(\tR\x11droppedRequestIds\x124\n" +
+	"\brequests\x18\x06 \x03(\v2\x18.vllmhi.v1.RequestBlocksR\brequests\x12\x1f\n" +
+	"\vtoken_slots\x18\a \x01(\x05R\n" +
+	"tokenSlots\"\x0f\n" +
+	"\rRetireRequest\"\x10\n" +
+	"\x0eRetireResponse\"\xdd\x01\n" +
 	"\n" +
 	"KVGeometry\x12\x1d\n" +
 	"\n" +
@@ -906,9 +1572,14 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\bRegister\x12\x1a.vllmhi.v1.RegisterRequest\x1a\x1b.vllmhi.v1.RegisterResponse\x12F\n" +
 	"\tHeartbeat\x12\x1b.vllmhi.v1.HeartbeatRequest\x1a\x1c.vllmhi.v1.HeartbeatResponse\x12I\n" +
 	"\n" +
-	"Deregister\x12\x1c.vllmhi.v1.DeregisterRequest\x1a\x1d.vllmhi.v1.DeregisterResponse2P\n" +
+	"Deregister\x12\x1c.vllmhi.v1.DeregisterRequest\x1a\x1d.vllmhi.v1.DeregisterResponse2\xb8\x03\n" +
 	"\x05Agent\x12G\n" +
-	"\x06Status\x12\x1d.vllmhi.v1.AgentStatusRequest\x1a\x1e.vllmhi.v1.AgentStatusResponseB3Z1github.com/vllm-hi/vllm-hi/api/vllmhi/v1;vllmhiv1b\x06proto3"
+	"\x06Status\x12\x1d.vllmhi.v1.AgentStatusRequest\x1a\x1e.vllmhi.v1.AgentStatusResponse\x127\n" +
+	"\x04Hook\x12\x16.vllmhi.v1.HookRequest\x1a\x17.vllmhi.v1.HookResponse\x12R\n" +
+	"\rPrepareTarget\x12\x1f.vllmhi.v1.PrepareTargetRequest\x1a .vllmhi.v1.PrepareTargetResponse\x12R\n" +
+	"\rReleaseTarget\x12\x1f.vllmhi.v1.ReleaseTargetRequest\x1a .vllmhi.v1.ReleaseTargetResponse\x12F\n" +
+	"\tCopyRound\x12\x1b.vllmhi.v1.CopyRoundRequest\x1a\x1c.vllmhi.v1.CopyRoundResponse\x12=\n" +
+	"\x06Retire\x12\x18.vllmhi.v1.RetireRequest\x1a\x19.vllmhi.v1.RetireResponseB3Z1github.com/vllm-hi/vllm-hi/api/vllmhi/v1;vllmhiv1b\x06proto3"
 
 var (
 	file_vllmhi_v1_vllmhi_proto_rawDescOnce sync.Once
@@ -923,41 +1594,64 @@ func file_vllmhi_v1_vllmhi_proto_rawDescGZIP() []byte {
 }
 
 var file_vllmhi_v1_vllmhi_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_vllmhi_v1_vllmhi_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
+var file_vllmhi_v1_vllmhi_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_vllmhi_v1_vllmhi_proto_goTypes = []any{
-	(InstanceType)(0),           // 0: vllmhi.v1.InstanceType
-	(*KVGeometry)(nil),          // 1: vllmhi.v1.KVGeometry
-	(*EngineInfo)(nil),          // 2: vllmhi.v1.EngineInfo
-	(*EngineStats)(nil),         // 3: vllmhi.v1.EngineStats
-	(*RegisterRequest)(nil),     // 4: vllmhi.v1.RegisterRequest
-	(*RegisterResponse)(nil),    // 5: vllmhi.v1.RegisterResponse
-	(*HeartbeatRequest)(nil),    // 6: vllmhi.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),   // 7: vllmhi.v1.HeartbeatResponse
-	(*DeregisterRequest)(nil),   // 8: vllmhi.v1.DeregisterRequest
-	(*DeregisterResponse)(nil),  // 9: vllmhi.v1.DeregisterResponse
-	(*AgentStatusRequest)(nil),  // 10: vllmhi.v1.AgentStatusRequest
-	(*AgentStatusResponse)(nil), // 11: vllmhi.v1.AgentStatusResponse
+	(InstanceType)(0),             // 0: vllmhi.v1.InstanceType
+	(*HookRequest)(nil),           // 1: vllmhi.v1.HookRequest
+	(*HookResponse)(nil),          // 2: vllmhi.v1.HookResponse
+	(*PrepareTargetRequest)(nil),  // 3: vllmhi.v1.PrepareTargetRequest
+	(*PrepareTargetResponse)(nil), // 4: vllmhi.v1.PrepareTargetResponse
+	(*ReleaseTargetRequest)(nil),  // 5: vllmhi.v1.ReleaseTargetRequest
+	(*ReleaseTargetResponse)(nil), // 6: vllmhi.v1.ReleaseTargetResponse
+	(*RequestBlocks)(nil),         // 7: vllmhi.v1.RequestBlocks
+	(*CopyRoundRequest)(nil),      // 8: vllmhi.v1.CopyRoundRequest
+	(*CopyRoundResponse)(nil),     // 9: vllmhi.v1.CopyRoundResponse
+	(*RetireRequest)(nil),         // 10: vllmhi.v1.RetireRequest
+	(*RetireResponse)(nil),        // 11: vllmhi.v1.RetireResponse
+	(*KVGeometry)(nil),            // 12: vllmhi.v1.KVGeometry
+	(*EngineInfo)(nil),            // 13: vllmhi.v1.EngineInfo
+	(*EngineStats)(nil),           // 14: vllmhi.v1.EngineStats
+	(*RegisterRequest)(nil),       // 15: vllmhi.v1.RegisterRequest
+	(*RegisterResponse)(nil),      // 16: vllmhi.v1.RegisterResponse
+	(*HeartbeatRequest)(nil),      // 17: vllmhi.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),     // 18: vllmhi.v1.HeartbeatResponse
+	(*DeregisterRequest)(nil),     // 19: vllmhi.v1.DeregisterRequest
+	(*DeregisterResponse)(nil),    // 20: vllmhi.v1.DeregisterResponse
+	(*AgentStatusRequest)(nil),    // 21: vllmhi.v1.AgentStatusRequest
+	(*AgentStatusResponse)(nil),   // 22: vllmhi.v1.AgentStatusResponse
 }
 var file_vllmhi_v1_vllmhi_proto_depIdxs = []int32{
-	1,  // 0: vllmhi.v1.EngineInfo.geometry:type_name -> vllmhi.v1.KVGeometry
-	0,  // 1: vllmhi.v1.RegisterRequest.type:type_name -> vllmhi.v1.InstanceType
-	2,  // 2: vllmhi.v1.RegisterRequest.engine:type_name -> vllmhi.v1.EngineInfo
-	3,  // 3: vllmhi.v1.HeartbeatRequest.stats:type_name -> vllmhi.v1.EngineStats
-	2,  // 4: vllmhi.v1.AgentStatusResponse.engine:type_name -> vllmhi.v1.EngineInfo
-	3,  // 5: vllmhi.v1.AgentStatusResponse.stats:type_name -> vllmhi.v1.EngineStats
-	4,  // 6: vllmhi.v1.Registry.Register:input_type -> vllmhi.v1.RegisterRequest
-	6,  // 7: vllmhi.v1.Registry.Heartbeat:input_type -> vllmhi.v1.HeartbeatRequest
-	8,  // 8: vllmhi.v1.Registry.Deregister:input_type -> vllmhi.v1.DeregisterRequest
-	10, // 9: vllmhi.v1.Agent.Status:input_type -> vllmhi.v1.AgentStatusRequest
-	5,  // 10: vllmhi.v1.Registry.Register:output_type -> vllmhi.v1.RegisterResponse
-	7,  // 11: vllmhi.v1.Registry.Heartbeat:output_type -> vllmhi.v1.HeartbeatResponse
-	9,  // 12: vllmhi.v1.Registry.Deregister:output_type -> vllmhi.v1.DeregisterResponse
-	11, // 13: vllmhi.v1.Agent.Status:output_type -> vllmhi.v1.AgentStatusResponse
-	10, // [10:14] is the sub-list for method output_type
-	6,  // [6:10] is the sub-list for method input_type
-	6,  // [6:6] is the sub-list for extension type_name
-	6,  // [6:6] is the sub-list for extension extendee
-	0,  // [0:6] is the sub-list for field type_name
+	7,  // 0: vllmhi.v1.CopyRoundRequest.requests:type_name -> vllmhi.v1.RequestBlocks
+	7,  // 1: vllmhi.v1.CopyRoundResponse.requests:type_name -> vllmhi.v1.RequestBlocks
+	12, // 2: vllmhi.v1.EngineInfo.geometry:type_name -> vllmhi.v1.KVGeometry
+	0,  // 3: vllmhi.v1.RegisterRequest.type:type_name -> vllmhi.v1.InstanceType
+	13, // 4: vllmhi.v1.RegisterRequest.engine:type_name -> vllmhi.v1.EngineInfo
+	14, // 5: vllmhi.v1.HeartbeatRequest.stats:type_name -> vllmhi.v1.EngineStats
+	13, // 6: vllmhi.v1.AgentStatusResponse.engine:type_name -> vllmhi.v1.EngineInfo
+	14, // 7: vllmhi.v1.AgentStatusResponse.stats:type_name -> vllmhi.v1.EngineStats
+	15, // 8: vllmhi.v1.Registry.Register:input_type -> vllmhi.v1.RegisterRequest
+	17, // 9: vllmhi.v1.Registry.Heartbeat:input_type -> vllmhi.v1.HeartbeatRequest
+	19, // 10: vllmhi.v1.Registry.Deregister:input_type -> vllmhi.v1.DeregisterRequest
+	21, // 11: vllmhi.v1.Agent.Status:input_type -> vllmhi.v1.AgentStatusRequest
+	1,  // 12: vllmhi.v1.Agent.Hook:input_type -> vllmhi.v1.HookRequest
+	3,  // 13: vllmhi.v1.Agent.PrepareTarget:input_type -> vllmhi.v1.PrepareTargetRequest
+	5,  // 14: vllmhi.v1.Agent.ReleaseTarget:input_type -> vllmhi.v1.ReleaseTargetRequest
+	8,  // 15: vllmhi.v1.Agent.CopyRound:input_type -> vllmhi.v1.CopyRoundRequest
+	10, // 16: vllmhi.v1.Agent.Retire:input_type -> vllmhi.v1.RetireRequest
+	16, // 17: vllmhi.v1.Registry.Register:output_type -> vllmhi.v1.RegisterResponse
+	18, // 18: vllmhi.v1.Registry.Heartbeat:output_type -> vllmhi.v1.HeartbeatResponse
+	20, // 19: vllmhi.v1.Registry.Deregister:output_type -> vllmhi.v1.DeregisterResponse
+	22, // 20: vllmhi.v1.Agent.Status:output_type -> vllmhi.v1.AgentStatusResponse
+	2,  // 21: vllmhi.v1.Agent.Hook:output_type -> vllmhi.v1.HookResponse
+	4,  // 22: vllmhi.v1.Agent.PrepareTarget:output_type -> vllmhi.v1.PrepareTargetResponse
+	6,  // 23: vllmhi.v1.Agent.ReleaseTarget:output_type -> vllmhi.v1.ReleaseTargetResponse
+	9,  // 24: vllmhi.v1.Agent.CopyRound:output_type -> vllmhi.v1.CopyRoundResponse
+	11, // 25: vllmhi.v1.Agent.Retire:output_type -> vllmhi.v1.RetireResponse
+	17, // [17:26] is the sub-list for method output_type
+	8,  // [8:17] is the sub-list for method input_type
+	8,  // [8:8] is the sub-list for extension type_name
+	8,  // [8:8] is the sub-list for extension extendee
+	0,  // [0:8] is the sub-list for field type_name
 }
 
 func init() { file_vllmhi_v1_vllmhi_proto_init() }
@@ -971,7 +1665,7 @@ func file_vllmhi_v1_vllmhi_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_vllmhi_v1_vllmhi_proto_rawDesc), len(file_vllmhi_v1_vllmhi_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   11,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

@@ -219,7 +219,12 @@ var Registry_ServiceDesc = grpc.ServiceDesc{
 }
 
 const (
-	Agent_Status_FullMethodName = "/vllmhi.v1.Agent/Status"
+	Agent_Status_FullMethodName        = "/vllmhi.v1.Agent/Status"
+	Agent_Hook_FullMethodName          = "/vllmhi.v1.Agent/Hook"
+	Agent_PrepareTarget_FullMethodName = "/vllmhi.v1.Agent/PrepareTarget"
+	Agent_ReleaseTarget_FullMethodName = "/vllmhi.v1.Agent/ReleaseTarget"
+	Agent_CopyRound_FullMethodName     = "/vllmhi.v1.Agent/CopyRound"
+	Agent_Retire_FullMethodName        = "/vllmhi.v1.Agent/Retire"
 )
 
 // AgentClient is the client API for Agent service.
@@ -230,6 +235,22 @@ const (
 type AgentClient interface {
 	// Status reports the agent's view of its engine.
 	Status(ctx context.Context, in *AgentStatusRequest, opts ...grpc.CallOption) (*AgentStatusResponse, error)
+	// Hook forwards one engine-hook call to the agent's engine. Bodies are
+	// the JSON of api/hooks; engine errors come back as gRPC status codes
+	// (400 INVALID_ARGUMENT, 404 NOT_FOUND, 409 FAILED_PRECONDITION,
+	// 507 RESOURCE_EXHAUSTED).
+	Hook(ctx context.Context, in *HookRequest, opts ...grpc.CallOption) (*HookResponse, error)
+	// PrepareTarget readies this agent to receive a migration's KV on its
+	// data plane and returns its engine's layout (api/hooks JSON).
+	PrepareTarget(ctx context.Context, in *PrepareTargetRequest, opts ...grpc.CallOption) (*PrepareTargetResponse, error)
+	// ReleaseTarget stops accepting a migration's KV.
+	ReleaseTarget(ctx context.Context, in *ReleaseTargetRequest, opts ...grpc.CallOption) (*ReleaseTargetResponse, error)
+	// CopyRound sends one round of a migration's KV from this agent's engine
+	// to a target agent's data plane.
+	CopyRound(ctx context.Context, in *CopyRoundRequest, opts ...grpc.CallOption) (*CopyRoundResponse, error)
+	// Retire releases the engine's KV once its remaining requests finish
+	// (vLLM's /sleep?mode=wait): the end of a destroy_source migration.
+	Retire(ctx context.Context, in *RetireRequest, opts ...grpc.CallOption) (*RetireResponse, error)
 }
 
 type agentClient struct {
@@ -250,6 +271,56 @@ func (c *agentClient) Status(ctx context.Context, in *AgentStatusRequest, opts .
 	return out, nil
 }
 
+func (c *agentClient) Hook(ctx context.Context, in *HookRequest, opts ...grpc.CallOption) (*HookResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(HookResponse)
+	err := c.cc.Invoke(ctx, Agent_Hook_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *agentClient) PrepareTarget(ctx context.Context, in *PrepareTargetRequest, opts ...grpc.CallOption) (*PrepareTargetResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(PrepareTargetResponse)
+	err := c.cc.Invoke(ctx, Agent_PrepareTarget_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *agentClient) ReleaseTarget(ctx context.Context, in *ReleaseTargetRequest, opts ...grpc.CallOption) (*ReleaseTargetResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ReleaseTargetResponse)
+	err := c.cc.Invoke(ctx, Agent_ReleaseTarget_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *agentClient) CopyRound(ctx context.Context, in *CopyRoundRequest, opts ...grpc.CallOption) (*CopyRoundResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(CopyRoundResponse)
+	err := c.cc.Invoke(ctx, Agent_CopyRound_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *agentClient) Retire(ctx context.Context, in *RetireRequest, opts ...grpc.CallOption) (*RetireResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(RetireResponse)
+	err := c.cc.Invoke(ctx, Agent_Retire_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AgentServer is the server API for Agent service.
 // All implementations must embed UnimplementedAgentServer
 // for forward compatibility.
@@ -258,6 +329,22 @@ func (c *agentClient) Status(ctx context.Context, in *AgentStatusRequest, opts .
 type AgentServer interface {
 	// Status reports the agent's view of its engine.
 	Status(context.Context, *AgentStatusRequest) (*AgentStatusResponse, error)
+	// Hook forwards one engine-hook call to the agent's engine. Bodies are
+	// the JSON of api/hooks; engine errors come back as gRPC status codes
+	// (400 INVALID_ARGUMENT, 404 NOT_FOUND, 409 FAILED_PRECONDITION,
+	// 507 RESOURCE_EXHAUSTED).
+	Hook(context.Context, *HookRequest) (*HookResponse, error)
+	// PrepareTarget readies this agent to receive a migration's KV on its
+	// data plane and returns its engine's layout (api/hooks JSON).
+	PrepareTarget(context.Context, *PrepareTargetRequest) (*PrepareTargetResponse, error)
+	// ReleaseTarget stops accepting a migration's KV.
+	ReleaseTarget(context.Context, *ReleaseTargetRequest) (*ReleaseTargetResponse, error)
+	// CopyRound sends one round of a migration's KV from this agent's engine
+	// to a target agent's data plane.
+	CopyRound(context.Context, *CopyRoundRequest) (*CopyRoundResponse, error)
+	// Retire releases the engine's KV once its remaining requests finish
+	// (vLLM's /sleep?mode=wait): the end of a destroy_source migration.
+	Retire(context.Context, *RetireRequest) (*RetireResponse, error)
 	mustEmbedUnimplementedAgentServer()
 }
 
@@ -270,6 +357,21 @@ type UnimplementedAgentServer struct{}
 
 func (UnimplementedAgentServer) Status(context.Context, *AgentStatusRequest) (*AgentStatusResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Status not implemented")
+}
+func (UnimplementedAgentServer) Hook(context.Context, *HookRequest) (*HookResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Hook not implemented")
+}
+func (UnimplementedAgentServer) PrepareTarget(context.Context, *PrepareTargetRequest) (*PrepareTargetResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method PrepareTarget not implemented")
+}
+func (UnimplementedAgentServer) ReleaseTarget(context.Context, *ReleaseTargetRequest) (*ReleaseTargetResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ReleaseTarget not implemented")
+}
+func (UnimplementedAgentServer) CopyRound(context.Context, *CopyRoundRequest) (*CopyRoundResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method CopyRound not implemented")
+}
+func (UnimplementedAgentServer) Retire(context.Context, *RetireRequest) (*RetireResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Retire not implemented")
 }
 func (UnimplementedAgentServer) mustEmbedUnimplementedAgentServer() {}
 func (UnimplementedAgentServer) testEmbeddedByValue()               {}
@@ -310,6 +412,96 @@ func _Agent_Status_Handler(srv interface{}, ctx context.Context, dec func(interf
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Agent_Hook_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(HookRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).Hook(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_Hook_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).Hook(ctx, req.(*HookRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Agent_PrepareTarget_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(PrepareTargetRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).PrepareTarget(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_PrepareTarget_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).PrepareTarget(ctx, req.(*PrepareTargetRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Agent_ReleaseTarget_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ReleaseTargetRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).ReleaseTarget(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_ReleaseTarget_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).ReleaseTarget(ctx, req.(*ReleaseTargetRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Agent_CopyRound_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(CopyRoundRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).CopyRound(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_CopyRound_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).CopyRound(ctx, req.(*CopyRoundRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Agent_Retire_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RetireRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).Retire(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_Retire_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).Retire(ctx, req.(*RetireRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Agent_ServiceDesc is the grpc.ServiceDesc for Agent service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -320,6 +512,26 @@ var Agent_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Status",
 			Handler:    _Agent_Status_Handler,
+		},
+		{
+			MethodName: "Hook",
+			Handler:    _Agent_Hook_Handler,
+		},
+		{
+			MethodName: "PrepareTarget",
+			Handler:    _Agent_PrepareTarget_Handler,
+		},
+		{
+			MethodName: "ReleaseTarget",
+			Handler:    _Agent_ReleaseTarget_Handler,
+		},
+		{
+			MethodName: "CopyRound",
+			Handler:    _Agent_CopyRound_Handler,
+		},
+		{
+			MethodName: "Retire",
+			Handler:    _Agent_Retire_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

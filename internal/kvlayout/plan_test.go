@@ -1,0 +1,115 @@
+package kvlayout
+
+import (
+	"math/rand/v2"
+	"testing"
+)
+
+// value is what byte i of head vector (layer, kv, head, block, slot) holds.
+func value(l, kv, h, b, s, i int) byte { return byte(l*131 + kv*71 + h*37 + b*17 + s*7 + i*3 + 1) }
+
+func fill(g Geometry, par Parallel) ([][]byte, []RegionSpec) {
+	var mem [][]byte
+	var specs []RegionSpec
+	for _, sh := range par.Shards() {
+		r := NewRegionLayout(g, sh)
+		buf := make([]byte, r.Size())
+		for l := 0; l < r.NumLayers; l++ {
+			for kv := 0; kv < 2; kv++ {
+				for b := 0; b < g.NumBlocks; b++ {
+					for h := 0; h < r.NumHeads; h++ {
+						for s := 0; s < g.BlockSize; s++ {
+							off := r.Offset(l, kv, b, h, s)
+							for i := 0; i < g.HeadSlotBytes(); i++ {
+								buf[off+int64(i)] = value(r.FirstLayer+l, kv, r.FirstHead+h, b, s, i)
+							}
+						}
+					}
+				}
+			}
+		}
+		mem = append(mem, buf)
+		specs = append(specs, r.Spec())
+	}
+	return mem, specs
+}
+
+// Applying a plan moves exactly the asked slots, to the asked blocks, for
+// every pair of TP×PP shapes (so TP and PP remapping are just plans), and
+// merges consecutive blocks.
+func TestPlanMovesExactlyTheAskedSlots(t *testing.T) {
+	g := Geometry{Layers: 4, KVHeads: 4, HeadDim: 2, DTypeBytes: 2, BlockSize: 4, NumBlocks: 12}
+	shapes := []Parallel{{1, 1}, {2, 1}, {4, 1}, {1, 2}, {2, 2}, {1, 4}}
+	rng := rand.New(rand.NewPCG(1, 2))
+	for _, sp := range shapes {
+		for _, dp := range shapes {
+			src, srcSpecs := fill(g, sp)
+			dst := make([][]byte, 0)
+			var dstSpecs []RegionSpec
+			for _, sh := range dp.Shards() {
+				r := NewRegionLayout(g, sh)
+				dst = append(dst, make([]byte, r.Size()))
+				dstSpecs = append(dstSpecs, r.Spec())
+			}
+			var copies []BlockCopy
+			want := map[[3]int][2]int{} // (dst block, slot) → (src block, slot)
+			for i := 0; i < 5; i++ {
+				first := rng.IntN(g.BlockSize)
+				c := BlockCopy{Src: 1 + rng.IntN(g.NumBlocks-1), Dst: 1 + i*2, FirstSlot: first, NumSlots: 1 + rng.IntN(g.BlockSize-first)}
+				copies = append(copies, c)
+				for s := c.FirstSlot; s < c.FirstSlot+c.NumSlots; s++ {
+					want[[3]int{c.Dst, s}] = [2]int{c.Src, s}
+				}
+			}
+			runs, err := Plan(g.Layers, g.KVHeads, int64(g.HeadSlotBytes()), srcSpecs, dstSpecs, copies)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, r := range runs {
+				copy(dst[r.DstRegion][r.DstOffset:r.DstOffset+r.Length], src[r.SrcRegion][r.SrcOffset:r.SrcOffset+r.Length])
+			}
+			for ri, sh := range dp.Shards() {
+				r := NewRegionLayout(g, sh)
+				for l := 0; l < r.NumLayers; l++ {
+					for kv := 0; kv < 2; kv++ {
+						for b := 0; b < g.NumBlocks; b++ {
+							for h := 0; h < r.NumHeads; h++ {
+								for s := 0; s < g.BlockSize; s++ {
+									off := r.Offset(l, kv, b, h, s)
+									from, moved := want[[3]int{b, s}]
+									for i := 0; i < g.HeadSlotBytes(); i++ {
+										got := dst[ri][off+int64(i)]
+										var exp byte
+										if moved {
+											exp = value(r.FirstLayer+l, kv, r.FirstHead+h, from[0], from[1], i)
+										}
+										if got != exp {
+											t.Fatalf("%+v→%+v: layer %d kv %d block %d head %d slot %d byte %d = %d, want %d",
+												sp, dp, r.FirstLayer+l, kv, b, r.FirstHead+h, s, i, got, exp)
+										}
+									}
+								}
+							}
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
+func TestPlanMergesConsecutiveBlocks(t *testing.T) {
+	g := Geometry{Layers: 3, KVHeads: 4, HeadDim: 4, DTypeBytes: 2, BlockSize: 16, NumBlocks: 64}
+	r := NewRegionLayout(g, Shard{TPSize: 1, PPSize: 1}).Spec()
+	var copies []BlockCopy
+	for b := 10; b < 20; b++ {
+		copies = append(copies, BlockCopy{Src: b, Dst: b + 30, NumSlots: 16})
+	}
+	runs, _ := Plan(g.Layers, g.KVHeads, int64(g.HeadSlotBytes()), []RegionSpec{r}, []RegionSpec{r}, copies)
+	if len(runs) != 2*g.Layers {
+		t.Fatalf("10 consecutive whole blocks: %d runs, want one per layer and K/V (%d)", len(runs), 2*g.Layers)
+	}
+	if Bytes(runs) != 10*int64(g.BlockBytes()) {
+		t.Fatalf("bytes %d", Bytes(runs))
+	}
+}

@@ -1,0 +1,767 @@
+// Package migrate is the Host's migration orchestrator: reserve both
+// instances, prepare the target, copy KV in a full round and incremental
+// rounds while the source keeps decoding, then pause, copy the last delta
+// and the scheduler state, install and resume on the target, splice every
+// client stream onto it, and apply the migration type. Any failure before
+// the target resumed aborts: the source resumes, the target frees what it
+// reserved, and the client streams go on from the source.
+package migrate
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sort"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"github.com/vllm-hi/vllm-hi/api/hooks"
+	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
+	"github.com/vllm-hi/vllm-hi/internal/host/registry"
+	"github.com/vllm-hi/vllm-hi/internal/proxy"
+)
+
+// Migration types.
+const (
+	DestroySource    = "destroy_source"
+	PreserveSource   = "preserve_source"
+	KeepSourceActive = "keep_source_active"
+)
+
+// Migration states.
+const (
+	StateRunning   = "running"
+	StateSucceeded = "succeeded"
+	StateAborted   = "aborted"
+	StateFailed    = "failed"
+)
+
+// Request is the body of POST /vllm_hi/migrate.
+type Request struct {
+	Src              string   `json:"src_vllm_hi_id"`
+	Dst              string   `json:"dst_vllm_hi_id"`
+	TargetTP         *int     `json:"target_tp,omitempty"`
+	TargetPP         *int     `json:"target_pp,omitempty"`
+	TargetGPUMemUtil *float64 `json:"target_gpu_memory_utilization,omitempty"`
+	Type             string   `json:"migration_type,omitempty"`
+	TN               int      `json:"tn,omitempty"`
+	RequestFilter    string   `json:"request_filter,omitempty"`
+	FinalGranularity string   `json:"final_granularity,omitempty"` // "slot" (default) or "block"
+	InjectFault      string   `json:"inject_fault,omitempty"`      // tests: "corrupt" or "cut" in the final round
+}
+
+// Step is one entry of a migration's step history.
+type Step struct {
+	Step      string    `json:"step"`
+	StartedAt time.Time `json:"started_at"`
+	EndedAt   time.Time `json:"ended_at,omitempty"`
+	DurationS float64   `json:"duration_s"`
+}
+
+// Round is one copy round.
+type Round struct {
+	Round      int     `json:"round"`
+	Kind       string  `json:"kind"` // full, incremental, final
+	BlockCount int     `json:"block_count"`
+	TokenSlots int     `json:"token_slots"`
+	Bytes      int64   `json:"data_size_bytes"`
+	DurationS  float64 `json:"duration_s"`
+}
+
+// Status is GET /vllm_hi/migration/{id}/status.
+type Status struct {
+	ID                string    `json:"migration_id"`
+	State             string    `json:"state"`
+	CurrentStep       string    `json:"current_step"`
+	StepHistory       []Step    `json:"step_history"`
+	Rounds            []Round   `json:"rounds"`
+	DowntimeS         float64   `json:"downtime_s"`
+	ClientDowntimeS   float64   `json:"client_downtime_s"`
+	NewActiveInstance string    `json:"new_active_instance"`
+	Error             string    `json:"error"`
+	Src               string    `json:"src_vllm_hi_id"`
+	Dst               string    `json:"dst_vllm_hi_id"`
+	Type              string    `json:"migration_type"`
+	RequestFilter     string    `json:"request_filter"`
+	TN                int       `json:"tn"`
+	Requests          int       `json:"request_count"`
+	Migrated          int       `json:"migrated_request_count"`
+	Dropped           []string  `json:"dropped_request_ids"`
+	CreatedAt         time.Time `json:"created_at"`
+	FinishedAt        time.Time `json:"finished_at,omitempty"`
+}
+
+// Config tunes the orchestrator (the seed's env vars).
+type Config struct {
+	MaxIncrRounds int           // VLLM_HI_MAX_INCR_ROUNDS, default 8
+	StallRounds   int           // VLLM_HI_INCR_STALL_ROUNDS, default 2
+	DefaultFilter string        // VLLM_HI_REQUEST_FILTER, default all
+	DefaultTN     int           // data-plane connections, default 2
+	PauseLease    time.Duration // how long the source stays paused without confirmation
+	SpliceTimeout time.Duration
+	AgentToken    string
+}
+
+// DefaultConfig returns the defaults.
+func DefaultConfig() Config {
+	return Config{MaxIncrRounds: 8, StallRounds: 2, DefaultTN: 2, PauseLease: 10 * time.Second, SpliceTimeout: 5 * time.Second}
+}
+
+// Error is a refusal of a migrate request, with its HTTP status.
+type Error struct {
+	Status int
+	Msg    string
+}
+
+func (e *Error) Error() string { return e.Msg }
+
+func refuse(code int, format string, a ...any) error {
+	return &Error{Status: code, Msg: fmt.Sprintf(format, a...)}
+}
+
+// Orchestrator runs migrations.
+type Orchestrator struct {
+	cfg     Config
+	reg     *registry.Registry
+	streams *proxy.Streams
+	log     *zap.Logger
+
+	mu    sync.Mutex
+	conns map[string]*grpc.ClientConn
+	all   map[string]*migration
+	order []string
+	busy  map[string]string // instance → migration id
+	wg    sync.WaitGroup
+}
+
+// New returns an orchestrator.
+func New(cfg Config, reg *registry.Registry, streams *proxy.Streams, log *zap.Logger) *Orchestrator {
+	return &Orchestrator{cfg: cfg, reg: reg, streams: streams, log: log,
+		conns: map[string]*grpc.ClientConn{}, all: map[string]*migration{}, busy: map[string]string{}}
+}
+
+// Close waits for running migrations and closes agent connections.
+func (o *Orchestrator) Close() {
+	o.wg.Wait()
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	for _, c := range o.conns {
+		c.Close()
+	}
+}
+
+type tokenCreds string
+
+func (t tokenCreds) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	if t == "" {
+		return nil, nil
+	}
+	return map[string]string{"authorization": "Bearer " + string(t)}, nil
+}
+func (tokenCreds) RequireTransportSecurity() bool { return false }
+
+func (o *Orchestrator) agent(addr string) (v1.AgentClient, error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if c, ok := o.conns[addr]; ok {
+		return v1.NewAgentClient(c), nil
+	}
+	c, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithPerRPCCredentials(tokenCreds(o.cfg.AgentToken)))
+	if err != nil {
+		return nil, err
+	}
+	o.conns[addr] = c
+	return v1.NewAgentClient(c), nil
+}
+
+// hook calls one engine hook through an agent.
+func hook[T any](ctx context.Context, a v1.AgentClient, name string, body any, since uint64) (T, error) {
+	var out T
+	var b []byte
+	if body != nil {
+		b, _ = json.Marshal(body)
+	}
+	resp, err := a.Hook(ctx, &v1.HookRequest{Name: name, Body: b, Since: since})
+	if err != nil {
+		return out, err
+	}
+	return out, json.Unmarshal(resp.GetBody(), &out)
+}
+
+// migration is one migration's live state.
+type migration struct {
+	o        *Orchestrator
+	req      Request
+	filter   Filter
+	src, dst registry.Instance
+	srcA     v1.AgentClient
+	dstA     v1.AgentClient
+	log      *zap.Logger
+
+	dstLayout []byte
+	dataAddr  string
+	moving    map[string]*v1.RequestBlocks // by request id
+	reserved  map[string]bool              // request ids holding a reservation on the target
+	pausedSrc bool
+
+	mu sync.Mutex
+	st Status
+}
+
+func newID() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return "mig-" + hex.EncodeToString(b[:])
+}
+
+// Start validates a migrate request, reserves both instances, selects the
+// requests and reserves their blocks on the target — all before answering,
+// so that a bad request or a target that cannot hold the KV is refused
+// with nothing started — and then runs the rest in the background.
+func (o *Orchestrator) Start(req Request) (string, error) {
+	if req.Src == "" || req.Dst == "" {
+		return "", refuse(400, "src_vllm_hi_id and dst_vllm_hi_id are required")
+	}
+	if req.Src == req.Dst {
+		return "", refuse(400, "source and target are the same instance %s", req.Src)
+	}
+	if req.Type == "" {
+		req.Type = DestroySource
+	}
+	switch req.Type {
+	case DestroySource, PreserveSource, KeepSourceActive:
+	default:
+		return "", refuse(400, "migration_type %q: want destroy_source, preserve_source or keep_source_active", req.Type)
+	}
+	switch req.FinalGranularity {
+	case "", "slot", "block":
+	default:
+		return "", refuse(400, "final_granularity %q: want slot or block", req.FinalGranularity)
+	}
+	if req.TN < 0 || req.TN > 64 {
+		return "", refuse(400, "tn %d out of range 1..64", req.TN)
+	}
+	if req.TN == 0 {
+		req.TN = o.cfg.DefaultTN
+	}
+	spec := req.RequestFilter
+	if spec == "" {
+		spec = o.cfg.DefaultFilter
+	}
+	filter, err := ParseFilter(spec)
+	if err != nil {
+		return "", refuse(400, "%v", err)
+	}
+	src, err := o.reg.Get(req.Src)
+	if err != nil {
+		return "", refuse(404, "unknown source instance %s", req.Src)
+	}
+	dst, err := o.reg.Get(req.Dst)
+	if err != nil {
+		return "", refuse(404, "unknown target instance %s", req.Dst)
+	}
+	switch {
+	case !src.Reachable || !dst.Reachable:
+		return "", refuse(409, "both instances must be reachable")
+	case !src.Engine.Migratable || !dst.Engine.Migratable:
+		return "", refuse(409, "both engines must serve the vllm-hi hooks (migratable); %s: %v, %s: %v", src.ID, src.Engine.Migratable, dst.ID, dst.Engine.Migratable)
+	case src.Role != registry.RoleActive:
+		return "", refuse(409, "source %s is %s, not active", src.ID, src.Role)
+	case dst.Role != registry.RoleStandby:
+		return "", refuse(409, "target %s is %s, not standby", dst.ID, dst.Role)
+	case !sameModels(src, dst):
+		return "", refuse(409, "target %s does not serve the source's models %v", dst.ID, src.Engine.ServedModels)
+	case req.TargetTP != nil && *req.TargetTP != dst.Engine.TP, req.TargetPP != nil && *req.TargetPP != dst.Engine.PP:
+		return "", refuse(409, "target %s runs tp %d pp %d; start a target with the shape you ask for", dst.ID, dst.Engine.TP, dst.Engine.PP)
+	}
+	id := newID()
+	o.mu.Lock()
+	for _, inst := range []string{src.ID, dst.ID} {
+		if m, ok := o.busy[inst]; ok {
+			o.mu.Unlock()
+			return "", refuse(409, "instance %s is busy with migration %s", inst, m)
+		}
+	}
+	o.busy[src.ID], o.busy[dst.ID] = id, id
+	o.mu.Unlock()
+
+	m := &migration{o: o, req: req, filter: filter, src: src, dst: dst, log: o.log.With(zap.String("migration_id", id)),
+		moving: map[string]*v1.RequestBlocks{}, reserved: map[string]bool{}}
+	m.st = Status{ID: id, State: StateRunning, Src: src.ID, Dst: dst.ID, Type: req.Type, RequestFilter: filter.String(),
+		TN: req.TN, CreatedAt: time.Now().UTC(), StepHistory: []Step{}, Rounds: []Round{}, Dropped: []string{}}
+	if err := m.prepare(); err != nil {
+		m.rollback(context.Background())
+		o.release(src.ID, dst.ID)
+		var re *Error
+		if errors.As(err, &re) {
+			return "", err
+		}
+		return "", refuse(409, "%v", err)
+	}
+	o.mu.Lock()
+	o.all[id] = m
+	o.order = append(o.order, id)
+	o.mu.Unlock()
+	o.wg.Add(1)
+	go func() {
+		defer o.wg.Done()
+		m.run()
+	}()
+	return id, nil
+}
+
+func sameModels(a, b registry.Instance) bool {
+	for _, m := range a.Engine.ServedModels {
+		if !b.Serves(m) {
+			return false
+		}
+	}
+	return true
+}
+
+func (o *Orchestrator) release(ids ...string) {
+	o.mu.Lock()
+	for _, id := range ids {
+		delete(o.busy, id)
+	}
+	o.mu.Unlock()
+}
+
+// Get returns a migration's status.
+func (o *Orchestrator) Get(id string) (Status, bool) {
+	o.mu.Lock()
+	m, ok := o.all[id]
+	o.mu.Unlock()
+	if !ok {
+		return Status{}, false
+	}
+	return m.status(), true
+}
+
+// List returns every migration, newest first.
+func (o *Orchestrator) List() []Status {
+	o.mu.Lock()
+	ids := append([]string(nil), o.order...)
+	o.mu.Unlock()
+	out := make([]Status, 0, len(ids))
+	for i := len(ids) - 1; i >= 0; i-- {
+		if s, ok := o.Get(ids[i]); ok {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+func (m *migration) status() Status {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	s := m.st
+	s.StepHistory = append([]Step(nil), s.StepHistory...)
+	s.Rounds = append([]Round(nil), s.Rounds...)
+	s.Dropped = append([]string(nil), s.Dropped...)
+	return s
+}
+
+// step starts a named step, ending the previous one.
+func (m *migration) step(name string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	now := time.Now().UTC()
+	m.endStepLocked(now)
+	m.st.CurrentStep = name
+	m.st.StepHistory = append(m.st.StepHistory, Step{Step: name, StartedAt: now})
+}
+
+func (m *migration) endStepLocked(now time.Time) {
+	if n := len(m.st.StepHistory); n > 0 && m.st.StepHistory[n-1].EndedAt.IsZero() {
+		h := &m.st.StepHistory[n-1]
+		h.EndedAt = now
+		h.DurationS = now.Sub(h.StartedAt).Seconds()
+	}
+}
+
+func (m *migration) drop(ids ...string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, id := range ids {
+		if _, ok := m.moving[id]; ok {
+			delete(m.moving, id)
+			m.st.Dropped = append(m.st.Dropped, id)
+		}
+	}
+}
+
+func (m *migration) ids() []string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := make([]string, 0, len(m.moving))
+	for id := range m.moving {
+		out = append(out, id)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// prepare: select requests on the source, ready the target's data plane
+// and reserve blocks there for each request's whole remaining life.
+func (m *migration) prepare() error {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	m.step("reserve")
+	var err error
+	if m.srcA, err = m.o.agent(m.src.AgentAddress); err != nil {
+		return err
+	}
+	if m.dstA, err = m.o.agent(m.dst.AgentAddress); err != nil {
+		return err
+	}
+	list, err := hook[hooks.RequestList](ctx, m.srcA, "requests", nil, 0)
+	if err != nil {
+		return fmt.Errorf("list the source's requests: %w", err)
+	}
+	var candidates []hooks.RequestInfo
+	for _, r := range list.Requests {
+		// Only running streams this Host relays can be spliced; the rest
+		// (non-streaming requests, clients talking to the engine directly,
+		// waiting requests) finish where they are.
+		if r.Status == hooks.StatusRunning && r.Stream && !r.Paused && m.o.streams.Get(r.RequestID) != nil {
+			candidates = append(candidates, r)
+		}
+	}
+	selected := m.filter.Select(candidates)
+
+	m.step("prepare_target")
+	pt, err := m.dstA.PrepareTarget(ctx, &v1.PrepareTargetRequest{MigrationId: m.st.ID})
+	if err != nil {
+		return fmt.Errorf("prepare the target: %s", status.Convert(err).Message())
+	}
+	m.dstLayout, m.dataAddr = pt.GetLayout(), pt.GetDataAddress()
+	var dstLayout hooks.Layout
+	_ = json.Unmarshal(m.dstLayout, &dstLayout)
+	maxLen := dstLayout.Geometry.BlockSize * (dstLayout.Geometry.NumBlocks - 1)
+	if m.dst.Engine.MaxModelLen > 0 {
+		maxLen = m.dst.Engine.MaxModelLen
+	}
+	var items []hooks.AllocateItem
+	for _, r := range selected {
+		need := min(r.NumPromptTokens+max(r.MaxTokens, r.NumOutputTokens+1), maxLen)
+		items = append(items, hooks.AllocateItem{RequestID: r.RequestID, NumTokens: max(need, r.NumPromptTokens+r.NumOutputTokens+1)})
+	}
+	if len(items) > 0 {
+		alloc, err := hook[hooks.AllocateResponse](ctx, m.dstA, "allocate", hooks.AllocateRequest{Requests: items, LeaseMS: 600_000}, 0)
+		if err != nil {
+			if status.Code(err) == codes.ResourceExhausted {
+				return refuse(409, "target %s cannot hold the KV of %d requests: %s", m.dst.ID, len(items), status.Convert(err).Message())
+			}
+			return fmt.Errorf("reserve blocks on the target: %s", status.Convert(err).Message())
+		}
+		for _, a := range alloc.Requests {
+			m.reserved[a.RequestID] = true
+			rb := &v1.RequestBlocks{RequestId: a.RequestID}
+			for _, b := range a.BlockIDs {
+				rb.DstBlockIds = append(rb.DstBlockIds, int32(b))
+			}
+			m.moving[a.RequestID] = rb
+		}
+	}
+	m.st.Requests = len(items)
+	return nil
+}
+
+// fail ends the migration before the target resumed: roll back.
+func (m *migration) fail(err error) {
+	m.log.Warn("migration aborted; rolling back", zap.Error(err))
+	m.step("rollback")
+	m.rollback(context.Background())
+	m.finish(StateAborted, err.Error())
+}
+
+// rollback resumes the source and frees everything reserved on the target.
+func (m *migration) rollback(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if m.pausedSrc {
+		if _, err := hook[hooks.ResumeResponse](ctx, m.srcA, "resume", hooks.ResumeRequest{RequestIDs: m.ids()}, 0); err != nil {
+			m.log.Error("rollback: resuming the source failed (its pause lease will resume it)", zap.Error(err))
+		}
+		m.pausedSrc = false
+	}
+	if m.dstA != nil {
+		var ids []string
+		for id := range m.reserved {
+			ids = append(ids, id)
+		}
+		if len(ids) > 0 {
+			if _, err := hook[hooks.AbortResponse](ctx, m.dstA, "abort", hooks.AbortRequest{RequestIDs: ids, Silent: true, IgnoreMissing: true}, 0); err != nil {
+				m.log.Error("rollback: releasing the target's blocks failed (its reservation lease will)", zap.Error(err))
+			}
+		}
+		_, _ = m.dstA.ReleaseTarget(ctx, &v1.ReleaseTargetRequest{MigrationId: m.st.ID})
+	}
+	m.reserved = map[string]bool{}
+}
+
+func (m *migration) finish(state, errMsg string) {
+	m.mu.Lock()
+	now := time.Now().UTC()
+	m.endStepLocked(now)
+	m.st.State, m.st.Error, m.st.FinishedAt = state, errMsg, now
+	m.st.CurrentStep = "done"
+	m.mu.Unlock()
+	m.o.release(m.src.ID, m.dst.ID)
+	m.log.Info("migration finished", zap.String("state", state), zap.String("error", errMsg))
+}
+
+// copyRound runs one round on the source agent and records it.
+func (m *migration) copyRound(ctx context.Context, kind string, since uint64, slotGranular bool, fault string) (*v1.CopyRoundResponse, error) {
+	m.mu.Lock()
+	reqs := make([]*v1.RequestBlocks, 0, len(m.moving))
+	for _, rb := range m.moving {
+		reqs = append(reqs, rb)
+	}
+	m.mu.Unlock()
+	resp, err := m.srcA.CopyRound(ctx, &v1.CopyRoundRequest{
+		MigrationId: m.st.ID, Kind: kind, SinceCursor: since, Requests: reqs,
+		TargetDataAddress: m.dataAddr, TargetLayout: m.dstLayout, Tn: int32(m.req.TN),
+		SlotGranular: slotGranular, InjectFault: fault,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("%s copy round: %s", kind, status.Convert(err).Message())
+	}
+	m.drop(resp.GetDroppedRequestIds()...)
+	m.mu.Lock()
+	for _, rb := range resp.GetRequests() {
+		if cur, ok := m.moving[rb.GetRequestId()]; ok {
+			cur.SrcBlockIds = rb.GetSrcBlockIds()
+		}
+	}
+	m.st.Rounds = append(m.st.Rounds, Round{Round: len(m.st.Rounds), Kind: kind, BlockCount: int(resp.GetBlockCount()),
+		TokenSlots: int(resp.GetTokenSlots()), Bytes: resp.GetBytes(), DurationS: resp.GetDurationS()})
+	m.mu.Unlock()
+	return resp, nil
+}
+
+// run is the migration after prepare.
+func (m *migration) run() {
+	ctx := context.Background()
+	m.step("round_0")
+	r0, err := m.copyRound(ctx, "full", 0, false, "")
+	if err != nil {
+		m.fail(err)
+		return
+	}
+	since := r0.GetCursor()
+
+	// Incremental rounds until the seed's convergence rules say stop.
+	m.step("incremental_rounds")
+	best, stall := -1, 0
+	for round := 1; round <= m.o.cfg.MaxIncrRounds; round++ {
+		r, err := m.copyRound(ctx, "incremental", since, false, "")
+		if err != nil {
+			m.fail(err)
+			return
+		}
+		since = r.GetCursor()
+		n := int(r.GetBlockCount())
+		if n <= 1 {
+			break
+		}
+		if best < 0 || n < best {
+			best, stall = n, 0
+		} else if stall++; stall >= m.o.cfg.StallRounds {
+			break
+		}
+	}
+	m.final(ctx, since)
+}
+
+// final pauses the source, copies the last delta and the state, installs
+// on the target and resumes it; then switches the streams.
+func (m *migration) final(ctx context.Context, since uint64) {
+	m.step("pause_source")
+	pauseStart := time.Now()
+	ids := m.ids()
+	if len(ids) > 0 {
+		for attempt := 0; ; attempt++ {
+			_, err := hook[hooks.PauseResponse](ctx, m.srcA, "pause", hooks.PauseRequest{RequestIDs: ids, LeaseMS: int(m.o.cfg.PauseLease / time.Millisecond)}, 0)
+			if err == nil {
+				break
+			}
+			if status.Code(err) != codes.NotFound || attempt > 3 {
+				m.fail(fmt.Errorf("pause the source: %s", status.Convert(err).Message()))
+				return
+			}
+			// Some request finished just now: drop it and pause the rest.
+			list, lerr := hook[hooks.RequestList](ctx, m.srcA, "requests", nil, 0)
+			if lerr != nil {
+				m.fail(fmt.Errorf("pause the source: %w", lerr))
+				return
+			}
+			live := map[string]bool{}
+			for _, r := range list.Requests {
+				live[r.RequestID] = r.Status == hooks.StatusRunning
+			}
+			var keep []string
+			for _, id := range ids {
+				if live[id] {
+					keep = append(keep, id)
+				} else {
+					m.drop(id)
+				}
+			}
+			ids = keep
+			if len(ids) == 0 {
+				break
+			}
+		}
+		m.pausedSrc = len(ids) > 0
+	}
+
+	m.step("final_round")
+	slot := m.req.FinalGranularity != "block"
+	if len(m.ids()) > 0 {
+		if _, err := m.copyRound(ctx, "final", since, slot, m.req.InjectFault); err != nil {
+			m.fail(err)
+			return
+		}
+	}
+	ids = m.ids()
+	var states []hooks.RequestState
+	if len(ids) > 0 {
+		exp, err := hook[hooks.ExportResponse](ctx, m.srcA, "export", hooks.ExportRequest{RequestIDs: ids}, 0)
+		if err != nil {
+			m.fail(fmt.Errorf("export the source's state: %s", status.Convert(err).Message()))
+			return
+		}
+		states = exp.Requests
+		m.mu.Lock()
+		for i := range states {
+			st := &states[i]
+			st.BlockIDs = st.BlockIDs[:0]
+			for _, b := range m.moving[st.RequestID].GetDstBlockIds() {
+				st.BlockIDs = append(st.BlockIDs, int(b))
+			}
+		}
+		m.mu.Unlock()
+	}
+	m.step("install_target")
+	if len(states) > 0 {
+		if _, err := hook[hooks.InstallResponse](ctx, m.dstA, "install", hooks.InstallRequest{Requests: states, Resume: true}, 0); err != nil {
+			m.fail(fmt.Errorf("install on the target: %s", status.Convert(err).Message()))
+			return
+		}
+	}
+	// Ownership has flipped: the target runs the requests.
+	downtime := time.Since(pauseStart)
+	for _, st := range states {
+		delete(m.reserved, st.RequestID)
+	}
+	m.mu.Lock()
+	m.st.DowntimeS = downtime.Seconds()
+	m.st.Migrated = len(states)
+	m.mu.Unlock()
+
+	m.step("switch")
+	var spliced []*proxy.Stream
+	var waits []<-chan error
+	var orphans []string
+	for _, st := range states {
+		s := m.o.streams.Get(st.RequestID)
+		if s == nil {
+			orphans = append(orphans, st.RequestID) // the client left meanwhile
+			continue
+		}
+		spliced = append(spliced, s)
+		waits = append(waits, s.Splice(m.dst.Engine.URL, m.dst.ID, len(st.OutputTokenIDs)))
+	}
+	timeout := time.After(m.o.cfg.SpliceTimeout)
+	for i, w := range waits {
+		select {
+		case err := <-w:
+			if err != nil {
+				m.log.Warn("a stream could not move", zap.String("request_id", spliced[i].ID), zap.Error(err))
+			}
+		case <-timeout:
+			m.log.Warn("streams still moving at the splice timeout")
+		}
+	}
+	// Drop the source's copies (a spliced stream already closed its
+	// source connection, which aborted some of them) and the target's
+	// requests nobody listens to any more.
+	actx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	if len(ids) > 0 {
+		if _, err := hook[hooks.AbortResponse](actx, m.srcA, "abort", hooks.AbortRequest{RequestIDs: ids, Silent: true, IgnoreMissing: true}, 0); err != nil {
+			m.log.Warn("dropping the source's copies failed (their pause lease will resume them)", zap.Error(err))
+		}
+	}
+	if len(orphans) > 0 {
+		_, _ = hook[hooks.AbortResponse](actx, m.dstA, "abort", hooks.AbortRequest{RequestIDs: orphans, IgnoreMissing: true}, 0)
+	}
+	cancel()
+	m.pausedSrc = false
+	// Requests dropped on the way give their target reservations back.
+	m.rollback(ctx)
+
+	m.step("apply_type")
+	switch m.req.Type {
+	case DestroySource:
+		_ = m.o.reg.SetRole(m.dst.ID, registry.RoleActive)
+		_ = m.o.reg.SetRole(m.src.ID, registry.RoleStandby)
+		rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		if _, err := m.srcA.Retire(rctx, &v1.RetireRequest{}); err != nil {
+			m.log.Warn("retiring the source failed", zap.Error(err))
+		}
+		cancel()
+		m.setNewActive(m.dst.ID)
+	case PreserveSource:
+		_ = m.o.reg.SetRole(m.dst.ID, registry.RoleActive)
+		_ = m.o.reg.SetRole(m.src.ID, registry.RoleStandby)
+		m.setNewActive(m.dst.ID)
+	case KeepSourceActive:
+		m.setNewActive(m.src.ID)
+	}
+	// Client-perceived downtime: pause → each moved stream's first event
+	// from the target.
+	deadline := time.Now().Add(2 * time.Second)
+	var worst time.Duration
+	for _, s := range spliced {
+		for {
+			at := s.FirstTargetEventAt()
+			if !at.IsZero() {
+				worst = max(worst, at.Sub(pauseStart))
+				break
+			}
+			if time.Now().After(deadline) {
+				break
+			}
+			time.Sleep(2 * time.Millisecond)
+		}
+	}
+	m.mu.Lock()
+	m.st.ClientDowntimeS = worst.Seconds()
+	m.mu.Unlock()
+	m.finish(StateSucceeded, "")
+}
+
+func (m *migration) setNewActive(id string) {
+	m.mu.Lock()
+	m.st.NewActiveInstance = id
+	m.mu.Unlock()
+}
+
+// Busy reports whether an instance is part of a running migration.
+func (o *Orchestrator) Busy(instance string) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	_, ok := o.busy[instance]
+	return ok
+}

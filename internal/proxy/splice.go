@@ -1,0 +1,138 @@
+package proxy
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Streams is the table of live client streams by engine request id, so a
+// migration can move each one onto another engine.
+type Streams struct {
+	mu sync.Mutex
+	m  map[string]*Stream
+}
+
+// NewStreams returns an empty table.
+func NewStreams() *Streams { return &Streams{m: map[string]*Stream{}} }
+
+// Stream is one client stream being relayed.
+type Stream struct {
+	ID       string // the engine's request id (cmpl-…, chatcmpl-…)
+	Instance string
+
+	mu      sync.Mutex
+	tokens  int
+	splice  *spliceTarget
+	cancelA context.CancelFunc // cancels the current upstream read
+	done    chan struct{}      // closed when the relay ends
+}
+
+type spliceTarget struct {
+	url      string // the target engine's base URL
+	instance string
+	from     int
+	switched chan error // receives once: nil when the stream reads from the target
+	at       time.Time  // when the first target event was relayed
+}
+
+func (t *Streams) add(s *Stream) {
+	t.mu.Lock()
+	t.m[s.ID] = s
+	t.mu.Unlock()
+}
+
+func (t *Streams) remove(s *Stream) {
+	t.mu.Lock()
+	if t.m[s.ID] == s {
+		delete(t.m, s.ID)
+	}
+	t.mu.Unlock()
+}
+
+// Get returns the live stream of an engine request id.
+func (t *Streams) Get(id string) *Stream {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.m[id]
+}
+
+// Len is the number of live streams.
+func (t *Streams) Len() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.m)
+}
+
+// Splice asks the stream to go on from engine baseURL starting at output
+// token index from: it relays the current upstream until exactly from
+// tokens went to the client, then attaches to the target's stream of the
+// same request. The returned channel gets nil once the stream reads from
+// the target, or an error.
+func (s *Stream) Splice(baseURL, instance string, from int) <-chan error {
+	ch := make(chan error, 1)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	select {
+	case <-s.done:
+		ch <- fmt.Errorf("stream %s already ended", s.ID)
+		return ch
+	default:
+	}
+	if s.splice != nil && s.splice.switched != nil {
+		ch <- fmt.Errorf("stream %s is already being moved", s.ID)
+		return ch
+	}
+	if s.tokens > from {
+		ch <- fmt.Errorf("stream %s already relayed %d tokens, more than the %d the source produced", s.ID, s.tokens, from)
+		return ch
+	}
+	s.splice = &spliceTarget{url: baseURL, instance: instance, from: from, switched: ch}
+	if s.tokens == from && s.cancelA != nil {
+		s.cancelA() // everything from the source is relayed: stop waiting on it
+	}
+	return ch
+}
+
+// Tokens is how many token events the stream relayed so far.
+func (s *Stream) Tokens() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.tokens
+}
+
+// FirstTargetEventAt is when the first event from the splice target reached
+// the client (zero before).
+func (s *Stream) FirstTargetEventAt() time.Time {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.splice == nil {
+		return time.Time{}
+	}
+	return s.splice.at
+}
+
+// attachURL is the engine hook that streams a request from token index k.
+func attachURL(base, id string, from int) string {
+	return fmt.Sprintf("%s/vllm_hi/engine/requests/%s/stream?from=%d", strings.TrimRight(base, "/"), id, from)
+}
+
+// openAttach opens the target's stream of the request.
+func (p *Proxy) openAttach(ctx context.Context, t *spliceTarget, id string) (*http.Response, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, attachURL(t.url, id, t.from), nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := p.client.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		resp.Body.Close()
+		return nil, fmt.Errorf("attach to %s on %s: HTTP %d", id, t.instance, resp.StatusCode)
+	}
+	return resp, nil
+}
