@@ -5,14 +5,12 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"os"
-	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
 	"go.uber.org/zap"
 
-	"github.com/vllm-hi/vllm-hi/internal/loadgen"
+	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/sim"
 )
 
@@ -50,121 +48,67 @@ func startInProcessSim(cfg sim.Config, log *zap.Logger) (*inProcessSim, error) {
 }
 
 func newDemoCommand(g *globalFlags) *cobra.Command {
-	var streams, maxTokens int
+	sc := scenario{Type: migrate.DestroySource, FinalGranularity: "slot"}
 	cmd := &cobra.Command{
 		Use:   "demo",
-		Short: "Run the sim under a streaming load and check every stream is reproducible",
-		Long: `vhi demo starts two vhi sim engines on loopback (A, and B with a KV cache small
-enough to force preemption), streams the same requests through both in
-different batch orders, and checks every stream is identical token for token:
-the oracle the migration tests rely on. Exit status 0 only if all match.
-
-(Until hot migration lands, this is the demo; it then becomes Host + A + B +
-agents with a migration mid-stream.)`,
+		Short: "Host + two sims + agents on loopback: stream a load, migrate A→B mid-stream, check every stream",
+		Long: `vhi demo starts a Host, sim A (active) and sim B (standby) with their agents on loopback
+ports, streams a load through the Host, migrates every running stream from A to B while
+it decodes, and checks every client stream against an unmigrated run of the same
+requests on a lone engine, token for token, with exactly one [DONE] and correct usage.
+It prints the seed-style table and exits 0 only if every stream is exact. Everything
+runs in this process and is stopped on exit or Ctrl-C.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			log, err := g.logger()
 			if err != nil {
 				return err
 			}
-			return runDemo(cmd.Context(), cmd.OutOrStdout(), log, streams, maxTokens)
+			sc.Log = log
+			return runDemo(cmd.Context(), cmd.OutOrStdout(), sc)
 		},
 	}
-	cmd.Flags().IntVar(&streams, "streams", 48, "concurrent streams")
-	cmd.Flags().IntVar(&maxTokens, "max-tokens", 160, "longest output per stream")
+	f := cmd.Flags()
+	f.IntVar(&sc.Streams, "streams", 64, "concurrent streams")
+	f.IntVar(&sc.MaxTokens, "max-tokens", 200, "tokens per stream")
+	f.IntVar(&sc.PromptWords, "prompt-words", 60, "prompt length scale")
+	f.DurationVar(&sc.Delay, "delay", 1500*time.Millisecond, "time from the load's start to the migration")
+	f.StringVar(&sc.Type, "type", sc.Type, "migration type")
+	f.StringVar(&sc.FinalGranularity, "final-granularity", sc.FinalGranularity, "slot or block")
+	f.IntVar(&sc.TN, "tn", 2, "data-plane connections")
 	return cmd
 }
 
-func demoRequests(n, maxTokens int) []loadgen.Request {
-	words := []string{"hello", "world", "model", "token", "stream", "water", "story", "house", "light", "earth"}
-	reqs := make([]loadgen.Request, n)
-	for i := range reqs {
-		prompt := fmt.Sprintf("request %d:", i)
-		for j := 0; j < 8+(i*37)%120; j++ {
-			prompt += " " + words[(i*7+j*3)%len(words)]
-		}
-		seed := int64(1000 + i)
-		reqs[i] = loadgen.Request{Prompt: prompt, MaxTokens: maxTokens/2 + (i*53)%(maxTokens/2+1), IgnoreEOS: i%4 != 0}
-		if i%2 == 0 {
-			reqs[i].Seed, reqs[i].Temperature = &seed, 0.8
-		}
-	}
-	return reqs
-}
-
-func runDemo(ctx context.Context, out io.Writer, log *zap.Logger, n, maxTokens int) error {
-	if n < 1 || maxTokens < 2 {
+func runDemo(ctx context.Context, out io.Writer, sc scenario) error {
+	if sc.Streams < 1 || sc.MaxTokens < 2 {
 		return fmt.Errorf("need --streams ≥ 1 and --max-tokens ≥ 2")
 	}
-	cfgA := sim.DefaultConfig()
-	cfgA.Model, cfgA.ShmPrefix = "demo-model", fmt.Sprintf("vhi-demo-%d-a", os.Getpid())
-	cfgA.NumBlocks, cfgA.MaxModelLen = 4096, 1024
-	cfgB := cfgA
-	cfgB.ShmPrefix = fmt.Sprintf("vhi-demo-%d-b", os.Getpid())
-	// B gets room for about a third of the load at once: it must preempt.
-	cfgB.NumBlocks = max(n*(maxTokens+160)/16/5, (cfgB.MaxModelLen+15)/16+2)
-	a, err := startInProcessSim(cfgA, log)
+	sc.Sim = sim.DefaultConfig()
+	sc.Sim.NumBlocks, sc.Sim.MaxModelLen = 8192, 2048
+	if sc.Log == nil {
+		sc.Log = zap.NewNop()
+	}
+	fmt.Fprintf(out, "vhi demo: Host + sim A (active) + sim B (standby) + 2 agents on loopback; %d streams × %d tokens; migrating A→B (%s) after %v\n",
+		sc.Streams, sc.MaxTokens, sc.Type, sc.Delay)
+	res, err := sc.run(ctx)
 	if err != nil {
-		return fmt.Errorf("start sim A: %w", err)
+		return err
 	}
-	defer a.stop()
-	b, err := startInProcessSim(cfgB, log)
-	if err != nil {
-		return fmt.Errorf("start sim B: %w", err)
+	st := res.Status
+	fmt.Fprintln(out)
+	printMigration(out, st)
+	fmt.Fprintf(out, "client inter-token gap: median %v, max %v (the pause clients felt)\n", res.MedianGap.Round(100*time.Microsecond), res.MaxGap.Round(100*time.Microsecond))
+	fmt.Fprintf(out, "after the run: %s\n", res.StatsA)
+	if st.State != migrate.StateSucceeded {
+		return exitError{code: 1, err: fmt.Errorf("migration %s: %s", st.State, st.Error)}
 	}
-	defer b.stop()
-
-	reqs := demoRequests(n, maxTokens)
-	fmt.Fprintf(out, "vhi demo: %d streams on sim A (all at once), then on sim B (reverse order, staggered, %d KV blocks)\n", n, cfgB.NumBlocks)
-	t0 := time.Now()
-	onA := loadgen.Run(ctx, loadgen.Config{BaseURL: a.URL, Model: cfgA.Model}, reqs)
-	wallA := time.Since(t0)
-	rev := make([]loadgen.Request, n)
-	for i := range reqs {
-		rev[n-1-i] = reqs[i]
-	}
-	t1 := time.Now()
-	onBrev := loadgen.Run(ctx, loadgen.Config{BaseURL: b.URL, Model: cfgA.Model, Stagger: 2 * time.Second}, rev)
-	wallB := time.Since(t1)
-	onB := make([]loadgen.Stream, n)
-	for i := range onBrev {
-		onB[n-1-i] = onBrev[i]
-	}
-	statsB, _ := b.Eng.Stats(ctx)
-	preemptions := b.Eng.Preemptions()
-
-	mismatches := 0
-	for i := range reqs {
-		switch {
-		case onA[i].Err != nil:
-			mismatches++
-			fmt.Fprintf(out, "  stream %d on A failed: %v\n", i, onA[i].Err)
-		case onB[i].Err != nil:
-			mismatches++
-			fmt.Fprintf(out, "  stream %d on B failed: %v\n", i, onB[i].Err)
-		case onA[i].Text != onB[i].Text:
-			mismatches++
-			fmt.Fprintf(out, "  stream %d differs: A %q… B %q…\n", i, head(onA[i].Text), head(onB[i].Text))
+	if len(res.Mismatches) > 0 {
+		for _, m := range res.Mismatches {
+			fmt.Fprintln(out, "  MISMATCH", m)
 		}
+		return exitError{code: 1, err: fmt.Errorf("%d of %d streams are not exact", len(res.Mismatches), sc.Streams)}
 	}
-	sa, sb := loadgen.Summarize(onA, wallA), loadgen.Summarize(onB, wallB)
-	tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "run\tstreams\ttokens\twall\ttok/s\tTTFT p50\tgap p50\tgap p99\tpreemptions")
-	fmt.Fprintf(tw, "A\t%d\t%d\t%.1fs\t%.0f\t%v\t%v\t%v\t%d\n", sa.Streams, sa.Tokens, wallA.Seconds(), sa.TokensPerSec, sa.TTFTp50.Round(time.Millisecond), sa.GapP50.Round(time.Millisecond), sa.GapP99.Round(time.Millisecond), a.Eng.Preemptions())
-	fmt.Fprintf(tw, "B\t%d\t%d\t%.1fs\t%.0f\t%v\t%v\t%v\t%d\n", sb.Streams, sb.Tokens, wallB.Seconds(), sb.TokensPerSec, sb.TTFTp50.Round(time.Millisecond), sb.GapP50.Round(time.Millisecond), sb.GapP99.Round(time.Millisecond), preemptions)
-	_ = tw.Flush()
-	fmt.Fprintf(out, "sample output (stream 0): %q\n", head(onA[0].Text))
-	fmt.Fprintf(out, "B free blocks after the run: %d of %d\n", statsB.FreeBlocks, statsB.TotalBlocks)
-	if mismatches > 0 {
-		return exitError{code: 1, err: fmt.Errorf("%d of %d streams differ between A and B", mismatches, n)}
-	}
-	fmt.Fprintf(out, "OK: all %d streams identical token for token across instances, batch orders and preemption\n", n)
+	fmt.Fprintf(out, "OK: all %d streams equal their unmigrated runs token for token (%d moved to B mid-stream), one [DONE] each, usage correct\n",
+		sc.Streams, st.Migrated)
 	return nil
-}
-
-func head(s string) string {
-	if len(s) > 60 {
-		return s[:60]
-	}
-	return s
 }

@@ -61,6 +61,11 @@ With --admin-token-file, /vllm_hi/* mutations and agent registration need the to
 	f.DurationVar(&cfg.HeartbeatInterval, "heartbeat-interval", cfg.HeartbeatInterval, "how often agents heartbeat")
 	f.IntVar(&cfg.MissedHeartbeats, "missed-heartbeats", cfg.MissedHeartbeats, "missed heartbeats before an instance is unreachable")
 	f.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", cfg.ShutdownTimeout, "on SIGTERM, how long open streams may finish")
+	f.DurationVar(&cfg.Migration.PauseLease, "migration-pause-lease", cfg.Migration.PauseLease, "a paused source resumes by itself after this long without confirmation")
+	f.DurationVar(&cfg.Migration.ReservationLease, "migration-reservation-lease", cfg.Migration.ReservationLease, "a target frees unclaimed reserved blocks after this long")
+	f.IntVar(&cfg.Migration.DefaultTN, "migration-tn", cfg.Migration.DefaultTN, "default data-plane connections per migration")
+	f.BoolVar(&cfg.Migration.AllowFaultInjection, "allow-fault-injection", false, "accept inject_fault in migrate requests (tests only)")
+	_ = f.MarkHidden("allow-fault-injection")
 	f.StringVar(&debugAddr, "debug-addr", "", "serve Go's pprof profiles on this separate address (e.g. 127.0.0.1:6060)")
 	f.DurationVar(&cfg.ClientWriteTimeout, "client-write-timeout", cfg.ClientWriteTimeout, "cut a streaming client whose socket accepts nothing for this long")
 	return cmd

@@ -14,6 +14,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
 	"sort"
 	"sync"
 	"time"
@@ -102,18 +103,21 @@ type Status struct {
 
 // Config tunes the orchestrator (the seed's env vars).
 type Config struct {
-	MaxIncrRounds int           // VLLM_HI_MAX_INCR_ROUNDS, default 8
-	StallRounds   int           // VLLM_HI_INCR_STALL_ROUNDS, default 2
-	DefaultFilter string        // VLLM_HI_REQUEST_FILTER, default all
-	DefaultTN     int           // data-plane connections, default 2
-	PauseLease    time.Duration // how long the source stays paused without confirmation
-	SpliceTimeout time.Duration
-	AgentToken    string
+	MaxIncrRounds    int           // VLLM_HI_MAX_INCR_ROUNDS, default 8
+	StallRounds      int           // VLLM_HI_INCR_STALL_ROUNDS, default 2
+	DefaultFilter    string        // VLLM_HI_REQUEST_FILTER, default all
+	DefaultTN        int           // data-plane connections, default 2
+	PauseLease       time.Duration // how long the source stays paused without confirmation
+	ReservationLease time.Duration // how long the target holds unclaimed blocks
+	SpliceTimeout    time.Duration
+	AgentToken       string
+	// AllowFaultInjection accepts the inject_fault field (tests only).
+	AllowFaultInjection bool
 }
 
 // DefaultConfig returns the defaults.
 func DefaultConfig() Config {
-	return Config{MaxIncrRounds: 8, StallRounds: 2, DefaultTN: 2, PauseLease: 10 * time.Second, SpliceTimeout: 5 * time.Second}
+	return Config{MaxIncrRounds: 8, StallRounds: 2, DefaultTN: 2, PauseLease: 10 * time.Second, ReservationLease: 60 * time.Second, SpliceTimeout: 5 * time.Second}
 }
 
 // Error is a refusal of a migrate request, with its HTTP status.
@@ -246,6 +250,15 @@ func (o *Orchestrator) Start(req Request) (string, error) {
 	case "", "slot", "block":
 	default:
 		return "", refuse(400, "final_granularity %q: want slot or block", req.FinalGranularity)
+	}
+	switch req.InjectFault {
+	case "":
+	case "corrupt", "cut", "crash_after_pause":
+		if !o.cfg.AllowFaultInjection {
+			return "", refuse(400, "inject_fault is only accepted by a Host started with --allow-fault-injection")
+		}
+	default:
+		return "", refuse(400, "inject_fault %q: want corrupt, cut or crash_after_pause", req.InjectFault)
 	}
 	if req.TN < 0 || req.TN > 64 {
 		return "", refuse(400, "tn %d out of range 1..64", req.TN)
@@ -457,7 +470,7 @@ func (m *migration) prepare() error {
 		items = append(items, hooks.AllocateItem{RequestID: r.RequestID, NumTokens: max(need, r.NumPromptTokens+r.NumOutputTokens+1)})
 	}
 	if len(items) > 0 {
-		alloc, err := hook[hooks.AllocateResponse](ctx, m.dstA, "allocate", hooks.AllocateRequest{Requests: items, LeaseMS: 600_000}, 0)
+		alloc, err := hook[hooks.AllocateResponse](ctx, m.dstA, "allocate", hooks.AllocateRequest{Requests: items, LeaseMS: int(m.o.cfg.ReservationLease / time.Millisecond)}, 0)
 		if err != nil {
 			if status.Code(err) == codes.ResourceExhausted {
 				return refuse(409, "target %s cannot hold the KV of %d requests: %s", m.dst.ID, len(items), status.Convert(err).Message())
@@ -625,11 +638,21 @@ func (m *migration) final(ctx context.Context, since uint64) {
 		}
 		m.pausedSrc = len(ids) > 0
 	}
+	if m.req.InjectFault == "crash_after_pause" {
+		// Test of the Host dying while the source is paused: the source's
+		// pause lease and the target's reservation lease must clean up.
+		m.log.Error("injected fault: the Host exits with the source paused")
+		os.Exit(3)
+	}
 
 	m.step("final_round")
 	slot := m.req.FinalGranularity != "block"
 	if len(m.ids()) > 0 {
-		if _, err := m.copyRound(ctx, "final", since, slot, m.req.InjectFault); err != nil {
+		fault := m.req.InjectFault
+		if fault == "crash_after_pause" {
+			fault = ""
+		}
+		if _, err := m.copyRound(ctx, "final", since, slot, fault); err != nil {
 			m.fail(err)
 			return
 		}

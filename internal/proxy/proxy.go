@@ -108,6 +108,22 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 	for k, vs := range up.Header {
 		req.Header[k] = vs
 	}
+	// Register the stream before the engine answers: a migration that
+	// starts while the request is still prefilling must find it.
+	s := &Stream{ID: up.RequestID, Instance: up.InstanceID, cancelA: cancelUp, done: make(chan struct{})}
+	if up.RequestID != "" {
+		p.streams.add(s)
+		defer p.streams.remove(s)
+	}
+	defer func() {
+		s.mu.Lock()
+		close(s.done)
+		if sp := s.splice; sp != nil && sp.switched != nil {
+			sp.switched <- fmt.Errorf("stream %s ended before it could move", s.ID)
+			sp.switched = nil
+		}
+		s.mu.Unlock()
+	}()
 	resp, err := p.client.Do(req)
 	if err != nil {
 		if r.Context().Err() != nil {
@@ -119,7 +135,7 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 	if resp.StatusCode != http.StatusOK || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
 		return p.passThrough(w, resp)
 	}
-	return p.relay(ctx, w, resp.Body, cancelUp, up)
+	return p.relay(ctx, w, resp.Body, s, up)
 }
 
 func (p *Proxy) passThrough(w http.ResponseWriter, resp *http.Response) Result {
@@ -137,7 +153,7 @@ func (p *Proxy) passThrough(w http.ResponseWriter, resp *http.Response) Result {
 // byte-exact, and flush unless the next event is already in hand. A splice
 // (see Stream.Splice) swaps the upstream once exactly the source's tokens
 // went to the client.
-func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader, cancelUp context.CancelFunc, up Upstream) Result {
+func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader, s *Stream, up Upstream) Result {
 	h := w.Header()
 	h.Set("Content-Type", "text/event-stream; charset=utf-8")
 	h.Set("Cache-Control", "no-cache")
@@ -146,21 +162,6 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 	w.WriteHeader(http.StatusOK)
 	p.m.StreamsInFlight.Inc()
 	defer p.m.StreamsInFlight.Dec()
-
-	s := &Stream{ID: up.RequestID, Instance: up.InstanceID, cancelA: cancelUp, done: make(chan struct{})}
-	if up.RequestID != "" {
-		p.streams.add(s)
-		defer p.streams.remove(s)
-	}
-	defer func() {
-		s.mu.Lock()
-		close(s.done)
-		if sp := s.splice; sp != nil && sp.switched != nil {
-			sp.switched <- fmt.Errorf("stream %s ended before it could move", s.ID)
-			sp.switched = nil
-		}
-		s.mu.Unlock()
-	}()
 
 	res := Result{Status: http.StatusOK}
 	er := NewEventReader(body)

@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -22,7 +23,10 @@ func TestMain(m *testing.M) {
 		panic(err)
 	}
 	vhiBin = filepath.Join(dir, "vhi")
-	build := exec.Command("go", "build", "-race", "-o", vhiBin, "github.com/vllm-hi/vllm-hi/cmd/vhi")
+	// No -race here: these tests time real streams against real migrations,
+	// and the race detector's 5-10x slowdown would change what they test.
+	// The in-process tests of every package run with -race.
+	build := exec.Command("go", "build", "-o", vhiBin, "github.com/vllm-hi/vllm-hi/cmd/vhi")
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
 	if err := build.Run(); err != nil {
 		fmt.Fprintln(os.Stderr, "building vhi:", err)
@@ -47,6 +51,7 @@ func freePort(t *testing.T) int {
 type proc struct {
 	cmd    *exec.Cmd
 	stderr *bytes.Buffer
+	once   sync.Once
 }
 
 func startVHI(t *testing.T, args ...string) *proc {
@@ -64,6 +69,10 @@ func startVHI(t *testing.T, args ...string) *proc {
 }
 
 func (p *proc) stop(t *testing.T) {
+	p.once.Do(func() { p.stopOnce(t) })
+}
+
+func (p *proc) stopOnce(t *testing.T) {
 	if p.cmd.ProcessState != nil {
 		return
 	}

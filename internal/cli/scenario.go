@@ -1,0 +1,151 @@
+package cli
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/internal/loadgen"
+	"github.com/vllm-hi/vllm-hi/internal/migrate"
+	"github.com/vllm-hi/vllm-hi/internal/sim"
+	"github.com/vllm-hi/vllm-hi/internal/stack"
+)
+
+// scenario is one "stream a load, migrate mid-stream, compare with an
+// unmigrated run" experiment, shared by vhi demo and vhi bench migrate.
+type scenario struct {
+	Streams          int
+	MaxTokens        int
+	PromptWords      int
+	Sim              sim.Config
+	Delay            time.Duration // load start → migration
+	Type             string
+	FinalGranularity string
+	TN               int
+	Log              *zap.Logger
+}
+
+type scenarioResult struct {
+	Status     migrate.Status
+	Streams    []loadgen.Stream
+	Mismatches []string
+	Wall       time.Duration
+	MedianGap  time.Duration
+	MaxGap     time.Duration
+	StatsA     string
+}
+
+func (sc scenario) requests() []loadgen.Request {
+	words := []string{"hello", "world", "model", "token", "stream", "water", "story", "house", "light", "earth"}
+	reqs := make([]loadgen.Request, sc.Streams)
+	for i := range reqs {
+		prompt := fmt.Sprintf("request %d:", i)
+		for j := 0; j < sc.PromptWords/2+(i*37)%(sc.PromptWords+1); j++ {
+			prompt += " " + words[(i*7+j*3)%len(words)]
+		}
+		seed := int64(1000 + i)
+		reqs[i] = loadgen.Request{Prompt: prompt, MaxTokens: sc.MaxTokens, IgnoreEOS: true, Seed: &seed}
+		if i%2 == 0 {
+			reqs[i].Temperature = 0.8
+		}
+	}
+	return reqs
+}
+
+// reference runs the load on a lone engine: the unmigrated truth.
+func (sc scenario) reference(ctx context.Context, reqs []loadgen.Request) ([]loadgen.Stream, error) {
+	c := sc.Sim
+	c.Model, c.ServedModelNames, c.ShmPrefix = "demo-model", nil, fmt.Sprintf("vhi-ref-%d", os.Getpid())
+	ref, err := startInProcessSim(c, sc.Log)
+	if err != nil {
+		return nil, err
+	}
+	defer ref.stop()
+	return loadgen.Run(ctx, loadgen.Config{BaseURL: ref.URL, Model: "demo-model"}, reqs), nil
+}
+
+func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
+	var res scenarioResult
+	reqs := sc.requests()
+	ref, err := sc.reference(ctx, reqs)
+	if err != nil {
+		return res, fmt.Errorf("reference run: %w", err)
+	}
+	st, err := stack.Start(stack.Options{Model: "demo-model", SimA: sc.Sim, SimB: sc.Sim, Log: sc.Log})
+	if err != nil {
+		return res, err
+	}
+	defer st.Stop()
+
+	done := make(chan []loadgen.Stream, 1)
+	t0 := time.Now()
+	go func() { done <- loadgen.Run(ctx, loadgen.Config{BaseURL: st.HostURL, Model: "demo-model"}, reqs) }()
+	select {
+	case <-ctx.Done():
+		return res, ctx.Err()
+	case <-time.After(sc.Delay):
+	}
+	body, _ := json.Marshal(migrate.Request{Src: st.AID, Dst: st.BID, Type: sc.Type, FinalGranularity: sc.FinalGranularity, TN: sc.TN})
+	resp, err := http.Post(st.HostURL+"/vllm_hi/migrate", "application/json", bytes.NewReader(body))
+	if err != nil {
+		return res, err
+	}
+	var started struct {
+		ID    string `json:"migration_id"`
+		Error *struct {
+			Message string `json:"message"`
+		} `json:"error"`
+	}
+	_ = json.NewDecoder(resp.Body).Decode(&started)
+	resp.Body.Close()
+	if started.ID == "" {
+		msg := "no migration id"
+		if started.Error != nil {
+			msg = started.Error.Message
+		}
+		return res, fmt.Errorf("migrate refused: %s", msg)
+	}
+	for {
+		r, err := http.Get(st.HostURL + "/vllm_hi/migration/" + started.ID + "/status")
+		if err != nil {
+			return res, err
+		}
+		_ = json.NewDecoder(r.Body).Decode(&res.Status)
+		r.Body.Close()
+		if res.Status.State != migrate.StateRunning {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	res.Streams = <-done
+	res.Wall = time.Since(t0)
+	sa, _ := st.A.Stats(ctx)
+	sb, _ := st.B.Stats(ctx)
+	res.StatsA = fmt.Sprintf("A: %d/%d blocks free, B: %d/%d blocks free", sa.FreeBlocks, sa.TotalBlocks, sb.FreeBlocks, sb.TotalBlocks)
+	var gaps []time.Duration
+	for i, s := range res.Streams {
+		switch {
+		case s.Err != nil:
+			res.Mismatches = append(res.Mismatches, fmt.Sprintf("stream %d failed: %v", i, s.Err))
+		case ref[i].Err != nil:
+			res.Mismatches = append(res.Mismatches, fmt.Sprintf("reference %d failed: %v", i, ref[i].Err))
+		case s.Text != ref[i].Text:
+			res.Mismatches = append(res.Mismatches, fmt.Sprintf("stream %d differs from its unmigrated run", i))
+		case s.Done != 1 || s.Usage == nil || s.Usage.CompletionTokens != len(s.Pieces) || s.Usage.PromptTokens != ref[i].Usage.PromptTokens:
+			res.Mismatches = append(res.Mismatches, fmt.Sprintf("stream %d: %d [DONE], usage %+v", i, s.Done, s.Usage))
+		}
+		for j := 1; j < len(s.Arrivals); j++ {
+			g := s.Arrivals[j].Sub(s.Arrivals[j-1])
+			gaps = append(gaps, g)
+			res.MaxGap = max(res.MaxGap, g)
+		}
+	}
+	res.MedianGap = loadgen.Percentile(gaps, 0.5)
+	return res, nil
+}

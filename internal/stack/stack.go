@@ -1,0 +1,129 @@
+// Package stack starts a whole vllm-hi deployment in one process on
+// loopback — a Host, two sims (A active, B standby) and their agents — for
+// the demo, the migration benchmark and tests. Each piece is the real
+// component on its own listener; only the processes are shared.
+package stack
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/internal/agent"
+	"github.com/vllm-hi/vllm-hi/internal/host"
+	"github.com/vllm-hi/vllm-hi/internal/sim"
+)
+
+// Options configure a stack.
+type Options struct {
+	Model   string
+	SimA    sim.Config // Model, ShmPrefix and served names are filled in
+	SimB    sim.Config
+	Log     *zap.Logger
+	HostCfg host.Config
+}
+
+// Stack is a running deployment.
+type Stack struct {
+	HostURL    string
+	AURL, BURL string // engines
+	AID, BID   string // vllm_hi_ids
+	A, B       *sim.Engine
+	Host       *host.Host
+	stops      []func()
+}
+
+// Start brings everything up and waits until both agents registered.
+func Start(o Options) (*Stack, error) {
+	if o.Log == nil {
+		o.Log = zap.NewNop()
+	}
+	s := &Stack{AID: "sim-a", BID: "sim-b"}
+	fail := func(err error) (*Stack, error) { s.Stop(); return nil, err }
+	pid := os.Getpid()
+	var err error
+	if s.A, s.AURL, err = s.startSim(o.SimA, o.Model, fmt.Sprintf("vhi-stack-%d-a", pid), o.Log); err != nil {
+		return fail(err)
+	}
+	if s.B, s.BURL, err = s.startSim(o.SimB, o.Model, fmt.Sprintf("vhi-stack-%d-b", pid), o.Log); err != nil {
+		return fail(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return fail(err)
+	}
+	cfg := o.HostCfg
+	if cfg.Listen == "" {
+		cfg = host.DefaultConfig()
+		cfg.HeartbeatInterval = 200 * time.Millisecond
+		cfg.ShutdownTimeout = 5 * time.Second
+	}
+	s.Host = host.New(cfg, o.Log.Named("host"))
+	hctx, hcancel := context.WithCancel(context.Background())
+	hdone := make(chan struct{})
+	go func() { defer close(hdone); _ = s.Host.Serve(hctx, ln) }()
+	s.stops = append(s.stops, func() { hcancel(); <-hdone })
+	s.HostURL = "http://" + ln.Addr().String()
+	for _, a := range []struct{ typ, id, url string }{{"A", s.AID, s.AURL}, {"B", s.BID, s.BURL}} {
+		ag, err := agent.New(agent.Config{Type: a.typ, HostAddr: ln.Addr().String(), EngineURL: a.url, ID: a.id,
+			Listen: "127.0.0.1:0", AdvertiseHost: "127.0.0.1", TP: 1, PP: 1, EngineWait: 10 * time.Second}, o.Log.Named("agent-"+a.id))
+		if err != nil {
+			return fail(err)
+		}
+		actx, acancel := context.WithCancel(context.Background())
+		adone := make(chan struct{})
+		go func() { defer close(adone); _ = ag.Run(actx) }()
+		s.stops = append(s.stops, func() { acancel(); <-adone })
+	}
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		var st struct {
+			N int `json:"instance_count"`
+		}
+		if resp, err := http.Get(s.HostURL + "/vllm_hi/status"); err == nil {
+			_ = json.NewDecoder(resp.Body).Decode(&st)
+			resp.Body.Close()
+		}
+		if st.N == 2 {
+			return s, nil
+		}
+		if time.Now().After(deadline) {
+			return fail(fmt.Errorf("agents did not register"))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func (s *Stack) startSim(c sim.Config, model, prefix string, log *zap.Logger) (*sim.Engine, string, error) {
+	c.Model, c.ServedModelNames, c.ShmPrefix = model, []string{model}, prefix
+	e, err := sim.NewEngine(c, log.Named(prefix))
+	if err != nil {
+		return nil, "", err
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		e.Close()
+		return nil, "", err
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); e.Run(ctx) }()
+	srv := &http.Server{Handler: sim.NewServer(e, log).Handler(), ReadHeaderTimeout: 10 * time.Second}
+	go func() { _ = srv.Serve(ln) }()
+	s.stops = append(s.stops, func() { _ = srv.Close(); cancel(); <-done; e.Close() })
+	return e, "http://" + ln.Addr().String(), nil
+}
+
+// Stop shuts everything down in reverse order of start.
+func (s *Stack) Stop() {
+	for i := len(s.stops) - 1; i >= 0; i-- {
+		s.stops[i]()
+	}
+	s.stops = nil
+}

@@ -1,0 +1,386 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/vllm-hi/vllm-hi/internal/loadgen"
+)
+
+// deployment is Host + sim A + sim B + two agents as processes, plus a
+// lone reference sim for unmigrated runs.
+type deployment struct {
+	hostURL, aURL, bURL, refURL string
+	host, agentA, agentB        *proc
+}
+
+func deploy(t *testing.T, bBlocks int) *deployment {
+	t.Helper()
+	shm := t.TempDir()
+	d := &deployment{}
+	simArgs := func(port int, blocks int) []string {
+		return []string{"sim", "--port", fmt.Sprint(port), "--served-model-name", "m", "--shm-dir", shm,
+			"--num-gpu-blocks", fmt.Sprint(blocks), "--max-model-len", "1024", "--step-fixed", "6ms", "--log-level", "warn"}
+	}
+	var urls []string
+	for _, blocks := range []int{4096, bBlocks, 4096} {
+		port := freePort(t)
+		startVHI(t, simArgs(port, blocks)...)
+		u := fmt.Sprintf("http://127.0.0.1:%d", port)
+		waitHealthy(t, u+"/health")
+		urls = append(urls, u)
+	}
+	d.aURL, d.bURL, d.refURL = urls[0], urls[1], urls[2]
+	hostAddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	d.hostURL = "http://" + hostAddr
+	d.host = startVHI(t, "host", "--listen", hostAddr, "--heartbeat-interval", "500ms", "--allow-fault-injection",
+		"--migration-pause-lease", "2s", "--migration-reservation-lease", "3s", "--log-level", "warn")
+	waitHealthy(t, d.hostURL+"/health")
+	d.agentA = startVHI(t, "agent", "--type", "A", "--id", "A", "--host", hostAddr, "--engine", d.aURL, "--log-level", "warn")
+	d.agentB = startVHI(t, "agent", "--type", "B", "--id", "B", "--host", hostAddr, "--engine", d.bURL, "--log-level", "warn")
+	waitUntil(t, "both agents", func() bool { return len(listInstances(t, d.hostURL).Instances) == 2 })
+	return d
+}
+
+func load(n, tokens int) []loadgen.Request {
+	var reqs []loadgen.Request
+	for i := 0; i < n; i++ {
+		seed := int64(i)
+		reqs = append(reqs, loadgen.Request{Prompt: fmt.Sprintf("migrate me %d %s", i, strings.Repeat(" story", i%29)),
+			MaxTokens: tokens + i%7, Seed: &seed, Temperature: float64(i%3) * 0.4, IgnoreEOS: true})
+	}
+	return reqs
+}
+
+// startLoad streams reqs through the Host in the background.
+func (d *deployment) startLoad(reqs []loadgen.Request) <-chan []loadgen.Stream {
+	ch := make(chan []loadgen.Stream, 1)
+	go func() { ch <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: d.hostURL, Model: "m"}, reqs) }()
+	return ch
+}
+
+func checkExact(t *testing.T, got, want []loadgen.Stream) {
+	t.Helper()
+	for i := range want {
+		if got[i].Err != nil {
+			t.Fatalf("stream %d broke: %v", i, got[i].Err)
+		}
+		if got[i].Text != want[i].Text {
+			t.Fatalf("stream %d differs from its unmigrated run", i)
+		}
+		if got[i].Done != 1 || got[i].Usage == nil || got[i].Usage.CompletionTokens != len(got[i].Pieces) || *got[i].Usage != *want[i].Usage {
+			t.Fatalf("stream %d: %d [DONE], usage %+v want %+v", i, got[i].Done, got[i].Usage, want[i].Usage)
+		}
+	}
+}
+
+type migStatus struct {
+	ID       string `json:"migration_id"`
+	State    string `json:"state"`
+	Error    string `json:"error"`
+	Migrated int    `json:"migrated_request_count"`
+	Rounds   []struct {
+		Kind  string `json:"kind"`
+		Bytes int64  `json:"data_size_bytes"`
+	} `json:"rounds"`
+	NewActive string `json:"new_active_instance"`
+}
+
+func (d *deployment) migrate(t *testing.T, body string) (int, string) {
+	t.Helper()
+	resp, err := http.Post(d.hostURL+"/vllm_hi/migrate", "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var b bytes.Buffer
+	_, _ = b.ReadFrom(resp.Body)
+	return resp.StatusCode, b.String()
+}
+
+func (d *deployment) waitMigration(t *testing.T, startBody string) migStatus {
+	t.Helper()
+	code, body := d.migrate(t, startBody)
+	if code != 200 {
+		t.Fatalf("migrate: %d %s", code, body)
+	}
+	var started struct {
+		ID string `json:"migration_id"`
+	}
+	_ = json.Unmarshal([]byte(body), &started)
+	var st migStatus
+	waitUntil(t, "the migration to end", func() bool {
+		resp, err := http.Get(d.hostURL + "/vllm_hi/migration/" + started.ID + "/status")
+		if err != nil {
+			return false
+		}
+		defer resp.Body.Close()
+		_ = json.NewDecoder(resp.Body).Decode(&st)
+		return st.State != "running"
+	})
+	return st
+}
+
+type engineStats struct {
+	Free, Total, Reserved, Running int
+}
+
+func stats(t *testing.T, url string) engineStats {
+	t.Helper()
+	var s struct {
+		Free     int `json:"free_blocks"`
+		Total    int `json:"total_blocks"`
+		Reserved int `json:"reserved_blocks"`
+		Running  int `json:"num_running"`
+	}
+	resp, err := http.Get(url + "/vllm_hi/engine/stats")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	_ = json.NewDecoder(resp.Body).Decode(&s)
+	return engineStats{s.Free, s.Total, s.Reserved, s.Running}
+}
+
+func (d *deployment) reference(reqs []loadgen.Request) []loadgen.Stream {
+	return loadgen.Run(context.Background(), loadgen.Config{BaseURL: d.refURL, Model: "m"}, reqs)
+}
+
+func roleOf(t *testing.T, hostURL, id string) string {
+	for _, i := range listInstances(t, hostURL).Instances {
+		if i.ID == id {
+			return i.Role
+		}
+	}
+	return ""
+}
+
+// 64 streams move from A to B mid-stream through `vhi migrate --wait`:
+// every stream equals its unmigrated run, one [DONE], correct usage; then
+// destroy_source has made B active and released A's KV.
+func TestMigrationEveryStreamExact(t *testing.T) {
+	d := deploy(t, 4096)
+	reqs := load(64, 400)
+	want := d.reference(reqs)
+	running := d.startLoad(reqs)
+	time.Sleep(900 * time.Millisecond)
+	out, err := exec.Command(vhiBin, "migrate", "--host", d.hostURL, "--src", "A", "--dst", "B", "--wait").CombinedOutput()
+	if err != nil {
+		t.Fatalf("vhi migrate --wait: %v\n%s", err, out)
+	}
+	if !strings.Contains(string(out), "succeeded") || !strings.Contains(string(out), "final") || !strings.Contains(string(out), " 64/64 ") {
+		t.Fatalf("not every stream moved:\n%s", out)
+	}
+	checkExact(t, <-running, want)
+	if roleOf(t, d.hostURL, "B") != "active" || roleOf(t, d.hostURL, "A") != "standby" {
+		t.Fatalf("roles after destroy_source: %+v", listInstances(t, d.hostURL))
+	}
+	waitUntil(t, "A's KV released", func() bool {
+		resp, err := http.Get(d.aURL + "/is_sleeping")
+		if err != nil {
+			return false
+		}
+		defer resp.Body.Close()
+		var v struct {
+			S bool `json:"is_sleeping"`
+		}
+		_ = json.NewDecoder(resp.Body).Decode(&v)
+		return v.S
+	})
+	if s := stats(t, d.bURL); s.Free != s.Total || s.Reserved != 0 {
+		t.Fatalf("B leaked blocks: %+v", s)
+	}
+	// New requests go to B now.
+	if got := loadgen.Run(context.Background(), loadgen.Config{BaseURL: d.hostURL, Model: "m"}, reqs[:2]); got[0].Err != nil || got[0].Text != want[0].Text {
+		t.Fatalf("after the migration: %+v", got[0].Err)
+	}
+	if out, err := exec.Command(vhiBin, "migration", "status", "nope", "--host", d.hostURL).CombinedOutput(); err == nil {
+		t.Fatalf("status of an unknown migration exited 0: %s", out)
+	}
+}
+
+func TestMigrationTypesAndFilter(t *testing.T) {
+	t.Run("preserve_source", func(t *testing.T) {
+		d := deploy(t, 4096)
+		reqs := load(16, 400)
+		want := d.reference(reqs)
+		running := d.startLoad(reqs)
+		time.Sleep(900 * time.Millisecond)
+		st := d.waitMigration(t, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","migration_type":"preserve_source"}`)
+		if st.State != "succeeded" || st.NewActive != "B" || st.Migrated != 16 {
+			t.Fatalf("%+v", st)
+		}
+		checkExact(t, <-running, want)
+		if roleOf(t, d.hostURL, "A") != "standby" || roleOf(t, d.hostURL, "B") != "active" {
+			t.Fatal("preserve_source roles")
+		}
+		resp, _ := http.Get(d.aURL + "/is_sleeping")
+		var v struct {
+			S bool `json:"is_sleeping"`
+		}
+		_ = json.NewDecoder(resp.Body).Decode(&v)
+		resp.Body.Close()
+		if v.S {
+			t.Fatal("preserve_source must keep A's KV")
+		}
+	})
+	t.Run("keep_source_active with longest:4", func(t *testing.T) {
+		d := deploy(t, 4096)
+		reqs := load(16, 400)
+		want := d.reference(reqs)
+		running := d.startLoad(reqs)
+		time.Sleep(900 * time.Millisecond)
+		st := d.waitMigration(t, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","migration_type":"keep_source_active","request_filter":"longest:4"}`)
+		if st.State != "succeeded" || st.Migrated != 4 || st.NewActive != "A" {
+			t.Fatalf("%+v", st)
+		}
+		checkExact(t, <-running, want)
+		if roleOf(t, d.hostURL, "A") != "active" || roleOf(t, d.hostURL, "B") != "standby" {
+			t.Fatal("keep_source_active roles")
+		}
+	})
+}
+
+func TestMigrationBadInput(t *testing.T) {
+	d := deploy(t, 4096)
+	for _, c := range []struct {
+		body string
+		code int
+	}{
+		{`{"src_vllm_hi_id":`, 400},
+		{`{"src_vllm_hi_id":"A"}`, 400},
+		{`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"A"}`, 400},
+		{`{"src_vllm_hi_id":"nope","dst_vllm_hi_id":"B"}`, 404},
+		{`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"nope"}`, 404},
+		{`{"src_vllm_hi_id":"B","dst_vllm_hi_id":"A"}`, 409},
+		{`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","migration_type":"teleport"}`, 400},
+		{`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","request_filter":"shortest:3"}`, 400},
+		{`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","target_tp":2}`, 409},
+		{`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","tn":1000}`, 400},
+	} {
+		code, body := d.migrate(t, c.body)
+		if code != c.code || !strings.Contains(body, fmt.Sprintf(`"code":%d`, c.code)) {
+			t.Errorf("%s: %d %s, want %d", c.body, code, body, c.code)
+		}
+	}
+	resp, _ := http.Get(d.hostURL + "/vllm_hi/migration/mig-unknown/status")
+	if resp.StatusCode != 404 {
+		t.Fatalf("unknown migration: %d", resp.StatusCode)
+	}
+	resp.Body.Close()
+	// Busy: a second migration of the same pair while the first runs.
+	reqs := load(32, 150)
+	running := d.startLoad(reqs)
+	time.Sleep(300 * time.Millisecond)
+	code, body := d.migrate(t, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B"}`)
+	if code != 200 {
+		t.Fatalf("%d %s", code, body)
+	}
+	if code, body := d.migrate(t, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B"}`); code != 409 {
+		t.Fatalf("second migration: %d %s", code, body)
+	}
+	for _, s := range <-running {
+		if s.Err != nil {
+			t.Fatal(s.Err)
+		}
+	}
+}
+
+// Faults before B resumed abort the migration: A resumes, B frees what it
+// reserved, and every stream goes on from A exactly.
+func TestMigrationAborts(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		bBlocks int
+		body    string
+		kill    bool // kill B's agent right after the migration starts
+		refused bool // refused synchronously
+	}{
+		{name: "target cannot hold the KV", bBlocks: 70, body: `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B"}`, refused: true},
+		{name: "data connection cut", bBlocks: 4096, body: `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","inject_fault":"cut"}`},
+		{name: "checksum fails", bBlocks: 4096, body: `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","inject_fault":"corrupt"}`},
+		{name: "target agent dies mid-migration", bBlocks: 4096, body: `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","tn":1}`, kill: true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			d := deploy(t, c.bBlocks)
+			reqs := load(32, 400)
+			want := d.reference(reqs)
+			b0 := stats(t, d.bURL)
+			running := d.startLoad(reqs)
+			time.Sleep(900 * time.Millisecond)
+			if c.refused {
+				code, body := d.migrate(t, c.body)
+				if code != 409 || !strings.Contains(body, "cannot hold") {
+					t.Fatalf("%d %s", code, body)
+				}
+			} else {
+				code, body := d.migrate(t, c.body)
+				if code != 200 {
+					t.Fatalf("migrate: %d %s", code, body)
+				}
+				var started struct {
+					ID string `json:"migration_id"`
+				}
+				_ = json.Unmarshal([]byte(body), &started)
+				var st migStatus
+				poll := func() {
+					resp, err := http.Get(d.hostURL + "/vllm_hi/migration/" + started.ID + "/status")
+					if err == nil {
+						_ = json.NewDecoder(resp.Body).Decode(&st)
+						resp.Body.Close()
+					}
+				}
+				if c.kill { // kill B's agent once round 0 is done: mid-migration
+					waitUntil(t, "round 0", func() bool { poll(); return len(st.Rounds) >= 1 || st.State != "running" })
+					d.agentB.stop(t)
+				}
+				waitUntil(t, "the migration to end", func() bool { poll(); return st.State != "running" })
+				if st.State != "aborted" || st.Error == "" {
+					t.Fatalf("want aborted, got %+v", st)
+				}
+			}
+			checkExact(t, <-running, want)
+			if roleOf(t, d.hostURL, "A") != "active" {
+				t.Fatal("A lost its role after an aborted migration")
+			}
+			waitUntil(t, "no leaked blocks", func() bool {
+				a, b := stats(t, d.aURL), stats(t, d.bURL)
+				return a.Free == a.Total && b.Free == b0.Free && b.Reserved == 0
+			})
+		})
+	}
+}
+
+// The Host dies while A is paused: A resumes by itself when its pause
+// lease ends, and B frees its reservation when that lease ends.
+func TestHostDiesWhileSourcePaused(t *testing.T) {
+	d := deploy(t, 4096)
+	// Streams straight to A keep their connections when the Host dies;
+	// the Host migrates only the streams it relays, so relay a few too.
+	direct := make(chan []loadgen.Stream, 1)
+	reqs := load(8, 400)
+	go func() { direct <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: d.aURL, Model: "m"}, reqs) }()
+	viaHost := d.startLoad(load(8, 400))
+	time.Sleep(300 * time.Millisecond)
+	if code, body := d.migrate(t, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","inject_fault":"crash_after_pause"}`); code != 200 {
+		t.Fatalf("%d %s", code, body)
+	}
+	_ = d.host.cmd.Wait() // the Host exits with A paused
+	<-viaHost             // those streams broke with the Host: nothing can carry them
+	for i, s := range <-direct {
+		if s.Err != nil || s.Done != 1 {
+			t.Fatalf("stream %d to A did not finish after the Host died: %v", i, s.Err)
+		}
+	}
+	waitUntil(t, "A and B back to all blocks free", func() bool {
+		a, b := stats(t, d.aURL), stats(t, d.bURL)
+		return a.Running == 0 && a.Free == a.Total && b.Free == b.Total && b.Reserved == 0
+	})
+}
