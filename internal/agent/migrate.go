@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/http"
 	"sort"
+	"strconv"
 	"sync"
 	"time"
 
@@ -26,10 +27,11 @@ import (
 // for reading (as a source) and writing (as a target), and the sessions it
 // accepts KV for.
 type dataPlane struct {
-	mu       sync.Mutex
-	src, dst *shm.Regions
-	sessions map[string]bool
-	server   *tcpshm.Server
+	mu        sync.Mutex
+	src, dst  *shm.Regions
+	dstLayout hooks.Layout
+	sessions  map[string]bool
+	server    *tcpshm.Server
 }
 
 // engineError translates an engine (hook) error into a gRPC status, once,
@@ -58,75 +60,41 @@ func engineError(err error) error {
 	return nil
 }
 
-// Hook forwards one hook call.
+// hookRoutes maps hook names to the engine's HTTP method and path.
+var hookRoutes = map[string]struct{ method, path string }{
+	"layout":   {http.MethodGet, hooks.PathLayout},
+	"requests": {http.MethodGet, hooks.PathRequests},
+	"stats":    {http.MethodGet, hooks.PathStats},
+	"changes":  {http.MethodGet, hooks.PathChanges},
+	"pause":    {http.MethodPost, hooks.PathPause},
+	"resume":   {http.MethodPost, hooks.PathResume},
+	"export":   {http.MethodPost, hooks.PathExport},
+	"allocate": {http.MethodPost, hooks.PathAllocate},
+	"install":  {http.MethodPost, hooks.PathInstall},
+	"abort":    {http.MethodPost, hooks.PathAbort},
+}
+
+// Hook forwards one hook call. The JSON bodies pass through as bytes: the
+// final round's export and install carry every moved request's tokens,
+// and decoding and re-encoding them here would sit inside the downtime.
 func (s *agentService) Hook(ctx context.Context, req *v1.HookRequest) (*v1.HookResponse, error) {
-	e := s.a.eng
-	var (
-		out any
-		err error
-	)
-	decode := func(v any) error {
-		if len(req.GetBody()) == 0 {
-			return nil
-		}
-		if err := json.Unmarshal(req.GetBody(), v); err != nil {
-			return status.Errorf(codes.InvalidArgument, "hook %s: bad body: %v", req.GetName(), err)
-		}
-		return nil
-	}
-	switch req.GetName() {
-	case "layout":
-		out, err = e.Layout(ctx)
-	case "requests":
-		out, err = e.Requests(ctx)
-	case "stats":
-		out, err = e.Stats(ctx)
-	case "changes":
-		out, err = e.Changes(ctx, req.GetSince())
-	case "pause":
-		var in hooks.PauseRequest
-		if err := decode(&in); err != nil {
-			return nil, err
-		}
-		out, err = e.Pause(ctx, in)
-	case "resume":
-		var in hooks.ResumeRequest
-		if err := decode(&in); err != nil {
-			return nil, err
-		}
-		out, err = e.Resume(ctx, in)
-	case "export":
-		var in hooks.ExportRequest
-		if err := decode(&in); err != nil {
-			return nil, err
-		}
-		out, err = e.Export(ctx, in)
-	case "allocate":
-		var in hooks.AllocateRequest
-		if err := decode(&in); err != nil {
-			return nil, err
-		}
-		out, err = e.Allocate(ctx, in)
-	case "install":
-		var in hooks.InstallRequest
-		if err := decode(&in); err != nil {
-			return nil, err
-		}
-		out, err = e.Install(ctx, in)
-	case "abort":
-		var in hooks.AbortRequest
-		if err := decode(&in); err != nil {
-			return nil, err
-		}
-		out, err = e.Abort(ctx, in)
-	default:
+	route, ok := hookRoutes[req.GetName()]
+	if !ok {
 		return nil, status.Errorf(codes.InvalidArgument, "unknown hook %q", req.GetName())
 	}
+	path := route.path
+	if req.GetName() == "changes" {
+		path += "?since=" + strconv.FormatUint(req.GetSince(), 10)
+	}
+	body := req.GetBody()
+	if route.method == http.MethodPost && len(body) == 0 {
+		body = []byte("{}")
+	}
+	out, err := s.a.eng.Raw(ctx, route.method, path, body)
 	if err != nil {
 		return nil, engineError(err)
 	}
-	b, _ := json.Marshal(out)
-	return &v1.HookResponse{Body: b}, nil
+	return &v1.HookResponse{Body: out}, nil
 }
 
 // regions returns the engine's regions mapped (re-mapping after the layout
@@ -151,6 +119,9 @@ func (a *Agent) regions(ctx context.Context, writable bool) (*shm.Regions, hooks
 			return nil, lay, err
 		}
 		*cur = r
+	}
+	if writable {
+		dp.dstLayout = lay
 	}
 	return *cur, lay, nil
 }
@@ -185,7 +156,7 @@ func (s *agentService) ReleaseTarget(_ context.Context, req *v1.ReleaseTargetReq
 
 // dataTarget resolves a session to the writable regions, refusing sessions
 // the Host did not prepare.
-func (a *Agent) dataTarget(session string) ([][]byte, error) {
+func (a *Agent) dataTarget(session string) (*tcpshm.Memory, error) {
 	a.dp.mu.Lock()
 	defer a.dp.mu.Unlock()
 	if !a.dp.sessions[session] {
@@ -194,7 +165,12 @@ func (a *Agent) dataTarget(session string) ([][]byte, error) {
 	if a.dp.dst == nil {
 		return nil, fmt.Errorf("target regions not mapped")
 	}
-	return a.dp.dst.Data, nil
+	return memory(a.dp.dst, a.dp.dstLayout), nil
+}
+
+func memory(r *shm.Regions, l hooks.Layout) *tcpshm.Memory {
+	return &tcpshm.Memory{Data: r.Data, Specs: specs(l), Layers: l.Geometry.Layers, Heads: l.Geometry.KVHeads,
+		SlotBytes: int64(l.Geometry.HeadSlotBytes())}
 }
 
 func specs(l hooks.Layout) []kvlayout.RegionSpec {
@@ -241,10 +217,12 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 		}
 		cursor = changes.Cursor
 	}
+	tChanges := time.Now()
 	list, err := a.eng.Requests(ctx)
 	if err != nil {
 		return nil, engineError(err)
 	}
+	tRequests := time.Now()
 	if req.GetKind() == "full" {
 		cursor = list.Cursor
 	}
@@ -316,10 +294,7 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 	// Copy in block order: consecutive blocks merge into longer runs.
 	sortCopies(copies)
 	resp.BlockCount = int32(len(copies))
-	runs, err := kvlayout.Plan(geo.Layers, geo.KVHeads, int64(geo.HeadSlotBytes()), specs(srcLayout), specs(dstLayout), copies)
-	if err != nil {
-		return nil, status.Error(codes.FailedPrecondition, err.Error())
-	}
+	tSelect := time.Now()
 	fault := tcpshm.NoFault
 	switch req.GetInjectFault() {
 	case "corrupt":
@@ -331,7 +306,21 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 	if tn < 1 {
 		tn = a.cfg.DefaultTN
 	}
-	st, err := tcpshm.Send(ctx, req.GetTargetDataAddress(), req.GetMigrationId(), tn, src.Data, runs, fault)
+	var st tcpshm.Stats
+	if req.GetSlotGranular() {
+		// Token slots: many tiny runs; send them as slot jobs the target
+		// expands with its own layout.
+		st, err = tcpshm.SendSlots(ctx, req.GetTargetDataAddress(), req.GetMigrationId(), tn, memory(src, srcLayout), copies, fault)
+	} else {
+		var runs []kvlayout.CopyRun
+		if runs, err = kvlayout.Plan(geo.Layers, geo.KVHeads, int64(geo.HeadSlotBytes()), specs(srcLayout), specs(dstLayout), copies); err != nil {
+			return nil, status.Error(codes.FailedPrecondition, err.Error())
+		}
+		st, err = tcpshm.Send(ctx, req.GetTargetDataAddress(), req.GetMigrationId(), tn, src.Data, runs, fault)
+	}
+	a.log.Debug("copy round", zap.String("kind", req.GetKind()), zap.Int("blocks", len(copies)),
+		zap.Duration("changes", tChanges.Sub(start)), zap.Duration("requests", tRequests.Sub(tChanges)),
+		zap.Duration("select", tSelect.Sub(tRequests)), zap.Duration("send", time.Since(tSelect)))
 	if err != nil {
 		a.log.Warn("copy round failed", zap.String("migration_id", req.GetMigrationId()), zap.String("kind", req.GetKind()), zap.Error(err))
 		return nil, status.Error(codes.Aborted, err.Error())

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"runtime/pprof"
 	"time"
 
 	"go.uber.org/zap"
@@ -29,6 +30,7 @@ type scenario struct {
 	FinalGranularity string
 	TN               int
 	Log              *zap.Logger
+	CPUProfile       string // write a CPU profile of the migration window here
 }
 
 type scenarioResult struct {
@@ -91,6 +93,17 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 		return res, ctx.Err()
 	case <-time.After(sc.Delay):
 	}
+	if sc.CPUProfile != "" {
+		f, err := os.Create(sc.CPUProfile)
+		if err != nil {
+			return res, err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return res, err
+		}
+		defer pprof.StopCPUProfile()
+	}
 	body, _ := json.Marshal(migrate.Request{Src: st.AID, Dst: st.BID, Type: sc.Type, FinalGranularity: sc.FinalGranularity, TN: sc.TN})
 	resp, err := http.Post(st.HostURL+"/vllm_hi/migrate", "application/json", bytes.NewReader(body))
 	if err != nil {
@@ -119,6 +132,9 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 		_ = json.NewDecoder(r.Body).Decode(&res.Status)
 		r.Body.Close()
 		if res.Status.State != migrate.StateRunning {
+			if sc.CPUProfile != "" {
+				pprof.StopCPUProfile()
+			}
 			break
 		}
 		time.Sleep(20 * time.Millisecond)

@@ -53,33 +53,45 @@ func IsStatus(err error, status int) bool {
 	return errors.As(err, &he) && he.Status == status
 }
 
-func (c *Client) do(ctx context.Context, method, path string, in, out any) error {
-	var body io.Reader
-	if in != nil {
-		b, err := json.Marshal(in)
-		if err != nil {
-			return err
-		}
-		body = bytes.NewReader(b)
+// Raw sends body (JSON, or nil) and returns the engine's 2xx body as is.
+func (c *Client) Raw(ctx context.Context, method, path string, body []byte) ([]byte, error) {
+	var rd io.Reader
+	if body != nil {
+		rd = bytes.NewReader(body)
 	}
-	req, err := http.NewRequestWithContext(ctx, method, c.base+path, body)
+	req, err := http.NewRequestWithContext(ctx, method, c.base+path, rd)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	if in != nil {
+	if body != nil {
 		req.Header.Set("Content-Type", "application/json")
 	}
 	resp, err := c.http.Do(req)
 	if err != nil {
-		return fmt.Errorf("%s %s: %w", method, path, err)
+		return nil, fmt.Errorf("%s %s: %w", method, path, err)
 	}
 	defer resp.Body.Close()
-	b, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	b, err := io.ReadAll(io.LimitReader(resp.Body, 256<<20))
 	if err != nil {
-		return fmt.Errorf("%s %s: read: %w", method, path, err)
+		return nil, fmt.Errorf("%s %s: read: %w", method, path, err)
 	}
 	if resp.StatusCode/100 != 2 {
-		return &HTTPError{Status: resp.StatusCode, Message: errorMessage(b)}
+		return nil, &HTTPError{Status: resp.StatusCode, Message: errorMessage(b)}
+	}
+	return b, nil
+}
+
+func (c *Client) do(ctx context.Context, method, path string, in, out any) error {
+	var body []byte
+	if in != nil {
+		var err error
+		if body, err = json.Marshal(in); err != nil {
+			return err
+		}
+	}
+	b, err := c.Raw(ctx, method, path, body)
+	if err != nil {
+		return err
 	}
 	if out == nil {
 		return nil

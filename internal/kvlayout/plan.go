@@ -53,68 +53,75 @@ type BlockCopy struct {
 // Plan builds the copy runs that move the given block slots from a source
 // with regions src to a target with regions dst. Both describe the same
 // model (layers, heads, head size); their TP/PP sharding may differ, which
-// makes TP and PP remapping just another plan. Runs adjacent on both sides
-// are merged, so same-shape whole-block copies of consecutive blocks
-// become one run per layer and K/V.
+// makes TP and PP remapping just another plan. Runs are emitted per layer
+// and K/V plane, block by block, and merged when adjacent on both sides, so
+// same-shape whole-block copies of consecutive blocks become one run per
+// layer and K/V. This sits in the final round's pause: it is written to
+// do a few additions per run.
 func Plan(layers, heads int, headSlotBytes int64, src, dst []RegionSpec, copies []BlockCopy) ([]CopyRun, error) {
-	type where struct{ s, d int }
-	loc := make([]where, layers*heads)
+	// Per (layer, K/V, head): which regions, and the offset of block 0
+	// slot 0 on each side.
+	type place struct {
+		s, d           int
+		sBase, dBase   int64
+		sBlock, dBlock int64
+		sSlot, dSlot   int64
+	}
+	places := make([]place, layers*2*heads)
 	for l := 0; l < layers; l++ {
 		for h := 0; h < heads; h++ {
-			w := where{-1, -1}
+			si, di := -1, -1
 			for i, r := range src {
 				if r.holds(l, h) {
-					w.s = i
+					si = i
 				}
 			}
 			for i, r := range dst {
 				if r.holds(l, h) {
-					w.d = i
+					di = i
 				}
 			}
-			if w.s < 0 || w.d < 0 {
+			if si < 0 || di < 0 {
 				return nil, fmt.Errorf("plan: layer %d head %d is not held by both sides", l, h)
 			}
-			loc[l*heads+h] = w
-		}
-	}
-	// Runs are grouped per (layer, K/V) stream so that consecutive blocks
-	// merge; the groups are concatenated at the end.
-	groups := make([][]CopyRun, layers*2)
-	add := func(g int, r CopyRun) {
-		runs := groups[g]
-		if n := len(runs); n > 0 {
-			p := &runs[n-1]
-			if p.SrcRegion == r.SrcRegion && p.DstRegion == r.DstRegion &&
-				p.SrcOffset+p.Length == r.SrcOffset && p.DstOffset+p.Length == r.DstOffset {
-				p.Length += r.Length
-				return
-			}
-		}
-		groups[g] = append(runs, r)
-	}
-	for _, c := range copies {
-		if c.NumSlots <= 0 {
-			continue
-		}
-		length := int64(c.NumSlots) * headSlotBytes
-		for l := 0; l < layers; l++ {
 			for kv := 0; kv < 2; kv++ {
-				for h := 0; h < heads; h++ {
-					w := loc[l*heads+h]
-					s, d := src[w.s], dst[w.d]
-					add(l*2+kv, CopyRun{
-						SrcRegion: w.s, SrcOffset: s.offset(l, kv, c.Src, h, c.FirstSlot),
-						DstRegion: w.d, DstOffset: d.offset(l, kv, c.Dst, h, c.FirstSlot),
-						Length: length,
-					})
+				places[(l*2+kv)*heads+h] = place{
+					s: si, d: di,
+					sBase: src[si].offset(l, kv, 0, h, 0), dBase: dst[di].offset(l, kv, 0, h, 0),
+					sBlock: src[si].Strides.Block, dBlock: dst[di].Strides.Block,
+					sSlot: src[si].Strides.Slot, dSlot: dst[di].Strides.Slot,
 				}
 			}
 		}
 	}
-	var runs []CopyRun
-	for _, g := range groups {
-		runs = append(runs, g...)
+	n := 0
+	for _, c := range copies {
+		if c.NumSlots > 0 {
+			n++
+		}
+	}
+	runs := make([]CopyRun, 0, n*layers*2*heads)
+	for g := 0; g < layers*2; g++ {
+		pl := places[g*heads : (g+1)*heads]
+		for _, c := range copies {
+			if c.NumSlots <= 0 {
+				continue
+			}
+			length := int64(c.NumSlots) * headSlotBytes
+			for i := range pl {
+				p := &pl[i]
+				so := p.sBase + int64(c.Src)*p.sBlock + int64(c.FirstSlot)*p.sSlot
+				do := p.dBase + int64(c.Dst)*p.dBlock + int64(c.FirstSlot)*p.dSlot
+				if k := len(runs) - 1; k >= 0 {
+					last := &runs[k]
+					if last.SrcRegion == p.s && last.DstRegion == p.d && last.SrcOffset+last.Length == so && last.DstOffset+last.Length == do {
+						last.Length += length
+						continue
+					}
+				}
+				runs = append(runs, CopyRun{SrcRegion: p.s, SrcOffset: so, DstRegion: p.d, DstOffset: do, Length: length})
+			}
+		}
 	}
 	return runs, nil
 }

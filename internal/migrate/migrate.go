@@ -136,6 +136,7 @@ func refuse(code int, format string, a ...any) error {
 type Orchestrator struct {
 	cfg     Config
 	reg     *registry.Registry
+	proxy   *proxy.Proxy
 	streams *proxy.Streams
 	log     *zap.Logger
 
@@ -148,8 +149,8 @@ type Orchestrator struct {
 }
 
 // New returns an orchestrator.
-func New(cfg Config, reg *registry.Registry, streams *proxy.Streams, log *zap.Logger) *Orchestrator {
-	return &Orchestrator{cfg: cfg, reg: reg, streams: streams, log: log,
+func New(cfg Config, reg *registry.Registry, px *proxy.Proxy, log *zap.Logger) *Orchestrator {
+	return &Orchestrator{cfg: cfg, reg: reg, proxy: px, streams: px.Streams(), log: log,
 		conns: map[string]*grpc.ClientConn{}, all: map[string]*migration{}, busy: map[string]string{}}
 }
 
@@ -324,10 +325,18 @@ func (o *Orchestrator) Start(req Request) (string, error) {
 	o.all[id] = m
 	o.order = append(o.order, id)
 	o.mu.Unlock()
-	o.wg.Add(1)
+	o.wg.Add(2)
 	go func() {
 		defer o.wg.Done()
 		m.run()
+	}()
+	go func() {
+		// Connections to the target for the streams that will move, opened
+		// while the copy rounds run.
+		defer o.wg.Done()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		o.proxy.Warm(ctx, dst.Engine.URL, len(m.moving))
 	}()
 	return id, nil
 }

@@ -3,6 +3,7 @@ package proxy
 import (
 	"context"
 	"fmt"
+	"io"
 	"net/http"
 	"strings"
 	"sync"
@@ -135,4 +136,26 @@ func (p *Proxy) openAttach(ctx context.Context, t *spliceTarget, id string) (*ht
 		return nil, fmt.Errorf("attach to %s on %s: HTTP %d", id, t.instance, resp.StatusCode)
 	}
 	return resp, nil
+}
+
+// Warm opens up to n keep-alive connections to an engine ahead of a
+// splice, so that moving n streams does not pay n TCP handshakes inside
+// the clients' pause.
+func (p *Proxy) Warm(ctx context.Context, baseURL string, n int) {
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimRight(baseURL, "/")+"/health", nil)
+			if err != nil {
+				return
+			}
+			if resp, err := p.client.Do(req); err == nil {
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+			}
+		}()
+	}
+	wg.Wait()
 }

@@ -32,9 +32,10 @@ const Type = "tcp_shm"
 const maxFrame = 4 << 20
 
 const (
-	magic        = "VHI-TCPSHM/1\n"
-	frameHdrSize = 32
-	endRegion    = ^uint32(0)
+	magic        = "VHI-TCPSHM/2\n"
+	frameHdrSize = 24 // runs u32, pad u32, payload length u64, xxhash64 u64
+	runDescSize  = 20 // region u32, offset u64, length u64
+	maxRuns      = 8192
 )
 
 // hello opens a connection.
@@ -42,26 +43,50 @@ type hello struct {
 	Session string `json:"session"` // the migration id: the target checks it expects it
 }
 
+// A frame carries up to maxRuns runs and maxFrame payload bytes: a header,
+// one descriptor per run, then the runs' bytes back to back, checksummed
+// together. Batching matters for the final round, whose token-slot runs
+// are many and tiny (one per layer, K/V and head of each written slot
+// range). A frame with zero runs ends the connection's share.
 type frameHeader struct {
-	region uint32
-	offset uint64
+	runs   uint32 // descriptors in the frame
+	kind   uint32 // frameRuns or frameSlots
 	length uint64
 	sum    uint64
 }
 
+// Frame kinds. A runs frame carries explicit (region, offset, length)
+// descriptors. A slots frame carries (target block, first slot, slots)
+// jobs whose bytes come in canonical order — layer, K/V, head — and the
+// target expands them with its own layout: the final round's token slots
+// are one tiny run per layer, K/V and head, so describing each would cost
+// more than the bytes.
+const (
+	frameRuns  = 0
+	frameSlots = 1
+	jobSize    = 12 // block u32, first slot u32, slots u32
+)
+
 func (h frameHeader) put(b []byte) {
-	binary.LittleEndian.PutUint32(b[0:], h.region)
-	binary.LittleEndian.PutUint32(b[4:], 0)
-	binary.LittleEndian.PutUint64(b[8:], h.offset)
-	binary.LittleEndian.PutUint64(b[16:], h.length)
-	binary.LittleEndian.PutUint64(b[24:], h.sum)
+	binary.LittleEndian.PutUint32(b[0:], h.runs)
+	binary.LittleEndian.PutUint32(b[4:], h.kind)
+	binary.LittleEndian.PutUint64(b[8:], h.length)
+	binary.LittleEndian.PutUint64(b[16:], h.sum)
 }
 
 func readHeader(b []byte) frameHeader {
-	return frameHeader{
-		region: binary.LittleEndian.Uint32(b[0:]), offset: binary.LittleEndian.Uint64(b[8:]),
-		length: binary.LittleEndian.Uint64(b[16:]), sum: binary.LittleEndian.Uint64(b[24:]),
-	}
+	return frameHeader{runs: binary.LittleEndian.Uint32(b[0:]), kind: binary.LittleEndian.Uint32(b[4:]),
+		length: binary.LittleEndian.Uint64(b[8:]), sum: binary.LittleEndian.Uint64(b[16:])}
+}
+
+func putRun(b []byte, region int, offset, length int64) {
+	binary.LittleEndian.PutUint32(b[0:], uint32(region))
+	binary.LittleEndian.PutUint64(b[4:], uint64(offset))
+	binary.LittleEndian.PutUint64(b[12:], uint64(length))
+}
+
+func readRun(b []byte) (region uint32, offset, length uint64) {
+	return binary.LittleEndian.Uint32(b[0:]), binary.LittleEndian.Uint64(b[4:]), binary.LittleEndian.Uint64(b[12:])
 }
 
 // ack is the target's answer to an end frame.
@@ -97,7 +122,8 @@ func Send(ctx context.Context, addr, session string, tn int, src [][]byte, runs 
 	if tn < 1 {
 		tn = 1
 	}
-	// Split into frames and share them out by bytes.
+	// Split long runs and share them out by bytes, keeping each share in
+	// order so the target writes memory sequentially.
 	shares := make([][]kvlayout.CopyRun, tn)
 	load := make([]int64, tn)
 	nframes := 0
@@ -141,69 +167,61 @@ func Send(ctx context.Context, addr, session string, tn int, src [][]byte, runs 
 	return Stats{Runs: len(runs), Frames: nframes, Bytes: kvlayout.Bytes(runs), Duration: time.Since(start)}, nil
 }
 
-func sendConn(ctx context.Context, addr, session string, src [][]byte, frames []kvlayout.CopyRun, fault Fault) error {
-	d := net.Dialer{Timeout: 5 * time.Second}
-	conn, err := d.DialContext(ctx, "tcp", addr)
-	if err != nil {
-		return fmt.Errorf("tcp_shm: dial %s: %w", addr, err)
-	}
-	defer conn.Close()
-	stop := context.AfterFunc(ctx, func() { conn.Close() })
-	defer stop()
-	w := bufio.NewWriterSize(conn, 1<<20)
-	hb, _ := json.Marshal(hello{Session: session})
-	if _, err := w.WriteString(magic + string(hb) + "\n"); err != nil {
-		return err
-	}
-	var hdr [frameHdrSize]byte
-	buf := make([]byte, 0, maxFrame)
-	var sent, bytes uint64
-	for i, f := range frames {
-		if fault == CutConn && i == len(frames)/2 {
-			_ = w.Flush()
-			return fmt.Errorf("tcp_shm: injected fault: connection cut after %d of %d frames", i, len(frames))
+func sendConn(ctx context.Context, addr, session string, src [][]byte, runs []kvlayout.CopyRun, fault Fault) error {
+	return withConn(ctx, addr, session, func(w *bufio.Writer) (frames, bytes uint64, err error) {
+		var hdr [frameHdrSize]byte
+		descs := make([]byte, 0, maxRuns*runDescSize)
+		payload := make([]byte, 0, maxFrame)
+		flush := func() error {
+			if len(descs) == 0 {
+				return nil
+			}
+			// payload is a copy of the source bytes, so the checksum matches
+			// what is sent even while the engine writes (non-final rounds).
+			sum := xxhash.Sum64(payload)
+			if fault == CorruptFrame && frames == 0 {
+				payload[0] ^= 0xFF
+			}
+			frameHeader{runs: uint32(len(descs) / runDescSize), kind: frameRuns, length: uint64(len(payload)), sum: sum}.put(hdr[:])
+			for _, b := range [][]byte{hdr[:], descs, payload} {
+				if _, err := w.Write(b); err != nil {
+					return err
+				}
+			}
+			frames++
+			bytes += uint64(len(payload))
+			descs, payload = descs[:0], payload[:0]
+			return nil
 		}
-		// Snapshot the bytes first: a non-final round reads memory the
-		// engine may be writing, and the checksum must match what is sent.
-		buf = append(buf[:0], src[f.SrcRegion][f.SrcOffset:f.SrcOffset+f.Length]...)
-		sum := xxhash.Sum64(buf)
-		if fault == CorruptFrame && i == 0 {
-			buf[0] ^= 0xFF
+		for i, r := range runs {
+			if fault == CutConn && i == len(runs)/2 {
+				return frames, bytes, fmt.Errorf("tcp_shm: injected fault: connection cut after %d of %d runs", i, len(runs))
+			}
+			if len(payload)+int(r.Length) > maxFrame || len(descs)/runDescSize == maxRuns {
+				if err := flush(); err != nil {
+					return frames, bytes, err
+				}
+			}
+			var desc [runDescSize]byte
+			putRun(desc[:], r.DstRegion, r.DstOffset, r.Length)
+			descs = append(descs, desc[:]...)
+			payload = append(payload, src[r.SrcRegion][r.SrcOffset:r.SrcOffset+r.Length]...)
 		}
-		frameHeader{region: uint32(f.DstRegion), offset: uint64(f.DstOffset), length: uint64(f.Length), sum: sum}.put(hdr[:])
-		if _, err := w.Write(hdr[:]); err != nil {
-			return fmt.Errorf("tcp_shm: send: %w", err)
-		}
-		if _, err := w.Write(buf); err != nil {
-			return fmt.Errorf("tcp_shm: send: %w", err)
-		}
-		sent++
-		bytes += uint64(f.Length)
-	}
-	frameHeader{region: endRegion}.put(hdr[:])
-	if _, err := w.Write(hdr[:]); err != nil {
-		return err
-	}
-	if err := w.Flush(); err != nil {
-		return fmt.Errorf("tcp_shm: send: %w", err)
-	}
-	var a ack
-	if err := json.NewDecoder(bufio.NewReader(conn)).Decode(&a); err != nil {
-		return fmt.Errorf("tcp_shm: no acknowledgement from the target: %w", err)
-	}
-	switch {
-	case a.Error != "":
-		return fmt.Errorf("tcp_shm: target: %s", a.Error)
-	case a.BadChecksum > 0:
-		return fmt.Errorf("tcp_shm: target found %d frames with a bad checksum", a.BadChecksum)
-	case a.Frames != sent || a.Bytes != bytes:
-		return fmt.Errorf("tcp_shm: target acknowledged %d frames / %d bytes, sent %d / %d", a.Frames, a.Bytes, sent, bytes)
-	}
-	return nil
+		return frames, bytes, flush()
+	})
 }
 
-// Target resolves the regions a session writes into; nil refuses it.
-type Target func(session string) ([][]byte, error)
+// Memory is one side's KV as the data plane sees it: mapped regions and
+// their layout.
+type Memory struct {
+	Data          [][]byte
+	Specs         []kvlayout.RegionSpec
+	Layers, Heads int
+	SlotBytes     int64
+}
+
+// Target resolves the memory a session writes into; an error refuses it.
+type Target func(session string) (*Memory, error)
 
 // Server is the target side: it accepts data connections and writes frames
 // into the regions its Target resolves.
@@ -270,35 +288,263 @@ func (s *Server) serve(c net.Conn) error {
 		return fmt.Errorf("bad hello: %w", err)
 	}
 	reply := func(a ack) error { return json.NewEncoder(c).Encode(a) }
-	dst, err := s.target(h.Session)
+	mem, err := s.target(h.Session)
 	if err != nil {
 		return reply(ack{Error: err.Error()})
 	}
+	dst := mem.Data
+	var places []slotPlace
+	if mem.Layers > 0 {
+		if places, err = slotPlaces(mem); err != nil {
+			return reply(ack{Error: err.Error()})
+		}
+	}
 	var a ack
 	var hdr [frameHdrSize]byte
+	descs := make([]byte, maxRuns*runDescSize)
+	payload := make([]byte, maxFrame)
 	for {
 		_ = c.SetReadDeadline(time.Now().Add(30 * time.Second))
 		if _, err := io.ReadFull(r, hdr[:]); err != nil {
 			return fmt.Errorf("read frame: %w", err)
 		}
 		f := readHeader(hdr[:])
-		if f.region == endRegion {
+		if f.runs == 0 {
 			return reply(a)
 		}
-		if int(f.region) >= len(dst) || f.length > maxFrame || f.offset+f.length > uint64(len(dst[f.region])) {
-			_ = reply(ack{Error: fmt.Sprintf("frame outside the target regions: region %d offset %d length %d", f.region, f.offset, f.length)})
-			return fmt.Errorf("frame outside the target regions")
+		if f.runs > maxRuns || f.length > maxFrame {
+			_ = reply(ack{Error: fmt.Sprintf("frame of %d runs / %d bytes is over the limits", f.runs, f.length)})
+			return fmt.Errorf("oversized frame")
 		}
-		// Straight into the engine's memory; the checksum is verified
-		// before the target resumes (the round fails otherwise).
-		b := dst[f.region][f.offset : f.offset+f.length]
-		if _, err := io.ReadFull(r, b); err != nil {
+		descSize := runDescSize
+		if f.kind == frameSlots {
+			descSize = jobSize
+		}
+		d := descs[:int(f.runs)*descSize]
+		p := payload[:f.length]
+		if _, err := io.ReadFull(r, d); err != nil {
+			return fmt.Errorf("read frame runs: %w", err)
+		}
+		if _, err := io.ReadFull(r, p); err != nil {
 			return fmt.Errorf("read frame payload: %w", err)
 		}
-		if xxhash.Sum64(b) != f.sum {
+		// Verify before touching the engine's memory: a bad frame writes
+		// nothing, and the round fails, so the target never resumes on it.
+		if xxhash.Sum64(p) != f.sum {
 			a.BadChecksum++
+			a.Frames++
+			a.Bytes += f.length
+			continue
+		}
+		if f.kind == frameSlots {
+			if err := scatterSlots(dst, places, mem.SlotBytes, d, p); err != nil {
+				_ = reply(ack{Error: err.Error()})
+				return err
+			}
+			a.Frames++
+			a.Bytes += f.length
+			continue
+		}
+		var off uint64
+		for k := 0; k < int(f.runs); k++ {
+			region, at, n := readRun(d[k*runDescSize:])
+			if int(region) >= len(dst) || at+n > uint64(len(dst[region])) || off+n > f.length {
+				_ = reply(ack{Error: fmt.Sprintf("run outside the target regions: region %d offset %d length %d", region, at, n)})
+				return fmt.Errorf("run outside the target regions")
+			}
+			copy(dst[region][at:at+n], p[off:off+n])
+			off += n
 		}
 		a.Frames++
 		a.Bytes += f.length
 	}
+}
+
+// slotPlace is where one (layer, K/V, head) lives: region, and the offset
+// of block 0 slot 0 with the block and slot strides.
+type slotPlace struct {
+	region            int
+	base, block, slot int64
+}
+
+// slotPlaces lists the places of every (layer, K/V, head) in canonical
+// order for a memory's layout.
+func slotPlaces(m *Memory) ([]slotPlace, error) {
+	out := make([]slotPlace, 0, m.Layers*2*m.Heads)
+	for l := 0; l < m.Layers; l++ {
+		for kv := 0; kv < 2; kv++ {
+			for h := 0; h < m.Heads; h++ {
+				found := false
+				for i, r := range m.Specs {
+					if l >= r.FirstLayer && l < r.FirstLayer+r.NumLayers && h >= r.FirstHead && h < r.FirstHead+r.NumHeads {
+						st := r.Strides
+						out = append(out, slotPlace{region: i, base: int64(l-r.FirstLayer)*st.Layer + int64(kv)*st.KV + int64(h-r.FirstHead)*st.Head, block: st.Block, slot: st.Slot})
+						found = true
+						break
+					}
+				}
+				if !found {
+					return nil, fmt.Errorf("layer %d head %d is in no region", l, h)
+				}
+			}
+		}
+	}
+	return out, nil
+}
+
+// scatterSlots writes a slots frame's payload into memory.
+func scatterSlots(dst [][]byte, places []slotPlace, slotBytes int64, jobs, payload []byte) error {
+	var off int64
+	for k := 0; k+jobSize <= len(jobs); k += jobSize {
+		block := int64(binary.LittleEndian.Uint32(jobs[k:]))
+		first := int64(binary.LittleEndian.Uint32(jobs[k+4:]))
+		n := int64(binary.LittleEndian.Uint32(jobs[k+8:])) * slotBytes
+		for _, p := range places {
+			at := p.base + block*p.block + first*p.slot
+			if at < 0 || at+n > int64(len(dst[p.region])) || off+n > int64(len(payload)) {
+				return fmt.Errorf("slot job outside the target regions (block %d)", block)
+			}
+			copy(dst[p.region][at:at+n], payload[off:off+n])
+			off += n
+		}
+	}
+	if off != int64(len(payload)) {
+		return fmt.Errorf("slot frame payload of %d bytes, jobs describe %d", len(payload), off)
+	}
+	return nil
+}
+
+// SendSlots copies token slots — slots [FirstSlot, FirstSlot+NumSlots) of
+// each source block into the same slots of its target block — gathering
+// them in canonical order so the target scatters them with its own layout.
+func SendSlots(ctx context.Context, addr, session string, tn int, src *Memory, jobs []kvlayout.BlockCopy, fault Fault) (Stats, error) {
+	start := time.Now()
+	places, err := slotPlaces(src)
+	if err != nil {
+		return Stats{}, err
+	}
+	if tn < 1 {
+		tn = 1
+	}
+	shares := make([][]kvlayout.BlockCopy, tn)
+	for i, j := range jobs {
+		shares[i%tn] = append(shares[i%tn], j)
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, tn)
+	var total int64
+	for _, j := range jobs {
+		total += int64(j.NumSlots) * src.SlotBytes * int64(len(places))
+	}
+	for i := range shares {
+		if len(shares[i]) == 0 {
+			continue
+		}
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			f := NoFault
+			if i == 0 {
+				f = fault
+			}
+			errs[i] = sendSlotsConn(ctx, addr, session, src, places, shares[i], f)
+		}(i)
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return Stats{}, err
+	}
+	return Stats{Runs: len(jobs) * len(places), Frames: len(jobs), Bytes: total, Duration: time.Since(start)}, nil
+}
+
+func sendSlotsConn(ctx context.Context, addr, session string, src *Memory, places []slotPlace, jobs []kvlayout.BlockCopy, fault Fault) error {
+	return withConn(ctx, addr, session, func(w *bufio.Writer) (frames, bytes uint64, err error) {
+		var hdr [frameHdrSize]byte
+		descs := make([]byte, 0, maxRuns*jobSize)
+		payload := make([]byte, 0, maxFrame)
+		flush := func() error {
+			if len(descs) == 0 {
+				return nil
+			}
+			sum := xxhash.Sum64(payload)
+			if fault == CorruptFrame && frames == 0 {
+				payload[0] ^= 0xFF
+			}
+			frameHeader{runs: uint32(len(descs) / jobSize), kind: frameSlots, length: uint64(len(payload)), sum: sum}.put(hdr[:])
+			for _, b := range [][]byte{hdr[:], descs, payload} {
+				if _, err := w.Write(b); err != nil {
+					return err
+				}
+			}
+			frames++
+			bytes += uint64(len(payload))
+			descs, payload = descs[:0], payload[:0]
+			return nil
+		}
+		for i, j := range jobs {
+			if fault == CutConn && i == len(jobs)/2 {
+				return frames, bytes, fmt.Errorf("tcp_shm: injected fault: connection cut after %d of %d slot jobs", i, len(jobs))
+			}
+			n := int64(j.NumSlots) * src.SlotBytes
+			if len(payload)+int(n)*len(places) > maxFrame || len(descs)/jobSize == maxRuns {
+				if err := flush(); err != nil {
+					return frames, bytes, err
+				}
+			}
+			var d [jobSize]byte
+			binary.LittleEndian.PutUint32(d[0:], uint32(j.Dst))
+			binary.LittleEndian.PutUint32(d[4:], uint32(j.FirstSlot))
+			binary.LittleEndian.PutUint32(d[8:], uint32(j.NumSlots))
+			descs = append(descs, d[:]...)
+			for _, p := range places {
+				at := p.base + int64(j.Src)*p.block + int64(j.FirstSlot)*p.slot
+				payload = append(payload, src.Data[p.region][at:at+n]...)
+			}
+		}
+		return frames, bytes, flush()
+	})
+}
+
+// withConn opens a data connection, lets send write its frames, ends the
+// share and checks the target's acknowledgement.
+func withConn(ctx context.Context, addr, session string, send func(w *bufio.Writer) (frames, bytes uint64, err error)) error {
+	d := net.Dialer{Timeout: 5 * time.Second}
+	conn, err := d.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return fmt.Errorf("tcp_shm: dial %s: %w", addr, err)
+	}
+	defer conn.Close()
+	stop := context.AfterFunc(ctx, func() { conn.Close() })
+	defer stop()
+	w := bufio.NewWriterSize(conn, 1<<20)
+	hb, _ := json.Marshal(hello{Session: session})
+	if _, err := w.WriteString(magic + string(hb) + "\n"); err != nil {
+		return err
+	}
+	frames, bytes, err := send(w)
+	if err != nil {
+		_ = w.Flush()
+		return fmt.Errorf("tcp_shm: send: %w", err)
+	}
+	var hdr [frameHdrSize]byte
+	frameHeader{}.put(hdr[:])
+	if _, err := w.Write(hdr[:]); err != nil {
+		return err
+	}
+	if err := w.Flush(); err != nil {
+		return fmt.Errorf("tcp_shm: send: %w", err)
+	}
+	var a ack
+	if err := json.NewDecoder(bufio.NewReader(conn)).Decode(&a); err != nil {
+		return fmt.Errorf("tcp_shm: no acknowledgement from the target: %w", err)
+	}
+	switch {
+	case a.Error != "":
+		return fmt.Errorf("tcp_shm: target: %s", a.Error)
+	case a.BadChecksum > 0:
+		return fmt.Errorf("tcp_shm: target found %d frames with a bad checksum", a.BadChecksum)
+	case a.Frames != frames || a.Bytes != bytes:
+		return fmt.Errorf("tcp_shm: target acknowledged %d frames / %d bytes, sent %d / %d", a.Frames, a.Bytes, frames, bytes)
+	}
+	return nil
 }

@@ -1,0 +1,102 @@
+package cli
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/internal/migrate"
+	"github.com/vllm-hi/vllm-hi/internal/sim"
+)
+
+func newBenchMigrateCommand(g *globalFlags) *cobra.Command {
+	sc := scenario{Type: migrate.DestroySource}
+	var grans []string
+	var jsonOut string
+	cmd := &cobra.Command{
+		Use:   "migrate",
+		Short: "Full-load migration: downtime, client gaps and rounds, whole-block vs token-slot final round",
+		Long: `For each --final-granularity, runs the vhi demo scenario at benchmark scale: a Host, sim A
+and sim B with their agents on loopback, --streams streams through the Host, one migration
+A→B after --delay, every stream checked against an unmigrated run. Reports downtime (A paused →
+B resumed, and → the last moved stream's first token from B), the clients' max inter-token gap
+against the median gap, and each round's blocks and bytes.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			log, err := g.logger()
+			if err != nil {
+				return err
+			}
+			sc.Log = log
+			return runBenchMigrate(cmd.Context(), cmd.OutOrStdout(), sc, grans, jsonOut)
+		},
+	}
+	f := cmd.Flags()
+	f.IntVar(&sc.Streams, "streams", 256, "concurrent streams")
+	f.IntVar(&sc.MaxTokens, "max-tokens", 400, "tokens per stream")
+	f.IntVar(&sc.PromptWords, "prompt-words", 200, "prompt length scale")
+	f.DurationVar(&sc.Delay, "delay", 5*time.Second, "load start → migration")
+	f.IntVar(&sc.TN, "tn", 2, "data-plane connections")
+	f.StringSliceVar(&grans, "final-granularity", []string{"block", "slot"}, "final-round granularities to compare")
+	f.StringVar(&jsonOut, "json", "", "also write the statuses as JSON to this file")
+	f.StringVar(&sc.CPUProfile, "cpuprofile", "", "write a CPU profile of the migration window")
+	_ = f.MarkHidden("cpuprofile")
+	return cmd
+}
+
+func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, grans []string, jsonOut string) error {
+	sc.Sim = sim.DefaultConfig()
+	if sc.Log == nil {
+		sc.Log = zap.NewNop()
+	}
+	g := sc.Sim
+	fmt.Fprintf(out, "vhi bench migrate: %d streams × %d tokens, default sim (qwen3-8b / kv-scale %d: %d B per token, %d blocks), delay %v, tn %d\n",
+		sc.Streams, sc.MaxTokens, g.KVScale, 4608, g.NumBlocks, sc.Delay, sc.TN)
+	var all []migrate.Status
+	for _, gran := range grans {
+		sc.FinalGranularity = gran
+		res, err := sc.run(ctx)
+		if err != nil {
+			return err
+		}
+		st := res.Status
+		all = append(all, st)
+		fmt.Fprintf(out, "\n== final round: %s ==\n", gran)
+		printMigration(out, st)
+		var r0, final int64
+		for _, r := range st.Rounds {
+			if r.Kind == "full" {
+				r0 = r.Bytes
+			}
+			if r.Kind == "final" {
+				final = r.Bytes
+			}
+		}
+		pct := 0.0
+		if r0 > 0 {
+			pct = 100 * float64(final) / float64(r0)
+		}
+		fmt.Fprintf(out, "final round = %.2f %% of round 0; client gap median %v, max %v (goal: ≤ 2×median + 50 ms = %v)\n",
+			pct, res.MedianGap.Round(100*time.Microsecond), res.MaxGap.Round(100*time.Microsecond), (2*res.MedianGap + 50*time.Millisecond).Round(100*time.Microsecond))
+		exact := "every stream exact"
+		if len(res.Mismatches) > 0 {
+			exact = fmt.Sprintf("%d MISMATCHES: %s", len(res.Mismatches), strings.Join(res.Mismatches[:min(3, len(res.Mismatches))], "; "))
+		}
+		fmt.Fprintf(out, "%s; %s\n", exact, res.StatsA)
+		if st.State != migrate.StateSucceeded || len(res.Mismatches) > 0 {
+			return exitError{code: 1, err: fmt.Errorf("migration %s with %d mismatches", st.State, len(res.Mismatches))}
+		}
+	}
+	if jsonOut != "" {
+		b, _ := json.MarshalIndent(all, "", "  ")
+		return os.WriteFile(jsonOut, b, 0o644)
+	}
+	return nil
+}
