@@ -202,8 +202,8 @@ type ResponseMeta struct {
 // RequestState is everything needed to continue a paused request elsewhere.
 type RequestState struct {
 	RequestID         string         `json:"request_id"`
-	PromptTokenIDs    []int          `json:"prompt_token_ids"`
-	OutputTokenIDs    []int          `json:"output_token_ids"`
+	PromptTokenIDs    IntList        `json:"prompt_token_ids"`
+	OutputTokenIDs    IntList        `json:"output_token_ids"`
 	NumComputedTokens int            `json:"num_computed_tokens"`
 	Sampling          SamplingParams `json:"sampling_params"`
 	// RNGPosition is how many random draws the sampler has made for this
@@ -213,10 +213,10 @@ type RequestState struct {
 	// truncation) and TextOffsets the visible text length after each output
 	// token, so the target streams the same deltas.
 	OutputText  string       `json:"output_text"`
-	TextOffsets []int        `json:"text_offsets"`
+	TextOffsets IntList      `json:"text_offsets"`
 	ArrivalTime float64      `json:"arrival_time"`
 	Priority    int          `json:"priority"`
-	BlockIDs    []int        `json:"block_ids"`
+	BlockIDs    IntList      `json:"block_ids"`
 	Response    ResponseMeta `json:"response"`
 }
 

@@ -97,7 +97,7 @@ func runDemo(ctx context.Context, out io.Writer, sc scenario) error {
 	st := res.Status
 	fmt.Fprintln(out)
 	printMigration(out, st)
-	fmt.Fprintf(out, "client inter-token gap: median %v, max %v (the pause clients felt)\n", res.MedianGap.Round(100*time.Microsecond), res.MaxGap.Round(100*time.Microsecond))
+	fmt.Fprintf(out, "client inter-token gap: median %v, max while migrating %v (the pause clients felt)\n", res.MedianGap.Round(100*time.Microsecond), res.MaxGapDuringMigration.Round(100*time.Microsecond))
 	fmt.Fprintf(out, "after the run: %s\n", res.StatsA)
 	if st.State != migrate.StateSucceeded {
 		return exitError{code: 1, err: fmt.Errorf("migration %s: %s", st.State, st.Error)}

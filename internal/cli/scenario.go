@@ -40,7 +40,13 @@ type scenarioResult struct {
 	Wall       time.Duration
 	MedianGap  time.Duration
 	MaxGap     time.Duration
-	StatsA     string
+	MaxGapAt   time.Time // when the longest gap ended
+	// MaxGapDuringMigration is the longest gap that ended while the
+	// migration ran (or within a second after): what the migration cost
+	// the clients, apart from prefill stalls before it.
+	MaxGapDuringMigration time.Duration
+	MigrationStart        time.Time
+	StatsA                string
 }
 
 func (sc scenario) requests() []loadgen.Request {
@@ -104,6 +110,7 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 		}
 		defer pprof.StopCPUProfile()
 	}
+	res.MigrationStart = time.Now()
 	body, _ := json.Marshal(migrate.Request{Src: st.AID, Dst: st.BID, Type: sc.Type, FinalGranularity: sc.FinalGranularity, TN: sc.TN})
 	resp, err := http.Post(st.HostURL+"/vllm_hi/migrate", "application/json", bytes.NewReader(body))
 	if err != nil {
@@ -144,6 +151,7 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 	sa, _ := st.A.Stats(ctx)
 	sb, _ := st.B.Stats(ctx)
 	res.StatsA = fmt.Sprintf("A: %d/%d blocks free, B: %d/%d blocks free", sa.FreeBlocks, sa.TotalBlocks, sb.FreeBlocks, sb.TotalBlocks)
+	windowEnd := res.Status.FinishedAt.Add(time.Second)
 	var gaps []time.Duration
 	for i, s := range res.Streams {
 		switch {
@@ -159,7 +167,12 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 		for j := 1; j < len(s.Arrivals); j++ {
 			g := s.Arrivals[j].Sub(s.Arrivals[j-1])
 			gaps = append(gaps, g)
-			res.MaxGap = max(res.MaxGap, g)
+			if g > res.MaxGap {
+				res.MaxGap, res.MaxGapAt = g, s.Arrivals[j]
+			}
+			if s.Arrivals[j].After(res.MigrationStart) && s.Arrivals[j].Before(windowEnd) {
+				res.MaxGapDuringMigration = max(res.MaxGapDuringMigration, g)
+			}
 		}
 	}
 	res.MedianGap = loadgen.Percentile(gaps, 0.5)
