@@ -80,3 +80,8 @@ bench-proxy: build
 	@command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light)
 	./$(BIN) bench proxy --levels 1000,2000,3000 --tokens 150 --spread
 	./$(BIN) bench proxy --levels 1000,2000,3000 --tokens 150
+
+## bench-migrate: a 256-stream migration, whole-block vs token-slot final round.
+.PHONY: bench-migrate
+bench-migrate: build
+	./$(BIN) bench migrate
