@@ -26,6 +26,7 @@ import (
 
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 	"github.com/vllm-hi/vllm-hi/internal/engine"
+	"github.com/vllm-hi/vllm-hi/internal/grpcauth"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/tcpshm"
 )
 
@@ -180,7 +181,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	agentAddr := net.JoinHostPort(advertise, port)
 
 	conn, err := grpc.NewClient(a.cfg.HostAddr, grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithPerRPCCredentials(tokenCreds(a.cfg.AdminToken)))
+		grpc.WithPerRPCCredentials(grpcauth.Token(a.cfg.AdminToken)))
 	if err != nil {
 		return fmt.Errorf("agent: dial host %s: %w", a.cfg.HostAddr, err)
 	}
@@ -343,18 +344,6 @@ func localAddrTowards(addr string) string {
 	host, _, _ := net.SplitHostPort(c.LocalAddr().String())
 	return host
 }
-
-// tokenCreds sends the admin token as gRPC metadata.
-type tokenCreds string
-
-func (t tokenCreds) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
-	if t == "" {
-		return nil, nil
-	}
-	return map[string]string{"authorization": "Bearer " + string(t)}, nil
-}
-
-func (tokenCreds) RequireTransportSecurity() bool { return false }
 
 // agentService is the Agent gRPC service.
 type agentService struct {

@@ -6,13 +6,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -45,60 +42,31 @@ not the bottleneck of any benchmark built on it.`,
 	return cmd
 }
 
-// childSim is a vhi sim child process.
-type childSim struct {
-	cmd *exec.Cmd
-	URL string
-}
-
-func startChildSim(ctx context.Context, args ...string) (*childSim, error) {
+// startChildSim starts "vhi sim" as a child process on a free port with
+// its KV in /dev/shm and waits for it to be healthy.
+func startChildSim(ctx context.Context, args ...string) (*benchProc, string, error) {
 	exe, err := os.Executable()
 	if err != nil {
-		return nil, err
+		return nil, "", err
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	port, err := pickPort()
 	if err != nil {
-		return nil, err
+		return nil, "", err
 	}
-	port := ln.Addr().(*net.TCPAddr).Port
-	_ = ln.Close()
-	all := append([]string{"sim", "--port", strconv.Itoa(port), "--log-level", "warn",
-		"--shm-dir", os.TempDir()}, args...)
+	all := append([]string{"sim", "--port", strconv.Itoa(port), "--log-level", "warn", "--shm-dir", os.TempDir()}, args...)
 	if _, err := os.Stat("/dev/shm"); err == nil {
 		all = append(all, "--shm-dir", "/dev/shm")
 	}
-	cmd := exec.CommandContext(ctx, exe, all...)
-	cmd.Stderr = os.Stderr
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
-	if err := cmd.Start(); err != nil {
-		return nil, err
+	p, err := startProc(ctx, "sim", exe, all...)
+	if err != nil {
+		return nil, "", err
 	}
-	c := &childSim{cmd: cmd, URL: fmt.Sprintf("http://127.0.0.1:%d", port)}
-	deadline := time.Now().Add(15 * time.Second)
-	for time.Now().Before(deadline) {
-		resp, err := http.Get(c.URL + "/health")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return c, nil
-			}
-		}
-		time.Sleep(50 * time.Millisecond)
+	url := fmt.Sprintf("http://127.0.0.1:%d", port)
+	if err := waitHTTP(url+"/health", func(r *http.Response) bool { return r.StatusCode == http.StatusOK }); err != nil {
+		p.stop()
+		return nil, "", fmt.Errorf("vhi sim: %w", err)
 	}
-	c.stop()
-	return nil, fmt.Errorf("vhi sim did not become healthy on %s", c.URL)
-}
-
-func (c *childSim) stop() {
-	_ = c.cmd.Process.Signal(syscall.SIGTERM)
-	done := make(chan struct{})
-	go func() { _ = c.cmd.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(10 * time.Second):
-		_ = c.cmd.Process.Kill()
-		<-done
-	}
+	return p, url, nil
 }
 
 // cpuSeconds is the user+system CPU time of pid so far.
@@ -144,7 +112,7 @@ func scrape(url, name string) (sum, count float64, err error) {
 }
 
 func runBenchSim(ctx context.Context, out io.Writer, streams, maxTokens, promptWords int, simArgs []string) error {
-	child, err := startChildSim(ctx, simArgs...)
+	child, url, err := startChildSim(ctx, simArgs...)
 	if err != nil {
 		return err
 	}
@@ -163,7 +131,7 @@ func runBenchSim(ctx context.Context, out io.Writer, streams, maxTokens, promptW
 		return fmt.Errorf("read sim CPU: %w", err)
 	}
 	t0 := time.Now()
-	res := loadgen.Run(ctx, loadgen.Config{BaseURL: child.URL, Model: "Qwen/Qwen3-8B"}, reqs)
+	res := loadgen.Run(ctx, loadgen.Config{BaseURL: url, Model: "Qwen/Qwen3-8B"}, reqs)
 	wall := time.Since(t0)
 	cpu1, _ := cpuSeconds(child.cmd.Process.Pid)
 	sum := loadgen.Summarize(res, wall)
@@ -174,11 +142,11 @@ func runBenchSim(ctx context.Context, out io.Writer, streams, maxTokens, promptW
 			}
 		}
 	}
-	modelled, steps, _ := scrape(child.URL+"/metrics", "vhi_sim_step_modelled_seconds")
-	compute, _, _ := scrape(child.URL+"/metrics", "vhi_sim_step_compute_seconds")
+	modelled, steps, _ := scrape(url+"/metrics", "vhi_sim_step_modelled_seconds")
+	compute, _, _ := scrape(url+"/metrics", "vhi_sim_step_compute_seconds")
 	cores := (cpu1 - cpu0) / wall.Seconds()
 	var lay hooks.Layout
-	if resp, err := http.Get(child.URL + hooks.PathLayout); err == nil {
+	if resp, err := http.Get(url + hooks.PathLayout); err == nil {
 		_ = json.NewDecoder(resp.Body).Decode(&lay)
 		resp.Body.Close()
 	}

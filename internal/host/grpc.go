@@ -2,16 +2,14 @@ package host
 
 import (
 	"context"
-	"crypto/subtle"
 	"errors"
-	"strings"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
+	"github.com/vllm-hi/vllm-hi/internal/grpcauth"
 	"github.com/vllm-hi/vllm-hi/internal/host/registry"
 )
 
@@ -107,12 +105,7 @@ func registrationFromProto(req *v1.RegisterRequest) registry.Registration {
 func authInterceptor(token string, refused func(method string)) grpc.UnaryServerInterceptor {
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 		if token != "" {
-			md, _ := metadata.FromIncomingContext(ctx)
-			var got string
-			if v := md.Get("authorization"); len(v) > 0 {
-				got = strings.TrimPrefix(v[0], "Bearer ")
-			}
-			if subtle.ConstantTimeCompare([]byte(got), []byte(token)) != 1 {
+			if !grpcauth.Check(ctx, token) {
 				refused(info.FullMethod)
 				return nil, status.Error(codes.Unauthenticated, "missing or wrong admin token")
 			}

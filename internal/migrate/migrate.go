@@ -27,6 +27,7 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
+	"github.com/vllm-hi/vllm-hi/internal/grpcauth"
 	"github.com/vllm-hi/vllm-hi/internal/host/registry"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
 )
@@ -164,23 +165,13 @@ func (o *Orchestrator) Close() {
 	}
 }
 
-type tokenCreds string
-
-func (t tokenCreds) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
-	if t == "" {
-		return nil, nil
-	}
-	return map[string]string{"authorization": "Bearer " + string(t)}, nil
-}
-func (tokenCreds) RequireTransportSecurity() bool { return false }
-
 func (o *Orchestrator) agent(addr string) (v1.AgentClient, error) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if c, ok := o.conns[addr]; ok {
 		return v1.NewAgentClient(c), nil
 	}
-	c, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithPerRPCCredentials(tokenCreds(o.cfg.AgentToken)))
+	c, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithPerRPCCredentials(grpcauth.Token(o.cfg.AgentToken)))
 	if err != nil {
 		return nil, err
 	}

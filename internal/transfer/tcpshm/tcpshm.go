@@ -167,47 +167,72 @@ func Send(ctx context.Context, addr, session string, tn int, src [][]byte, runs 
 	return Stats{Runs: len(runs), Frames: nframes, Bytes: kvlayout.Bytes(runs), Duration: time.Since(start)}, nil
 }
 
-func sendConn(ctx context.Context, addr, session string, src [][]byte, runs []kvlayout.CopyRun, fault Fault) error {
-	return withConn(ctx, addr, session, func(w *bufio.Writer) (frames, bytes uint64, err error) {
-		var hdr [frameHdrSize]byte
-		descs := make([]byte, 0, maxRuns*runDescSize)
-		payload := make([]byte, 0, maxFrame)
-		flush := func() error {
-			if len(descs) == 0 {
-				return nil
-			}
-			// payload is a copy of the source bytes, so the checksum matches
-			// what is sent even while the engine writes (non-final rounds).
-			sum := xxhash.Sum64(payload)
-			if fault == CorruptFrame && frames == 0 {
-				payload[0] ^= 0xFF
-			}
-			frameHeader{runs: uint32(len(descs) / runDescSize), kind: frameRuns, length: uint64(len(payload)), sum: sum}.put(hdr[:])
-			for _, b := range [][]byte{hdr[:], descs, payload} {
-				if _, err := w.Write(b); err != nil {
-					return err
-				}
-			}
-			frames++
-			bytes += uint64(len(payload))
-			descs, payload = descs[:0], payload[:0]
-			return nil
+// frameWriter batches descriptors and their bytes into frames.
+type frameWriter struct {
+	w             *bufio.Writer
+	kind          uint32
+	descSize      int
+	descs         []byte
+	payload       []byte
+	frames, bytes uint64
+	fault         Fault
+}
+
+func newFrameWriter(w *bufio.Writer, kind uint32, descSize int, fault Fault) *frameWriter {
+	return &frameWriter{w: w, kind: kind, descSize: descSize, fault: fault,
+		descs: make([]byte, 0, maxRuns*descSize), payload: make([]byte, 0, maxFrame)}
+}
+
+// reserve flushes first when a descriptor with n more payload bytes would
+// not fit the current frame.
+func (f *frameWriter) reserve(n int) error {
+	if len(f.payload)+n > maxFrame || len(f.descs)/f.descSize == maxRuns {
+		return f.flush()
+	}
+	return nil
+}
+
+// flush writes the pending frame. The payload is a copy of the source
+// bytes, so its checksum matches what is sent even while the engine writes
+// (non-final rounds).
+func (f *frameWriter) flush() error {
+	if len(f.descs) == 0 {
+		return nil
+	}
+	sum := xxhash.Sum64(f.payload)
+	if f.fault == CorruptFrame && f.frames == 0 {
+		f.payload[0] ^= 0xFF
+	}
+	var hdr [frameHdrSize]byte
+	frameHeader{runs: uint32(len(f.descs) / f.descSize), kind: f.kind, length: uint64(len(f.payload)), sum: sum}.put(hdr[:])
+	for _, b := range [][]byte{hdr[:], f.descs, f.payload} {
+		if _, err := f.w.Write(b); err != nil {
+			return err
 		}
+	}
+	f.frames++
+	f.bytes += uint64(len(f.payload))
+	f.descs, f.payload = f.descs[:0], f.payload[:0]
+	return nil
+}
+
+func sendConn(ctx context.Context, addr, session string, src [][]byte, runs []kvlayout.CopyRun, fault Fault) error {
+	return withConn(ctx, addr, session, func(w *bufio.Writer) (uint64, uint64, error) {
+		fw := newFrameWriter(w, frameRuns, runDescSize, fault)
 		for i, r := range runs {
 			if fault == CutConn && i == len(runs)/2 {
-				return frames, bytes, fmt.Errorf("tcp_shm: injected fault: connection cut after %d of %d runs", i, len(runs))
+				return fw.frames, fw.bytes, fmt.Errorf("tcp_shm: injected fault: connection cut after %d of %d runs", i, len(runs))
 			}
-			if len(payload)+int(r.Length) > maxFrame || len(descs)/runDescSize == maxRuns {
-				if err := flush(); err != nil {
-					return frames, bytes, err
-				}
+			if err := fw.reserve(int(r.Length)); err != nil {
+				return fw.frames, fw.bytes, err
 			}
 			var desc [runDescSize]byte
 			putRun(desc[:], r.DstRegion, r.DstOffset, r.Length)
-			descs = append(descs, desc[:]...)
-			payload = append(payload, src[r.SrcRegion][r.SrcOffset:r.SrcOffset+r.Length]...)
+			fw.descs = append(fw.descs, desc[:]...)
+			fw.payload = append(fw.payload, src[r.SrcRegion][r.SrcOffset:r.SrcOffset+r.Length]...)
 		}
-		return frames, bytes, flush()
+		err := fw.flush()
+		return fw.frames, fw.bytes, err
 	})
 }
 
@@ -458,50 +483,28 @@ func SendSlots(ctx context.Context, addr, session string, tn int, src *Memory, j
 }
 
 func sendSlotsConn(ctx context.Context, addr, session string, src *Memory, places []slotPlace, jobs []kvlayout.BlockCopy, fault Fault) error {
-	return withConn(ctx, addr, session, func(w *bufio.Writer) (frames, bytes uint64, err error) {
-		var hdr [frameHdrSize]byte
-		descs := make([]byte, 0, maxRuns*jobSize)
-		payload := make([]byte, 0, maxFrame)
-		flush := func() error {
-			if len(descs) == 0 {
-				return nil
-			}
-			sum := xxhash.Sum64(payload)
-			if fault == CorruptFrame && frames == 0 {
-				payload[0] ^= 0xFF
-			}
-			frameHeader{runs: uint32(len(descs) / jobSize), kind: frameSlots, length: uint64(len(payload)), sum: sum}.put(hdr[:])
-			for _, b := range [][]byte{hdr[:], descs, payload} {
-				if _, err := w.Write(b); err != nil {
-					return err
-				}
-			}
-			frames++
-			bytes += uint64(len(payload))
-			descs, payload = descs[:0], payload[:0]
-			return nil
-		}
+	return withConn(ctx, addr, session, func(w *bufio.Writer) (uint64, uint64, error) {
+		fw := newFrameWriter(w, frameSlots, jobSize, fault)
 		for i, j := range jobs {
 			if fault == CutConn && i == len(jobs)/2 {
-				return frames, bytes, fmt.Errorf("tcp_shm: injected fault: connection cut after %d of %d slot jobs", i, len(jobs))
+				return fw.frames, fw.bytes, fmt.Errorf("tcp_shm: injected fault: connection cut after %d of %d slot jobs", i, len(jobs))
 			}
 			n := int64(j.NumSlots) * src.SlotBytes
-			if len(payload)+int(n)*len(places) > maxFrame || len(descs)/jobSize == maxRuns {
-				if err := flush(); err != nil {
-					return frames, bytes, err
-				}
+			if err := fw.reserve(int(n) * len(places)); err != nil {
+				return fw.frames, fw.bytes, err
 			}
 			var d [jobSize]byte
 			binary.LittleEndian.PutUint32(d[0:], uint32(j.Dst))
 			binary.LittleEndian.PutUint32(d[4:], uint32(j.FirstSlot))
 			binary.LittleEndian.PutUint32(d[8:], uint32(j.NumSlots))
-			descs = append(descs, d[:]...)
+			fw.descs = append(fw.descs, d[:]...)
 			for _, p := range places {
 				at := p.base + int64(j.Src)*p.block + int64(j.FirstSlot)*p.slot
-				payload = append(payload, src.Data[p.region][at:at+n]...)
+				fw.payload = append(fw.payload, src.Data[p.region][at:at+n]...)
 			}
 		}
-		return frames, bytes, flush()
+		err := fw.flush()
+		return fw.frames, fw.bytes, err
 	})
 }
 
