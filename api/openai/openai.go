@@ -129,13 +129,21 @@ type ChatCompletionRequest struct {
 	MaxCompletionTokens *int          `json:"max_completion_tokens"`
 }
 
-// Usage is vLLM's UsageInfo as it appears in responses.
+// Usage is vLLM's UsageInfo as it appears in responses. The detail
+// fields are *any so they can be an explicit null (non-streaming answers,
+// continuous usage) or absent (the final usage chunk), as vLLM sends them.
 type Usage struct {
-	PromptTokens        int  `json:"prompt_tokens"`
-	TotalTokens         int  `json:"total_tokens"`
-	CompletionTokens    int  `json:"completion_tokens"`
-	PromptTokensDetails *any `json:"prompt_tokens_details,omitempty"`
+	PromptTokens            int  `json:"prompt_tokens"`
+	TotalTokens             int  `json:"total_tokens"`
+	CompletionTokens        int  `json:"completion_tokens"`
+	PromptTokensDetails     *any `json:"prompt_tokens_details,omitempty"`
+	CompletionTokensDetails *any `json:"completion_tokens_details,omitempty"`
 }
+
+var null any
+
+// Null is a pointer to a nil any: it marshals as an explicit null.
+func Null() *any { return &null }
 
 // ErrorInfo is the body of an OpenAI error.
 type ErrorInfo struct {
@@ -169,6 +177,7 @@ type CompletionChoice struct {
 	TokenIDs       []int  `json:"token_ids"`
 	PromptLogprobs any    `json:"prompt_logprobs"`
 	PromptTokenIDs []int  `json:"prompt_token_ids"`
+	RoutedExperts  any    `json:"routed_experts"`
 }
 
 // CompletionResponse is a non-streaming completion.
@@ -182,6 +191,8 @@ type CompletionResponse struct {
 	SystemFingerprint any                `json:"system_fingerprint"`
 	Usage             Usage              `json:"usage"`
 	KVTransferParams  any                `json:"kv_transfer_params"`
+	ECTransferParams  any                `json:"ec_transfer_params"`
+	Metrics           any                `json:"metrics"`
 }
 
 // CompletionStreamChoice is one streamed completion choice.
@@ -197,12 +208,13 @@ type CompletionStreamChoice struct {
 
 // CompletionChunk is one streamed completion event.
 type CompletionChunk struct {
-	ID      string                   `json:"id"`
-	Object  string                   `json:"object"`
-	Created int64                    `json:"created"`
-	Model   string                   `json:"model"`
-	Choices []CompletionStreamChoice `json:"choices"`
-	Usage   *Usage                   `json:"usage,omitempty"`
+	ID                string                   `json:"id"`
+	Object            string                   `json:"object"`
+	Created           int64                    `json:"created"`
+	Model             string                   `json:"model"`
+	Choices           []CompletionStreamChoice `json:"choices"`
+	Usage             *Usage                   `json:"usage,omitempty"`
+	SystemFingerprint string                   `json:"system_fingerprint,omitempty"`
 }
 
 // ChatMessageOut is the assistant message of a non-streaming chat response.
@@ -213,18 +225,18 @@ type ChatMessageOut struct {
 	Annotations  any    `json:"annotations"`
 	Audio        any    `json:"audio"`
 	FunctionCall any    `json:"function_call"`
-	ToolCalls    []any  `json:"tool_calls"`
 	Reasoning    any    `json:"reasoning"`
 }
 
 // ChatChoice is a non-streaming chat choice.
 type ChatChoice struct {
-	Index        int            `json:"index"`
-	Message      ChatMessageOut `json:"message"`
-	Logprobs     any            `json:"logprobs"`
-	FinishReason any            `json:"finish_reason"`
-	StopReason   any            `json:"stop_reason"`
-	TokenIDs     []int          `json:"token_ids"`
+	Index         int            `json:"index"`
+	Message       ChatMessageOut `json:"message"`
+	Logprobs      any            `json:"logprobs"`
+	FinishReason  any            `json:"finish_reason"`
+	StopReason    any            `json:"stop_reason"`
+	TokenIDs      []int          `json:"token_ids"`
+	RoutedExperts any            `json:"routed_experts"`
 }
 
 // ChatResponse is a non-streaming chat completion.
@@ -239,7 +251,10 @@ type ChatResponse struct {
 	Usage             Usage        `json:"usage"`
 	PromptLogprobs    any          `json:"prompt_logprobs"`
 	PromptTokenIDs    []int        `json:"prompt_token_ids"`
+	PromptText        any          `json:"prompt_text"`
 	KVTransferParams  any          `json:"kv_transfer_params"`
+	ECTransferParams  any          `json:"ec_transfer_params"`
+	Metrics           any          `json:"metrics"`
 }
 
 // Delta is a streamed chat delta; vLLM omits unset fields.
@@ -263,14 +278,15 @@ type ChatStreamChoice struct {
 
 // ChatChunk is one streamed chat event.
 type ChatChunk struct {
-	ID             string             `json:"id"`
-	Object         string             `json:"object"`
-	Created        int64              `json:"created"`
-	Model          string             `json:"model"`
-	Choices        []ChatStreamChoice `json:"choices"`
-	Usage          *Usage             `json:"usage,omitempty"`
-	PromptTokenIDs *any               `json:"prompt_token_ids,omitempty"`
-	PromptText     *any               `json:"prompt_text,omitempty"`
+	ID                string             `json:"id"`
+	Object            string             `json:"object"`
+	Created           int64              `json:"created"`
+	Model             string             `json:"model"`
+	Choices           []ChatStreamChoice `json:"choices"`
+	Usage             *Usage             `json:"usage,omitempty"`
+	SystemFingerprint string             `json:"system_fingerprint,omitempty"`
+	PromptTokenIDs    *any               `json:"prompt_token_ids,omitempty"`
+	PromptText        *any               `json:"prompt_text,omitempty"`
 }
 
 // ModelCard is one entry of /v1/models.

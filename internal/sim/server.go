@@ -23,6 +23,10 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/version"
 )
 
+// fingerprint is the sim's system_fingerprint, shaped like vLLM's
+// "vllm-<version>-<hash>".
+var fingerprint = "vhi-sim-" + version.Version
+
 // maxBodyBytes bounds request bodies; prompts beyond it are far past any
 // max_model_len the sim accepts.
 const maxBodyBytes = 16 << 20
@@ -124,7 +128,8 @@ func decodeBody(r *http.Request, v any) error {
 		return badRequest("", "Request body exceeds %d bytes.", maxBodyBytes)
 	}
 	if err := json.Unmarshal(body, v); err != nil {
-		return badRequest("", "Invalid JSON in request body: %v", err)
+		// vLLM (FastAPI) reports a validation error of the body.
+		return &Error{Status: http.StatusBadRequest, Type: "Bad Request", Param: "body", Message: fmt.Sprintf("1 validation error: JSON decode error: %v", err)}
 	}
 	return nil
 }
@@ -135,7 +140,7 @@ func (s *Server) checkModel(name string) error {
 			return nil
 		}
 	}
-	return notFound("model", "The model `%s` does not exist.", name)
+	return notFound("model", "The model `%s` does not exist. Valid aliases: %s.", name, strings.Join(s.eng.cfg.ServedModelNames, ", "))
 }
 
 // sampling validates the shared fields and returns the engine's params.
@@ -147,7 +152,11 @@ func (s *Server) sampling(f openai.SamplingFields, defaultMax int) (hooks.Sampli
 	if f.MaxTokens != nil {
 		p.MaxTokens = *f.MaxTokens
 		if p.MaxTokens < 1 {
-			return p, false, badRequest("max_tokens", "max_tokens must be at least 1, got %d.", p.MaxTokens)
+			return p, false, badRequest("max_tokens", "max_tokens must be at least 1, got %d. (parameter=max_tokens, value=%d)", p.MaxTokens, p.MaxTokens)
+		}
+		if p.MaxTokens > s.eng.cfg.MaxModelLen {
+			return p, false, badRequest("max_tokens", "max_tokens=%d cannot be greater than max_model_len=%d. Please request fewer output tokens. (parameter=max_tokens, value=%d)",
+				p.MaxTokens, s.eng.cfg.MaxModelLen, p.MaxTokens)
 		}
 	}
 	if f.Temperature != nil {
@@ -287,21 +296,22 @@ func (s *Server) respond(w http.ResponseWriter, ctx context.Context, id, kind st
 	if o.Silent {
 		panic(http.ErrAbortHandler)
 	}
-	usage := openai.Usage{PromptTokens: o.NumPrompt, CompletionTokens: o.NumOutput, TotalTokens: o.NumPrompt + o.NumOutput}
+	usage := openai.Usage{PromptTokens: o.NumPrompt, CompletionTokens: o.NumOutput, TotalTokens: o.NumPrompt + o.NumOutput,
+		PromptTokensDetails: openai.Null(), CompletionTokensDetails: openai.Null()}
 	m := o.Meta
 	if kind == "chat" {
 		writeJSON(w, http.StatusOK, openai.ChatResponse{
 			ID: m.ResponseID, Object: "chat.completion", Created: m.Created, Model: m.Model,
-			Choices: []openai.ChatChoice{{Message: openai.ChatMessageOut{Role: "assistant", Content: o.Text, ToolCalls: []any{}},
+			Choices: []openai.ChatChoice{{Message: openai.ChatMessageOut{Role: "assistant", Content: o.Text},
 				FinishReason: o.Reason, StopReason: o.StopReason}},
-			Usage: usage,
+			SystemFingerprint: fingerprint, Usage: usage,
 		})
 		return
 	}
 	writeJSON(w, http.StatusOK, openai.CompletionResponse{
 		ID: m.ResponseID, Object: "text_completion", Created: m.Created, Model: m.Model,
-		Choices: []openai.CompletionChoice{{Text: o.Text, FinishReason: o.Reason, StopReason: o.StopReason}},
-		Usage:   usage,
+		Choices:           []openai.CompletionChoice{{Text: o.Text, FinishReason: o.Reason, StopReason: o.StopReason}},
+		SystemFingerprint: fingerprint, Usage: usage,
 	})
 }
 
@@ -334,7 +344,7 @@ func (s *Server) stream(w http.ResponseWriter, ctx context.Context, id string, f
 			PromptTokenIDs: &null, PromptText: &null,
 		}
 		if m.ContinuousUsage {
-			first.Usage = &openai.Usage{PromptTokens: o.NumPrompt, TotalTokens: o.NumPrompt}
+			first.Usage = &openai.Usage{PromptTokens: o.NumPrompt, TotalTokens: o.NumPrompt, CompletionTokensDetails: openai.Null()}
 		}
 		enc.event(first)
 	}
@@ -413,6 +423,15 @@ func (s *Server) chunk(m hooks.ResponseMeta, delta string, tok, idx int, o Outpu
 	if m.ContinuousUsage {
 		n := min(idx+1, o.NumOutput)
 		usage = &openai.Usage{PromptTokens: o.NumPrompt, CompletionTokens: n, TotalTokens: o.NumPrompt + n}
+		if m.Kind == "chat" {
+			usage.CompletionTokensDetails = openai.Null()
+		}
+	}
+	// vLLM stamps its fingerprint on the finishing chunk unless a usage
+	// chunk follows, which then carries it.
+	fp := ""
+	if last && !m.IncludeUsage {
+		fp = fingerprint
 	}
 	if m.Kind == "chat" {
 		var null any
@@ -421,10 +440,10 @@ func (s *Server) chunk(m hooks.ResponseMeta, delta string, tok, idx int, o Outpu
 			c.StopReason = &stop
 		}
 		return openai.ChatChunk{ID: m.ResponseID, Object: "chat.completion.chunk", Created: m.Created, Model: m.Model,
-			Choices: []openai.ChatStreamChoice{c}, Usage: usage}
+			Choices: []openai.ChatStreamChoice{c}, Usage: usage, SystemFingerprint: fp}
 	}
 	return openai.CompletionChunk{ID: m.ResponseID, Object: "text_completion", Created: m.Created, Model: m.Model,
-		Choices: []openai.CompletionStreamChoice{{Text: delta, FinishReason: finish, StopReason: stop}}, Usage: usage}
+		Choices: []openai.CompletionStreamChoice{{Text: delta, FinishReason: finish, StopReason: stop}}, Usage: usage, SystemFingerprint: fp}
 }
 
 // eventWriter writes SSE events and remembers the first write error.
@@ -459,11 +478,11 @@ func (e *eventWriter) usage(m hooks.ResponseMeta, o Output) {
 	u := openai.Usage{PromptTokens: o.NumPrompt, CompletionTokens: o.NumOutput, TotalTokens: o.NumPrompt + o.NumOutput}
 	if m.Kind == "chat" {
 		e.event(openai.ChatChunk{ID: m.ResponseID, Object: "chat.completion.chunk", Created: m.Created, Model: m.Model,
-			Choices: []openai.ChatStreamChoice{}, Usage: &u})
+			Choices: []openai.ChatStreamChoice{}, Usage: &u, SystemFingerprint: fingerprint})
 		return
 	}
 	e.event(openai.CompletionChunk{ID: m.ResponseID, Object: "text_completion", Created: m.Created, Model: m.Model,
-		Choices: []openai.CompletionStreamChoice{}, Usage: &u})
+		Choices: []openai.CompletionStreamChoice{}, Usage: &u, SystemFingerprint: fingerprint})
 }
 
 func (e *eventWriter) done() { e.raw([]byte("[DONE]")) }

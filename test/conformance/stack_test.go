@@ -1,0 +1,42 @@
+package conformance
+
+import (
+	"context"
+	"net"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/internal/agent"
+	"github.com/vllm-hi/vllm-hi/internal/host"
+)
+
+func startHost(t *testing.T) (url, addr string) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := host.DefaultConfig()
+	cfg.HeartbeatInterval, cfg.ShutdownTimeout = 200*time.Millisecond, 2*time.Second
+	h := host.New(cfg, zap.NewNop())
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = h.Serve(ctx, ln) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return "http://" + ln.Addr().String(), ln.Addr().String()
+}
+
+func startAgent(t *testing.T, hostAddr, engineURL string) {
+	t.Helper()
+	a, err := agent.New(agent.Config{Type: "A", HostAddr: hostAddr, EngineURL: engineURL, Listen: "127.0.0.1:0",
+		AdvertiseHost: "127.0.0.1", TP: 1, PP: 1, EngineWait: time.Minute}, zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = a.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+}
