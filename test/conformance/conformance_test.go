@@ -366,7 +366,9 @@ func TestHostRoutesToVLLM(t *testing.T) {
 		{"/v1/chat/completions", `{"model":"tiny","messages":[{"role":"user","content":"hello"}],"max_tokens":8,"temperature":0,"ignore_eos":true,"stream":true}`},
 	} {
 		direct, via := send(t, "POST", vllm+c.path, c.body), send(t, "POST", hostURL+c.path, c.body)
-		if via.status != 200 || len(via.events) != len(direct.events) {
+		// The event counts may differ: vLLM merges the outputs a slow
+		// reader has not taken yet into one chunk. The text may not.
+		if via.status != 200 || len(via.events) < 2 {
 			t.Fatalf("%s via the Host: %d, %d events (direct %d)", c.path, via.status, len(via.events), len(direct.events))
 		}
 		if textOf(via.events) != textOf(direct.events) || via.events[len(via.events)-1] != "[DONE]" {
