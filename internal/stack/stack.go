@@ -102,22 +102,12 @@ func Start(o Options) (*Stack, error) {
 
 func (s *Stack) startSim(c sim.Config, model, prefix string, log *zap.Logger) (*sim.Engine, string, error) {
 	c.Model, c.ServedModelNames, c.ShmPrefix = model, []string{model}, prefix
-	e, err := sim.NewEngine(c, log.Named(prefix))
+	r, err := sim.Start(c, log.Named(prefix))
 	if err != nil {
 		return nil, "", err
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		e.Close()
-		return nil, "", err
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); e.Run(ctx) }()
-	srv := &http.Server{Handler: sim.NewServer(e, log).Handler(), ReadHeaderTimeout: 10 * time.Second}
-	go func() { _ = srv.Serve(ln) }()
-	s.stops = append(s.stops, func() { _ = srv.Close(); cancel(); <-done; e.Close() })
-	return e, "http://" + ln.Addr().String(), nil
+	s.stops = append(s.stops, r.Stop)
+	return r.Engine, r.URL, nil
 }
 
 // Stop shuts everything down in reverse order of start.

@@ -11,13 +11,11 @@ package conformance
 import (
 	"bufio"
 	"bytes"
-	"context"
 	"encoding/json"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
-	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -25,8 +23,6 @@ import (
 	"syscall"
 	"testing"
 	"time"
-
-	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/internal/sim"
 )
@@ -194,16 +190,12 @@ func startSim(t *testing.T) string {
 	c.Profile, c.KVScale, c.NumBlocks, c.MaxModelLen = "tiny", 1, 256, 512
 	c.Step = sim.StepModel{Fixed: time.Millisecond}
 	c.ShmDir, c.ShmPrefix = t.TempDir(), "conformance"
-	e, err := sim.NewEngine(c, zap.NewNop())
+	r, err := sim.Start(c, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); e.Run(ctx) }()
-	ts := httptest.NewServer(sim.NewServer(e, zap.NewNop()).Handler())
-	t.Cleanup(func() { ts.Close(); cancel(); <-done; e.Close() })
-	return ts.URL
+	t.Cleanup(r.Stop)
+	return r.URL
 }
 
 type answer struct {
