@@ -1,0 +1,111 @@
+package proxy
+
+import (
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+func tokenEvent(i int) string {
+	return fmt.Sprintf("data: {\"id\":\"cmpl-x\",\"choices\":[{\"index\":0,\"text\":\" t%d\",\"finish_reason\":null}]}\n\n", i)
+}
+
+// A stream moves from engine A to engine B at token k: the client gets A's
+// first k tokens, then B's from k on, one [DONE], whatever was still in
+// flight from A when the splice was asked for.
+func TestSpliceMovesAStreamAtATokenIndex(t *testing.T) {
+	for _, inFlight := range []int{0, 3} { // tokens of A not yet relayed when Splice is called
+		t.Run(fmt.Sprintf("%d tokens in flight", inFlight), func(t *testing.T) {
+			const k, total = 6, 10
+			release := make(chan struct{})
+			a := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("Content-Type", "text/event-stream")
+				for i := 0; i < k; i++ {
+					if i == k-inFlight {
+						w.(http.Flusher).Flush()
+						<-release // the rest arrives only after the splice was asked for
+					}
+					_, _ = io.WriteString(w, tokenEvent(i))
+					w.(http.Flusher).Flush()
+				}
+				<-r.Context().Done() // A is paused: nothing more until the relay leaves
+			}))
+			defer a.Close()
+			var from string
+			b := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				from = r.URL.Query().Get("from")
+				if r.URL.Path != "/vllm_hi/engine/requests/cmpl-x/stream" {
+					http.NotFound(w, r)
+					return
+				}
+				w.Header().Set("Content-Type", "text/event-stream")
+				for i := k; i < total; i++ {
+					_, _ = io.WriteString(w, tokenEvent(i))
+				}
+				_, _ = io.WriteString(w, "data: [DONE]\n\n")
+			}))
+			defer b.Close()
+
+			m := testMetrics()
+			p := New(Options{}, m, zap.NewNop())
+			front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				p.Forward(w, r, Upstream{BaseURL: a.URL, Path: "/v1/completions", Body: []byte(`{}`), Model: "m", InstanceID: "A", RequestID: "cmpl-x"})
+			}))
+			defer front.Close()
+			got := make(chan string, 1)
+			go func() {
+				resp, err := http.Post(front.URL+"/v1/completions", "application/json", strings.NewReader(`{}`))
+				if err != nil {
+					got <- err.Error()
+					return
+				}
+				body, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				got <- string(body)
+			}()
+			var s *Stream
+			for deadline := time.Now().Add(5 * time.Second); s == nil || s.Tokens() < k-inFlight; time.Sleep(time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatal("stream never started")
+				}
+				s = p.Streams().Get("cmpl-x")
+			}
+			switched := s.Splice(b.URL, "B", k)
+			close(release)
+			select {
+			case err := <-switched:
+				if err != nil {
+					t.Fatal(err)
+				}
+			case <-time.After(5 * time.Second):
+				t.Fatal("the splice never happened")
+			}
+			var want strings.Builder
+			for i := 0; i < total; i++ {
+				want.WriteString(tokenEvent(i))
+			}
+			want.WriteString("data: [DONE]\n\n")
+			if body := <-got; body != want.String() {
+				t.Fatalf("client saw:\n%s\nwant:\n%s", body, want.String())
+			}
+			if from != fmt.Sprint(k) {
+				t.Fatalf("attached from %q, want %d", from, k)
+			}
+		})
+	}
+}
+
+// A splice asked with fewer tokens than the stream already relayed is
+// refused: it would repeat tokens.
+func TestSpliceRefusesToRepeatTokens(t *testing.T) {
+	s := &Stream{ID: "x", tokens: 5, done: make(chan struct{})}
+	if err := <-s.Splice("http://b", "B", 3); err == nil {
+		t.Fatal("a splice behind the relayed tokens was accepted")
+	}
+}
