@@ -182,7 +182,7 @@ func (e *Engine) step(now time.Time) (bool, time.Duration) {
 	e.cursor = gen
 	e.lastCompute = time.Since(start)
 	e.lastStep = e.cfg.Step.Duration(len(batch), ctxTokens, prefill)
-	e.met.stepDone(len(batch), e.lastStep, e.lastCompute)
+	e.met.stepDone(e.lastStep, e.lastCompute)
 	return true, e.lastStep
 }
 

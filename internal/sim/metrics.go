@@ -106,7 +106,7 @@ func (m *engineMetrics) finished(r *request, now time.Time) {
 	m.e2e.Observe(now.Sub(r.arrival).Seconds())
 }
 
-func (m *engineMetrics) stepDone(_ int, modelled, compute time.Duration) {
+func (m *engineMetrics) stepDone(modelled, compute time.Duration) {
 	m.stepSeconds.Observe(modelled.Seconds())
 	m.computeSeconds.Observe(compute.Seconds())
 }

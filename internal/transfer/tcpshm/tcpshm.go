@@ -110,7 +110,6 @@ const (
 // Stats describe one send.
 type Stats struct {
 	Runs     int
-	Frames   int
 	Bytes    int64
 	Duration time.Duration
 }
@@ -126,7 +125,6 @@ func Send(ctx context.Context, addr, session string, tn int, src [][]byte, runs 
 	// order so the target writes memory sequentially.
 	shares := make([][]kvlayout.CopyRun, tn)
 	load := make([]int64, tn)
-	nframes := 0
 	for _, r := range runs {
 		if r.SrcRegion < 0 || r.SrcRegion >= len(src) || r.SrcOffset < 0 || r.SrcOffset+r.Length > int64(len(src[r.SrcRegion])) {
 			return Stats{}, fmt.Errorf("tcp_shm: run %+v outside the source regions", r)
@@ -141,7 +139,6 @@ func Send(ctx context.Context, addr, session string, tn int, src [][]byte, runs 
 			}
 			shares[i] = append(shares[i], kvlayout.CopyRun{SrcRegion: r.SrcRegion, SrcOffset: r.SrcOffset + off, DstRegion: r.DstRegion, DstOffset: r.DstOffset + off, Length: n})
 			load[i] += n
-			nframes++
 		}
 	}
 	var wg sync.WaitGroup
@@ -164,7 +161,7 @@ func Send(ctx context.Context, addr, session string, tn int, src [][]byte, runs 
 	if err := errors.Join(errs...); err != nil {
 		return Stats{}, err
 	}
-	return Stats{Runs: len(runs), Frames: nframes, Bytes: kvlayout.Bytes(runs), Duration: time.Since(start)}, nil
+	return Stats{Runs: len(runs), Bytes: kvlayout.Bytes(runs), Duration: time.Since(start)}, nil
 }
 
 // frameWriter batches descriptors and their bytes into frames.
@@ -479,7 +476,7 @@ func SendSlots(ctx context.Context, addr, session string, tn int, src *Memory, j
 	if err := errors.Join(errs...); err != nil {
 		return Stats{}, err
 	}
-	return Stats{Runs: len(jobs) * len(places), Frames: len(jobs), Bytes: total, Duration: time.Since(start)}, nil
+	return Stats{Runs: len(jobs) * len(places), Bytes: total, Duration: time.Since(start)}, nil
 }
 
 func sendSlotsConn(ctx context.Context, addr, session string, src *Memory, places []slotPlace, jobs []kvlayout.BlockCopy, fault Fault) error {
