@@ -211,7 +211,10 @@ type RequestState struct {
 	RNGPosition int `json:"rng_position"`
 	// OutputText is the detokenized output so far (after stop-string
 	// truncation) and TextOffsets the visible text length after each output
-	// token, so the target streams the same deltas.
+	// token, so the target streams the same deltas. Offsets count Unicode
+	// code points (Python's len; vhi sim's vocabulary is ASCII, so its byte
+	// offsets are the same); the Host compares them with the text it
+	// relayed to know when a client got everything the source produced.
 	OutputText  string       `json:"output_text"`
 	TextOffsets IntList      `json:"text_offsets"`
 	ArrivalTime float64      `json:"arrival_time"`

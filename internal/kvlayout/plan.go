@@ -107,23 +107,36 @@ func Plan(layers, heads int, headSlotBytes int64, src, dst []RegionSpec, copies 
 			if c.NumSlots <= 0 {
 				continue
 			}
-			length := int64(c.NumSlots) * headSlotBytes
 			for i := range pl {
 				p := &pl[i]
 				so := p.sBase + int64(c.Src)*p.sBlock + int64(c.FirstSlot)*p.sSlot
 				do := p.dBase + int64(c.Dst)*p.dBlock + int64(c.FirstSlot)*p.dSlot
-				if k := len(runs) - 1; k >= 0 {
-					last := &runs[k]
-					if last.SrcRegion == p.s && last.DstRegion == p.d && last.SrcOffset+last.Length == so && last.DstOffset+last.Length == do {
-						last.Length += length
-						continue
-					}
+				if p.sSlot == headSlotBytes && p.dSlot == headSlotBytes {
+					runs = appendRun(runs, p.s, so, p.d, do, int64(c.NumSlots)*headSlotBytes)
+					continue
 				}
-				runs = append(runs, CopyRun{SrcRegion: p.s, SrcOffset: so, DstRegion: p.d, DstOffset: do, Length: length})
+				// Slots are not packed (vLLM's CPU layout interleaves K and V
+				// per slot): one run per slot.
+				for k := int64(0); k < int64(c.NumSlots); k++ {
+					runs = appendRun(runs, p.s, so+k*p.sSlot, p.d, do+k*p.dSlot, headSlotBytes)
+				}
 			}
 		}
 	}
 	return runs, nil
+}
+
+// appendRun appends a run, merging it into the last one when it continues
+// it on both sides.
+func appendRun(runs []CopyRun, s int, so int64, d int, do, length int64) []CopyRun {
+	if k := len(runs) - 1; k >= 0 {
+		last := &runs[k]
+		if last.SrcRegion == s && last.DstRegion == d && last.SrcOffset+last.Length == so && last.DstOffset+last.Length == do {
+			last.Length += length
+			return runs
+		}
+	}
+	return append(runs, CopyRun{SrcRegion: s, SrcOffset: so, DstRegion: d, DstOffset: do, Length: length})
 }
 
 // Bytes is the total length of runs.

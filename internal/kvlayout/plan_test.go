@@ -113,3 +113,49 @@ func TestPlanMergesConsecutiveBlocks(t *testing.T) {
 		t.Fatalf("bytes %d", Bytes(runs))
 	}
 }
+
+// vLLM's CPU layout (LBHNC with K and V side by side in the channel
+// dimension) has slots that are not packed: a plan to and from it still
+// moves exactly the asked slots.
+func TestPlanHandlesInterleavedKV(t *testing.T) {
+	g := Geometry{Layers: 2, KVHeads: 2, HeadDim: 2, DTypeBytes: 4, BlockSize: 4, NumBlocks: 6}
+	hs := int64(g.HeadSlotBytes())
+	inter := RegionSpec{NumLayers: g.Layers, NumHeads: g.KVHeads, Strides: Strides{
+		Slot: 2 * hs, KV: hs, Head: 2 * hs * int64(g.BlockSize),
+		Block: 2 * hs * int64(g.BlockSize*g.KVHeads), Layer: 2 * hs * int64(g.BlockSize*g.KVHeads*g.NumBlocks)}}
+	size := inter.Strides.Layer * int64(g.Layers)
+	hnd := NewRegionLayout(g, Shard{TPSize: 1, PPSize: 1})
+	src, _ := fill(g, Parallel{1, 1})
+	copies := []BlockCopy{{Src: 1, Dst: 4, FirstSlot: 1, NumSlots: 3}, {Src: 2, Dst: 5, NumSlots: 4}}
+	there := make([]byte, size)
+	runs, err := Plan(g.Layers, g.KVHeads, hs, []RegionSpec{hnd.Spec()}, []RegionSpec{inter}, copies)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range runs {
+		copy(there[r.DstOffset:r.DstOffset+r.Length], src[0][r.SrcOffset:r.SrcOffset+r.Length])
+	}
+	back := make([]byte, hnd.Size())
+	runs, _ = Plan(g.Layers, g.KVHeads, hs, []RegionSpec{inter}, []RegionSpec{hnd.Spec()}, []BlockCopy{{Src: 4, Dst: 1, FirstSlot: 1, NumSlots: 3}, {Src: 5, Dst: 2, NumSlots: 4}})
+	for _, r := range runs {
+		copy(back[r.DstOffset:r.DstOffset+r.Length], there[r.SrcOffset:r.SrcOffset+r.Length])
+	}
+	for l := 0; l < g.Layers; l++ {
+		for kv := 0; kv < 2; kv++ {
+			for h := 0; h < g.KVHeads; h++ {
+				for _, c := range copies {
+					for s := c.FirstSlot; s < c.FirstSlot+c.NumSlots; s++ {
+						off := inter.offset(l, kv, c.Dst, h, s)
+						boff := hnd.Offset(l, kv, c.Src, h, s)
+						for i := 0; i < int(hs); i++ {
+							want := value(l, kv, h, c.Src, s, i)
+							if there[off+int64(i)] != want || back[boff+int64(i)] != want {
+								t.Fatalf("layer %d kv %d head %d slot %d byte %d: there %d back %d want %d", l, kv, h, s, i, there[off+int64(i)], back[boff+int64(i)], want)
+							}
+						}
+					}
+				}
+			}
+		}
+	}
+}

@@ -704,7 +704,7 @@ func (m *migration) final(ctx context.Context, since uint64) {
 			continue
 		}
 		spliced = append(spliced, s)
-		waits = append(waits, s.Splice(m.dst.Engine.URL, m.dst.ID, len(st.OutputTokenIDs)))
+		waits = append(waits, s.Splice(m.dst.Engine.URL, m.dst.ID, len(st.OutputTokenIDs), visibleText(st)))
 	}
 	timeout := time.After(m.o.cfg.SpliceTimeout)
 	for i, w := range waits {
@@ -787,4 +787,16 @@ func (o *Orchestrator) Busy(instance string) bool {
 	defer o.mu.Unlock()
 	_, ok := o.busy[instance]
 	return ok
+}
+
+// visibleText is how much text (code points) the source's client stream
+// carries once every exported output token went out.
+func visibleText(st hooks.RequestState) int {
+	if len(st.TextOffsets) != len(st.OutputTokenIDs) {
+		return -1
+	}
+	if len(st.TextOffsets) == 0 {
+		return 0
+	}
+	return st.TextOffsets[len(st.TextOffsets)-1]
 }

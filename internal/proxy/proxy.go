@@ -203,7 +203,8 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 			p.m.StreamTokens.Inc()
 			s.mu.Lock()
 			s.tokens++
-			if sp := s.splice; sp != nil && sp.switched != nil && s.tokens == sp.from {
+			s.text += TextLen(ev.Data)
+			if s.spliceDueLocked() {
 				s.cancelA() // the source's last token: stop waiting on it after this write
 			}
 			s.mu.Unlock()
@@ -250,7 +251,7 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 func (p *Proxy) trySwitch(ctx context.Context, s *Stream) (next io.ReadCloser, ok bool) {
 	s.mu.Lock()
 	sp := s.splice
-	due := sp != nil && sp.switched != nil && s.tokens == sp.from
+	due := s.spliceDueLocked()
 	s.mu.Unlock()
 	if !due {
 		return nil, false

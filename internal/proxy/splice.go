@@ -26,7 +26,8 @@ type Stream struct {
 	Instance string
 
 	mu      sync.Mutex
-	tokens  int
+	tokens  int // token events relayed
+	text    int // code points of text relayed
 	splice  *spliceTarget
 	cancelA context.CancelFunc // cancels the current upstream read
 	done    chan struct{}      // closed when the relay ends
@@ -35,7 +36,8 @@ type Stream struct {
 type spliceTarget struct {
 	url      string // the target engine's base URL
 	instance string
-	from     int
+	from     int // the source's output tokens: the target streams from this index
+	text     int // the source's visible text length after them; -1 when unknown
 	switched chan error // receives once: nil when the stream reads from the target
 	at       time.Time  // when the first target event was relayed
 }
@@ -69,11 +71,14 @@ func (t *Streams) Len() int {
 }
 
 // Splice asks the stream to go on from engine baseURL starting at output
-// token index from: it relays the current upstream until exactly from
-// tokens went to the client, then attaches to the target's stream of the
-// same request. The returned channel gets nil once the stream reads from
-// the target, or an error.
-func (s *Stream) Splice(baseURL, instance string, from int) <-chan error {
+// token index from: it relays the current upstream until everything the
+// source produced went to the client — from token events, or text code
+// points of text (vLLM merges tokens into one chunk for a lagging reader,
+// so its chunk count can stay below from; pass -1 when the text length is
+// unknown) — then attaches to the target's stream of the same request.
+// The returned channel gets nil once the stream reads from the target, or
+// an error.
+func (s *Stream) Splice(baseURL, instance string, from, text int) <-chan error {
 	ch := make(chan error, 1)
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -91,11 +96,25 @@ func (s *Stream) Splice(baseURL, instance string, from int) <-chan error {
 		ch <- fmt.Errorf("stream %s already relayed %d tokens, more than the %d the source produced", s.ID, s.tokens, from)
 		return ch
 	}
-	s.splice = &spliceTarget{url: baseURL, instance: instance, from: from, switched: ch}
-	if s.tokens == from && s.cancelA != nil {
+	if text >= 0 && s.text > text {
+		ch <- fmt.Errorf("stream %s already relayed %d characters, more than the %d the source produced", s.ID, s.text, text)
+		return ch
+	}
+	s.splice = &spliceTarget{url: baseURL, instance: instance, from: from, text: text, switched: ch}
+	if s.spliceDueLocked() && s.cancelA != nil {
 		s.cancelA() // everything from the source is relayed: stop waiting on it
 	}
 	return ch
+}
+
+// spliceDueLocked reports whether a requested splice may switch now: all
+// of the source's output reached the client.
+func (s *Stream) spliceDueLocked() bool {
+	sp := s.splice
+	if sp == nil || sp.switched == nil {
+		return false
+	}
+	return s.tokens == sp.from || (sp.text >= 0 && s.text >= sp.text)
 }
 
 // Tokens is how many token events the stream relayed so far.

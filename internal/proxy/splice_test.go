@@ -76,7 +76,7 @@ func TestSpliceMovesAStreamAtATokenIndex(t *testing.T) {
 				}
 				s = p.Streams().Get("cmpl-x")
 			}
-			switched := s.Splice(b.URL, "B", k)
+			switched := s.Splice(b.URL, "B", k, -1)
 			close(release)
 			select {
 			case err := <-switched:
@@ -105,7 +105,93 @@ func TestSpliceMovesAStreamAtATokenIndex(t *testing.T) {
 // refused: it would repeat tokens.
 func TestSpliceRefusesToRepeatTokens(t *testing.T) {
 	s := &Stream{ID: "x", tokens: 5, done: make(chan struct{})}
-	if err := <-s.Splice("http://b", "B", 3); err == nil {
+	if err := <-s.Splice("http://b", "B", 3, -1); err == nil {
 		t.Fatal("a splice behind the relayed tokens was accepted")
+	}
+}
+
+// vLLM merges several tokens into one chunk when its reader lags: the
+// splice then goes by the text the client got, not by the chunk count.
+func TestSpliceFollowsTextWhenTheSourceMergesTokens(t *testing.T) {
+	const k, total = 6, 9
+	merged := func(i int) string { // tokens i and i+1 in one chunk
+		return fmt.Sprintf("data: {\"id\":\"cmpl-x\",\"choices\":[{\"index\":0,\"text\":\" t%d t%d\",\"finish_reason\":null}]}\n\n", i, i+1)
+	}
+	a := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for i := 0; i < k; i += 2 {
+			_, _ = io.WriteString(w, merged(i))
+			w.(http.Flusher).Flush()
+		}
+		<-r.Context().Done()
+	}))
+	defer a.Close()
+	var from string
+	b := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		from = r.URL.Query().Get("from")
+		w.Header().Set("Content-Type", "text/event-stream")
+		for i := k; i < total; i++ {
+			_, _ = io.WriteString(w, tokenEvent(i))
+		}
+		_, _ = io.WriteString(w, "data: [DONE]\n\n")
+	}))
+	defer b.Close()
+	p := New(Options{}, testMetrics(), zap.NewNop())
+	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		p.Forward(w, r, Upstream{BaseURL: a.URL, Path: "/v1/completions", Body: []byte(`{}`), Model: "m", InstanceID: "A", RequestID: "cmpl-x"})
+	}))
+	defer front.Close()
+	got := make(chan string, 1)
+	go func() {
+		resp, err := http.Post(front.URL+"/v1/completions", "application/json", strings.NewReader(`{}`))
+		if err != nil {
+			got <- err.Error()
+			return
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		got <- string(body)
+	}()
+	var s *Stream
+	for deadline := time.Now().Add(5 * time.Second); s == nil || s.Tokens() < 1; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("stream never started")
+		}
+		s = p.Streams().Get("cmpl-x")
+	}
+	text := len(" t0 t1 t2 t3 t4 t5")
+	select {
+	case err := <-s.Splice(b.URL, "B", k, text):
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the splice never happened (it waited for a chunk per token)")
+	}
+	want := merged(0) + merged(2) + merged(4)
+	for i := k; i < total; i++ {
+		want += tokenEvent(i)
+	}
+	want += "data: [DONE]\n\n"
+	if body := <-got; body != want {
+		t.Fatalf("client saw:\n%s\nwant:\n%s", body, want)
+	}
+	if from != fmt.Sprint(k) {
+		t.Fatalf("attached from %q, want %d", from, k)
+	}
+}
+
+func TestTextLenCountsCodePoints(t *testing.T) {
+	for data, want := range map[string]int{
+		`{"id":"c","choices":[{"index":0,"text":" hello","finish_reason":null}]}`:                             6,
+		`{"id":"c","choices":[{"index":0,"delta":{"content":"héllo ✓"},"finish_reason":null}]}`:               7,
+		`{"id":"c","choices":[{"index":0,"text":"a\"b\\c\u00e9\ud83d\ude00","finish_reason":null}]}`:          7,
+		`{"id":"c","choices":[{"index":0,"text":"😀x","finish_reason":null}]}`:                                 2,
+		`{"id":"c","choices":[{"finish_reason":null,"index":0,"delta":{"role":"assistant","content":"ab"}}]}`: 2,
+		`{"id":"c","choices":[]}`: 0,
+	} {
+		if got := TextLen([]byte(data)); got != want {
+			t.Errorf("TextLen(%s) = %d, want %d", data, got, want)
+		}
 	}
 }

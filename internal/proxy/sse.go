@@ -11,6 +11,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strings"
+	"unicode/utf8"
 )
 
 // maxEventBytes bounds one SSE event from an engine.
@@ -160,6 +162,70 @@ func Classify(data []byte) (Kind, error) {
 		}
 	}
 	return classifySlow(data)
+}
+
+// TextLen is the number of Unicode code points of text a token event
+// carries (a completion's "text" or a chat delta's "content"): the unit of
+// the engines' text offsets (Python's len). vLLM merges several tokens
+// into one chunk when its reader lags, so the relayed text, not the
+// number of chunks, tells how far a client got.
+func TextLen(data []byte) int {
+	for _, key := range [][]byte{keyText, keyContent} {
+		if i := bytes.Index(data, key); i >= 0 {
+			if n, ok := jsonStringRunes(data[i+len(key):]); ok {
+				return n
+			}
+		}
+	}
+	var c chunkShape
+	if json.Unmarshal(data, &c) != nil || c.Choices == nil || len(*c.Choices) == 0 {
+		return 0
+	}
+	ch := (*c.Choices)[0]
+	switch {
+	case ch.Text != nil:
+		return utf8.RuneCountInString(*ch.Text)
+	case ch.Delta != nil && ch.Delta.Content != nil:
+		return utf8.RuneCountInString(*ch.Delta.Content)
+	}
+	return 0
+}
+
+// jsonStringRunes counts the code points of a JSON string body up to its
+// closing quote without decoding it: a \uXXXX escape is one code point,
+// except the low half of a surrogate pair, which completes the one before.
+func jsonStringRunes(b []byte) (int, bool) {
+	n := 0
+	for i := 0; i < len(b); i++ {
+		c := b[i]
+		switch {
+		case c == '"':
+			return n, true
+		case c == '\\':
+			if i+1 >= len(b) {
+				return 0, false
+			}
+			if b[i+1] == 'u' {
+				if i+5 >= len(b) {
+					return 0, false
+				}
+				if !isLowSurrogate(b[i+2 : i+6]) {
+					n++
+				}
+				i += 5
+			} else {
+				n++
+				i++
+			}
+		case c&0xC0 != 0x80: // an ASCII byte or the first byte of a UTF-8 sequence
+			n++
+		}
+	}
+	return 0, false
+}
+
+func isLowSurrogate(hex []byte) bool {
+	return (hex[0] == 'd' || hex[0] == 'D') && strings.ContainsRune("cdefCDEF", rune(hex[1]))
 }
 
 // classifySlow decodes the event.

@@ -423,11 +423,22 @@ func scatterSlots(dst [][]byte, places []slotPlace, slotBytes int64, jobs, paylo
 		n := int64(binary.LittleEndian.Uint32(jobs[k+8:])) * slotBytes
 		for _, p := range places {
 			at := p.base + block*p.block + first*p.slot
-			if at < 0 || at+n > int64(len(dst[p.region])) || off+n > int64(len(payload)) {
-				return fmt.Errorf("slot job outside the target regions (block %d)", block)
+			if p.slot == slotBytes {
+				if at < 0 || at+n > int64(len(dst[p.region])) || off+n > int64(len(payload)) {
+					return fmt.Errorf("slot job outside the target regions (block %d)", block)
+				}
+				copy(dst[p.region][at:at+n], payload[off:off+n])
+				off += n
+				continue
 			}
-			copy(dst[p.region][at:at+n], payload[off:off+n])
-			off += n
+			for k := int64(0); k < n/slotBytes; k++ { // slots not packed: one at a time
+				a := at + k*p.slot
+				if a < 0 || a+slotBytes > int64(len(dst[p.region])) || off+slotBytes > int64(len(payload)) {
+					return fmt.Errorf("slot job outside the target regions (block %d)", block)
+				}
+				copy(dst[p.region][a:a+slotBytes], payload[off:off+slotBytes])
+				off += slotBytes
+			}
 		}
 	}
 	if off != int64(len(payload)) {
@@ -497,7 +508,14 @@ func sendSlotsConn(ctx context.Context, addr, session string, src *Memory, place
 			fw.descs = append(fw.descs, d[:]...)
 			for _, p := range places {
 				at := p.base + int64(j.Src)*p.block + int64(j.FirstSlot)*p.slot
-				fw.payload = append(fw.payload, src.Data[p.region][at:at+n]...)
+				if p.slot == src.SlotBytes {
+					fw.payload = append(fw.payload, src.Data[p.region][at:at+n]...)
+					continue
+				}
+				for k := int64(0); k < int64(j.NumSlots); k++ {
+					a := at + k*p.slot
+					fw.payload = append(fw.payload, src.Data[p.region][a:a+src.SlotBytes]...)
+				}
 			}
 		}
 		err := fw.flush()
