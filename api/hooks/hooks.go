@@ -6,6 +6,7 @@ package hooks
 
 import (
 	"context"
+	"encoding/json"
 
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
 )
@@ -221,6 +222,11 @@ type RequestState struct {
 	Priority    int          `json:"priority"`
 	BlockIDs    IntList      `json:"block_ids"`
 	Response    ResponseMeta `json:"response"`
+	// EngineState is engine-specific state carried opaquely from the
+	// source's export to the target's install (vLLM: the full sampling
+	// parameters, the random generator's state, the original prompt
+	// length). Source and target run the same engine; the sim sends none.
+	EngineState json.RawMessage `json:"engine_state,omitempty"`
 }
 
 // ExportRequest asks for the state of paused requests.

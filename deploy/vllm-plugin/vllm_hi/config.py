@@ -1,0 +1,134 @@
+"""The plugin's settings: the seed's `vllm serve` flags and VLLM_HI_* env.
+
+Environment variables are the single source of truth because vLLM runs
+the API server, the engine core and the workers in separate processes:
+the flags' argparse actions write the environment while `vllm serve`
+parses its arguments, before any engine process starts, so every child
+inherits them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+ENV_TYPE = "VLLM_HI_TYPE"
+ENV_HOST = "VLLM_HI_HOST"
+ENV_DATA_PORT = "VLLM_HI_DATA_PORT"
+ENV_BACKEND = "VLLM_HI_TRANSFER_BACKEND"
+ENV_AGENT = "VLLM_HI_AGENT"          # path of the vhi binary, or "off"
+ENV_SHM_DIR = "VLLM_HI_SHM_DIR"      # where CPU KV files live (default /dev/shm)
+ENV_HOOK_LEASE = "VLLM_HI_HOOK_LEASE_S"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Config:
+    type: str            # "A", "B" or "" (hooks on, no agent role given)
+    host: str            # the Host's IP:PORT, "" = do not start an agent
+    data_port: int
+    backend: str
+    agent: str           # vhi binary or "off"
+    shm_dir: str
+    hook_lease_s: float
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.type or self.host)
+
+
+def _port(v: str, what: str) -> int:
+    try:
+        p = int(v)
+    except ValueError:
+        raise ConfigError(f"{what}: {v!r} is not a port number") from None
+    if not 0 <= p <= 65535:
+        raise ConfigError(f"{what}: {p} is outside 0-65535")
+    return p
+
+
+def _hostport(v: str) -> str:
+    host, sep, port = v.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"--vllm-hi-host / {ENV_HOST}: {v!r} is not IP:PORT")
+    _port(port, f"--vllm-hi-host / {ENV_HOST}")
+    return v
+
+
+def load(env=None) -> Config:
+    env = os.environ if env is None else env
+    typ = env.get(ENV_TYPE, "").strip().upper()
+    if typ not in ("", "A", "B"):
+        raise ConfigError(f"--vllm-hi-type / {ENV_TYPE}: {typ!r} is not A or B")
+    host = env.get(ENV_HOST, "").strip()
+    if host:
+        host = _hostport(host)
+    backend = env.get(ENV_BACKEND, "auto").strip() or "auto"
+    if backend not in ("auto", "tcp_shm", "cuda_ipc", "rdma"):
+        raise ConfigError(f"{ENV_BACKEND}: {backend!r} is not auto, tcp_shm, cuda_ipc or rdma")
+    try:
+        lease = float(env.get(ENV_HOOK_LEASE, "10"))
+    except ValueError:
+        raise ConfigError(f"{ENV_HOOK_LEASE}: not a number") from None
+    return Config(type=typ, host=host,
+                  data_port=_port(env.get(ENV_DATA_PORT, "0") or "0", f"--vllm-hi-data-port / {ENV_DATA_PORT}"),
+                  backend=backend, agent=env.get(ENV_AGENT, "vhi"),
+                  shm_dir=env.get(ENV_SHM_DIR, "/dev/shm"), hook_lease_s=lease)
+
+
+class _EnvAction(argparse.Action):
+    """Stores the flag and exports it to the environment at parse time."""
+
+    def __init__(self, option_strings, dest, env_name, check, **kw):
+        self.env_name = env_name
+        self.check = check
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            self.check(values)
+        except ConfigError as e:
+            parser.error(str(e))
+        os.environ[self.env_name] = str(values)
+        setattr(namespace, self.dest, values)
+
+
+def add_cli_args(parser) -> None:
+    """Adds the seed's three flags to a `vllm serve` parser (idempotent)."""
+    if any("--vllm-hi-type" in a.option_strings for a in parser._actions):
+        return
+    g = parser.add_argument_group("vllm-hi", "hot migration (the vllm-hi plugin)")
+
+    def typ(v):
+        if v.upper() not in ("A", "B"):
+            raise ConfigError(f"--vllm-hi-type: {v!r} is not A or B")
+
+    g.add_argument("--vllm-hi-type", action=_EnvAction, env_name=ENV_TYPE, check=typ,
+                   default=os.environ.get(ENV_TYPE), metavar="{A,B}",
+                   help="vllm-hi instance type: A (active) or B (standby); enables the engine hooks")
+    g.add_argument("--vllm-hi-host", action=_EnvAction, env_name=ENV_HOST, check=_hostport,
+                   default=os.environ.get(ENV_HOST), metavar="IP:PORT",
+                   help="the vhi host to register with; starts `vhi agent` beside the server")
+    g.add_argument("--vllm-hi-data-port", action=_EnvAction, env_name=ENV_DATA_PORT,
+                   check=lambda v: _port(v, "--vllm-hi-data-port"),
+                   default=os.environ.get(ENV_DATA_PORT), metavar="PORT",
+                   help="the agent's KV data-plane TCP port (0: any free port)")
+
+
+_enabled_cache: list[bool] = []
+
+
+def enabled() -> bool:
+    """Whether the hooks are on in this process. Read on first use, after
+    `vllm serve` parsed its flags (a forked engine process inherits the
+    plugin from a parent that loaded it before parsing)."""
+    if not _enabled_cache:
+        try:
+            _enabled_cache.append(load().enabled)
+        except ConfigError:
+            _enabled_cache.append(False)
+    return _enabled_cache[0]

@@ -1,0 +1,534 @@
+"""API-server side: the `/vllm_hi/engine/*` routes (a vLLM endpoint plugin).
+
+The routes translate between the ids the Host knows (the response ids its
+clients see, `cmpl-…`/`chatcmpl-…`) and vLLM's internal request ids, call
+the engine core through the `vllm_hi_hook` utility, and keep the state only
+the API server has: the detokenized text a client already got, the
+response metadata of each stream, and, on a target, the output queues of
+installed requests that `/stream?from=K` serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import inspect
+import json
+import logging
+import os
+import subprocess
+import time
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from . import HOOKS_VERSION, SUPPORTED_VLLM
+from .config import load
+from .wire import HookError, decode_ints, encode_ints
+
+log = logging.getLogger("vllm_hi")
+
+P = "/vllm_hi/engine"
+
+# Stream metadata by response id, captured from vLLM's own stream
+# generators (model, created, usage options) on the source.
+STREAMS: dict[str, dict] = {}
+# Response ids whose source stream must end without a finish chunk.
+SILENCED: set[str] = set()
+
+
+class _Silenced(Exception):
+    pass
+
+
+class Installed:
+    """A request this engine received by migration."""
+
+    def __init__(self, st: dict, queue, prompt_len: int, meta: dict):
+        self.queue = queue
+        self.output_ids = decode_ints(st["output_token_ids"])
+        self.text = st.get("output_text", "")
+        offs = decode_ints(st.get("text_offsets"))
+        self.offsets = offs if len(offs) == len(self.output_ids) else [len(self.text)] * len(self.output_ids)
+        self.prompt_len = prompt_len
+        self.meta = meta
+        self.new_text = ""
+        self.new_tokens = 0
+
+
+class Hooks:
+    def __init__(self, engine_client, state, args):
+        self.ec = engine_client
+        self.state = state
+        self.args = args
+        self.installed: dict[str, Installed] = {}
+
+    @property
+    def op(self):
+        return self.ec.output_processor
+
+    async def core(self, op: str, payload: dict | None = None):
+        raw = await self.ec.engine_core.call_utility_async("vllm_hi_hook", op, json.dumps(payload or {}))
+        out = json.loads(raw)
+        if "error" in out:
+            e = out["error"]
+            raise HookError(e["status"], e["message"], e.get("param"))
+        return out["ok"]
+
+    # ---- ids ------------------------------------------------------------
+
+    def internal(self, hid: str) -> str:
+        if hid in self.installed or hid in self.op.request_states:
+            return hid
+        for ext in (hid, hid + "-0"):
+            ids = self.op.external_req_ids.get(ext)
+            if ids:
+                return ids[0]
+        return hid
+
+    def host_id(self, iid: str) -> str:
+        if iid in self.installed:
+            return iid
+        st = self.op.request_states.get(iid)
+        if st is None:
+            return iid
+        ext = st.external_req_id
+        if ext.startswith("cmpl-") and ext.endswith("-0"):
+            return ext[:-2]
+        return ext
+
+    # ---- hooks ------------------------------------------------------------
+
+    async def layout(self) -> dict:
+        import vllm
+
+        regions = await self.core("regions")
+        geo = dict(regions[0]["_geometry"])
+        pc = self.ec.vllm_config.parallel_config
+        mc = self.ec.vllm_config.model_config
+        out_regions = []
+        for r in regions:
+            r = {k: v for k, v in r.items() if not k.startswith("_")}
+            if r["first_layer"] is None or regions[0]["_base_offset"] != 0:
+                raise HookError(409, "pipeline parallelism is not supported by the vllm-hi plugin yet")
+            out_regions.append(r)
+        names = self.args.served_model_name or [mc.model]
+        return {"engine": "vllm", "engine_version": vllm.__version__, "hooks_version": HOOKS_VERSION,
+                "model": mc.model, "served_model_names": list(names), "geometry": geo,
+                "parallel": {"tp": pc.tensor_parallel_size,
+                             "pp": pc.pipeline_parallel_size},
+                "kv_layout": regions[0].get("_kv_layout", ""),
+                "regions": out_regions}
+
+    async def requests(self) -> dict:
+        out = await self.core("requests")
+        for r in out["requests"]:
+            hid = self.host_id(r["request_id"])
+            r["request_id"] = hid
+            r["stream"] = hid in STREAMS or hid in self.installed
+        return out
+
+    async def changes(self, since: int) -> dict:
+        out = await self.core("changes", {"since": since})
+        for w in out["written"]:
+            w["request_id"] = self.host_id(w["request_id"])
+        return out
+
+    async def pause(self, body: dict) -> dict:
+        ids = [self.internal(i) for i in body.get("request_ids") or []]
+        out = await self.core("pause", {"request_ids": ids, "lease_ms": body.get("lease_ms", 0)})
+        out["paused"] = [self.host_id(i) for i in out["paused"]]
+        return out
+
+    async def resume(self, body: dict) -> dict:
+        ids = [self.internal(i) for i in body.get("request_ids") or []]
+        out = await self.core("resume", {"request_ids": ids})
+        out["resumed"] = [self.host_id(i) for i in out["resumed"]]
+        return out
+
+    async def export(self, body: dict) -> dict:
+        hids = body.get("request_ids") or []
+        out = await self.core("export", {"request_ids": [self.internal(i) for i in hids]})
+        for r, hid in zip(out["requests"], hids):
+            iid = r["request_id"]
+            r["request_id"] = hid
+            inst = self.installed.get(hid)
+            n = len(r["output_token_ids"])
+            base_text, base_n = "", 0
+            if inst is not None:
+                base_text, base_n = inst.text, len(inst.output_ids)
+            # The engine's last outputs may still be on their way to this
+            # process's output processor: wait until it saw them all, so the
+            # text below is what the client gets.
+            text, visible = base_text, len(base_text)
+            st = self.op.request_states.get(iid)
+            if st is not None and st.detokenizer is not None:
+                deadline = time.monotonic() + 2.0
+                while len(st.detokenizer.output_token_ids) < n - base_n and time.monotonic() < deadline:
+                    await asyncio.sleep(0.001)
+                d = st.detokenizer
+                text = base_text + d.output_text
+                visible = len(base_text) + max(0, len(d.output_text) - getattr(d, "stop_buffer_length", 0))
+            meta = STREAMS.get(hid) or (inst.meta if inst else {})
+            r["prompt_token_ids"] = encode_ints(r["prompt_token_ids"])
+            r["output_token_ids"] = encode_ints(r["output_token_ids"])
+            r["block_ids"] = encode_ints(r["block_ids"])
+            r["output_text"] = text
+            # vLLM keeps no per-token text offsets; every token maps to the
+            # visible text so far, which is what a splice compares against.
+            r["text_offsets"] = encode_ints([visible] * n)
+            r["response"] = {"kind": meta.get("kind", "completion"), "response_id": hid,
+                             "model": meta.get("model", ""), "created": meta.get("created", 0),
+                             "stream": True, "include_usage": meta.get("include_usage", False),
+                             "continuous_usage": meta.get("continuous_usage", False)}
+            r["engine_state"]["prompt_len"] = meta.get("prompt_len", len(decode_ints(r["prompt_token_ids"])))
+        return out
+
+    async def allocate(self, body: dict) -> dict:
+        return await self.core("allocate", body)
+
+    async def install(self, body: dict) -> dict:
+        import base64
+
+        import msgspec
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.engine import EngineCoreRequest
+        from vllm.v1.engine.output_processor import RequestOutputCollector
+
+        states = body.get("requests") or []
+        added = []
+        try:
+            for st in states:
+                rid = st["request_id"]
+                prompt, output = decode_ints(st["prompt_token_ids"]), decode_ints(st["output_token_ids"])
+                sp = msgspec.msgpack.decode(base64.b64decode(st["engine_state"]["sampling_params"]), type=SamplingParams)
+                # The output processor detokenizes from the tokens so far: it
+                # is primed with prompt + output, and counts only new tokens.
+                ecr = EngineCoreRequest(request_id=rid, prompt_token_ids=prompt + output, mm_features=None,
+                                        sampling_params=sp, pooling_params=None,
+                                        arrival_time=st.get("arrival_time") or time.time(), lora_request=None,
+                                        cache_salt=None, data_parallel_rank=None, external_req_id=rid)
+                q = RequestOutputCollector(sp.output_kind, rid)
+                self.op.add_request(ecr, None, None, 0, q)
+                resp = st.get("response") or {}
+                meta = {"kind": resp.get("kind", "completion"), "model": resp.get("model", ""),
+                        "created": resp.get("created", 0), "include_usage": resp.get("include_usage", False),
+                        "continuous_usage": resp.get("continuous_usage", False),
+                        "prompt_len": st["engine_state"].get("prompt_len", len(prompt))}
+                self.installed[rid] = Installed(st, q, meta["prompt_len"], meta)
+                added.append(rid)
+                st["prompt_token_ids"], st["output_token_ids"] = prompt, output
+            return await self.core("install", {"requests": states, "resume": bool(body.get("resume"))})
+        except BaseException:
+            for rid in added:
+                self.op.request_states.pop(rid, None)
+                self.installed.pop(rid, None)
+            raise
+
+    async def abort(self, body: dict) -> dict:
+        hids = body.get("request_ids") or []
+        silent = bool(body.get("silent"))
+        iids = [self.internal(h) for h in hids]
+        for hid, iid in zip(hids, iids):
+            if silent:
+                SILENCED.add(hid)
+            st = self.op.request_states.get(iid)
+            if st is None:
+                continue
+            if silent:
+                # Drop the request from the output processor without a final
+                # output, and wake its generator so its stream just ends.
+                self.op.request_states.pop(iid, None)
+                ext = self.op.external_req_ids.get(st.external_req_id)
+                if ext and iid in ext:
+                    ext.remove(iid)
+                    if not ext:
+                        del self.op.external_req_ids[st.external_req_id]
+                if st.queue is not None:
+                    st.queue.put(_Silenced())
+            else:
+                self.op.abort_requests([iid], internal=True)
+        out = await self.core("abort", {"request_ids": iids, "ignore_missing": bool(body.get("ignore_missing"))})
+        out["aborted"] = [h for h, i in zip(hids, iids) if i in out["aborted"]]
+        for h in out["aborted"]:
+            self.installed.pop(h, None)
+        return out
+
+    async def stats(self) -> dict:
+        out = await self.core("stats")
+        out["sleeping"] = bool(await self.ec.is_sleeping()) if hasattr(self.ec, "is_sleeping") else False
+        return out
+
+    # ---- attach -------------------------------------------------------------
+
+    def chunk(self, inst: Installed, hid: str, text: str, finish, stop_reason, completion_tokens: int) -> str:
+        from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+        m = inst.meta
+        if m["kind"] == "chat":
+            from vllm.entrypoints.openai.chat_completion.protocol import (
+                ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse)
+            from vllm.entrypoints.generate.base.protocol import DeltaMessage
+
+            kw = {"stop_reason": stop_reason} if finish is not None else {}
+            choice = ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(content=text), logprobs=None,
+                                                        finish_reason=finish, **kw)
+            c = ChatCompletionStreamResponse(id=hid, object="chat.completion.chunk", created=m["created"],
+                                             choices=[choice], model=m["model"])
+        else:
+            from vllm.entrypoints.openai.completion.protocol import (
+                CompletionResponseStreamChoice, CompletionStreamResponse)
+
+            choice = CompletionResponseStreamChoice(index=0, text=text, logprobs=None, finish_reason=finish,
+                                                    stop_reason=stop_reason)
+            c = CompletionStreamResponse(id=hid, object="text_completion", created=m["created"],
+                                         model=m["model"], choices=[choice])
+        fp = self._fingerprint(m["kind"])
+        if not m["include_usage"] and fp is not None and finish is not None:
+            c.system_fingerprint = fp
+        if m["continuous_usage"]:
+            c.usage = UsageInfo(prompt_tokens=inst.prompt_len, completion_tokens=completion_tokens,
+                                total_tokens=inst.prompt_len + completion_tokens)
+        return f"data: {c.model_dump_json(exclude_unset=True)}\n\n"
+
+    def usage_chunk(self, inst: Installed, hid: str, completion_tokens: int) -> str:
+        from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+        m = inst.meta
+        u = UsageInfo(prompt_tokens=inst.prompt_len, completion_tokens=completion_tokens,
+                      total_tokens=inst.prompt_len + completion_tokens)
+        fp = self._fingerprint(m["kind"])
+        if m["kind"] == "chat":
+            from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionStreamResponse
+
+            c = ChatCompletionStreamResponse(id=hid, object="chat.completion.chunk", created=m["created"],
+                                             choices=[], model=m["model"], usage=u, system_fingerprint=fp)
+            return f"data: {c.model_dump_json(exclude_unset=True, exclude_none=True)}\n\n"
+        from vllm.entrypoints.openai.completion.protocol import CompletionStreamResponse
+
+        c = CompletionStreamResponse(id=hid, created=m["created"], model=m["model"], choices=[], usage=u,
+                                     system_fingerprint=fp)
+        return f"data: {c.model_dump_json(exclude_unset=False, exclude_none=True)}\n\n"
+
+    def _fingerprint(self, kind: str):
+        s = getattr(self.state, "openai_serving_chat" if kind == "chat" else "openai_serving_completion", None)
+        return getattr(s, "system_fingerprint", None)
+
+    async def attach(self, hid: str, start: int):
+        inst = self.installed.get(hid)
+        if inst is None:
+            raise HookError(404, f"Request {hid} was not installed here.", "request_id")
+        if start < 0 or start > len(inst.output_ids):
+            raise HookError(400, f"from={start} is outside 0..{len(inst.output_ids)}.", "from")
+
+        async def gen():
+            n = len(inst.output_ids)
+            done_tokens = n
+            lo = inst.offsets[start - 1] if start > 0 else 0
+            hi = inst.offsets[n - 1] if n > 0 else 0
+            if inst.text[lo:hi]:
+                yield self.chunk(inst, hid, inst.text[lo:hi], None, None, done_tokens)
+            while True:
+                out = inst.queue.get_nowait() or await inst.queue.get()
+                o = out.outputs[0]
+                done_tokens += len(o.token_ids)
+                if o.text or o.finish_reason is not None:
+                    yield self.chunk(inst, hid, o.text, o.finish_reason, o.stop_reason, done_tokens)
+                if out.finished:
+                    break
+            if inst.meta["include_usage"]:
+                yield self.usage_chunk(inst, hid, done_tokens)
+            yield "data: [DONE]\n\n"
+            self.installed.pop(hid, None)
+
+        return gen()
+
+
+def _error(e: HookError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _body(request: Request) -> dict:
+    try:
+        b = await request.json()
+    except Exception:
+        raise HookError(400, "The body is not JSON.") from None
+    if not isinstance(b, dict):
+        raise HookError(400, "The body must be a JSON object.")
+    return b
+
+
+def build_router(get_hooks) -> APIRouter:
+    r = APIRouter()
+
+    def route(method, path, fn):
+        async def handler(request: Request):
+            h = get_hooks(request)
+            if h is None:
+                return _error(HookError(404, "vllm-hi hooks are off: start vllm serve with --vllm-hi-type"))
+            try:
+                return JSONResponse(await fn(h, request))
+            except HookError as e:
+                return _error(e)
+            except (KeyError, TypeError, ValueError) as e:
+                return _error(HookError(400, f"Malformed request: {e!r}"))
+
+        r.add_api_route(P + path, handler, methods=[method], include_in_schema=False)
+
+    route("GET", "/layout", lambda h, q: h.layout())
+    route("GET", "/requests", lambda h, q: h.requests())
+    route("GET", "/changes", lambda h, q: h.changes(int(q.query_params.get("since", "0"))))
+
+    async def with_body(fn, h, q):
+        return await fn(h, await _body(q))
+
+    route("POST", "/pause", lambda h, q: with_body(Hooks.pause, h, q))
+    route("POST", "/resume", lambda h, q: with_body(Hooks.resume, h, q))
+    route("POST", "/export", lambda h, q: with_body(Hooks.export, h, q))
+    route("POST", "/install/allocate", lambda h, q: with_body(Hooks.allocate, h, q))
+    route("POST", "/install/commit", lambda h, q: with_body(Hooks.install, h, q))
+    route("POST", "/abort", lambda h, q: with_body(Hooks.abort, h, q))
+    route("GET", "/stats", lambda h, q: h.stats())
+
+    async def attach(request: Request, request_id: str):
+        h = get_hooks(request)
+        if h is None:
+            return _error(HookError(404, "vllm-hi hooks are off"))
+        try:
+            start = int(request.query_params.get("from", "0"))
+            g = await h.attach(request_id, start)
+        except HookError as e:
+            return _error(e)
+        except ValueError:
+            return _error(HookError(400, "from must be an integer", "from"))
+        return StreamingResponse(g, media_type="text/event-stream")
+
+    r.add_api_route(P + "/requests/{request_id}/stream", attach, methods=["GET"], include_in_schema=False)
+    return r
+
+
+# ---- capture of stream metadata on the source --------------------------------
+
+
+def _wrap_stream_generator(cls, name: str, kind: str) -> None:
+    orig = getattr(cls, name)
+    if getattr(orig, "_vllm_hi", False):
+        return
+    sig = inspect.signature(orig)
+
+    async def wrapped(self, *args, **kwargs):
+        a = sig.bind(self, *args, **kwargs).arguments
+        req, rid = a["request"], a["request_id"]
+        opts = getattr(req, "stream_options", None)
+        meta = {"kind": kind, "model": a.get("model_name", ""),
+                "include_usage": bool(opts and opts.include_usage) or bool(getattr(self, "enable_force_include_usage", False)),
+                "continuous_usage": bool(opts and opts.include_usage and opts.continuous_usage_stats)}
+        if "created_time" in a:
+            meta["created"] = a["created_time"]
+        STREAMS[rid] = meta
+        agen = orig(self, *args, **kwargs)
+        try:
+            async for chunk in agen:
+                if rid in SILENCED:
+                    break  # moved to another engine: end without a finish chunk
+                if "created" not in meta and chunk.startswith("data: {"):
+                    try:
+                        meta["created"] = json.loads(chunk[6:])["created"]
+                    except (ValueError, KeyError):
+                        pass
+                yield chunk
+        finally:
+            await agen.aclose()
+            STREAMS.pop(rid, None)
+            SILENCED.discard(rid)
+
+    wrapped._vllm_hi = True
+    setattr(cls, name, wrapped)
+
+
+def _wrap_prompt_len() -> None:
+    """Records each stream's prompt length (usage must count the original
+    prompt on a target, where the moved output joins the prompt)."""
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    orig = OutputProcessor.add_request
+    if getattr(orig, "_vllm_hi", False):
+        return
+
+    def add_request(self, request, *args, **kwargs):
+        orig(self, request, *args, **kwargs)
+        ext = request.external_req_id or request.request_id
+        hid = ext[:-2] if ext.startswith("cmpl-") and ext.endswith("-0") else ext
+        if hid in STREAMS and "prompt_len" not in STREAMS[hid]:
+            STREAMS[hid]["prompt_len"] = len(request.prompt_token_ids or [])
+
+    add_request._vllm_hi = True
+    OutputProcessor.add_request = add_request
+
+
+def _patch_serving() -> None:
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    _wrap_stream_generator(OpenAIServingCompletion, "completion_stream_generator", "completion")
+    _wrap_stream_generator(OpenAIServingChat, "chat_completion_stream_generator", "chat")
+
+
+_agent: subprocess.Popen | None = None
+
+
+def _start_agent(cfg, args) -> None:
+    global _agent
+    if not cfg.host or cfg.agent == "off":
+        return
+    port = getattr(args, "port", 8000)
+    cmd = [cfg.agent, "agent", "--host", cfg.host, "--engine", f"http://127.0.0.1:{port}",
+           "--data-port", str(cfg.data_port), "--transfer-backend", cfg.backend]
+    if cfg.type:
+        cmd += ["--type", cfg.type]
+    try:
+        _agent = subprocess.Popen(cmd)
+    except OSError as e:
+        raise RuntimeError(f"vllm-hi: cannot start the agent ({' '.join(cmd)}): {e}; "
+                           f"install vhi on PATH, set VLLM_HI_AGENT to its path, or VLLM_HI_AGENT=off "
+                           f"and run `vhi agent` yourself") from e
+    log.info("vllm-hi: started %s (pid %d)", " ".join(cmd), _agent.pid)
+
+    def stop():
+        if _agent is not None and _agent.poll() is None:
+            _agent.terminate()
+            try:
+                _agent.wait(10)
+            except subprocess.TimeoutExpired:
+                _agent.kill()
+
+    atexit.register(stop)
+
+
+class VhiEndpoints:
+    """The `vllm.endpoint_plugins` entry point."""
+
+    name = "vllm_hi"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: FastAPI) -> None:
+        app.include_router(build_router(lambda request: getattr(request.app.state, "vllm_hi", None)))
+
+    async def init_state(self, engine_client, state, args) -> None:
+        cfg = load()
+        if not cfg.enabled or engine_client is None:
+            return
+        import vllm
+
+        if not vllm.__version__.startswith(SUPPORTED_VLLM):
+            raise RuntimeError(f"vllm-hi plugin supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}; "
+                               f"this is vLLM {vllm.__version__}")
+        sc = engine_client.vllm_config.scheduler_config
+        if getattr(sc, "async_scheduling", False):
+            raise RuntimeError("vllm-hi needs synchronous scheduling so hooks act between steps: "
+                               "start vllm serve with --no-async-scheduling")
+        _patch_serving()
+        _wrap_prompt_len()
+        state.vllm_hi = Hooks(engine_client, state, args)
+        os.environ.setdefault("VLLM_HI_ENGINE_READY", "1")
+        _start_agent(cfg, args)

@@ -1,0 +1,375 @@
+"""Engine-core side of the hooks: runs in vLLM's EngineCore process.
+
+The API server reaches it through one utility method added to EngineCore,
+`vllm_hi_hook(op, payload)` (JSON in, JSON out). Utility calls run on the
+EngineCore busy loop between steps; vllm-hi requires synchronous
+scheduling (no step in flight between two utility calls), so every hook
+acts exactly at a step boundary.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+
+import msgspec
+
+from .wire import HookError, Leases, WriteLog
+
+_RESERVATION_LEASE_S = 10.0
+
+
+class CoreState:
+    """What the plugin keeps per scheduler."""
+
+    def __init__(self, scheduler, hook_lease_s: float):
+        self.sched = scheduler
+        self.block_size = scheduler.cache_config.block_size
+        self.log = WriteLog(block_size=self.block_size)
+        self.leases = Leases()
+        self.hook_lease_s = hook_lease_s
+        self.reserved: dict[str, tuple[object, float]] = {}  # id -> (placeholder Request, expiry)
+        self.steps = 0
+        self.generator_states: dict[str, bytes] = {}
+        scheduler.kv_cache_manager._vhi_log = self.log
+
+    # ---- helpers -------------------------------------------------------
+
+    def block_ids(self, rid: str) -> list[int]:
+        ids = self.sched.kv_cache_manager.get_block_ids(rid)
+        return list(ids[0]) if ids else []
+
+    def free_blocks(self) -> int:
+        return self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def total_blocks(self) -> int:
+        # Block 0 is vLLM's null block: never handed out.
+        return self.sched.kv_cache_manager.block_pool.num_gpu_blocks - 1
+
+    def is_free(self, b: int) -> bool:
+        return self.sched.kv_cache_manager.block_pool.blocks[b].ref_cnt == 0
+
+    def expire(self, now: float) -> None:
+        self.leases.expire(now)
+        for rid, (req, exp) in list(self.reserved.items()):
+            if exp <= now:
+                self._drop_reservation(rid)
+
+    def _drop_reservation(self, rid: str) -> None:
+        req, _ = self.reserved.pop(rid)
+        self.sched.kv_cache_manager.free(req)
+
+    def status(self, req) -> str:
+        from vllm.v1.request import RequestStatus
+
+        if req.status == RequestStatus.RUNNING:
+            return "running"
+        if req.status == RequestStatus.PREEMPTED:
+            return "preempted"
+        return "waiting"
+
+    # ---- hooks ---------------------------------------------------------
+
+    def requests(self) -> dict:
+        out = []
+        for rid, req in self.sched.requests.items():
+            if req.is_finished():
+                continue
+            sp = req.sampling_params
+            out.append({
+                "request_id": rid, "status": self.status(req), "paused": rid in self.leases,
+                "num_prompt_tokens": req.num_prompt_tokens, "num_output_tokens": req.num_output_tokens,
+                "num_computed_tokens": req.num_computed_tokens, "block_ids": self.block_ids(rid),
+                "arrival_time": req.arrival_time,
+                "max_tokens": (sp.max_tokens or 0) if sp is not None else 0,
+            })
+        return {"cursor": self.log.cursor, "requests": out, "free_blocks": self.free_blocks(),
+                "total_blocks": self.total_blocks()}
+
+    def changes(self, since: int) -> dict:
+        return self.log.changes(since, self.is_free)
+
+    def pause(self, ids, lease_ms: int) -> dict:
+        ids = self._known(ids) if ids else [r for r, q in self.sched.requests.items() if not q.is_finished()]
+        lease = (lease_ms / 1000.0) if lease_ms else self.hook_lease_s
+        exp = self.leases.pause(ids, time.time(), lease)
+        return {"paused": ids, "cursor": self.log.cursor, "lease_expires_at": exp}
+
+    def resume(self, ids) -> dict:
+        return {"resumed": self.leases.resume(ids or None)}
+
+    def _known(self, ids) -> list[str]:
+        missing = [i for i in ids if i not in self.sched.requests or self.sched.requests[i].is_finished()]
+        if missing:
+            raise HookError(404, f"Request {missing[0]} is not running here.", "request_ids")
+        return list(ids)
+
+    def export(self, ids) -> dict:
+        ids = self._known(ids)
+        not_paused = [i for i in ids if i not in self.leases]
+        if not_paused:
+            raise HookError(409, f"Request {not_paused[0]} is not paused.", "request_ids")
+        out = []
+        for rid in ids:
+            req = self.sched.requests[rid]
+            sp = req.sampling_params
+            out.append({
+                "request_id": rid,
+                "prompt_token_ids": list(req.prompt_token_ids or []),
+                "output_token_ids": list(req.output_token_ids),
+                "num_computed_tokens": req.num_computed_tokens,
+                "sampling_params": {
+                    "temperature": sp.temperature, "top_p": sp.top_p, "seed": sp.seed or 0,
+                    "max_tokens": sp.max_tokens or 0, "ignore_eos": sp.ignore_eos,
+                    "stop": list(sp.stop or []), "stop_token_ids": list(sp.stop_token_ids or []),
+                },
+                "rng_position": req.num_output_tokens,
+                "arrival_time": req.arrival_time, "priority": req.priority,
+                "block_ids": self.block_ids(rid),
+                "engine_state": {
+                    "sampling_params": base64.b64encode(msgspec.msgpack.encode(sp)).decode(),
+                    "num_preemptions": req.num_preemptions,
+                },
+            })
+        return {"cursor": self.log.cursor, "requests": out}
+
+    def allocate(self, items, lease_ms: int) -> dict:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        kvm = self.sched.kv_cache_manager
+        lease = (lease_ms / 1000.0) if lease_ms else _RESERVATION_LEASE_S
+        for it in items:
+            if it["request_id"] in self.sched.requests or it["request_id"] in self.reserved:
+                raise HookError(409, f"Request {it['request_id']} already exists here.", "request_id")
+            if it["num_tokens"] < 1:
+                raise HookError(400, "num_tokens must be positive.", "num_tokens")
+        done, out = [], []
+        for it in items:
+            rid, n = it["request_id"], int(it["num_tokens"])
+            # A placeholder owns the blocks until commit; it never enters
+            # the scheduler's queues, and its blocks are not prefix-cached
+            # (their bytes arrive later).
+            ph = Request(request_id=rid, prompt_token_ids=[0] * n,
+                         sampling_params=SamplingParams(max_tokens=1), pooling_params=None)
+            got = kvm.allocate_slots(ph, n, delay_cache_blocks=True)
+            if got is None:
+                for r in done:
+                    self._drop_reservation(r)
+                raise HookError(507, f"Not enough free KV blocks for {len(items)} requests "
+                                f"({self.free_blocks()} free).", "requests")
+            self.reserved[rid] = (ph, time.time() + lease)
+            done.append(rid)
+            out.append({"request_id": rid, "block_ids": self.block_ids(rid)})
+        return {"requests": out, "free_blocks": self.free_blocks()}
+
+    def install(self, states, resume: bool) -> dict:
+        from vllm.v1.request import Request
+        from vllm.sampling_params import SamplingParams
+
+        for st in states:
+            if st["request_id"] not in self.reserved:
+                raise HookError(409, f"Request {st['request_id']} has no reservation here.", "request_id")
+        installed = []
+        for st in states:
+            rid = st["request_id"]
+            ph, _ = self.reserved.pop(rid)
+            prompt, output = st["prompt_token_ids"], st["output_token_ids"]
+            es = st.get("engine_state") or {}
+            sp = msgspec.msgpack.decode(base64.b64decode(es["sampling_params"]), type=SamplingParams)
+            # vLLM's model runner learns a new request's tokens from its
+            # prompt: the tokens generated on the source join the prompt
+            # here, and the limits shrink by what was already generated.
+            sp = sp.clone()
+            if sp.max_tokens is not None:
+                sp.max_tokens = max(1, sp.max_tokens - len(output))
+            if sp.min_tokens:
+                sp.min_tokens = max(0, sp.min_tokens - len(output))
+            req = Request(request_id=rid, prompt_token_ids=list(prompt) + list(output),
+                          sampling_params=sp, pooling_params=None, arrival_time=st.get("arrival_time"),
+                          priority=st.get("priority", 0),
+                          block_hasher=getattr(self, "block_hasher", None))
+            req.num_computed_tokens = st["num_computed_tokens"]
+            # The placeholder's blocks become the request's (they are keyed
+            # by request id in the KV cache manager).
+            self.sched.add_request(req)
+            blocks = self.block_ids(rid)
+            # Mark the installed slots written, so a later migration off
+            # this engine sees them.
+            gen = self.log.next_gen()
+            self.log.stamp_tokens(rid, blocks, 0, st["num_computed_tokens"], gen)
+            if not resume:
+                self.leases.pause([rid], time.time(), self.hook_lease_s)
+            installed.append(rid)
+        if not self.log.in_step:
+            self.log.cursor += 1
+        return {"installed": installed}
+
+    def abort(self, ids, ignore_missing: bool) -> dict:
+        from vllm.v1.request import RequestStatus
+
+        aborted = []
+        for rid in ids:
+            if rid in self.reserved:
+                self._drop_reservation(rid)
+                aborted.append(rid)
+                continue
+            req = self.sched.requests.get(rid)
+            if req is None or req.is_finished():
+                if ignore_missing:
+                    continue
+                raise HookError(404, f"Request {rid} is not here.", "request_ids")
+            aborted.append(rid)
+        live = [r for r in aborted if r in self.sched.requests]
+        if live:
+            self.sched.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+        self.leases.resume(aborted)
+        return {"aborted": aborted}
+
+    def stats(self) -> dict:
+        reqs = [r for r in self.sched.requests.values() if not r.is_finished()]
+        free, total = self.free_blocks(), self.total_blocks()
+        reserved = sum(len(self.block_ids(r)) for r in self.reserved)
+        return {"cursor": self.log.cursor, "total_blocks": total, "free_blocks": free,
+                "used_blocks": total - free, "reserved_blocks": reserved,
+                "num_running": len(self.sched.running), "num_waiting": len(reqs) - len(self.sched.running),
+                "num_paused": len(self.leases),
+                "paused_all": str(getattr(self.sched, "pause_state", "")).endswith("PAUSED_ALL"),
+                "sleeping": False, "steps": self.steps}
+
+
+# ---- patches ---------------------------------------------------------------
+
+
+def _state(sched) -> CoreState:
+    st = getattr(sched, "_vhi", None)
+    if st is None:
+        from .config import load
+
+        st = sched._vhi = CoreState(sched, load().hook_lease_s)
+    return st
+
+
+def patch_scheduler() -> None:
+    from .config import enabled
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if getattr(Scheduler.schedule, "_vllm_hi", False):
+        return
+    orig_schedule = Scheduler.schedule
+    orig_update = Scheduler.update_from_output
+    orig_free = KVCacheManager.free
+
+    def schedule(self, *args, **kwargs):
+        if not enabled():
+            return orig_schedule(self, *args, **kwargs)
+        st = _state(self)
+        st.expire(time.time())
+        hidden = []
+        if len(st.leases):
+            # Per-request pause: paused requests are invisible to this
+            # scheduling pass (so they are neither scheduled nor preempted)
+            # and keep their blocks.
+            keep = []
+            for r in self.running:
+                (hidden if r.request_id in st.leases else keep).append(r)
+            if hidden:
+                self.running = keep
+        try:
+            out = orig_schedule(self, *args, **kwargs)
+        finally:
+            if hidden:
+                self.running.extend(hidden)
+        gen = st.log.begin_step()
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            # schedule() already advanced num_computed_tokens past the
+            # tokens this step writes.
+            st.log.stamp_tokens(rid, st.block_ids(rid), req.num_computed_tokens - n, n, gen)
+        return out
+
+    def update_from_output(self, *args, **kwargs):
+        if not enabled():
+            return orig_update(self, *args, **kwargs)
+        st = _state(self)
+        try:
+            return orig_update(self, *args, **kwargs)
+        finally:
+            st.steps += 1
+            st.log.end_step()
+
+    def free(self, request):
+        log = getattr(self, "_vhi_log", None)
+        if log is not None:
+            ids = self.get_block_ids(request.request_id)
+            blocks = list(ids[0]) if ids else []
+        orig_free(self, request)
+        if log is not None and blocks:
+            log.stamp_free(blocks)
+
+    schedule._vllm_hi = True
+    Scheduler.schedule = schedule
+    Scheduler.update_from_output = update_from_output
+    KVCacheManager.free = free
+
+
+def patch_engine_core() -> None:
+    from vllm.v1.engine.core import EngineCore
+
+    if hasattr(EngineCore, "vllm_hi_hook"):
+        return
+
+    def vllm_hi_hook(self, op: str, payload: str) -> str:
+        try:
+            return json.dumps({"ok": _dispatch(self, op, json.loads(payload or "{}"))})
+        except HookError as e:
+            return json.dumps({"error": {"status": e.status, "message": e.message, "param": e.param}})
+
+    EngineCore.vllm_hi_hook = vllm_hi_hook
+
+
+def _dispatch(core, op: str, p: dict):
+    st = _state(core.scheduler)
+    if not hasattr(st, "block_hasher"):
+        st.block_hasher = getattr(core, "request_block_hasher", None)
+    if op == "requests":
+        return st.requests()
+    if op == "changes":
+        return st.changes(int(p.get("since", 0)))
+    if op == "pause":
+        return st.pause(p.get("request_ids") or [], int(p.get("lease_ms") or 0))
+    if op == "resume":
+        return st.resume(p.get("request_ids") or [])
+    if op == "export":
+        out = st.export(p.get("request_ids") or [])
+        from . import worker
+
+        gens = core.model_executor.collective_rpc(worker.export_generators, args=([r["request_id"] for r in out["requests"]],))
+        for r in out["requests"]:
+            raw = gens[0].get(r["request_id"]) if gens else None
+            if raw is not None:
+                r["engine_state"]["generator"] = base64.b64encode(raw).decode()
+        return out
+    if op == "allocate":
+        return st.allocate(p.get("requests") or [], int(p.get("lease_ms") or 0))
+    if op == "install":
+        from . import worker
+
+        staged = {s["request_id"]: base64.b64decode(s["engine_state"]["generator"])
+                  for s in p.get("requests") or [] if (s.get("engine_state") or {}).get("generator")}
+        if staged:
+            core.model_executor.collective_rpc(worker.stage_generators, args=(staged,))
+        return st.install(p.get("requests") or [], bool(p.get("resume")))
+    if op == "abort":
+        return st.abort(p.get("request_ids") or [], bool(p.get("ignore_missing")))
+    if op == "stats":
+        return st.stats()
+    if op == "regions":
+        from . import worker
+
+        return core.model_executor.collective_rpc(worker.describe_region)
+    raise HookError(404, f"unknown hook {op!r}")

@@ -1,0 +1,70 @@
+"""The `vllm.general_plugins` entry point: runs in every vLLM process."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from . import SUPPORTED_VLLM
+from .config import ConfigError, add_cli_args, load
+
+log = logging.getLogger("vllm_hi")
+
+
+def _serve_parser():
+    """The `vllm serve` parser being built, if this load happens while
+    vLLM adds its engine arguments (it loads general plugins from
+    AsyncEngineArgs.add_cli_args precisely so plugins can extend the CLI)."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    f = sys._getframe(1)
+    while f is not None:
+        p = f.f_locals.get("parser")
+        if isinstance(p, FlexibleArgumentParser) and f.f_code.co_name == "add_cli_args":
+            return p
+        f = f.f_back
+    return None
+
+
+def _allow_endpoint_plugin() -> None:
+    """vLLM loads endpoint plugins only when VLLM_PLUGINS names them. When
+    the operator set no allowlist, allow every installed general plugin (as
+    before) plus our routes."""
+    if os.environ.get("VLLM_PLUGINS") is not None:
+        return
+    from importlib.metadata import entry_points
+
+    names = {ep.name for ep in entry_points(group="vllm.general_plugins")}
+    names.add("vllm_hi")
+    os.environ["VLLM_PLUGINS"] = ",".join(sorted(names))
+
+
+def register() -> None:
+    try:
+        parser = _serve_parser()
+    except ImportError:
+        parser = None
+    if parser is not None:
+        add_cli_args(parser)
+    _allow_endpoint_plugin()
+    try:
+        cfg = load()
+    except ConfigError as e:
+        raise SystemExit(f"vllm-hi: {e}") from None
+    import vllm
+
+    if not vllm.__version__.startswith(SUPPORTED_VLLM):
+        if cfg.enabled:
+            raise SystemExit(f"vllm-hi: this plugin supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}, "
+                             f"found {vllm.__version__}")
+        return
+    from . import engine_core, worker
+
+    # Thin class patches, installed in every process (an engine process
+    # may be forked from one that loaded the plugin before the flags were
+    # parsed); each checks config.enabled() when first called.
+    worker.patch_allocation(cfg.shm_dir)
+    worker.patch_generator_install()
+    engine_core.patch_scheduler()
+    engine_core.patch_engine_core()

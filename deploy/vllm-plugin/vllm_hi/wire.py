@@ -1,0 +1,156 @@
+"""Pieces of the hook contract that need no vLLM: the IntList encoding,
+errors in vLLM's shape, and the write log that gives vLLM write
+generations. Unit-tested in tests/test_wire.py without vLLM installed."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from dataclasses import dataclass, field
+
+
+def encode_ints(xs) -> str:
+    """IntList: base64 of little-endian uint32s (api/hooks/intlist.go)."""
+    xs = list(xs)
+    for x in xs:
+        if x < 0 or x > 0xFFFFFFFF:
+            raise ValueError(f"IntList: {x} does not fit a uint32")
+    return base64.b64encode(struct.pack(f"<{len(xs)}I", *xs)).decode()
+
+
+def decode_ints(v) -> list[int]:
+    """Accepts the base64 form or a plain JSON array."""
+    if v is None:
+        return []
+    if isinstance(v, list):
+        return [int(x) for x in v]
+    raw = base64.b64decode(v, validate=True)
+    if len(raw) % 4:
+        raise ValueError("IntList: bad base64 of uint32s")
+    return list(struct.unpack(f"<{len(raw) // 4}I", raw))
+
+
+class HookError(Exception):
+    """An error the hook routes answer with vLLM's error shape."""
+
+    TYPES = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError",
+             500: "InternalServerError", 503: "ServiceUnavailableError",
+             507: "InsufficientStorageError"}
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "Error"),
+                          "param": self.param, "code": self.status}}
+
+
+@dataclass
+class WriteLog:
+    """Write and free generations per KV block, derived from the scheduler.
+
+    vLLM keeps no write generations. Every scheduled step writes exactly the
+    slots [num_computed, num_computed + n) of each scheduled request, so the
+    plugin stamps those (block, slot) pairs with the step's generation when
+    the step is scheduled, and advances the cursor once the step's output
+    was processed. Mutations between steps (an abort) stamp cursor + 1 and
+    advance at once. A reader that sees cursor X therefore saw every stamp
+    <= X, which is what `changes?since=X` promises.
+    """
+
+    block_size: int
+    cursor: int = 0
+    in_step: bool = False
+    block_gen: dict = field(default_factory=dict)   # block -> last write gen
+    slot_gen: dict = field(default_factory=dict)    # block -> [gen per slot]
+    owner: dict = field(default_factory=dict)       # block -> request id of the last write
+    free_gen: dict = field(default_factory=dict)    # block -> gen of its last free
+
+    def next_gen(self) -> int:
+        return self.cursor + 1
+
+    def begin_step(self) -> int:
+        self.in_step = True
+        return self.cursor + 1
+
+    def end_step(self) -> None:
+        if self.in_step:
+            self.in_step = False
+            self.cursor += 1
+
+    def stamp_tokens(self, request_id: str, block_ids, first_token: int, n: int, gen: int) -> None:
+        """Token positions [first_token, first_token + n) of a request whose
+        block table is block_ids are written at generation gen."""
+        bs = self.block_size
+        pos, end = first_token, first_token + n
+        while pos < end:
+            i, slot = divmod(pos, bs)
+            if i >= len(block_ids):
+                break
+            b = block_ids[i]
+            upto = min(end, (i + 1) * bs)
+            slots = self.slot_gen.get(b)
+            if slots is None:
+                slots = self.slot_gen[b] = [0] * bs
+            for s in range(slot, slot + (upto - pos)):
+                slots[s] = gen
+            self.block_gen[b] = gen
+            self.owner[b] = request_id
+            pos = upto
+
+    def stamp_free(self, block_ids) -> None:
+        gen = self.cursor + 1
+        for b in block_ids:
+            self.free_gen[b] = gen
+        if not self.in_step:
+            self.cursor += 1
+
+    def changes(self, since: int, is_free) -> dict:
+        written = []
+        for b, g in self.block_gen.items():
+            if g <= since:
+                continue
+            slots = self.slot_gen[b]
+            hit = [s for s, sg in enumerate(slots) if sg > since]
+            written.append({"block": b, "first_slot": hit[0], "num_slots": hit[-1] - hit[0] + 1,
+                            "request_id": self.owner.get(b, "")})
+        written.sort(key=lambda w: w["block"])
+        freed = sorted(b for b, g in self.free_gen.items()
+                       if g > since and is_free(b) and self.block_gen.get(b, 0) < g)
+        return {"since": since, "cursor": self.cursor, "written": written, "freed": freed}
+
+
+class Leases:
+    """Per-request pause leases: a paused request resumes by itself when
+    nobody renews, resumes or exports-and-aborts it in time (the Host may
+    die mid-migration)."""
+
+    def __init__(self):
+        self.until: dict[str, float] = {}
+
+    def pause(self, ids, now: float, lease_s: float) -> float:
+        exp = now + lease_s
+        for i in ids:
+            self.until[i] = exp
+        return exp
+
+    def resume(self, ids=None) -> list[str]:
+        if ids is None:
+            ids = list(self.until)
+        out = [i for i in ids if self.until.pop(i, None) is not None]
+        return out
+
+    def expire(self, now: float) -> list[str]:
+        gone = [i for i, t in self.until.items() if t <= now]
+        for i in gone:
+            del self.until[i]
+        return gone
+
+    def __contains__(self, rid) -> bool:
+        return rid in self.until
+
+    def __len__(self) -> int:
+        return len(self.until)
