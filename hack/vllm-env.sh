@@ -29,4 +29,7 @@ if [ ! -f "$venv/.ready" ]; then
   "$venv/bin/python" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' >&2
   touch "$venv/.ready"
 fi
+# The vllm-hi plugin from this checkout (a few seconds; reinstalled every
+# time because the environment is shared by every clone on the machine).
+"$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation --force-reinstall ./deploy/vllm-plugin >&2
 echo "$venv"

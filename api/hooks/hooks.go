@@ -63,7 +63,11 @@ type Layout struct {
 	Geometry      kvlayout.Geometry `json:"geometry"`
 	Parallel      kvlayout.Parallel `json:"parallel"`
 	KVLayout      string            `json:"kv_layout"` // "HND": (2, blocks, heads, block_size, head_dim) per layer
-	Regions       []Region          `json:"regions"`
+	// OpaqueBlocks says a block's bytes are laid out by the engine in a
+	// way the strides describe only as a whole: copy whole blocks, never
+	// single token slots (vLLM's CPU attention tiles slots inside a block).
+	OpaqueBlocks bool     `json:"opaque_blocks,omitempty"`
+	Regions      []Region `json:"regions"`
 }
 
 // Region is one rank × stage's KV memory. Its layout is fully strided: the

@@ -204,6 +204,9 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 		return nil, engineError(err)
 	}
 	geo := srcLayout.Geometry
+	// An engine whose blocks are opaque (vLLM's CPU kernels tile the
+	// slots inside a block) gets whole changed blocks instead of slots.
+	slotGranular := req.GetSlotGranular() && !srcLayout.OpaqueBlocks && !dstLayout.OpaqueBlocks
 	if err := compatible(geo, dstLayout.Geometry); err != nil {
 		return nil, status.Error(codes.FailedPrecondition, err.Error())
 	}
@@ -284,7 +287,7 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 				continue
 			}
 			c := kvlayout.BlockCopy{Src: w.Block, Dst: int(moving[at.id].dst[at.i]), NumSlots: bs}
-			if req.GetSlotGranular() {
+			if slotGranular {
 				c.FirstSlot, c.NumSlots = w.FirstSlot, w.NumSlots
 			}
 			copies = append(copies, c)
@@ -307,7 +310,7 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 		tn = a.cfg.DefaultTN
 	}
 	var st tcpshm.Stats
-	if req.GetSlotGranular() {
+	if slotGranular {
 		// Token slots: many tiny runs; send them as slot jobs the target
 		// expands with its own layout.
 		st, err = tcpshm.SendSlots(ctx, req.GetTargetDataAddress(), req.GetMigrationId(), tn, memory(src, srcLayout), copies, fault)

@@ -36,8 +36,8 @@ type Stream struct {
 type spliceTarget struct {
 	url      string // the target engine's base URL
 	instance string
-	from     int // the source's output tokens: the target streams from this index
-	text     int // the source's visible text length after them; -1 when unknown
+	from     int        // the source's output tokens: the target streams from this index
+	text     int        // the source's visible text length after them; -1 when unknown
 	switched chan error // receives once: nil when the stream reads from the target
 	at       time.Time  // when the first target event was relayed
 }
@@ -114,7 +114,12 @@ func (s *Stream) spliceDueLocked() bool {
 	if sp == nil || sp.switched == nil {
 		return false
 	}
-	return s.tokens == sp.from || (sp.text >= 0 && s.text >= sp.text)
+	if sp.text >= 0 {
+		// The text is exact whatever the chunking; a chunk count is not
+		// (vLLM merges tokens for a lagging reader).
+		return s.text >= sp.text && s.tokens <= sp.from
+	}
+	return s.tokens == sp.from
 }
 
 // Tokens is how many token events the stream relayed so far.

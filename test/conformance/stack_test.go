@@ -13,12 +13,15 @@ import (
 )
 
 func startHost(t *testing.T) (url, addr string) {
+	return startHostWith(t, host.DefaultConfig())
+}
+
+func startHostWith(t *testing.T, cfg host.Config) (url, addr string) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg := host.DefaultConfig()
 	cfg.HeartbeatInterval, cfg.ShutdownTimeout = 200*time.Millisecond, 2*time.Second
 	h := host.New(cfg, zap.NewNop())
 	ctx, cancel := context.WithCancel(context.Background())
@@ -28,9 +31,9 @@ func startHost(t *testing.T) (url, addr string) {
 	return "http://" + ln.Addr().String(), ln.Addr().String()
 }
 
-func startAgent(t *testing.T, hostAddr, engineURL string) {
+func startAgent(t *testing.T, hostAddr, engineURL, typ string) {
 	t.Helper()
-	a, err := agent.New(agent.Config{Type: "A", HostAddr: hostAddr, EngineURL: engineURL, Listen: "127.0.0.1:0",
+	a, err := agent.New(agent.Config{Type: typ, HostAddr: hostAddr, EngineURL: engineURL, Listen: "127.0.0.1:0",
 		AdvertiseHost: "127.0.0.1", TP: 1, PP: 1, EngineWait: time.Minute}, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)

@@ -118,6 +118,7 @@ class Hooks:
                 "parallel": {"tp": pc.tensor_parallel_size,
                              "pp": pc.pipeline_parallel_size},
                 "kv_layout": regions[0].get("_kv_layout", ""),
+                "opaque_blocks": bool(regions[0].get("_opaque")),
                 "regions": out_regions}
 
     async def requests(self) -> dict:
@@ -202,14 +203,13 @@ class Hooks:
                 rid = st["request_id"]
                 prompt, output = decode_ints(st["prompt_token_ids"]), decode_ints(st["output_token_ids"])
                 sp = msgspec.msgpack.decode(base64.b64decode(st["engine_state"]["sampling_params"]), type=SamplingParams)
-                # The output processor detokenizes from the tokens so far: it
-                # is primed with prompt + output, and counts only new tokens.
-                ecr = EngineCoreRequest(request_id=rid, prompt_token_ids=prompt + output, mm_features=None,
+                ecr = EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, mm_features=None,
                                         sampling_params=sp, pooling_params=None,
                                         arrival_time=st.get("arrival_time") or time.time(), lora_request=None,
                                         cache_salt=None, data_parallel_rank=None, external_req_id=rid)
                 q = RequestOutputCollector(sp.output_kind, rid)
                 self.op.add_request(ecr, None, None, 0, q)
+                _replay_detokenizer(self.op.request_states[rid], output)
                 resp = st.get("response") or {}
                 meta = {"kind": resp.get("kind", "completion"), "model": resp.get("model", ""),
                         "created": resp.get("created", 0), "include_usage": resp.get("include_usage", False),
@@ -342,6 +342,25 @@ class Hooks:
             self.installed.pop(hid, None)
 
         return gen()
+
+
+def _replay_detokenizer(req_state, output_ids) -> None:
+    """Brings a new request's incremental detokenizer to the state the
+    source's was in after output_ids, by stepping through them as the
+    source did (its decode stream was primed with the prompt only; priming
+    with prompt + output is not equivalent when tokens end mid-UTF-8
+    sequence). The text these steps produce was already sent."""
+    d = req_state.detokenizer
+    if d is None or not output_ids:
+        return
+    if hasattr(d, "stream"):  # FastIncrementalDetokenizer
+        for tid in output_ids:
+            d.decode_next(tid)
+        return
+    # SlowIncrementalDetokenizer decodes from the token list it keeps.
+    for tid in output_ids:
+        d.token_ids.append(tid)
+        d.decode_next(tid)
 
 
 def _error(e: HookError) -> JSONResponse:

@@ -96,8 +96,14 @@ def describe_region(worker) -> dict:
     # Known views: [blocks, heads, slots, 2*head_dim] (K and V side by
     # side per slot: vLLM CPU's LBHNC) or a 5-D view with a K/V dimension.
     if len(shape) == 4 and shape[3] == 2 * head_dim:
-        strides = {"block_stride": st[0], "head_stride": st[1], "slot_stride": st[2],
-                   "kv_stride": head_dim * elem}
+        # vLLM CPU (LBHNC): the kernels tile K and V inside a block, so
+        # single slots are not addressable. Each layer's block is one
+        # contiguous range; describe it as packed (kv, head, slot) so whole
+        # block copies between same-shaped engines move the right bytes,
+        # and mark the blocks opaque so no one copies single slots.
+        blk = st[0]
+        strides = {"block_stride": blk, "kv_stride": blk // 2, "head_stride": blk // (2 * heads),
+                   "slot_stride": head_dim * elem, "_opaque": True}
     elif len(shape) == 5 and shape[0] == 2:
         strides = {"kv_stride": st[0], "block_stride": st[1], "head_stride": st[2], "slot_stride": st[3]}
     elif len(shape) == 5 and shape[1] == 2:

