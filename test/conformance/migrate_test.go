@@ -84,6 +84,22 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 		src, dst = dst, src // preserve_source made the target active
 	}
 
+	// A seeded sampled stream keeps its random stream: the source's
+	// torch.Generator state moves with the request.
+	t.Run("a seeded sampled stream moves and stays exact", func(t *testing.T) {
+		const sampling = `"temperature":1.0,"top_p":0.9,"seed":1234`
+		want := runStreamsWith(t, hostURL, 0, 1, sampling, nil)
+		var st migrationStatus
+		got := runStreamsWith(t, hostURL, 0, 1, sampling, func() {
+			st = migrateAndWait(t, hostURL, fmt.Sprintf(`{"src_vllm_hi_id":%q,"dst_vllm_hi_id":%q,"type":"preserve_source"}`, src, dst))
+		})
+		if st.State != "succeeded" || st.Migrated != 1 {
+			t.Fatalf("migration %s (%s), %d requests moved", st.State, st.Error, st.Migrated)
+		}
+		sameStreams(t, want, got)
+	})
+	src, dst = dst, src
+
 	t.Run("concurrent streams move and stay exact", func(t *testing.T) {
 		var st migrationStatus
 		got := runStreams(t, hostURL, n, func() {
@@ -112,16 +128,22 @@ func runStreams(t *testing.T, hostURL string, n int, during func()) []streamResu
 // runStreamsFrom is runStreams for streams first … first+n-1.
 func runStreamsFrom(t *testing.T, hostURL string, first, n int, during func()) []streamResult {
 	t.Helper()
+	return runStreamsWith(t, hostURL, first, n, `"temperature":0`, during)
+}
+
+// runStreamsWith is runStreamsFrom with the given sampling parameters.
+func runStreamsWith(t *testing.T, hostURL string, first, n int, sampling string, during func()) []streamResult {
+	t.Helper()
 	out := make([]streamResult, n)
 	var wg sync.WaitGroup
 	started := make(chan struct{}, n)
 	for j := 0; j < n; j++ {
 		i := first + j
 		path := "/v1/completions"
-		body := fmt.Sprintf(`{"model":"tiny","prompt":"hello number %d hello","max_tokens":400,"temperature":0,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, i)
+		body := fmt.Sprintf(`{"model":"tiny","prompt":"hello number %d hello","max_tokens":400,%s,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, i, sampling)
 		if i%2 == 1 {
 			path = "/v1/chat/completions"
-			body = fmt.Sprintf(`{"model":"tiny","messages":[{"role":"user","content":"chat %d"}],"max_tokens":400,"temperature":0,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, i)
+			body = fmt.Sprintf(`{"model":"tiny","messages":[{"role":"user","content":"chat %d"}],"max_tokens":400,%s,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, i, sampling)
 		}
 		wg.Add(1)
 		go func(i int) {

@@ -1,0 +1,111 @@
+package cuda
+
+import (
+	"bytes"
+	"errors"
+	"testing"
+)
+
+// loadOrSkip loads the driver, or skips with the reason on machines
+// without one (CI has no GPU: these run on the GPU machines).
+func loadOrSkip(t *testing.T) *Lib {
+	t.Helper()
+	l, err := Load()
+	if errors.Is(err, ErrUnavailable) {
+		t.Skip("no GPU here: ", err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	return l
+}
+
+func TestUnavailableIsClear(t *testing.T) {
+	l, err := Load()
+	if err != nil {
+		// Without a driver the error says so in the words users see.
+		if !errors.Is(err, ErrUnavailable) || err.Error() != "unavailable: libcuda not found" {
+			t.Fatalf("load without a driver: %v", err)
+		}
+		return
+	}
+	l.Close()
+	if _, err := l.DeviceCount(); !errors.Is(err, ErrNotLoaded) {
+		t.Fatalf("a closed reference answered: %v", err)
+	}
+}
+
+func TestCopiesOnTheGPU(t *testing.T) {
+	l := loadOrSkip(t)
+	n, err := l.DeviceCount()
+	if err != nil || n == 0 {
+		t.Skip("no device: ", err)
+	}
+	const size = 4 << 20
+	a, err := l.Alloc(0, size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Free(0, a)
+	b, err := l.Alloc(n-1, size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Free(n-1, b)
+	host := make([]byte, size)
+	for i := range host {
+		host[i] = byte(i * 31)
+	}
+	if err := l.HtoD(0, a, host); err != nil {
+		t.Fatal(err)
+	}
+	s, err := l.NewStream(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.DestroyStream(0, s)
+	// Swap the two halves into b, in 4 KiB pieces.
+	var cs []Copy
+	for off := uint64(0); off < size/2; off += 4096 {
+		cs = append(cs, Copy{Dst: b + DevicePtr(size/2+off), Src: a + DevicePtr(off), Len: 4096},
+			Copy{Dst: b + DevicePtr(off), Src: a + DevicePtr(size/2+off), Len: 4096})
+	}
+	if err := l.EnablePeer(0, n-1); err != nil {
+		t.Fatal(err)
+	}
+	for _, method := range []string{"batch", "loop", "kernel"} {
+		// Reset b, so each method must move the bytes itself.
+		if err := l.HtoD(n-1, b, make([]byte, size)); err != nil {
+			t.Fatal(err)
+		}
+		l.ForceLoop = method == "loop"
+		copyErr := l.CopyBatch(0, s, cs)
+		if method == "kernel" {
+			copyErr = l.KernelCopy(0, s, cs)
+		}
+		if copyErr != nil {
+			t.Fatal(method, copyErr)
+		}
+		if err := l.Sync(0, s); err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, size)
+		if err := l.DtoH(n-1, got, b); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got[:size/2], host[size/2:]) || !bytes.Equal(got[size/2:], host[:size/2]) {
+			t.Fatalf("copies (%s) did not land", method)
+		}
+	}
+	if err := l.KernelCopy(0, s, []Copy{{Dst: b + 8, Src: a, Len: 16}}); !errors.Is(err, ErrUnaligned) {
+		t.Fatalf("an unaligned kernel copy: %v", err)
+	}
+	if _, err := l.IPCGet(0, a); err != nil {
+		t.Fatal(err)
+	}
+	var ce *Error
+	if _, err := l.Alloc(0, 1<<62); !errors.As(err, &ce) || ce.Name == "" {
+		t.Fatalf("a huge allocation: %v", err)
+	}
+}

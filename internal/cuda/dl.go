@@ -1,0 +1,468 @@
+package cuda
+
+/*
+#cgo LDFLAGS: -ldl
+#include <dlfcn.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+// The few driver API types used here, declared locally so that building
+// needs no CUDA headers (their layout is part of the driver's stable ABI).
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+typedef void *CUstream;
+typedef unsigned long long CUdeviceptr;
+typedef struct { char reserved[64]; } CUipcMemHandle;
+typedef struct { int type; int id; } CUmemLocation;
+typedef struct {
+	int srcAccessOrder;
+	CUmemLocation srcLocHint;
+	CUmemLocation dstLocHint;
+	unsigned int flags;
+} CUmemcpyAttributes;
+
+#define VHI_MAX_DEV 64
+#define CU_STREAM_NON_BLOCKING 1
+#define CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 1
+#define CU_MEMCPY_SRC_ACCESS_ORDER_STREAM 1
+#define CU_MEM_LOCATION_TYPE_DEVICE 1
+#define VHI_NOT_LOADED -1
+
+static void *vhi_lib;
+static CUcontext vhi_ctx[VHI_MAX_DEV];
+
+static CUresult (*p_getProc)(const char *, void **, int, unsigned long long, int *);
+static CUresult (*p_init)(unsigned int);
+static CUresult (*p_errName)(CUresult, const char **);
+static CUresult (*p_devCount)(int *);
+static CUresult (*p_devGet)(CUdevice *, int);
+static CUresult (*p_devName)(char *, int, CUdevice);
+static CUresult (*p_ctxRetain)(CUcontext *, CUdevice);
+static CUresult (*p_ctxSet)(CUcontext);
+static CUresult (*p_alloc)(CUdeviceptr *, size_t);
+static CUresult (*p_free)(CUdeviceptr);
+static CUresult (*p_htod)(CUdeviceptr, const void *, size_t);
+static CUresult (*p_dtoh)(void *, CUdeviceptr, size_t);
+static CUresult (*p_ipcGet)(CUipcMemHandle *, CUdeviceptr);
+static CUresult (*p_ipcOpen)(CUdeviceptr *, CUipcMemHandle, unsigned int);
+static CUresult (*p_ipcClose)(CUdeviceptr);
+static CUresult (*p_streamCreate)(CUstream *, unsigned int);
+static CUresult (*p_streamDestroy)(CUstream);
+static CUresult (*p_streamSync)(CUstream);
+static CUresult (*p_memcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+static CUresult (*p_peer)(CUcontext, unsigned int);
+static CUresult (*p_modLoad)(void **, const void *);
+static CUresult (*p_modFn)(void **, void *, const char *);
+static CUresult (*p_launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **);
+static CUresult (*p_htodAsync)(CUdeviceptr, const void *, size_t, CUstream);
+static void *vhi_fn[VHI_MAX_DEV];
+static CUdeviceptr vhi_desc[VHI_MAX_DEV];
+static size_t vhi_desc_cap[VHI_MAX_DEV];
+static CUresult (*p_batch)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, CUmemcpyAttributes *, size_t *, size_t, size_t *, CUstream);
+
+// vhi_sym resolves a driver entry point at the ABI of CUDA 12.8 through
+// cuGetProcAddress (the driver's way to hand out versioned symbols such as
+// cuMemAlloc_v2), falling back to dlsym of the plain name.
+static void *vhi_sym(const char *name) {
+	void *p = NULL;
+	int status = 0;
+	if (p_getProc != NULL && p_getProc(name, &p, 12080, 0, &status) == 0 && p != NULL) return p;
+	return dlsym(vhi_lib, name);
+}
+
+static int vhi_open(void) {
+	if (vhi_lib != NULL) return 0;
+	vhi_lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+	if (vhi_lib == NULL) return 1;
+	p_getProc = dlsym(vhi_lib, "cuGetProcAddress_v2");
+#define SYM(var, name) var = vhi_sym(name); if (var == NULL) { dlclose(vhi_lib); vhi_lib = NULL; return 2; }
+	SYM(p_init, "cuInit")
+	SYM(p_errName, "cuGetErrorName")
+	SYM(p_devCount, "cuDeviceGetCount")
+	SYM(p_devGet, "cuDeviceGet")
+	SYM(p_devName, "cuDeviceGetName")
+	SYM(p_ctxRetain, "cuDevicePrimaryCtxRetain")
+	SYM(p_ctxSet, "cuCtxSetCurrent")
+	SYM(p_alloc, "cuMemAlloc")
+	SYM(p_free, "cuMemFree")
+	SYM(p_htod, "cuMemcpyHtoD")
+	SYM(p_dtoh, "cuMemcpyDtoH")
+	SYM(p_ipcGet, "cuIpcGetMemHandle")
+	SYM(p_ipcOpen, "cuIpcOpenMemHandle")
+	SYM(p_ipcClose, "cuIpcCloseMemHandle")
+	SYM(p_streamCreate, "cuStreamCreate")
+	SYM(p_streamDestroy, "cuStreamDestroy")
+	SYM(p_streamSync, "cuStreamSynchronize")
+	SYM(p_memcpyAsync, "cuMemcpyAsync")
+	SYM(p_peer, "cuCtxEnablePeerAccess")
+	SYM(p_modLoad, "cuModuleLoadData")
+	SYM(p_modFn, "cuModuleGetFunction")
+	SYM(p_launch, "cuLaunchKernel")
+	SYM(p_htodAsync, "cuMemcpyHtoDAsync")
+#undef SYM
+	p_batch = vhi_sym("cuMemcpyBatchAsync"); // CUDA 12.8+; optional
+	memset(vhi_ctx, 0, sizeof vhi_ctx);
+	memset(vhi_fn, 0, sizeof vhi_fn);
+	memset(vhi_desc, 0, sizeof vhi_desc);
+	memset(vhi_desc_cap, 0, sizeof vhi_desc_cap);
+	return p_init(0) == 0 ? 0 : 3;
+}
+
+static void vhi_close(void) {
+	// Primary contexts stay retained for the process's life: releasing
+	// them would free memory other references may still use.
+	if (vhi_lib != NULL) dlclose(vhi_lib);
+	vhi_lib = NULL;
+}
+
+static int vhi_has_batch(void) { return p_batch != NULL; }
+
+static const char *vhi_err_name(CUresult r) {
+	const char *s = NULL;
+	if (p_errName == NULL || p_errName(r, &s) != 0 || s == NULL) return "CUDA_ERROR_UNKNOWN";
+	return s;
+}
+
+// vhi_dev makes dev's primary context current on this OS thread. Every
+// wrapper below calls it in the same cgo call as its operation, so the
+// goroutine cannot move threads in between.
+static CUresult vhi_dev(int dev) {
+	if (vhi_lib == NULL) return VHI_NOT_LOADED;
+	if (dev < 0 || dev >= VHI_MAX_DEV) return 101; // CUDA_ERROR_INVALID_DEVICE
+	if (vhi_ctx[dev] == NULL) {
+		CUdevice d;
+		CUresult r = p_devGet(&d, dev);
+		if (r) return r;
+		r = p_ctxRetain(&vhi_ctx[dev], d);
+		if (r) return r;
+	}
+	return p_ctxSet(vhi_ctx[dev]);
+}
+
+static CUresult w_count(int *n) { if (vhi_lib == NULL) return VHI_NOT_LOADED; return p_devCount(n); }
+static CUresult w_name(int dev, char *buf, int len) {
+	CUdevice d; CUresult r;
+	if (vhi_lib == NULL) return VHI_NOT_LOADED;
+	if ((r = p_devGet(&d, dev))) return r;
+	return p_devName(buf, len, d);
+}
+static CUresult w_alloc(int dev, size_t n, CUdeviceptr *p) { CUresult r = vhi_dev(dev); return r ? r : p_alloc(p, n); }
+static CUresult w_free(int dev, CUdeviceptr p) { CUresult r = vhi_dev(dev); return r ? r : p_free(p); }
+static CUresult w_htod(int dev, CUdeviceptr d, const void *s, size_t n) { CUresult r = vhi_dev(dev); return r ? r : p_htod(d, s, n); }
+static CUresult w_dtoh(int dev, void *d, CUdeviceptr s, size_t n) { CUresult r = vhi_dev(dev); return r ? r : p_dtoh(d, s, n); }
+static CUresult w_ipc_get(int dev, CUdeviceptr p, void *out) {
+	CUipcMemHandle h; CUresult r = vhi_dev(dev);
+	if (r || (r = p_ipcGet(&h, p))) return r;
+	memcpy(out, &h, sizeof h);
+	return 0;
+}
+static CUresult w_ipc_open(int dev, const void *in, CUdeviceptr *p) {
+	CUipcMemHandle h; CUresult r = vhi_dev(dev);
+	if (r) return r;
+	memcpy(&h, in, sizeof h);
+	return p_ipcOpen(p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+}
+static CUresult w_ipc_close(int dev, CUdeviceptr p) { CUresult r = vhi_dev(dev); return r ? r : p_ipcClose(p); }
+static CUresult w_stream(int dev, uintptr_t *s) {
+	CUstream st; CUresult r = vhi_dev(dev);
+	if (r || (r = p_streamCreate(&st, CU_STREAM_NON_BLOCKING))) return r;
+	*s = (uintptr_t)st;
+	return 0;
+}
+static CUresult w_stream_destroy(int dev, uintptr_t s) { CUresult r = vhi_dev(dev); return r ? r : p_streamDestroy((CUstream)s); }
+static CUresult w_sync(int dev, uintptr_t s) { CUresult r = vhi_dev(dev); return r ? r : p_streamSync((CUstream)s); }
+
+// w_copies enqueues n copies: one cuMemcpyBatchAsync when available (one
+// driver call for the lot), else one cuMemcpyAsync each, all in this one
+// cgo call.
+static CUresult w_copies(int dev, uintptr_t s, CUdeviceptr *dst, CUdeviceptr *src, size_t *len, size_t n, int batch) {
+	CUresult r = vhi_dev(dev);
+	if (r) return r;
+	if (batch && p_batch != NULL) {
+		CUmemcpyAttributes a;
+		memset(&a, 0, sizeof a);
+		a.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+		a.srcLocHint.type = CU_MEM_LOCATION_TYPE_DEVICE;
+		a.srcLocHint.id = dev;
+		a.dstLocHint.type = CU_MEM_LOCATION_TYPE_DEVICE;
+		a.dstLocHint.id = dev;
+		size_t idx = 0, fail = 0;
+		return p_batch(dst, src, len, n, &a, &idx, 1, &fail, (CUstream)s);
+	}
+	for (size_t i = 0; i < n; i++) {
+		if ((r = p_memcpyAsync(dst[i], src[i], len[i], (CUstream)s))) return r;
+	}
+	return 0;
+}
+
+// w_peer lets dev's context address peer's memory directly (NVLink or
+// PCIe peer-to-peer) instead of staging through the host.
+static CUresult w_peer(int dev, int peer) {
+	CUresult r = vhi_dev(peer);
+	if (r) return r;
+	CUcontext pc = vhi_ctx[peer];
+	if ((r = vhi_dev(dev))) return r;
+	r = p_peer(pc, 0);
+	return r == 704 ? 0 : r; // CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+}
+
+// w_kernel_copies runs n copies (dst, src, len triples, 16-byte aligned)
+// with the vhi_copy kernel: one launch whatever n. The descriptors go to
+// the device on the same stream first.
+static CUresult w_kernel_copies(int dev, uintptr_t s, const char *ptx, const unsigned long long *desc, unsigned n, unsigned grid, unsigned block) {
+	CUresult r = vhi_dev(dev);
+	if (r) return r;
+	if (vhi_fn[dev] == NULL) {
+		void *mod = NULL;
+		if ((r = p_modLoad(&mod, ptx))) return r;
+		if ((r = p_modFn(&vhi_fn[dev], mod, "vhi_copy"))) return r;
+	}
+	size_t need = (size_t)n * 24;
+	if (vhi_desc_cap[dev] < need) {
+		// The stream may still read the old buffer: wait before freeing.
+		if (vhi_desc[dev]) { p_streamSync((CUstream)s); p_free(vhi_desc[dev]); vhi_desc[dev] = 0; vhi_desc_cap[dev] = 0; }
+		size_t cap = need < (1 << 20) ? (1 << 20) : need * 2;
+		if ((r = p_alloc(&vhi_desc[dev], cap))) return r;
+		vhi_desc_cap[dev] = cap;
+	}
+	if ((r = p_htodAsync(vhi_desc[dev], desc, need, (CUstream)s))) return r;
+	// Pageable source memory: the driver has copied it out when
+	// cuMemcpyHtoDAsync returns, so desc may be reused by the caller.
+	CUdeviceptr d = vhi_desc[dev];
+	void *args[2] = { &d, &n };
+	return p_launch(vhi_fn[dev], grid, 1, 1, block, 1, 1, 0, (CUstream)s, args, NULL);
+}
+*/
+import "C"
+
+import (
+	_ "embed"
+	"fmt"
+	"sync"
+	"unsafe"
+)
+
+// copyPTX is the vhi_copy kernel (hand-written PTX, checked with ptxas;
+// the driver compiles it for the GPU at first use).
+//
+//go:embed copy.ptx
+var copyPTX string
+
+var copyPTXC = func() *C.char { return C.CString(copyPTX) }()
+
+// The C library handle is process-wide, so is its reference count.
+var lib struct {
+	mu   sync.Mutex
+	refs int
+}
+
+// Lib is a reference to the loaded driver; it implements Driver.
+type Lib struct {
+	closed bool
+	// ForceLoop makes CopyBatch issue one cuMemcpyAsync per copy even
+	// where cuMemcpyBatchAsync exists (benchmarks compare the two).
+	ForceLoop bool
+}
+
+var _ Driver = (*Lib)(nil)
+
+// Load opens libcuda.so.1 (once per process) and initialises the driver.
+// It returns ErrUnavailable where there is no CUDA driver.
+func Load() (*Lib, error) {
+	lib.mu.Lock()
+	defer lib.mu.Unlock()
+	if lib.refs == 0 {
+		switch C.vhi_open() {
+		case 0:
+		case 1:
+			return nil, ErrUnavailable
+		case 2:
+			return nil, fmt.Errorf("cuda: libcuda.so.1 lacks a driver entry point vllm-hi needs (driver too old?)")
+		default:
+			C.vhi_close()
+			return nil, fmt.Errorf("cuda: cuInit failed (no usable GPU?)")
+		}
+	}
+	lib.refs++
+	return &Lib{}, nil
+}
+
+// Close drops this reference; the library is unloaded with the last one.
+func (l *Lib) Close() error {
+	lib.mu.Lock()
+	defer lib.mu.Unlock()
+	if l.closed {
+		return nil
+	}
+	l.closed = true
+	lib.refs--
+	if lib.refs == 0 {
+		C.vhi_close()
+	}
+	return nil
+}
+
+func (l *Lib) check(op string, r C.CUresult) error {
+	switch {
+	case r == 0:
+		return nil
+	case r == C.VHI_NOT_LOADED:
+		return ErrNotLoaded
+	}
+	return &Error{Code: int(r), Name: C.GoString(C.vhi_err_name(r)), Op: op}
+}
+
+func (l *Lib) loaded() error {
+	if l.closed {
+		return ErrNotLoaded
+	}
+	return nil
+}
+
+func (l *Lib) DeviceCount() (int, error) {
+	if err := l.loaded(); err != nil {
+		return 0, err
+	}
+	var n C.int
+	return int(n), l.check("cuDeviceGetCount", C.w_count(&n))
+}
+
+func (l *Lib) DeviceName(dev int) (string, error) {
+	if err := l.loaded(); err != nil {
+		return "", err
+	}
+	var buf [256]C.char
+	if err := l.check("cuDeviceGetName", C.w_name(C.int(dev), &buf[0], C.int(len(buf)))); err != nil {
+		return "", err
+	}
+	return C.GoString(&buf[0]), nil
+}
+
+func (l *Lib) Alloc(dev int, n uint64) (DevicePtr, error) {
+	if err := l.loaded(); err != nil {
+		return 0, err
+	}
+	var p C.CUdeviceptr
+	err := l.check("cuMemAlloc", C.w_alloc(C.int(dev), C.size_t(n), &p))
+	return DevicePtr(p), err
+}
+
+func (l *Lib) Free(dev int, p DevicePtr) error {
+	if err := l.loaded(); err != nil {
+		return err
+	}
+	return l.check("cuMemFree", C.w_free(C.int(dev), C.CUdeviceptr(p)))
+}
+
+func (l *Lib) HtoD(dev int, dst DevicePtr, src []byte) error {
+	if err := l.loaded(); err != nil || len(src) == 0 {
+		return err
+	}
+	return l.check("cuMemcpyHtoD", C.w_htod(C.int(dev), C.CUdeviceptr(dst), unsafe.Pointer(&src[0]), C.size_t(len(src))))
+}
+
+func (l *Lib) DtoH(dev int, dst []byte, src DevicePtr) error {
+	if err := l.loaded(); err != nil || len(dst) == 0 {
+		return err
+	}
+	return l.check("cuMemcpyDtoH", C.w_dtoh(C.int(dev), unsafe.Pointer(&dst[0]), C.CUdeviceptr(src), C.size_t(len(dst))))
+}
+
+func (l *Lib) IPCGet(dev int, p DevicePtr) (IPCHandle, error) {
+	var h IPCHandle
+	if err := l.loaded(); err != nil {
+		return h, err
+	}
+	err := l.check("cuIpcGetMemHandle", C.w_ipc_get(C.int(dev), C.CUdeviceptr(p), unsafe.Pointer(&h[0])))
+	return h, err
+}
+
+func (l *Lib) IPCOpen(dev int, h IPCHandle) (DevicePtr, error) {
+	if err := l.loaded(); err != nil {
+		return 0, err
+	}
+	var p C.CUdeviceptr
+	err := l.check("cuIpcOpenMemHandle", C.w_ipc_open(C.int(dev), unsafe.Pointer(&h[0]), &p))
+	return DevicePtr(p), err
+}
+
+func (l *Lib) IPCClose(dev int, p DevicePtr) error {
+	if err := l.loaded(); err != nil {
+		return err
+	}
+	return l.check("cuIpcCloseMemHandle", C.w_ipc_close(C.int(dev), C.CUdeviceptr(p)))
+}
+
+func (l *Lib) NewStream(dev int) (Stream, error) {
+	if err := l.loaded(); err != nil {
+		return 0, err
+	}
+	var s C.uintptr_t
+	err := l.check("cuStreamCreate", C.w_stream(C.int(dev), &s))
+	return Stream(s), err
+}
+
+func (l *Lib) DestroyStream(dev int, s Stream) error {
+	if err := l.loaded(); err != nil {
+		return err
+	}
+	return l.check("cuStreamDestroy", C.w_stream_destroy(C.int(dev), C.uintptr_t(s)))
+}
+
+func (l *Lib) Sync(dev int, s Stream) error {
+	if err := l.loaded(); err != nil {
+		return err
+	}
+	return l.check("cuStreamSynchronize", C.w_sync(C.int(dev), C.uintptr_t(s)))
+}
+
+func (l *Lib) HasBatchCopy() bool { return !l.closed && C.vhi_has_batch() != 0 }
+
+// CopyBatch enqueues copies on s in one cgo call.
+func (l *Lib) CopyBatch(dev int, s Stream, copies []Copy) error {
+	if err := l.loaded(); err != nil || len(copies) == 0 {
+		return err
+	}
+	// Plain uint64 arrays: no Go pointers inside, so C may read them.
+	buf := make([]uint64, 3*len(copies))
+	dst, src, n := buf[:len(copies)], buf[len(copies):2*len(copies)], buf[2*len(copies):]
+	for i, c := range copies {
+		dst[i], src[i], n[i] = uint64(c.Dst), uint64(c.Src), c.Len
+	}
+	batch := C.int(1)
+	op := "cuMemcpyBatchAsync"
+	if l.ForceLoop || !l.HasBatchCopy() {
+		batch, op = 0, "cuMemcpyAsync"
+	}
+	return l.check(op, C.w_copies(C.int(dev), C.uintptr_t(s), (*C.CUdeviceptr)(unsafe.Pointer(&dst[0])),
+		(*C.CUdeviceptr)(unsafe.Pointer(&src[0])), (*C.size_t)(unsafe.Pointer(&n[0])), C.size_t(len(copies)), batch))
+}
+
+func (l *Lib) EnablePeer(dev, peer int) error {
+	if err := l.loaded(); err != nil || dev == peer {
+		return err
+	}
+	return l.check("cuCtxEnablePeerAccess", C.w_peer(C.int(dev), C.int(peer)))
+}
+
+// KernelCopy runs copies with the vhi_copy kernel on dev's stream: one
+// launch for any number of copies, which is what small blocks need (a
+// copy-engine call costs microseconds each). Every address and length
+// must be a multiple of 16 (ErrUnaligned otherwise).
+func (l *Lib) KernelCopy(dev int, s Stream, copies []Copy) error {
+	if err := l.loaded(); err != nil || len(copies) == 0 {
+		return err
+	}
+	desc := make([]uint64, 3*len(copies))
+	for i, c := range copies {
+		if (uint64(c.Dst)|uint64(c.Src)|c.Len)%16 != 0 {
+			return ErrUnaligned
+		}
+		desc[3*i], desc[3*i+1], desc[3*i+2] = uint64(c.Dst), uint64(c.Src), c.Len
+	}
+	grid := min(len(copies), 132*16)
+	return l.check("vhi_copy", C.w_kernel_copies(C.int(dev), C.uintptr_t(s), copyPTXC,
+		(*C.ulonglong)(unsafe.Pointer(&desc[0])), C.uint(len(copies)), C.uint(grid), 512))
+}

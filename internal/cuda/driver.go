@@ -1,0 +1,84 @@
+// Package cuda is a small binding to the CUDA driver API, loaded at run time
+// with dlopen("libcuda.so.1"): the vhi binary builds and runs on machines
+// without CUDA, where Load reports ErrUnavailable. The library is loaded
+// once and reference counted (go-nvml's pattern); every entry point checks
+// that it is loaded. Driver is the interface the rest of vllm-hi uses, so
+// copy planning and the data plane are tested without a GPU.
+package cuda
+
+import (
+	"errors"
+	"fmt"
+)
+
+// ErrUnavailable is returned where no CUDA driver can be loaded.
+var ErrUnavailable = errors.New("unavailable: libcuda not found")
+
+// ErrUnaligned is returned by KernelCopy for copies not on 16-byte
+// boundaries (the caller falls back to CopyBatch).
+var ErrUnaligned = errors.New("cuda: kernel copy needs 16-byte aligned addresses and lengths")
+
+// ErrNotLoaded is returned by calls made after the last Close.
+var ErrNotLoaded = errors.New("cuda: library not loaded")
+
+// Error is a CUresult other than CUDA_SUCCESS, with the driver's name for
+// it (CUDA_ERROR_OUT_OF_MEMORY, …).
+type Error struct {
+	Code int
+	Name string
+	Op   string
+}
+
+func (e *Error) Error() string { return fmt.Sprintf("cuda: %s: %s (%d)", e.Op, e.Name, e.Code) }
+
+// DevicePtr is a device address (CUdeviceptr).
+type DevicePtr uint64
+
+// IPCHandle is a CUipcMemHandle: 64 opaque bytes another process opens.
+type IPCHandle [64]byte
+
+// Stream is a CUstream (non-blocking).
+type Stream uintptr
+
+// Copy is one device-to-device copy.
+type Copy struct {
+	Dst, Src DevicePtr
+	Len      uint64
+}
+
+// Driver is what vllm-hi needs from CUDA. Methods that take a device make
+// its primary context current on the calling OS thread first.
+type Driver interface {
+	// DeviceCount is the number of visible GPUs.
+	DeviceCount() (int, error)
+	// DeviceName is a GPU's name.
+	DeviceName(dev int) (string, error)
+	// Alloc allocates n bytes on dev (cuMemAlloc: 2 MiB aligned for large
+	// sizes).
+	Alloc(dev int, n uint64) (DevicePtr, error)
+	Free(dev int, p DevicePtr) error
+	// HtoD and DtoH copy synchronously between host memory and dev.
+	HtoD(dev int, dst DevicePtr, src []byte) error
+	DtoH(dev int, dst []byte, src DevicePtr) error
+	// IPCGet exports an allocation's base; IPCOpen maps another process's
+	// allocation into dev's context (peer access enabled lazily);
+	// IPCClose unmaps it.
+	IPCGet(dev int, p DevicePtr) (IPCHandle, error)
+	IPCOpen(dev int, h IPCHandle) (DevicePtr, error)
+	IPCClose(dev int, p DevicePtr) error
+	// NewStream makes a non-blocking stream on dev.
+	NewStream(dev int) (Stream, error)
+	DestroyStream(dev int, s Stream) error
+	// CopyBatch enqueues copies on s (one cuMemcpyBatchAsync where the
+	// driver has it, else one cuMemcpyAsync per copy) and Sync waits.
+	CopyBatch(dev int, s Stream, copies []Copy) error
+	Sync(dev int, s Stream) error
+	// EnablePeer lets dev's context address peer's memory directly.
+	EnablePeer(dev, peer int) error
+	// KernelCopy runs copies with one kernel launch (16-byte aligned).
+	KernelCopy(dev int, s Stream, copies []Copy) error
+	// HasBatchCopy reports whether cuMemcpyBatchAsync is available.
+	HasBatchCopy() bool
+	// Close releases this reference to the library.
+	Close() error
+}

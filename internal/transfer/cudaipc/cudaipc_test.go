@@ -1,0 +1,83 @@
+package cudaipc
+
+import (
+	"testing"
+
+	"github.com/vllm-hi/vllm-hi/internal/cuda"
+	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
+)
+
+// fakeDriver records copies into a byte-addressed fake device memory.
+type fakeDriver struct {
+	cuda.Driver
+	mem     map[cuda.DevicePtr]byte
+	calls   int
+	synced  bool
+	batches []int
+	kernel  int
+}
+
+func (f *fakeDriver) CopyBatch(_ int, _ cuda.Stream, cs []cuda.Copy) error {
+	f.calls++
+	f.batches = append(f.batches, len(cs))
+	for _, c := range cs {
+		for i := uint64(0); i < c.Len; i++ {
+			f.mem[c.Dst+cuda.DevicePtr(i)] = f.mem[c.Src+cuda.DevicePtr(i)]
+		}
+	}
+	return nil
+}
+
+func (f *fakeDriver) Sync(int, cuda.Stream) error { f.synced = true; return nil }
+
+func TestRunTranslatesRunsAndBatches(t *testing.T) {
+	f := &fakeDriver{mem: map[cuda.DevicePtr]byte{}}
+	src, dst := Regions{1000, 5000}, Regions{20000}
+	for i := 0; i < 64; i++ {
+		f.mem[src[1]+cuda.DevicePtr(i)] = byte(i + 1)
+	}
+	runs := []kvlayout.CopyRun{
+		{SrcRegion: 1, SrcOffset: 0, DstRegion: 0, DstOffset: 100, Length: 8},
+		{SrcRegion: 1, SrcOffset: 32, DstRegion: 0, DstOffset: 0, Length: 4},
+		{SrcRegion: 1, SrcOffset: 60, DstRegion: 0, DstOffset: 50, Length: 4},
+	}
+	c := &Copier{Driver: f, MaxBatch: 2, Method: MethodBatch}
+	if err := c.Run(src, dst, runs); err != nil {
+		t.Fatal(err)
+	}
+	if f.calls != 2 || f.batches[0] != 2 || f.batches[1] != 1 || !f.synced {
+		t.Fatalf("calls %d batches %v synced %v", f.calls, f.batches, f.synced)
+	}
+	for i, want := range map[cuda.DevicePtr]byte{20100: 1, 20107: 8, 20000: 33, 20053: 64} {
+		if f.mem[i] != want {
+			t.Fatalf("byte at %d = %d, want %d", i, f.mem[i], want)
+		}
+	}
+	if err := c.Run(src, dst, []kvlayout.CopyRun{{SrcRegion: 2}}); err == nil {
+		t.Fatal("a run naming a missing region was accepted")
+	}
+}
+
+func (f *fakeDriver) KernelCopy(dev int, s cuda.Stream, cs []cuda.Copy) error {
+	f.kernel++
+	return f.CopyBatch(dev, s, cs)
+}
+
+// The default method is the kernel, with long runs cut in pieces.
+func TestAutoUsesTheKernelAndCutsLongRuns(t *testing.T) {
+	f := &fakeDriver{mem: map[cuda.DevicePtr]byte{}}
+	c := &Copier{Driver: f}
+	if err := c.Run(Regions{0}, Regions{1 << 40}, []kvlayout.CopyRun{{Length: 16}, {SrcOffset: 64, DstOffset: 64, Length: 16}}); err != nil {
+		t.Fatal(err)
+	}
+	if f.kernel != 1 {
+		t.Fatalf("small runs: %d kernel launches", f.kernel)
+	}
+	f.batches = nil
+	if err := c.Run(Regions{0}, Regions{1 << 40}, []kvlayout.CopyRun{{Length: 3 * kernelPiece / 2}}); err != nil {
+		t.Fatal(err)
+	}
+	if len(f.batches) != 1 || f.batches[0] != 2 {
+		t.Fatalf("a run of 1.5 pieces became batches %v, want one batch of 2 copies", f.batches)
+	}
+}
