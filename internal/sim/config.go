@@ -3,6 +3,8 @@ package sim
 import (
 	"fmt"
 	"os"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
@@ -53,8 +55,11 @@ type Config struct {
 	Step                StepModel
 	ShmDir              string // where the KV files live
 	ShmPrefix           string // KV file name prefix; defaults to vhi-sim-<pid>
-	WakeUpTime          time.Duration
-	ScaleTime           time.Duration
+	// Device is where the KV lives: "cpu" (shared-memory files, the
+	// default) or "cuda[:N]" (GPU N's memory, exported as CUDA IPC handles).
+	Device     string
+	WakeUpTime time.Duration
+	ScaleTime  time.Duration
 	// EOSOneIn: when a request does not ignore EOS, each sampled token is
 	// EOS with probability 1/EOSOneIn. 0 disables EOS.
 	EOSOneIn int
@@ -120,6 +125,9 @@ func (c *Config) geometry() (kvlayout.Geometry, kvlayout.Parallel, error) {
 	if len(c.ServedModelNames) == 0 {
 		c.ServedModelNames = []string{c.Model}
 	}
+	if _, _, err := c.device(); err != nil {
+		return geo, par, err
+	}
 	if c.ShmPrefix == "" {
 		c.ShmPrefix = fmt.Sprintf("vhi-sim-%d", os.Getpid())
 	}
@@ -127,4 +135,22 @@ func (c *Config) geometry() (kvlayout.Geometry, kvlayout.Parallel, error) {
 		c.DefaultPauseLease = 10 * time.Second
 	}
 	return geo, par, nil
+}
+
+// device parses Device: whether the KV is on a GPU, and which.
+func (c Config) device() (gpu bool, index int, err error) {
+	switch d := strings.TrimSpace(c.Device); {
+	case d == "" || d == "cpu":
+		return false, 0, nil
+	case d == "cuda":
+		return true, 0, nil
+	case strings.HasPrefix(d, "cuda:"):
+		n, err := strconv.Atoi(d[len("cuda:"):])
+		if err != nil || n < 0 {
+			return false, 0, fmt.Errorf("device %q: want cpu, cuda or cuda:N", d)
+		}
+		return true, n, nil
+	default:
+		return false, 0, fmt.Errorf("device %q: want cpu, cuda or cuda:N", d)
+	}
 }

@@ -163,7 +163,7 @@ func (e *Engine) WakeUp(ctx context.Context) error {
 	if !e.sleeping {
 		return nil
 	}
-	kv, err := newKVMemory(e.geo, e.par, e.cfg.ShmDir, e.cfg.ShmPrefix)
+	kv, err := newKV(e.cfg, e.cuda, e.geo, e.par)
 	if err != nil {
 		return fmt.Errorf("wake up: %w", err)
 	}

@@ -5,6 +5,7 @@ package sim
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"math/bits"
 	"sort"
@@ -14,6 +15,7 @@ import (
 	"github.com/cespare/xxhash/v2"
 	"go.uber.org/zap"
 
+	"github.com/vllm-hi/vllm-hi/internal/cuda"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
 	"github.com/vllm-hi/vllm-hi/internal/tokenizer"
 )
@@ -29,6 +31,8 @@ type Engine struct {
 	log  *zap.Logger
 	met  *engineMetrics
 	wake chan struct{}
+
+	cuda *cuda.Lib // loaded when the KV lives on a GPU
 
 	mu       sync.Mutex
 	kv       *kvMemory // nil while sleeping
@@ -57,12 +61,22 @@ func NewEngine(cfg Config, log *zap.Logger) (*Engine, error) {
 	if err != nil {
 		return nil, err
 	}
-	kv, err := newKVMemory(geo, par, cfg.ShmDir, cfg.ShmPrefix)
+	var drv *cuda.Lib
+	if gpu, _, _ := cfg.device(); gpu {
+		if drv, err = cuda.Load(); err != nil {
+			return nil, fmt.Errorf("--device %s: %w", cfg.Device, err)
+		}
+	}
+	kv, err := newKV(cfg, drv, geo, par)
 	if err != nil {
+		if drv != nil {
+			drv.Close()
+		}
 		return nil, err
 	}
 	e := &Engine{
-		cfg: cfg, geo: geo, par: par, tok: tokenizer.New(), log: log,
+		cuda: drv,
+		cfg:  cfg, geo: geo, par: par, tok: tokenizer.New(), log: log,
 		wake:     make(chan struct{}, 1),
 		kv:       kv,
 		pool:     newBlockPool(geo.NumBlocks, geo.BlockSize),
@@ -91,6 +105,18 @@ func (e *Engine) Close() {
 		e.kv.close()
 		e.kv = nil
 	}
+	if e.cuda != nil {
+		e.cuda.Close()
+		e.cuda = nil
+	}
+}
+
+// newKV creates the KV memory where cfg.Device says.
+func newKV(cfg Config, drv *cuda.Lib, geo kvlayout.Geometry, par kvlayout.Parallel) (*kvMemory, error) {
+	if gpu, dev, _ := cfg.device(); gpu {
+		return newGPUKVMemory(drv, dev, geo, par)
+	}
+	return newKVMemory(geo, par, cfg.ShmDir, cfg.ShmPrefix)
 }
 
 func (e *Engine) signal() {
@@ -161,7 +187,7 @@ func (e *Engine) step(now time.Time) (bool, time.Duration) {
 	e.steps++
 	start := time.Now()
 	ctxTokens, prefill := 0, 0
-	var d xxhash.Digest
+	var sampled []*request
 	for _, w := range batch {
 		r := w.r
 		for i := 0; i < w.tokens; i++ {
@@ -176,7 +202,22 @@ func (e *Engine) step(now time.Time) (bool, time.Duration) {
 		r.numComputed += w.tokens
 		ctxTokens += r.numComputed
 		if r.numComputed == r.numTokens() {
-			e.sample(&d, r, now)
+			sampled = append(sampled, r)
+		}
+	}
+	// Writes land before any read of this step; requests never share
+	// blocks, so writing all then sampling all reads what sampling each
+	// right after its own writes would.
+	if err := e.kv.flushWrites(); err != nil {
+		e.log.Error("KV write failed", zap.Error(err))
+	}
+	sums, err := e.kv.sampleSums(sampled, e.sampleHash)
+	if err != nil {
+		e.log.Error("KV read failed", zap.Error(err))
+	}
+	for i, r := range sampled {
+		if sums != nil {
+			e.sampleEmit(r, sums[i], now)
 		}
 	}
 	e.cursor = gen
@@ -313,22 +354,26 @@ func (e *Engine) removeWaiting(r *request) {
 // while every byte is still read many times over a sequence.
 const sampleGroups = 4
 
-// sample computes r's next token from KV bytes read back from memory: all
+// sampleHash hashes the KV bytes r's next token is computed from: all
 // written slots of the tail block and a quarter of one earlier block
 // (sampledBlock over (block, layer group) units), so every byte of every
 // block is read again and again over the sequence. Same bytes ⇒ same token; any altered byte ⇒ (almost surely) a
 // different one.
-func (e *Engine) sample(d *xxhash.Digest, r *request, now time.Time) {
+func (e *Engine) sampleHash(d *xxhash.Digest, rd kvReader, r *request) {
 	pos := r.numTokens() // position of the token being produced
 	bs := e.geo.BlockSize
 	tail := (pos - 1) / bs
-	d.Reset()
-	e.kv.hashSlots(d, r.blocks[tail], (pos-1)%bs+1, 0, 1)
+	e.kv.hashSlots(d, rd, r.blocks[tail], (pos-1)%bs+1, 0, 1)
 	if tail > 0 {
 		u := sampledBlock(pos, tail*sampleGroups)
-		e.kv.hashSlots(d, r.blocks[u/sampleGroups], bs, u%sampleGroups, sampleGroups)
+		e.kv.hashSlots(d, rd, r.blocks[u/sampleGroups], bs, u%sampleGroups, sampleGroups)
 	}
-	state := mix64(d.Sum64() ^ uint64(r.params.Seed)*0xD6E8FEB86659FD93 ^ uint64(pos))
+}
+
+// sampleEmit turns the hash of r's KV (sampleHash) into its next token.
+func (e *Engine) sampleEmit(r *request, sum uint64, now time.Time) {
+	pos := r.numTokens()
+	state := mix64(sum ^ uint64(r.params.Seed)*0xD6E8FEB86659FD93 ^ uint64(pos))
 
 	var tok int
 	if !r.params.IgnoreEOS && e.cfg.EOSOneIn > 0 && state%uint64(e.cfg.EOSOneIn) == 0 {

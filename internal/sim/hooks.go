@@ -2,6 +2,8 @@ package sim
 
 import (
 	"context"
+	"encoding/base64"
+	"fmt"
 	"sort"
 	"time"
 
@@ -23,14 +25,23 @@ func (e *Engine) Layout(context.Context) (hooks.Layout, error) {
 		Model: e.cfg.Model, ServedModels: e.cfg.ServedModelNames,
 		Geometry: e.geo, Parallel: e.par, KVLayout: "HND",
 	}
+	gpu, dev, _ := e.cfg.device()
 	for _, r := range e.kv.regions {
 		rl := r.layout
+		mem := hooks.Memory{Kind: hooks.MemoryShm, Path: r.path}
+		if gpu {
+			h, err := e.cuda.IPCGet(dev, r.dptr)
+			if err != nil {
+				return hooks.Layout{}, fmt.Errorf("export the KV of GPU %d: %w", dev, err)
+			}
+			mem = hooks.Memory{Kind: hooks.MemoryCUDAIPC, Device: dev, IPCHandle: base64.StdEncoding.EncodeToString(h[:])}
+		}
 		l.Regions = append(l.Regions, hooks.Region{
 			TPRank: rl.Shard.TPRank, PPStage: rl.Shard.PPStage,
 			FirstLayer: rl.FirstLayer, NumLayers: rl.NumLayers, FirstHead: rl.FirstHead, NumHeads: rl.NumHeads,
 			Size: rl.Size(), LayerStride: rl.LayerStride(), KVStride: rl.KVStride(),
 			BlockStride: rl.BlockStride(), HeadStride: rl.HeadStride(), SlotStride: int64(e.geo.HeadSlotBytes()),
-			Memory: hooks.Memory{Kind: hooks.MemoryShm, Path: r.path},
+			Memory: mem,
 		})
 	}
 	return l, nil

@@ -33,7 +33,7 @@ func BenchmarkHashFullBlock(b *testing.B) {
 	}
 	for i := 0; i < b.N; i++ {
 		d.Reset()
-		m.hashSlots(&d, 1+i%4, 16, 0, 1)
+		m.hashSlots(&d, hostReader{m}, 1+i%4, 16, 0, 1)
 	}
 }
 
@@ -45,7 +45,7 @@ func BenchmarkHashPartialBlock(b *testing.B) {
 	}
 	for i := 0; i < b.N; i++ {
 		d.Reset()
-		m.hashSlots(&d, 1+i%4, 9, 0, 1)
+		m.hashSlots(&d, hostReader{m}, 1+i%4, 9, 0, 1)
 	}
 }
 
@@ -75,7 +75,7 @@ func BenchmarkHashFullScattered(b *testing.B) {
 	var d xxhash.Digest
 	for i := 0; i < b.N; i++ {
 		d.Reset()
-		m.hashSlots(&d, 1+(i*7919)%20000, 16, 0, 1)
+		m.hashSlots(&d, hostReader{m}, 1+(i*7919)%20000, 16, 0, 1)
 	}
 }
 
@@ -86,6 +86,6 @@ func BenchmarkHashPartialScattered(b *testing.B) {
 	var d xxhash.Digest
 	for i := 0; i < b.N; i++ {
 		d.Reset()
-		m.hashSlots(&d, 1+(i*7919)%20000, 9, 0, 1)
+		m.hashSlots(&d, hostReader{m}, 1+(i*7919)%20000, 9, 0, 1)
 	}
 }

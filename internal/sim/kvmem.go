@@ -9,6 +9,7 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 
+	"github.com/vllm-hi/vllm-hi/internal/cuda"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
 )
 
@@ -18,12 +19,14 @@ import (
 type kvMemory struct {
 	geo     kvlayout.Geometry
 	regions []kvRegion
+	gpu     *gpuKV // nil: the regions are shared-memory files
 }
 
 type kvRegion struct {
 	layout kvlayout.RegionLayout
 	path   string
 	data   []byte
+	dptr   cuda.DevicePtr // GPU: the region's allocation
 	// Strides, precomputed: the decode step touches every layer and head of
 	// every token, so this is the sim's hottest arithmetic.
 	layerStride, kvStride, blockStride, headStride, slotBytes int
@@ -69,8 +72,14 @@ func mapFile(path string, size int64) ([]byte, error) {
 	return data, nil
 }
 
-// close unmaps and removes every file; the KV is gone afterwards.
+// close unmaps and removes every file (or frees the GPU memory); the KV is
+// gone afterwards.
 func (m *kvMemory) close() {
+	if m.gpu != nil {
+		m.gpu.close(m)
+		m.regions = nil
+		return
+	}
 	for _, r := range m.regions {
 		if r.data != nil {
 			_ = syscall.Munmap(r.data)
@@ -116,7 +125,7 @@ func (m *kvMemory) writeToken(block, slot int, seed int64, token, pos int) {
 			for kv := 0; kv < 2; kv++ {
 				off := layer*r.layerStride + kv*r.kvStride + base
 				for h := 0; h < l.NumHeads; h++ {
-					dst := r.data[off : off+r.slotBytes]
+					dst := m.slotOut(i, off, r.slotBytes)
 					off += r.headStride
 					gl, gh := l.FirstLayer+layer, l.FirstHead+h
 					w := 0
@@ -143,7 +152,7 @@ func (m *kvMemory) writeToken(block, slot int, seed int64, token, pos int) {
 //
 // With groups > 1 only the layers whose global index ≡ group (mod groups)
 // are read: a 1/groups sample of the block.
-func (m *kvMemory) hashSlots(d *xxhash.Digest, block, n, group, groups int) {
+func (m *kvMemory) hashSlots(d *xxhash.Digest, rd kvReader, block, n, group, groups int) {
 	full := n == m.geo.BlockSize
 	length := n * m.geo.HeadSlotBytes()
 	tp := m.regions[0].layout.Shard.TPSize
@@ -159,11 +168,11 @@ func (m *kvMemory) hashSlots(d *xxhash.Digest, block, n, group, groups int) {
 					r := &ranks[i]
 					off := layer*r.layerStride + kv*r.kvStride + block*r.blockStride
 					if full {
-						_, _ = d.Write(r.data[off : off+r.blockStride])
+						_, _ = d.Write(rd.read(stage*tp+i, off, r.blockStride))
 						continue
 					}
 					for h := 0; h < r.layout.NumHeads; h++ {
-						fold = foldBytes(fold, r.data[off:off+length])
+						fold = foldBytes(fold, rd.read(stage*tp+i, off, length))
 						off += r.headStride
 					}
 				}
@@ -176,6 +185,35 @@ func (m *kvMemory) hashSlots(d *xxhash.Digest, block, n, group, groups int) {
 		_, _ = d.Write(b[:])
 	}
 }
+
+// slotOut is where one head's slot bytes of region i at off are written:
+// the mapped file, or (GPU) this step's host staging, uploaded and
+// scattered by flushWrites.
+func (m *kvMemory) slotOut(i, off, n int) []byte {
+	if m.gpu != nil {
+		return m.gpu.stageWrite(m.regions[i].dptr, off, n)
+	}
+	return m.regions[i].data[off : off+n]
+}
+
+// flushWrites makes this step's token writes visible in KV memory (a no-op
+// for files: they were written in place).
+func (m *kvMemory) flushWrites() error {
+	if m.gpu == nil {
+		return nil
+	}
+	return m.gpu.flush()
+}
+
+// kvReader hands out the bytes of (region, offset, length) in KV memory.
+type kvReader interface {
+	read(region, off, n int) []byte
+}
+
+// hostReader reads the mapped files directly.
+type hostReader struct{ m *kvMemory }
+
+func (h hostReader) read(region, off, n int) []byte { return h.m.regions[region].data[off : off+n] }
 
 // foldBytes mixes b into h, 8 bytes at a time (a trailing partial word is
 // zero-padded). Any changed byte changes the result.
