@@ -95,6 +95,7 @@ type Agent struct {
 	lastStats  *v1.EngineStats
 
 	dp       dataPlane
+	gpu      gpuPlane
 	dataAddr string
 }
 
@@ -161,6 +162,7 @@ func (a *Agent) Run(ctx context.Context) error {
 			a.dp.src.Close()
 			a.dp.dst.Close()
 			a.dp.mu.Unlock()
+			a.gpu.close()
 		}()
 		_, dport, _ := net.SplitHostPort(ds.Addr().String())
 		dataAddr = net.JoinHostPort(advertise, dport)

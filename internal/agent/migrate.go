@@ -20,6 +20,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/engine"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/shm"
+	"github.com/vllm-hi/vllm-hi/internal/transfer/cudaipc"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/tcpshm"
 )
 
@@ -110,6 +111,13 @@ func (a *Agent) regions(ctx context.Context, writable bool) (*shm.Regions, hooks
 	cur := &dp.src
 	if writable {
 		cur = &dp.dst
+	}
+	if onGPU(lay) {
+		// GPU KV is mapped per copy round through IPC (cudaCopy).
+		if writable {
+			dp.dstLayout = lay
+		}
+		return nil, lay, nil
 	}
 	if !(*cur).Same(lay) {
 		(*cur).Close()
@@ -310,7 +318,13 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 		tn = a.cfg.DefaultTN
 	}
 	var st tcpshm.Stats
-	if slotGranular {
+	backend, err := a.pickBackend(srcLayout, dstLayout)
+	if err != nil {
+		return nil, status.Error(codes.FailedPrecondition, err.Error())
+	}
+	if backend == cudaipc.Type {
+		st, err = a.cudaCopy(srcLayout, dstLayout, copies, fault)
+	} else if slotGranular {
 		// Token slots: many tiny runs; send them as slot jobs the target
 		// expands with its own layout.
 		st, err = tcpshm.SendSlots(ctx, req.GetTargetDataAddress(), req.GetMigrationId(), tn, memory(src, srcLayout), copies, fault)

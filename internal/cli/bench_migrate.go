@@ -20,6 +20,7 @@ func newBenchMigrateCommand(g *globalFlags) *cobra.Command {
 	sc := scenario{Type: migrate.DestroySource}
 	var grans []string
 	var jsonOut string
+	geo := simGeometryFlags{}
 	cmd := &cobra.Command{
 		Use:   "migrate",
 		Short: "Full-load migration: downtime, client gaps and rounds, whole-block vs token-slot final round",
@@ -35,7 +36,7 @@ against the median gap, and each round's blocks and bytes.`,
 				return err
 			}
 			sc.Log = log
-			return runBenchMigrate(cmd.Context(), cmd.OutOrStdout(), sc, grans, jsonOut)
+			return runBenchMigrate(cmd.Context(), cmd.OutOrStdout(), sc, geo, grans, jsonOut)
 		},
 	}
 	f := cmd.Flags()
@@ -48,17 +49,46 @@ against the median gap, and each round's blocks and bytes.`,
 	f.StringVar(&jsonOut, "json", "", "also write the statuses as JSON to this file")
 	f.StringVar(&sc.CPUProfile, "cpuprofile", "", "write a CPU profile of the migration window")
 	_ = f.MarkHidden("cpuprofile")
+	f.StringVar(&sc.DeviceA, "device-a", "cpu", "sim A's KV (and the reference run's): cpu or cuda[:N]")
+	f.StringVar(&sc.DeviceB, "device-b", "cpu", "sim B's KV: cpu or cuda[:N]")
+	f.StringVar(&geo.profile, "profile", "", "KV geometry profile (default: the sim's)")
+	f.IntVar(&geo.kvScale, "kv-scale", 0, "head-dim divisor (default: the sim's; 1 = the model's real size)")
+	f.IntVar(&geo.numBlocks, "num-blocks", 0, "KV blocks per engine (default: the sim's)")
+	f.IntVar(&geo.maxNumSeqs, "max-num-seqs", 0, "engine seats (default: the sim's)")
 	return cmd
 }
 
-func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, grans []string, jsonOut string) error {
+// simGeometryFlags override the sims' KV geometry (0 / "" keep the default).
+type simGeometryFlags struct {
+	profile                         string
+	kvScale, numBlocks, maxNumSeqs int
+}
+
+func (g simGeometryFlags) apply(c *sim.Config) {
+	if g.profile != "" {
+		c.Profile = g.profile
+	}
+	if g.kvScale > 0 {
+		c.KVScale = g.kvScale
+	}
+	if g.numBlocks > 0 {
+		c.NumBlocks = g.numBlocks
+	}
+	if g.maxNumSeqs > 0 {
+		c.MaxNumSeqs = g.maxNumSeqs
+		c.MaxNumBatchedTokens = max(c.MaxNumBatchedTokens, g.maxNumSeqs)
+	}
+}
+
+func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeometryFlags, grans []string, jsonOut string) error {
 	sc.Sim = sim.DefaultConfig()
+	geo.apply(&sc.Sim)
 	if sc.Log == nil {
 		sc.Log = zap.NewNop()
 	}
 	g := sc.Sim
-	fmt.Fprintf(out, "vhi bench migrate: %d streams × %d tokens, default sim (qwen3-8b / kv-scale %d: %d B per token, %d blocks), delay %v, tn %d\n",
-		sc.Streams, sc.MaxTokens, g.KVScale, 4608, g.NumBlocks, sc.Delay, sc.TN)
+	fmt.Fprintf(out, "vhi bench migrate: %d streams × %d tokens, sim %s / kv-scale %d, %d blocks, KV on %s → %s, delay %v, tn %d\n",
+		sc.Streams, sc.MaxTokens, g.Profile, g.KVScale, g.NumBlocks, sc.DeviceA, sc.DeviceB, sc.Delay, sc.TN)
 	var all []migrate.Status
 	for _, gran := range grans {
 		sc.FinalGranularity = gran

@@ -25,6 +25,7 @@ type scenario struct {
 	MaxTokens        int
 	PromptWords      int
 	Sim              sim.Config
+	DeviceA, DeviceB string // where each engine keeps its KV (sim --device); the reference uses DeviceA
 	Delay            time.Duration // load start → migration
 	Type             string
 	FinalGranularity string
@@ -69,6 +70,7 @@ func (sc scenario) requests() []loadgen.Request {
 // reference runs the load on a lone engine: the unmigrated truth.
 func (sc scenario) reference(ctx context.Context, reqs []loadgen.Request) ([]loadgen.Stream, error) {
 	c := sc.Sim
+	c.Device = sc.DeviceA
 	c.Model, c.ServedModelNames, c.ShmPrefix = "demo-model", nil, fmt.Sprintf("vhi-ref-%d", os.Getpid())
 	ref, err := sim.Start(c, sc.Log)
 	if err != nil {
@@ -85,7 +87,9 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 	if err != nil {
 		return res, fmt.Errorf("reference run: %w", err)
 	}
-	st, err := stack.Start(stack.Options{Model: "demo-model", SimA: sc.Sim, SimB: sc.Sim, Log: sc.Log})
+	simA, simB := sc.Sim, sc.Sim
+	simA.Device, simB.Device = sc.DeviceA, sc.DeviceB
+	st, err := stack.Start(stack.Options{Model: "demo-model", SimA: simA, SimB: simB, Log: sc.Log})
 	if err != nil {
 		return res, err
 	}

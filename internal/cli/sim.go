@@ -69,6 +69,7 @@ sequences.`,
 	f.DurationVar(&cfg.Step.PerContextToken, "step-per-context-token", cfg.Step.PerContextToken, "modelled cost per token of context attended to")
 	f.DurationVar(&cfg.Step.PerPrefillToken, "step-per-prefill-token", cfg.Step.PerPrefillToken, "modelled cost per prefilled token")
 	f.StringVar(&cfg.ShmDir, "shm-dir", cfg.ShmDir, "directory of the shared-memory KV files (a tmpfs)")
+	f.StringVar(&cfg.Device, "device", "cpu", "where the KV lives: cpu (shared-memory files) or cuda[:N] (GPU N, exported through CUDA IPC)")
 	f.DurationVar(&cfg.WakeUpTime, "wake-up-time", cfg.WakeUpTime, "how long /wake_up takes")
 	f.DurationVar(&cfg.ScaleTime, "scale-time", cfg.ScaleTime, "how long /scale_elastic_ep reconfigures after draining")
 	f.IntVar(&cfg.EOSOneIn, "eos-one-in", cfg.EOSOneIn, "unless ignore_eos, each token is EOS with probability 1/N (0: never)")

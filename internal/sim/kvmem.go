@@ -155,6 +155,7 @@ func (m *kvMemory) writeToken(block, slot int, seed int64, token, pos int) {
 func (m *kvMemory) hashSlots(d *xxhash.Digest, rd kvReader, block, n, group, groups int) {
 	full := n == m.geo.BlockSize
 	length := n * m.geo.HeadSlotBytes()
+	_, plan := rd.(*planReader) // only recording what to gather
 	tp := m.regions[0].layout.Shard.TPSize
 	fold := uint64(n)
 	for stage := 0; stage < len(m.regions)/tp; stage++ {
@@ -168,11 +169,17 @@ func (m *kvMemory) hashSlots(d *xxhash.Digest, rd kvReader, block, n, group, gro
 					r := &ranks[i]
 					off := layer*r.layerStride + kv*r.kvStride + block*r.blockStride
 					if full {
-						_, _ = d.Write(rd.read(stage*tp+i, off, r.blockStride))
+						b := rd.read(stage*tp+i, off, r.blockStride)
+						if !plan {
+							_, _ = d.Write(b)
+						}
 						continue
 					}
 					for h := 0; h < r.layout.NumHeads; h++ {
-						fold = foldBytes(fold, rd.read(stage*tp+i, off, length))
+						b := rd.read(stage*tp+i, off, length)
+						if !plan {
+							fold = foldBytes(fold, b)
+						}
 						off += r.headStride
 					}
 				}
