@@ -104,6 +104,11 @@ type Memory struct {
 	Device    int    `json:"device,omitempty"`
 	IPCHandle string `json:"ipc_handle,omitempty"`
 	Offset    int64  `json:"offset,omitempty"`
+	// PID and DevicePointer let a copier in the exporting process itself
+	// (an in-process stack: tests, benchmarks) use the allocation directly:
+	// CUDA refuses to open a process's own IPC handles.
+	PID           int    `json:"pid,omitempty"`
+	DevicePointer uint64 `json:"device_pointer,omitempty"`
 }
 
 // Request statuses as the hooks report them.

@@ -4,6 +4,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"os"
 	"sync"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
@@ -90,6 +91,16 @@ func openRegions(drv *cuda.Lib, dev int, l hooks.Layout) (cudaipc.Regions, func(
 	}
 	out := make(cudaipc.Regions, len(l.Regions))
 	for i, r := range l.Regions {
+		if r.Memory.PID == os.Getpid() && r.Memory.DevicePointer != 0 {
+			// Our own allocation (an in-process stack): CUDA will not open
+			// it through IPC, and needs no mapping.
+			if err := drv.EnablePeer(dev, r.Memory.Device); err != nil {
+				closeAll()
+				return nil, nil, err
+			}
+			out[i] = cuda.DevicePtr(r.Memory.DevicePointer) + cuda.DevicePtr(r.Memory.Offset)
+			continue
+		}
 		raw, err := base64.StdEncoding.DecodeString(r.Memory.IPCHandle)
 		var h cuda.IPCHandle
 		if err != nil || len(raw) != len(h) {

@@ -55,13 +55,15 @@ against the median gap, and each round's blocks and bytes.`,
 	f.IntVar(&geo.kvScale, "kv-scale", 0, "head-dim divisor (default: the sim's; 1 = the model's real size)")
 	f.IntVar(&geo.numBlocks, "num-blocks", 0, "KV blocks per engine (default: the sim's)")
 	f.IntVar(&geo.maxNumSeqs, "max-num-seqs", 0, "engine seats (default: the sim's)")
+	f.IntVar(&geo.maxBatched, "max-num-batched-tokens", 0, "tokens per step, prefill chunks included (default: the sim's)")
 	return cmd
 }
 
 // simGeometryFlags override the sims' KV geometry (0 / "" keep the default).
 type simGeometryFlags struct {
-	profile                         string
+	profile                        string
 	kvScale, numBlocks, maxNumSeqs int
+	maxBatched                     int
 }
 
 func (g simGeometryFlags) apply(c *sim.Config) {
@@ -77,6 +79,9 @@ func (g simGeometryFlags) apply(c *sim.Config) {
 	if g.maxNumSeqs > 0 {
 		c.MaxNumSeqs = g.maxNumSeqs
 		c.MaxNumBatchedTokens = max(c.MaxNumBatchedTokens, g.maxNumSeqs)
+	}
+	if g.maxBatched > 0 {
+		c.MaxNumBatchedTokens = max(g.maxBatched, c.MaxNumSeqs)
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/base64"
 	"fmt"
+	"os"
 	"sort"
 	"time"
 
@@ -34,7 +35,8 @@ func (e *Engine) Layout(context.Context) (hooks.Layout, error) {
 			if err != nil {
 				return hooks.Layout{}, fmt.Errorf("export the KV of GPU %d: %w", dev, err)
 			}
-			mem = hooks.Memory{Kind: hooks.MemoryCUDAIPC, Device: dev, IPCHandle: base64.StdEncoding.EncodeToString(h[:])}
+			mem = hooks.Memory{Kind: hooks.MemoryCUDAIPC, Device: dev, IPCHandle: base64.StdEncoding.EncodeToString(h[:]),
+				PID: os.Getpid(), DevicePointer: uint64(r.dptr)}
 		}
 		l.Regions = append(l.Regions, hooks.Region{
 			TPRank: rl.Shard.TPRank, PPStage: rl.Shard.PPStage,

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"os"
 	"os/exec"
 	"strings"
 	"testing"
@@ -25,14 +26,29 @@ func deploy(t *testing.T, bBlocks int) *deployment {
 	t.Helper()
 	shm := t.TempDir()
 	d := &deployment{}
-	simArgs := func(port int, blocks int) []string {
-		return []string{"sim", "--port", fmt.Sprint(port), "--served-model-name", "m", "--shm-dir", shm,
-			"--num-gpu-blocks", fmt.Sprint(blocks), "--max-model-len", "1024", "--step-fixed", "6ms", "--log-level", "warn"}
+	// VHI_E2E_SIM_DEVICES=cuda:0,cuda:1,cuda:0 puts the KV of A, B and the
+	// reference on GPUs (the GPU machines run these tests that way; the
+	// migration then goes through cuda_ipc).
+	devices := []string{"cpu", "cpu", "cpu"}
+	if v := os.Getenv("VHI_E2E_SIM_DEVICES"); v != "" {
+		devices = strings.Split(v, ",")
+		if len(devices) != 3 {
+			t.Fatalf("VHI_E2E_SIM_DEVICES=%q: want three devices (A, B, reference)", v)
+		}
+	}
+	simArgs := func(port int, blocks int, device string) []string {
+		args := []string{"sim", "--port", fmt.Sprint(port), "--served-model-name", "m", "--shm-dir", shm,
+			"--num-gpu-blocks", fmt.Sprint(blocks), "--max-model-len", "1024", "--step-fixed", "6ms", "--log-level", "warn",
+			"--device", device}
+		if device != "cpu" {
+			args = append(args, "--kv-scale", "8") // GPU copies move 16-byte multiples
+		}
+		return args
 	}
 	var urls []string
-	for _, blocks := range []int{4096, bBlocks, 4096} {
+	for i, blocks := range []int{4096, bBlocks, 4096} {
 		port := freePort(t)
-		startVHI(t, simArgs(port, blocks)...)
+		startVHI(t, simArgs(port, blocks, devices[i])...)
 		u := fmt.Sprintf("http://127.0.0.1:%d", port)
 		waitHealthy(t, u+"/health")
 		urls = append(urls, u)
