@@ -58,8 +58,6 @@ static CUresult (*p_modFn)(void **, void *, const char *);
 static CUresult (*p_launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **);
 static CUresult (*p_htodAsync)(CUdeviceptr, const void *, size_t, CUstream);
 static void *vhi_fn[VHI_MAX_DEV];
-static CUdeviceptr vhi_desc[VHI_MAX_DEV];
-static size_t vhi_desc_cap[VHI_MAX_DEV];
 static CUresult (*p_batch)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, CUmemcpyAttributes *, size_t *, size_t, size_t *, CUstream);
 
 // vhi_sym resolves a driver entry point at the ABI of CUDA 12.8 through
@@ -105,8 +103,7 @@ static int vhi_open(void) {
 	p_batch = vhi_sym("cuMemcpyBatchAsync"); // CUDA 12.8+; optional
 	memset(vhi_ctx, 0, sizeof vhi_ctx);
 	memset(vhi_fn, 0, sizeof vhi_fn);
-	memset(vhi_desc, 0, sizeof vhi_desc);
-	memset(vhi_desc_cap, 0, sizeof vhi_desc_cap);
+
 	return p_init(0) == 0 ? 0 : 3;
 }
 
@@ -210,8 +207,9 @@ static CUresult w_peer(int dev, int peer) {
 
 // w_kernel_copies runs n copies (dst, src, len triples, 16-byte aligned)
 // with the vhi_copy kernel: one launch whatever n. The descriptors go to
-// the device on the same stream first.
-static CUresult w_kernel_copies(int dev, uintptr_t s, const char *ptx, const unsigned long long *desc, unsigned n, unsigned grid, unsigned block) {
+// descbuf (the caller's, one per stream: copies on other streams may be in
+// flight) on the same stream first.
+static CUresult w_kernel_copies(int dev, uintptr_t s, const char *ptx, CUdeviceptr descbuf, const unsigned long long *desc, unsigned n, unsigned grid, unsigned block) {
 	CUresult r = vhi_dev(dev);
 	if (r) return r;
 	if (vhi_fn[dev] == NULL) {
@@ -219,19 +217,10 @@ static CUresult w_kernel_copies(int dev, uintptr_t s, const char *ptx, const uns
 		if ((r = p_modLoad(&mod, ptx))) return r;
 		if ((r = p_modFn(&vhi_fn[dev], mod, "vhi_copy"))) return r;
 	}
-	size_t need = (size_t)n * 24;
-	if (vhi_desc_cap[dev] < need) {
-		// The stream may still read the old buffer: wait before freeing.
-		if (vhi_desc[dev]) { p_streamSync((CUstream)s); p_free(vhi_desc[dev]); vhi_desc[dev] = 0; vhi_desc_cap[dev] = 0; }
-		size_t cap = need < (1 << 20) ? (1 << 20) : need * 2;
-		if ((r = p_alloc(&vhi_desc[dev], cap))) return r;
-		vhi_desc_cap[dev] = cap;
-	}
-	if ((r = p_htodAsync(vhi_desc[dev], desc, need, (CUstream)s))) return r;
 	// Pageable source memory: the driver has copied it out when
 	// cuMemcpyHtoDAsync returns, so desc may be reused by the caller.
-	CUdeviceptr d = vhi_desc[dev];
-	void *args[2] = { &d, &n };
+	if ((r = p_htodAsync(descbuf, desc, (size_t)n * 24, (CUstream)s))) return r;
+	void *args[2] = { &descbuf, &n };
 	return p_launch(vhi_fn[dev], grid, 1, 1, block, 1, 1, 0, (CUstream)s, args, NULL);
 }
 */
@@ -261,6 +250,10 @@ var lib struct {
 // Lib is a reference to the loaded driver; it implements Driver.
 type Lib struct {
 	closed bool
+	// descs are the kernel's descriptor buffers, one per stream (a
+	// buffer shared by two streams would be overwritten mid-copy).
+	descMu sync.Mutex
+	descs  map[Stream]descBuf
 	// ForceLoop makes CopyBatch issue one cuMemcpyAsync per copy even
 	// where cuMemcpyBatchAsync exists (benchmarks compare the two).
 	ForceLoop bool
@@ -408,6 +401,13 @@ func (l *Lib) DestroyStream(dev int, s Stream) error {
 	if err := l.loaded(); err != nil {
 		return err
 	}
+	l.descMu.Lock()
+	if b, ok := l.descs[s]; ok {
+		_ = l.sync(dev, s)
+		_ = l.Free(b.dev, b.ptr)
+		delete(l.descs, s)
+	}
+	l.descMu.Unlock()
 	return l.check("cuStreamDestroy", C.w_stream_destroy(C.int(dev), C.uintptr_t(s)))
 }
 
@@ -415,6 +415,10 @@ func (l *Lib) Sync(dev int, s Stream) error {
 	if err := l.loaded(); err != nil {
 		return err
 	}
+	return l.sync(dev, s)
+}
+
+func (l *Lib) sync(dev int, s Stream) error {
 	return l.check("cuStreamSynchronize", C.w_sync(C.int(dev), C.uintptr_t(s)))
 }
 
@@ -462,7 +466,46 @@ func (l *Lib) KernelCopy(dev int, s Stream, copies []Copy) error {
 		}
 		desc[3*i], desc[3*i+1], desc[3*i+2] = uint64(c.Dst), uint64(c.Src), c.Len
 	}
+	buf, err := l.descBuffer(dev, s, uint64(len(desc))*8)
+	if err != nil {
+		return err
+	}
 	grid := min(len(copies), 132*16)
-	return l.check("vhi_copy", C.w_kernel_copies(C.int(dev), C.uintptr_t(s), copyPTXC,
+	return l.check("vhi_copy", C.w_kernel_copies(C.int(dev), C.uintptr_t(s), copyPTXC, C.CUdeviceptr(buf),
 		(*C.ulonglong)(unsafe.Pointer(&desc[0])), C.uint(len(copies)), C.uint(grid), 512))
+}
+
+type descBuf struct {
+	dev int
+	ptr DevicePtr
+	cap uint64
+}
+
+// descBuffer returns stream s's descriptor buffer, grown to n bytes. A
+// stream runs its work in order, so the old buffer is free once the stream
+// drained.
+func (l *Lib) descBuffer(dev int, s Stream, n uint64) (DevicePtr, error) {
+	l.descMu.Lock()
+	defer l.descMu.Unlock()
+	if l.descs == nil {
+		l.descs = map[Stream]descBuf{}
+	}
+	b := l.descs[s]
+	if b.cap >= n {
+		return b.ptr, nil
+	}
+	if b.ptr != 0 {
+		if err := l.Sync(dev, s); err != nil {
+			return 0, err
+		}
+		_ = l.Free(b.dev, b.ptr)
+	}
+	c := max(n*2, 1<<20)
+	p, err := l.Alloc(dev, c)
+	if err != nil {
+		delete(l.descs, s)
+		return 0, err
+	}
+	l.descs[s] = descBuf{dev: dev, ptr: p, cap: c}
+	return p, nil
 }
