@@ -57,6 +57,9 @@ static CUresult (*p_modLoad)(void **, const void *);
 static CUresult (*p_modFn)(void **, void *, const char *);
 static CUresult (*p_launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **);
 static CUresult (*p_htodAsync)(CUdeviceptr, const void *, size_t, CUstream);
+static CUresult (*p_dtohAsync)(void *, CUdeviceptr, size_t, CUstream);
+static CUresult (*p_hostAlloc)(void **, size_t);
+static CUresult (*p_hostFree)(void *);
 static void *vhi_fn[VHI_MAX_DEV];
 static CUresult (*p_batch)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, CUmemcpyAttributes *, size_t *, size_t, size_t *, CUstream);
 
@@ -99,6 +102,9 @@ static int vhi_open(void) {
 	SYM(p_modFn, "cuModuleGetFunction")
 	SYM(p_launch, "cuLaunchKernel")
 	SYM(p_htodAsync, "cuMemcpyHtoDAsync")
+	SYM(p_dtohAsync, "cuMemcpyDtoHAsync")
+	SYM(p_hostAlloc, "cuMemAllocHost")
+	SYM(p_hostFree, "cuMemFreeHost")
 #undef SYM
 	p_batch = vhi_sym("cuMemcpyBatchAsync"); // CUDA 12.8+; optional
 	memset(vhi_ctx, 0, sizeof vhi_ctx);
@@ -193,6 +199,11 @@ static CUresult w_copies(int dev, uintptr_t s, CUdeviceptr *dst, CUdeviceptr *sr
 	}
 	return 0;
 }
+
+static CUresult w_htod_async(int dev, uintptr_t s, CUdeviceptr d, const void *h, size_t n) { CUresult r = vhi_dev(dev); return r ? r : p_htodAsync(d, h, n, (CUstream)s); }
+static CUresult w_dtoh_async(int dev, uintptr_t s, void *h, CUdeviceptr d, size_t n) { CUresult r = vhi_dev(dev); return r ? r : p_dtohAsync(h, d, n, (CUstream)s); }
+static CUresult w_host_alloc(int dev, size_t n, void **p) { CUresult r = vhi_dev(dev); return r ? r : p_hostAlloc(p, n); }
+static CUresult w_host_free(int dev, void *p) { CUresult r = vhi_dev(dev); return r ? r : p_hostFree(p); }
 
 // w_peer lets dev's context address peer's memory directly (NVLink or
 // PCIe peer-to-peer) instead of staging through the host.
@@ -508,4 +519,42 @@ func (l *Lib) descBuffer(dev int, s Stream, n uint64) (DevicePtr, error) {
 	}
 	l.descs[s] = descBuf{dev: dev, ptr: p, cap: c}
 	return p, nil
+}
+
+// HostAlloc allocates n bytes of page-locked host memory (fast, truly
+// asynchronous copies). The slice is not Go memory: free it with HostFree
+// and never store Go pointers in it.
+func (l *Lib) HostAlloc(dev int, n uint64) ([]byte, error) {
+	if err := l.loaded(); err != nil {
+		return nil, err
+	}
+	var p unsafe.Pointer
+	if err := l.check("cuMemAllocHost", C.w_host_alloc(C.int(dev), C.size_t(n), &p)); err != nil {
+		return nil, err
+	}
+	return unsafe.Slice((*byte)(p), n), nil
+}
+
+// HostFree frees HostAlloc memory.
+func (l *Lib) HostFree(dev int, b []byte) error {
+	if err := l.loaded(); err != nil || len(b) == 0 {
+		return err
+	}
+	return l.check("cuMemFreeHost", C.w_host_free(C.int(dev), unsafe.Pointer(&b[0])))
+}
+
+// HtoDAsync and DtoHAsync enqueue copies on s (src/dst should be
+// HostAlloc memory for them to be asynchronous).
+func (l *Lib) HtoDAsync(dev int, s Stream, dst DevicePtr, src []byte) error {
+	if err := l.loaded(); err != nil || len(src) == 0 {
+		return err
+	}
+	return l.check("cuMemcpyHtoDAsync", C.w_htod_async(C.int(dev), C.uintptr_t(s), C.CUdeviceptr(dst), unsafe.Pointer(&src[0]), C.size_t(len(src))))
+}
+
+func (l *Lib) DtoHAsync(dev int, s Stream, dst []byte, src DevicePtr) error {
+	if err := l.loaded(); err != nil || len(dst) == 0 {
+		return err
+	}
+	return l.check("cuMemcpyDtoHAsync", C.w_dtoh_async(C.int(dev), C.uintptr_t(s), unsafe.Pointer(&dst[0]), C.CUdeviceptr(src), C.size_t(len(dst))))
 }

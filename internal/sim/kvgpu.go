@@ -1,7 +1,10 @@
 package sim
 
 import (
+	"encoding/binary"
 	"fmt"
+	"runtime"
+	"sync"
 
 	"github.com/cespare/xxhash/v2"
 
@@ -20,15 +23,23 @@ type gpuKV struct {
 	dev    int
 	stream cuda.Stream
 
-	stage  []byte      // host: this step's written slot bytes
-	writes []cuda.Copy // Src: offset into stage until flush
+	jobs   []tokenJob // this step's token writes
+	stage  []byte     // pinned host memory: their bytes
+	writes []cuda.Copy
 	up     cuda.DevicePtr
 	upCap  uint64
 
 	gather  []cuda.Copy // Dst: offset into down until run
 	down    cuda.DevicePtr
 	downCap uint64
-	host    []byte
+	host    []byte // pinned host memory: the gathered bytes
+}
+
+// tokenJob is one token whose KV a step writes.
+type tokenJob struct {
+	block, slot int
+	seed        int64
+	token, pos  int
 }
 
 func newGPUKVMemory(drv *cuda.Lib, dev int, geo kvlayout.Geometry, par kvlayout.Parallel) (*kvMemory, error) {
@@ -69,14 +80,9 @@ func (g *gpuKV) close(m *kvMemory) {
 		}
 	}
 	_ = g.drv.DestroyStream(g.dev, g.stream)
-	g.up, g.down = 0, 0
-}
-
-func (g *gpuKV) stageWrite(base cuda.DevicePtr, off, n int) []byte {
-	at := len(g.stage)
-	g.stage = append(g.stage, make([]byte, n)...)
-	g.writes = append(g.writes, cuda.Copy{Dst: base + cuda.DevicePtr(off), Src: cuda.DevicePtr(at), Len: uint64(n)})
-	return g.stage[at : at+n]
+	_ = g.drv.HostFree(g.dev, g.stage)
+	_ = g.drv.HostFree(g.dev, g.host)
+	g.up, g.down, g.stage, g.host = 0, 0, nil, nil
 }
 
 // grow makes *p hold at least n bytes.
@@ -97,24 +103,111 @@ func (g *gpuKV) grow(p *cuda.DevicePtr, cap *uint64, n uint64) error {
 	return nil
 }
 
-func (g *gpuKV) flush() error {
-	if len(g.writes) == 0 {
+// pinned makes *b a page-locked host buffer of at least n bytes.
+func (g *gpuKV) pinned(b *[]byte, n int) error {
+	if cap(*b) >= n {
+		*b = (*b)[:n]
 		return nil
 	}
-	defer func() { g.stage, g.writes = g.stage[:0], g.writes[:0] }()
+	if *b != nil {
+		_ = g.drv.HostFree(g.dev, (*b)[:cap(*b)])
+		*b = nil
+	}
+	nb, err := g.drv.HostAlloc(g.dev, uint64(max(n, 1<<20)*2))
+	if err != nil {
+		return err
+	}
+	*b = nb[:n]
+	return nil
+}
+
+// flush generates this step's token KV on the host (in parallel: tokens
+// are independent), uploads it and scatters it with one kernel launch.
+func (g *gpuKV) flush(m *kvMemory) error {
+	jobs := g.jobs
+	if len(jobs) == 0 {
+		return nil
+	}
+	defer func() { g.jobs = g.jobs[:0] }()
+	per := 0 // bytes and slot copies of one token, over every region
+	pieces := 0
+	for _, r := range m.regions {
+		per += r.layout.NumLayers * 2 * r.layout.NumHeads * r.slotBytes
+		pieces += r.layout.NumLayers * 2 * r.layout.NumHeads
+	}
+	if err := g.pinned(&g.stage, len(jobs)*per); err != nil {
+		return err
+	}
 	if err := g.grow(&g.up, &g.upCap, uint64(len(g.stage))); err != nil {
 		return err
 	}
-	if err := g.drv.HtoD(g.dev, g.up, g.stage); err != nil {
-		return err
+	if cap(g.writes) < len(jobs)*pieces {
+		g.writes = make([]cuda.Copy, len(jobs)*pieces)
 	}
-	for i := range g.writes {
-		g.writes[i].Src += g.up
+	g.writes = g.writes[:len(jobs)*pieces]
+	parallel(len(jobs), func(lo, hi int) {
+		for j := lo; j < hi; j++ {
+			m.fillToken(g.stage[j*per:(j+1)*per], g.writes[j*pieces:(j+1)*pieces], g.up+cuda.DevicePtr(j*per), jobs[j])
+		}
+	})
+	if err := g.drv.HtoDAsync(g.dev, g.stream, g.up, g.stage); err != nil {
+		return err
 	}
 	if err := g.drv.KernelCopy(g.dev, g.stream, g.writes); err != nil {
 		return err
 	}
 	return g.drv.Sync(g.dev, g.stream)
+}
+
+// fillToken writes one token's KV bytes — the same words, in the same
+// (region, layer, K/V, head) order, as writeToken does in a file — into
+// out, and the copies that put them in place into cs.
+func (m *kvMemory) fillToken(out []byte, cs []cuda.Copy, src cuda.DevicePtr, j tokenJob) {
+	k := tokenKey(j.seed, j.token, j.pos)
+	var tail [8]byte
+	at, n := 0, 0
+	for i := range m.regions {
+		r := &m.regions[i]
+		l := &r.layout
+		base := j.block*r.blockStride + j.slot*r.slotBytes
+		for layer := 0; layer < l.NumLayers; layer++ {
+			for kv := 0; kv < 2; kv++ {
+				off := layer*r.layerStride + kv*r.kvStride + base
+				for h := 0; h < l.NumHeads; h++ {
+					dst := out[at : at+r.slotBytes]
+					gl, gh := l.FirstLayer+layer, l.FirstHead+h
+					w := 0
+					for ; (w+1)*8 <= len(dst); w++ {
+						binary.LittleEndian.PutUint64(dst[w*8:], kvWord(k, gl, kv, gh, w))
+					}
+					if w*8 < len(dst) {
+						binary.LittleEndian.PutUint64(tail[:], kvWord(k, gl, kv, gh, w))
+						copy(dst[w*8:], tail[:])
+					}
+					cs[n] = cuda.Copy{Dst: r.dptr + cuda.DevicePtr(off), Src: src + cuda.DevicePtr(at), Len: uint64(r.slotBytes)}
+					at += r.slotBytes
+					n++
+					off += r.headStride
+				}
+			}
+		}
+	}
+}
+
+// parallel runs f over [0, n) in up to GOMAXPROCS chunks.
+func parallel(n int, f func(lo, hi int)) {
+	w := min(runtime.GOMAXPROCS(0), n)
+	if w <= 1 {
+		f(0, n)
+		return
+	}
+	var wg sync.WaitGroup
+	for i := 0; i < w; i++ {
+		lo, hi := i*n/w, (i+1)*n/w
+		wg.Add(1)
+		go func() { defer wg.Done(); f(lo, hi) }()
+	}
+	wg.Wait()
 }
 
 // planReader records the reads a hash needs (returning zeros); replay
@@ -161,8 +254,9 @@ func (m *kvMemory) sampleSums(reqs []*request, hash func(d *xxhash.Digest, rd kv
 	g := m.gpu
 	plan := &planReader{m: m}
 	g.gather = g.gather[:0]
-	for _, r := range reqs {
-		d.Reset()
+	starts := make([]int, len(reqs))
+	for i, r := range reqs {
+		starts[i] = plan.pos
 		hash(&d, plan, r)
 	}
 	if plan.pos > 0 {
@@ -175,22 +269,25 @@ func (m *kvMemory) sampleSums(reqs []*request, hash func(d *xxhash.Digest, rd kv
 		if err := g.drv.KernelCopy(g.dev, g.stream, g.gather); err != nil {
 			return nil, err
 		}
+		if err := g.pinned(&g.host, plan.pos); err != nil {
+			return nil, err
+		}
+		if err := g.drv.DtoHAsync(g.dev, g.stream, g.host, g.down); err != nil {
+			return nil, err
+		}
 		if err := g.drv.Sync(g.dev, g.stream); err != nil {
 			return nil, err
 		}
-		if cap(g.host) < plan.pos {
-			g.host = make([]byte, plan.pos)
-		}
-		g.host = g.host[:plan.pos]
-		if err := g.drv.DtoH(g.dev, g.host, g.down); err != nil {
-			return nil, err
-		}
 	}
-	rep := &replayReader{buf: g.host}
-	for i, r := range reqs {
-		d.Reset()
-		hash(&d, rep, r)
-		sums[i] = d.Sum64()
-	}
+	// Each request's bytes start where its plan started: hash them in
+	// parallel, each with its own digest.
+	parallel(len(reqs), func(lo, hi int) {
+		var d xxhash.Digest
+		for i := lo; i < hi; i++ {
+			d.Reset()
+			hash(&d, &replayReader{buf: g.host, pos: starts[i]}, reqs[i])
+			sums[i] = d.Sum64()
+		}
+	})
 	return sums, nil
 }

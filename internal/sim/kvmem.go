@@ -115,6 +115,10 @@ func mix64(x uint64) uint64 {
 // writeToken writes the KV of one token (every layer, K and V, every head,
 // in every shard) into slot of block.
 func (m *kvMemory) writeToken(block, slot int, seed int64, token, pos int) {
+	if m.gpu != nil {
+		m.gpu.jobs = append(m.gpu.jobs, tokenJob{block: block, slot: slot, seed: seed, token: token, pos: pos})
+		return
+	}
 	k := tokenKey(seed, token, pos)
 	var tail [8]byte
 	for i := range m.regions {
@@ -125,7 +129,7 @@ func (m *kvMemory) writeToken(block, slot int, seed int64, token, pos int) {
 			for kv := 0; kv < 2; kv++ {
 				off := layer*r.layerStride + kv*r.kvStride + base
 				for h := 0; h < l.NumHeads; h++ {
-					dst := m.slotOut(i, off, r.slotBytes)
+					dst := r.data[off : off+r.slotBytes]
 					off += r.headStride
 					gl, gh := l.FirstLayer+layer, l.FirstHead+h
 					w := 0
@@ -193,23 +197,13 @@ func (m *kvMemory) hashSlots(d *xxhash.Digest, rd kvReader, block, n, group, gro
 	}
 }
 
-// slotOut is where one head's slot bytes of region i at off are written:
-// the mapped file, or (GPU) this step's host staging, uploaded and
-// scattered by flushWrites.
-func (m *kvMemory) slotOut(i, off, n int) []byte {
-	if m.gpu != nil {
-		return m.gpu.stageWrite(m.regions[i].dptr, off, n)
-	}
-	return m.regions[i].data[off : off+n]
-}
-
 // flushWrites makes this step's token writes visible in KV memory (a no-op
 // for files: they were written in place).
 func (m *kvMemory) flushWrites() error {
 	if m.gpu == nil {
 		return nil
 	}
-	return m.gpu.flush()
+	return m.gpu.flush(m)
 }
 
 // kvReader hands out the bytes of (region, offset, length) in KV memory.
