@@ -114,7 +114,7 @@ func (e *Engine) Close() {
 // newKV creates the KV memory where cfg.Device says.
 func newKV(cfg Config, drv *cuda.Lib, geo kvlayout.Geometry, par kvlayout.Parallel) (*kvMemory, error) {
 	if gpu, dev, _ := cfg.device(); gpu {
-		return newGPUKVMemory(drv, dev, geo, par)
+		return newGPUKVMemory(drv, dev, geo, par, cfg.MaxNumSeqs, cfg.MaxNumBatchedTokens)
 	}
 	return newKVMemory(geo, par, cfg.ShmDir, cfg.ShmPrefix)
 }

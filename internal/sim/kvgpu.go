@@ -42,7 +42,11 @@ type tokenJob struct {
 	token, pos  int
 }
 
-func newGPUKVMemory(drv *cuda.Lib, dev int, geo kvlayout.Geometry, par kvlayout.Parallel) (*kvMemory, error) {
+// newGPUKVMemory allocates the regions, and sizes the staging buffers for
+// a full step (maxBatched tokens written, maxSeqs sampled) up front:
+// pinning a gigabyte of host memory takes long enough to stall the first
+// step that needs it, which could be a migration target's first step.
+func newGPUKVMemory(drv *cuda.Lib, dev int, geo kvlayout.Geometry, par kvlayout.Parallel, maxSeqs, maxBatched int) (*kvMemory, error) {
 	if geo.HeadSlotBytes()%16 != 0 {
 		return nil, fmt.Errorf("--device cuda needs head_dim × dtype bytes to be a multiple of 16 (it is %d)", geo.HeadSlotBytes())
 	}
@@ -64,6 +68,17 @@ func newGPUKVMemory(drv *cuda.Lib, dev int, geo kvlayout.Geometry, par kvlayout.
 			layerStride: int(l.LayerStride()), kvStride: int(l.KVStride()), blockStride: int(l.BlockStride()),
 			headStride: int(l.HeadStride()), slotBytes: geo.HeadSlotBytes(),
 		})
+	}
+	up := maxBatched * geo.TokenBytes()
+	down := maxSeqs * (geo.BlockBytes() + geo.BlockBytes()/sampleGroups)
+	for _, err := range []error{
+		g.pinned(&g.stage, up), g.grow(&g.up, &g.upCap, uint64(up)),
+		g.pinned(&g.host, down), g.grow(&g.down, &g.downCap, uint64(down)),
+	} {
+		if err != nil {
+			m.close()
+			return nil, fmt.Errorf("staging buffers on GPU %d: %w", dev, err)
+		}
 	}
 	return m, nil
 }
