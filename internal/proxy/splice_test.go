@@ -54,21 +54,7 @@ func TestSpliceMovesAStreamAtATokenIndex(t *testing.T) {
 
 			m := testMetrics()
 			p := New(Options{}, m, zap.NewNop())
-			front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				p.Forward(w, r, Upstream{BaseURL: a.URL, Path: "/v1/completions", Body: []byte(`{}`), Model: "m", InstanceID: "A", RequestID: "cmpl-x"})
-			}))
-			defer front.Close()
-			got := make(chan string, 1)
-			go func() {
-				resp, err := http.Post(front.URL+"/v1/completions", "application/json", strings.NewReader(`{}`))
-				if err != nil {
-					got <- err.Error()
-					return
-				}
-				body, _ := io.ReadAll(resp.Body)
-				resp.Body.Close()
-				got <- string(body)
-			}()
+			got := streamThrough(t, p, a.URL)
 			var s *Stream
 			for deadline := time.Now().Add(5 * time.Second); s == nil || s.Tokens() < k-inFlight; time.Sleep(time.Millisecond) {
 				if time.Now().After(deadline) {
@@ -137,21 +123,7 @@ func TestSpliceFollowsTextWhenTheSourceMergesTokens(t *testing.T) {
 	}))
 	defer b.Close()
 	p := New(Options{}, testMetrics(), zap.NewNop())
-	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		p.Forward(w, r, Upstream{BaseURL: a.URL, Path: "/v1/completions", Body: []byte(`{}`), Model: "m", InstanceID: "A", RequestID: "cmpl-x"})
-	}))
-	defer front.Close()
-	got := make(chan string, 1)
-	go func() {
-		resp, err := http.Post(front.URL+"/v1/completions", "application/json", strings.NewReader(`{}`))
-		if err != nil {
-			got <- err.Error()
-			return
-		}
-		body, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		got <- string(body)
-	}()
+	got := streamThrough(t, p, a.URL)
 	var s *Stream
 	for deadline := time.Now().Add(5 * time.Second); s == nil || s.Tokens() < 1; time.Sleep(time.Millisecond) {
 		if time.Now().After(deadline) {
@@ -194,4 +166,26 @@ func TestTextLenCountsCodePoints(t *testing.T) {
 			t.Errorf("TextLen(%s) = %d, want %d", data, got, want)
 		}
 	}
+}
+
+// streamThrough relays one client stream of request cmpl-x from engine
+// aURL through p; the channel gets what the client read.
+func streamThrough(t *testing.T, p *Proxy, aURL string) <-chan string {
+	t.Helper()
+	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		p.Forward(w, r, Upstream{BaseURL: aURL, Path: "/v1/completions", Body: []byte(`{}`), Model: "m", InstanceID: "A", RequestID: "cmpl-x"})
+	}))
+	t.Cleanup(front.Close)
+	got := make(chan string, 1)
+	go func() {
+		resp, err := http.Post(front.URL+"/v1/completions", "application/json", strings.NewReader(`{}`))
+		if err != nil {
+			got <- err.Error()
+			return
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		got <- string(body)
+	}()
+	return got
 }

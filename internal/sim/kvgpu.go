@@ -1,7 +1,6 @@
 package sim
 
 import (
-	"encoding/binary"
 	"fmt"
 	"runtime"
 	"sync"
@@ -179,7 +178,6 @@ func (g *gpuKV) flush(m *kvMemory) error {
 // out, and the copies that put them in place into cs.
 func (m *kvMemory) fillToken(out []byte, cs []cuda.Copy, src cuda.DevicePtr, j tokenJob) {
 	k := tokenKey(j.seed, j.token, j.pos)
-	var tail [8]byte
 	at, n := 0, 0
 	for i := range m.regions {
 		r := &m.regions[i]
@@ -191,14 +189,7 @@ func (m *kvMemory) fillToken(out []byte, cs []cuda.Copy, src cuda.DevicePtr, j t
 				for h := 0; h < l.NumHeads; h++ {
 					dst := out[at : at+r.slotBytes]
 					gl, gh := l.FirstLayer+layer, l.FirstHead+h
-					w := 0
-					for ; (w+1)*8 <= len(dst); w++ {
-						binary.LittleEndian.PutUint64(dst[w*8:], kvWord(k, gl, kv, gh, w))
-					}
-					if w*8 < len(dst) {
-						binary.LittleEndian.PutUint64(tail[:], kvWord(k, gl, kv, gh, w))
-						copy(dst[w*8:], tail[:])
-					}
+					fillSlot(dst, k, gl, kv, gh)
 					cs[n] = cuda.Copy{Dst: r.dptr + cuda.DevicePtr(off), Src: src + cuda.DevicePtr(at), Len: uint64(r.slotBytes)}
 					at += r.slotBytes
 					n++

@@ -120,7 +120,6 @@ func (m *kvMemory) writeToken(block, slot int, seed int64, token, pos int) {
 		return
 	}
 	k := tokenKey(seed, token, pos)
-	var tail [8]byte
 	for i := range m.regions {
 		r := &m.regions[i]
 		l := &r.layout
@@ -132,17 +131,23 @@ func (m *kvMemory) writeToken(block, slot int, seed int64, token, pos int) {
 					dst := r.data[off : off+r.slotBytes]
 					off += r.headStride
 					gl, gh := l.FirstLayer+layer, l.FirstHead+h
-					w := 0
-					for ; (w+1)*8 <= len(dst); w++ {
-						binary.LittleEndian.PutUint64(dst[w*8:], kvWord(k, gl, kv, gh, w))
-					}
-					if w*8 < len(dst) {
-						binary.LittleEndian.PutUint64(tail[:], kvWord(k, gl, kv, gh, w))
-						copy(dst[w*8:], tail[:])
-					}
+					fillSlot(dst, k, gl, kv, gh)
 				}
 			}
 		}
+	}
+}
+
+// fillSlot writes one head's K or V vector of the token with key k.
+func fillSlot(dst []byte, k uint64, layer, kv, head int) {
+	w := 0
+	for ; (w+1)*8 <= len(dst); w++ {
+		binary.LittleEndian.PutUint64(dst[w*8:], kvWord(k, layer, kv, head, w))
+	}
+	if w*8 < len(dst) {
+		var tail [8]byte
+		binary.LittleEndian.PutUint64(tail[:], kvWord(k, layer, kv, head, w))
+		copy(dst[w*8:], tail[:])
 	}
 }
 
