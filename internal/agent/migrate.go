@@ -19,8 +19,8 @@ import (
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 	"github.com/vllm-hi/vllm-hi/internal/engine"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
-	"github.com/vllm-hi/vllm-hi/internal/transfer/shm"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/cudaipc"
+	"github.com/vllm-hi/vllm-hi/internal/transfer/shm"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/tcpshm"
 )
 

@@ -25,7 +25,7 @@ type scenario struct {
 	MaxTokens        int
 	PromptWords      int
 	Sim              sim.Config
-	DeviceA, DeviceB string // where each engine keeps its KV (sim --device); the reference uses DeviceA
+	DeviceA, DeviceB string        // where each engine keeps its KV (sim --device); the reference uses DeviceA
 	Delay            time.Duration // load start → migration
 	Type             string
 	FinalGranularity string
