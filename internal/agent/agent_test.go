@@ -139,9 +139,16 @@ func TestFatalRegistration(t *testing.T) {
 	_, addr, stop := runHost(t, "127.0.0.1:0", "tok")
 	defer stop()
 	eng := runSim(t)
-	_, wait := runAgent(t, baseConfig(addr, eng, "B"))
+	// Run it directly: runAgent's stop function cancels the agent, which
+	// would end it cleanly before the refusal arrives.
+	refused, err := New(baseConfig(addr, eng, "B"), zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, rcancel := context.WithCancel(context.Background())
+	defer rcancel()
 	errc := make(chan error, 1)
-	go func() { errc <- wait() }()
+	go func() { errc <- refused.Run(rctx) }()
 	select {
 	case err := <-errc:
 		if err == nil {
