@@ -22,6 +22,70 @@ type gpuPlane struct {
 	mu      sync.Mutex
 	drv     *cuda.Lib
 	streams map[int]cuda.Stream
+	// targets are this engine's regions mapped for a migration's tcp_shm
+	// writes (GPU KV received over the network), by session.
+	targets map[string]*gpuTarget
+}
+
+type gpuTarget struct {
+	dev   int
+	dst   cudaipc.Regions
+	sizes []uint64
+	close func()
+}
+
+// ready loads the driver and makes dev's stream (g.mu held).
+func (g *gpuPlane) ready(dev int) (cuda.Stream, error) {
+	var err error
+	if g.drv == nil {
+		if g.drv, err = cuda.Load(); err != nil {
+			return 0, fmt.Errorf("GPU KV: %w", err)
+		}
+		g.streams, g.targets = map[int]cuda.Stream{}, map[string]*gpuTarget{}
+	}
+	s, ok := g.streams[dev]
+	if !ok {
+		if s, err = g.drv.NewStream(dev); err != nil {
+			return 0, err
+		}
+		g.streams[dev] = s
+	}
+	return s, nil
+}
+
+// releaseTarget unmaps a session's target regions.
+func (g *gpuPlane) releaseTarget(session string) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if t := g.targets[session]; t != nil {
+		t.close()
+		delete(g.targets, session)
+	}
+}
+
+// sink is a tcp_shm target writing session's data into this engine's GPU
+// regions (mapped once per session, staged per connection).
+func (g *gpuPlane) sink(session string, l hooks.Layout) (*cudaipc.Sink, error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	dev := l.Regions[0].Memory.Device
+	s, err := g.ready(dev)
+	if err != nil {
+		return nil, err
+	}
+	t := g.targets[session]
+	if t == nil {
+		dst, closeAll, err := openRegions(g.drv, dev, l)
+		if err != nil {
+			return nil, err
+		}
+		t = &gpuTarget{dev: dev, dst: dst, close: closeAll}
+		for _, r := range l.Regions {
+			t.sizes = append(t.sizes, uint64(r.Size))
+		}
+		g.targets[session] = t
+	}
+	return cudaipc.NewSink(&cudaipc.Copier{Driver: g.drv, Device: dev, Stream: s}, t.dst, t.sizes)
 }
 
 func (g *gpuPlane) close() {
@@ -29,6 +93,9 @@ func (g *gpuPlane) close() {
 	defer g.mu.Unlock()
 	if g.drv == nil {
 		return
+	}
+	for _, t := range g.targets {
+		t.close()
 	}
 	for dev, s := range g.streams {
 		_ = g.drv.DestroyStream(dev, s)
@@ -55,15 +122,13 @@ func (a *Agent) pickBackend(src, dst hooks.Layout) (string, error) {
 	switch {
 	case want == "rdma":
 		return "", errors.New("the rdma backend is not implemented (no RDMA NIC to build it against)")
-	case sg && dg && (want == "" || want == "auto" || want == cudaipc.Type):
-		return cudaipc.Type, nil
-	case !sg && !dg && (want == "" || want == "auto" || want == "tcp_shm"):
-		return "tcp_shm", nil
-	case want == cudaipc.Type:
+	case want == cudaipc.Type && !(sg && dg):
 		return "", errors.New("cuda_ipc needs both engines' KV in GPU memory")
+	case want == cudaipc.Type || (sg && dg && (want == "" || want == "auto")):
+		return cudaipc.Type, nil
 	default:
-		return "", fmt.Errorf("%s cannot move KV between %s and %s memory (tcp_shm with GPU KV, staged through pinned host memory, is not implemented yet)",
-			orAuto(want), memKind(src), memKind(dst))
+		// tcp_shm, staged through pinned host memory on a GPU side.
+		return "tcp_shm", nil
 	}
 }
 
@@ -130,19 +195,10 @@ func (a *Agent) cudaCopy(src, dst hooks.Layout, copies []kvlayout.BlockCopy, fau
 	g := &a.gpu
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if g.drv == nil {
-		if g.drv, err = cuda.Load(); err != nil {
-			return tcpshm.Stats{}, fmt.Errorf("cuda_ipc: %w", err)
-		}
-		g.streams = map[int]cuda.Stream{}
-	}
 	dev := src.Regions[0].Memory.Device
-	s, ok := g.streams[dev]
-	if !ok {
-		if s, err = g.drv.NewStream(dev); err != nil {
-			return tcpshm.Stats{}, err
-		}
-		g.streams[dev] = s
+	s, err := g.ready(dev)
+	if err != nil {
+		return tcpshm.Stats{}, err
 	}
 	srcPtrs, closeSrc, err := openRegions(g.drv, dev, src)
 	if err != nil {
@@ -167,4 +223,29 @@ func (a *Agent) cudaCopy(src, dst hooks.Layout, copies []kvlayout.BlockCopy, fau
 		return tcpshm.Stats{}, err
 	}
 	return tcpshm.Stats{Runs: len(runs), Bytes: kvlayout.Bytes(runs)}, nil
+}
+
+// gatherGPU stages a GPU source's runs in pinned host memory for tcp_shm:
+// it returns the bytes and the runs rewritten to read them.
+func (a *Agent) gatherGPU(src hooks.Layout, runs []kvlayout.CopyRun) ([]byte, []kvlayout.CopyRun, func(), error) {
+	g := &a.gpu
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	dev := src.Regions[0].Memory.Device
+	s, err := g.ready(dev)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	srcPtrs, closeSrc, err := openRegions(g.drv, dev, src)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	defer closeSrc()
+	c := &cudaipc.Copier{Driver: g.drv, Device: dev, Stream: s}
+	host, out, err := c.Gather(srcPtrs, runs)
+	if err != nil {
+		c.Close()
+		return nil, nil, nil, err
+	}
+	return host, out, c.Close, nil
 }

@@ -21,8 +21,9 @@ func TestPickBackend(t *testing.T) {
 		{"cuda_ipc", gpu, gpu, "cuda_ipc"},
 		{"tcp_shm", host, host, "tcp_shm"},
 		{"cuda_ipc", host, host, "needs both engines' KV in GPU memory"},
-		{"auto", gpu, host, "not implemented yet"},
-		{"tcp_shm", gpu, gpu, "not implemented yet"},
+		{"auto", gpu, host, "tcp_shm"}, // staged through pinned memory
+		{"auto", host, gpu, "tcp_shm"},
+		{"tcp_shm", gpu, gpu, "tcp_shm"},
 		{"rdma", host, host, "not implemented"},
 	} {
 		a := &Agent{cfg: Config{TransferBackend: c.want}}

@@ -159,6 +159,7 @@ func (s *agentService) ReleaseTarget(_ context.Context, req *v1.ReleaseTargetReq
 	s.a.dp.mu.Lock()
 	delete(s.a.dp.sessions, req.GetMigrationId())
 	s.a.dp.mu.Unlock()
+	s.a.gpu.releaseTarget(req.GetMigrationId())
 	return &v1.ReleaseTargetResponse{}, nil
 }
 
@@ -169,6 +170,13 @@ func (a *Agent) dataTarget(session string) (*tcpshm.Memory, error) {
 	defer a.dp.mu.Unlock()
 	if !a.dp.sessions[session] {
 		return nil, fmt.Errorf("no migration %q is expected here", session)
+	}
+	if onGPU(a.dp.dstLayout) {
+		sink, err := a.gpu.sink(session, a.dp.dstLayout)
+		if err != nil {
+			return nil, err
+		}
+		return &tcpshm.Memory{Sink: sink}, nil
 	}
 	if a.dp.dst == nil {
 		return nil, fmt.Errorf("target regions not mapped")
@@ -322,8 +330,11 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 	if err != nil {
 		return nil, status.Error(codes.FailedPrecondition, err.Error())
 	}
+	staged := onGPU(srcLayout) || onGPU(dstLayout) // tcp_shm with GPU KV on a side: runs, through pinned memory
 	if backend == cudaipc.Type {
 		st, err = a.cudaCopy(srcLayout, dstLayout, copies, fault)
+	} else if staged {
+		st, err = a.sendStaged(ctx, req, srcLayout, dstLayout, src, copies, tn, fault)
 	} else if slotGranular {
 		// Token slots: many tiny runs; send them as slot jobs the target
 		// expands with its own layout.
@@ -364,4 +375,28 @@ func (s *agentService) Retire(context.Context, *v1.RetireRequest) (*v1.RetireRes
 		a.log.Info("retired: the engine's KV is released")
 	}()
 	return &v1.RetireResponse{}, nil
+}
+
+// sendStaged sends a round over tcp_shm when a side's KV is in GPU
+// memory: always as runs (a GPU target scatters runs, not slot jobs), the
+// source's bytes gathered into pinned host memory first when it is the
+// GPU side.
+func (a *Agent) sendStaged(ctx context.Context, req *v1.CopyRoundRequest, src, dst hooks.Layout, srcMem *shm.Regions, copies []kvlayout.BlockCopy, tn int, fault tcpshm.Fault) (tcpshm.Stats, error) {
+	geo := src.Geometry
+	runs, err := kvlayout.Plan(geo.Layers, geo.KVHeads, int64(geo.HeadSlotBytes()), specs(src), specs(dst), copies)
+	if err != nil {
+		return tcpshm.Stats{}, err
+	}
+	data := [][]byte(nil)
+	if onGPU(src) {
+		host, out, release, err := a.gatherGPU(src, runs)
+		if err != nil {
+			return tcpshm.Stats{}, err
+		}
+		defer release()
+		data, runs = [][]byte{host}, out
+	} else {
+		data = srcMem.Data
+	}
+	return tcpshm.Send(ctx, req.GetTargetDataAddress(), req.GetMigrationId(), tn, data, runs, fault)
 }

@@ -77,6 +77,12 @@ type Driver interface {
 	EnablePeer(dev, peer int) error
 	// KernelCopy runs copies with one kernel launch (16-byte aligned).
 	KernelCopy(dev int, s Stream, copies []Copy) error
+	// HostAlloc and HostFree manage page-locked host memory; HtoDAsync
+	// and DtoHAsync copy between it and dev on s.
+	HostAlloc(dev int, n uint64) ([]byte, error)
+	HostFree(dev int, b []byte) error
+	HtoDAsync(dev int, s Stream, dst DevicePtr, src []byte) error
+	DtoHAsync(dev int, s Stream, dst []byte, src DevicePtr) error
 	// HasBatchCopy reports whether cuMemcpyBatchAsync is available.
 	HasBatchCopy() bool
 	// Close releases this reference to the library.

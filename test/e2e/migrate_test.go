@@ -40,8 +40,10 @@ func deploy(t *testing.T, bBlocks int) *deployment {
 		args := []string{"sim", "--port", fmt.Sprint(port), "--served-model-name", "m", "--shm-dir", shm,
 			"--num-gpu-blocks", fmt.Sprint(blocks), "--max-model-len", "1024", "--step-fixed", "6ms", "--log-level", "warn",
 			"--device", device}
-		if device != "cpu" {
-			args = append(args, "--kv-scale", "8") // GPU copies move 16-byte multiples
+		if strings.Contains(strings.Join(devices, ","), "cuda") {
+			// GPU copies move 16-byte multiples; every engine of a
+			// deployment shares one geometry.
+			args = append(args, "--kv-scale", "8")
 		}
 		return args
 	}

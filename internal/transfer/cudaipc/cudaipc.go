@@ -53,6 +53,11 @@ type Copier struct {
 	Stream   cuda.Stream
 	MaxBatch int
 	Method   string
+
+	// staging for tcp_shm moves (Gather, Sink)
+	hostStage []byte
+	devStage  cuda.DevicePtr
+	stageCap  uint64
 }
 
 // Run copies runs from src to dst regions and waits until they landed.

@@ -240,6 +240,18 @@ type Memory struct {
 	Specs         []kvlayout.RegionSpec
 	Layers, Heads int
 	SlotBytes     int64
+	// Sink, when set, receives the runs instead of Data (KV the agent
+	// cannot map: GPU memory, written through staging). It must copy the
+	// bytes it is given; Flush makes everything written so far land and
+	// is called before the share is acknowledged. A Sink that is an
+	// io.Closer is closed when the connection ends.
+	Sink Sink
+}
+
+// Sink takes a target's writes (see Memory.Sink).
+type Sink interface {
+	Write(region int, at uint64, b []byte) error
+	Flush() error
 }
 
 // Target resolves the memory a session writes into; an error refuses it.
@@ -315,6 +327,9 @@ func (s *Server) serve(c net.Conn) error {
 		return reply(ack{Error: err.Error()})
 	}
 	dst := mem.Data
+	if c, ok := mem.Sink.(io.Closer); ok {
+		defer c.Close()
+	}
 	var places []slotPlace
 	if mem.Layers > 0 {
 		if places, err = slotPlaces(mem); err != nil {
@@ -332,6 +347,11 @@ func (s *Server) serve(c net.Conn) error {
 		}
 		f := readHeader(hdr[:])
 		if f.runs == 0 {
+			if mem.Sink != nil {
+				if err := mem.Sink.Flush(); err != nil {
+					return reply(ack{Error: err.Error()})
+				}
+			}
 			return reply(a)
 		}
 		if f.runs > maxRuns || f.length > maxFrame {
@@ -359,6 +379,10 @@ func (s *Server) serve(c net.Conn) error {
 			continue
 		}
 		if f.kind == frameSlots {
+			if mem.Sink != nil {
+				_ = reply(ack{Error: "this target takes runs, not slot jobs"})
+				return fmt.Errorf("slot frame for a sink target")
+			}
 			if err := scatterSlots(dst, places, mem.SlotBytes, d, p); err != nil {
 				_ = reply(ack{Error: err.Error()})
 				return err
@@ -370,6 +394,18 @@ func (s *Server) serve(c net.Conn) error {
 		var off uint64
 		for k := 0; k < int(f.runs); k++ {
 			region, at, n := readRun(d[k*runDescSize:])
+			if mem.Sink != nil {
+				if off+n > f.length {
+					_ = reply(ack{Error: "run outside the frame"})
+					return fmt.Errorf("run outside the frame")
+				}
+				if err := mem.Sink.Write(int(region), at, p[off:off+n]); err != nil {
+					_ = reply(ack{Error: err.Error()})
+					return err
+				}
+				off += n
+				continue
+			}
 			if int(region) >= len(dst) || at+n > uint64(len(dst[region])) || off+n > f.length {
 				_ = reply(ack{Error: fmt.Sprintf("run outside the target regions: region %d offset %d length %d", region, at, n)})
 				return fmt.Errorf("run outside the target regions")
