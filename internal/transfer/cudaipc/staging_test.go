@@ -52,7 +52,7 @@ func (m *memDriver) at(p cuda.DevicePtr, n uint64) []byte {
 }
 
 func (m *memDriver) HostAlloc(_ int, n uint64) ([]byte, error) { return make([]byte, n), nil }
-func (m *memDriver) HostFree(int, []byte) error                 { return nil }
+func (m *memDriver) HostFree(int, []byte) error                { return nil }
 func (m *memDriver) HtoDAsync(_ int, _ cuda.Stream, d cuda.DevicePtr, b []byte) error {
 	copy(m.at(d, uint64(len(b))), b)
 	return nil
@@ -67,8 +67,10 @@ func (m *memDriver) CopyBatch(_ int, _ cuda.Stream, cs []cuda.Copy) error {
 	}
 	return nil
 }
-func (m *memDriver) KernelCopy(d int, s cuda.Stream, cs []cuda.Copy) error { return m.CopyBatch(d, s, cs) }
-func (m *memDriver) Sync(int, cuda.Stream) error                          { return nil }
+func (m *memDriver) KernelCopy(d int, s cuda.Stream, cs []cuda.Copy) error {
+	return m.CopyBatch(d, s, cs)
+}
+func (m *memDriver) Sync(int, cuda.Stream) error { return nil }
 
 // GPU KV moved over tcp_shm: gathered from the source's GPU regions into
 // pinned memory, sent as ordinary runs, staged and scattered into the
