@@ -107,7 +107,10 @@ type Memory struct {
 	// PID and DevicePointer let a copier in the exporting process itself
 	// (an in-process stack: tests, benchmarks) use the allocation directly:
 	// CUDA refuses to open a process's own IPC handles.
-	PID           int    `json:"pid,omitempty"`
+	PID int `json:"pid,omitempty"`
+	// Node is the exporting machine's hostname: CUDA IPC handles open only
+	// on the node that made them, so agents elsewhere use tcp_shm.
+	Node          string `json:"node,omitempty"`
 	DevicePointer uint64 `json:"device_pointer,omitempty"`
 }
 

@@ -104,6 +104,18 @@ func (g *gpuPlane) close() {
 	g.drv, g.streams = nil, nil
 }
 
+// sameNode reports whether every GPU region of l was exported on this
+// machine (regions that do not say are taken as local).
+func sameNode(l hooks.Layout) bool {
+	here, _ := os.Hostname()
+	for _, r := range l.Regions {
+		if r.Memory.Kind == hooks.MemoryCUDAIPC && r.Memory.Node != "" && r.Memory.Node != here {
+			return false
+		}
+	}
+	return true
+}
+
 func onGPU(l hooks.Layout) bool {
 	for _, r := range l.Regions {
 		if r.Memory.Kind == hooks.MemoryCUDAIPC {
@@ -119,12 +131,15 @@ func onGPU(l hooks.Layout) bool {
 func (a *Agent) pickBackend(src, dst hooks.Layout) (string, error) {
 	want := a.cfg.TransferBackend
 	sg, dg := onGPU(src), onGPU(dst)
+	local := sameNode(src) && sameNode(dst)
 	switch {
 	case want == "rdma":
 		return "", errors.New("the rdma backend is not implemented (no RDMA NIC to build it against)")
 	case want == cudaipc.Type && !(sg && dg):
 		return "", errors.New("cuda_ipc needs both engines' KV in GPU memory")
-	case want == cudaipc.Type || (sg && dg && (want == "" || want == "auto")):
+	case want == cudaipc.Type && !local:
+		return "", errors.New("cuda_ipc needs both engines on this node (CUDA IPC handles do not cross machines)")
+	case want == cudaipc.Type || (sg && dg && local && (want == "" || want == "auto")):
 		return cudaipc.Type, nil
 	default:
 		// tcp_shm, staged through pinned host memory on a GPU side.

@@ -10,6 +10,7 @@ import (
 func TestPickBackend(t *testing.T) {
 	host := hooks.Layout{Regions: []hooks.Region{{Memory: hooks.Memory{Kind: hooks.MemoryShm}}}}
 	gpu := hooks.Layout{Regions: []hooks.Region{{Memory: hooks.Memory{Kind: hooks.MemoryCUDAIPC, IPCHandle: "x"}}}}
+	far := hooks.Layout{Regions: []hooks.Region{{Memory: hooks.Memory{Kind: hooks.MemoryCUDAIPC, IPCHandle: "x", Node: "another-node.example"}}}}
 	for _, c := range []struct {
 		want     string
 		src, dst hooks.Layout
@@ -25,6 +26,8 @@ func TestPickBackend(t *testing.T) {
 		{"auto", host, gpu, "tcp_shm"},
 		{"tcp_shm", gpu, gpu, "tcp_shm"},
 		{"rdma", host, host, "not implemented"},
+		{"auto", gpu, far, "tcp_shm"}, // another node: no IPC
+		{"cuda_ipc", gpu, far, "this node"},
 	} {
 		a := &Agent{cfg: Config{TransferBackend: c.want}}
 		got, err := a.pickBackend(c.src, c.dst)

@@ -36,7 +36,7 @@ func (e *Engine) Layout(context.Context) (hooks.Layout, error) {
 				return hooks.Layout{}, fmt.Errorf("export the KV of GPU %d: %w", dev, err)
 			}
 			mem = hooks.Memory{Kind: hooks.MemoryCUDAIPC, Device: dev, IPCHandle: base64.StdEncoding.EncodeToString(h[:]),
-				PID: os.Getpid(), DevicePointer: uint64(r.dptr)}
+				PID: os.Getpid(), DevicePointer: uint64(r.dptr), Node: hostname()}
 		}
 		l.Regions = append(l.Regions, hooks.Region{
 			TPRank: rl.Shard.TPRank, PPStage: rl.Shard.PPStage,
@@ -334,4 +334,10 @@ func (e *Engine) Stats(context.Context) (hooks.Stats, error) {
 		}
 	}
 	return s, nil
+}
+
+// hostname names this node in cuda_ipc memory descriptions ("" if unknown).
+func hostname() string {
+	h, _ := os.Hostname()
+	return h
 }
