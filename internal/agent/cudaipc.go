@@ -126,8 +126,8 @@ func onGPU(l hooks.Layout) bool {
 }
 
 // pickBackend decides how a round moves bytes: cuda_ipc when both sides'
-// KV is in GPU memory (same node: IPC handles only open there), tcp_shm
-// when both are shared-memory files.
+// KV is in GPU memory on this node (IPC handles only open there), tcp_shm
+// otherwise (staged through pinned host memory on a GPU side).
 func (a *Agent) pickBackend(src, dst hooks.Layout) (string, error) {
 	want := a.cfg.TransferBackend
 	sg, dg := onGPU(src), onGPU(dst)
@@ -145,13 +145,6 @@ func (a *Agent) pickBackend(src, dst hooks.Layout) (string, error) {
 		// tcp_shm, staged through pinned host memory on a GPU side.
 		return "tcp_shm", nil
 	}
-}
-
-func orAuto(s string) string {
-	if s == "" {
-		return "auto"
-	}
-	return s
 }
 
 func memKind(l hooks.Layout) string {
