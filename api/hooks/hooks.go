@@ -228,12 +228,15 @@ type RequestState struct {
 	// code points (Python's len; vhi sim's vocabulary is ASCII, so its byte
 	// offsets are the same); the Host compares them with the text it
 	// relayed to know when a client got everything the source produced.
-	OutputText  string       `json:"output_text"`
-	TextOffsets IntList      `json:"text_offsets"`
-	ArrivalTime float64      `json:"arrival_time"`
-	Priority    int          `json:"priority"`
-	BlockIDs    IntList      `json:"block_ids"`
-	Response    ResponseMeta `json:"response"`
+	OutputText  string  `json:"output_text"`
+	TextOffsets IntList `json:"text_offsets"`
+	ArrivalTime float64 `json:"arrival_time"`
+	Priority    int     `json:"priority"`
+	// BlockIDs are the exporting engine's blocks (informational): an
+	// install uses the blocks the target reserved for the request id and
+	// ignores them, so the Host forwards an export to install untouched.
+	BlockIDs IntList      `json:"block_ids"`
+	Response ResponseMeta `json:"response"`
 	// EngineState is engine-specific state carried opaquely from the
 	// source's export to the target's install (vLLM: the full sampling
 	// parameters, the random generator's state, the original prompt

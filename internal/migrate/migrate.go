@@ -658,27 +658,35 @@ func (m *migration) final(ctx context.Context, since uint64) {
 		}
 	}
 	ids = m.ids()
-	var states []hooks.RequestState
+	// The exported state goes to the target as it came: the target installs
+	// into the blocks it reserved per request id, so nothing in it needs
+	// rewriting, and decoding and re-encoding 256 requests' token ids and
+	// text would sit inside the pause. The Host reads only what splicing
+	// needs.
+	var states []movedState
+	var install []byte
 	if len(ids) > 0 {
-		exp, err := hook[hooks.ExportResponse](ctx, m.srcA, "export", hooks.ExportRequest{RequestIDs: ids}, 0)
+		b, _ := json.Marshal(hooks.ExportRequest{RequestIDs: ids})
+		resp, err := m.srcA.Hook(ctx, &v1.HookRequest{Name: "export", Body: b})
 		if err != nil {
 			m.fail(fmt.Errorf("export the source's state: %s", status.Convert(err).Message()))
 			return
 		}
-		states = exp.Requests
-		m.mu.Lock()
-		for i := range states {
-			st := &states[i]
-			st.BlockIDs = st.BlockIDs[:0]
-			for _, b := range m.moving[st.RequestID].GetDstBlockIds() {
-				st.BlockIDs = append(st.BlockIDs, int(b))
-			}
+		var exp struct {
+			Requests []movedState `json:"requests"`
 		}
-		m.mu.Unlock()
+		raw := resp.GetBody()
+		if err := json.Unmarshal(raw, &exp); err != nil || len(raw) < 2 || raw[0] != '{' {
+			m.fail(fmt.Errorf("export the source's state: unreadable answer: %v", err))
+			return
+		}
+		states = exp.Requests
+		// {"cursor":…,"requests":[…]} → {"resume":true,"cursor":…,"requests":[…]}
+		install = append([]byte(`{"resume":true,`), raw[1:]...)
 	}
 	m.step("install_target")
 	if len(states) > 0 {
-		if _, err := hook[hooks.InstallResponse](ctx, m.dstA, "install", hooks.InstallRequest{Requests: states, Resume: true}, 0); err != nil {
+		if _, err := m.dstA.Hook(ctx, &v1.HookRequest{Name: "install", Body: install}); err != nil {
 			m.fail(fmt.Errorf("install on the target: %s", status.Convert(err).Message()))
 			return
 		}
@@ -789,9 +797,16 @@ func (o *Orchestrator) Busy(instance string) bool {
 	return ok
 }
 
+// movedState is the part of an exported request the Host reads.
+type movedState struct {
+	RequestID      string        `json:"request_id"`
+	OutputTokenIDs hooks.IntList `json:"output_token_ids"`
+	TextOffsets    hooks.IntList `json:"text_offsets"`
+}
+
 // visibleText is how much text (code points) the source's client stream
 // carries once every exported output token went out.
-func visibleText(st hooks.RequestState) int {
+func visibleText(st movedState) int {
 	if len(st.TextOffsets) != len(st.OutputTokenIDs) {
 		return -1
 	}

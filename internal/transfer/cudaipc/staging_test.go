@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"sort"
+	"sync"
 	"testing"
 
 	"go.uber.org/zap"
@@ -18,6 +19,7 @@ import (
 // staging logic without a GPU (the H200 runs test the real driver).
 type memDriver struct {
 	cuda.Driver
+	mu    sync.Mutex // the tcp_shm server calls in from its own goroutines
 	next  cuda.DevicePtr
 	bases []cuda.DevicePtr
 	mem   map[cuda.DevicePtr][]byte
@@ -26,6 +28,8 @@ type memDriver struct {
 func newMemDriver() *memDriver { return &memDriver{next: 1 << 32, mem: map[cuda.DevicePtr][]byte{}} }
 
 func (m *memDriver) Alloc(_ int, n uint64) (cuda.DevicePtr, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
 	p := m.next
 	m.next += cuda.DevicePtr(n+4095) &^ 4095
 	m.mem[p] = make([]byte, n)
@@ -34,10 +38,17 @@ func (m *memDriver) Alloc(_ int, n uint64) (cuda.DevicePtr, error) {
 	return p, nil
 }
 
-func (m *memDriver) Free(_ int, p cuda.DevicePtr) error { delete(m.mem, p); return nil }
+func (m *memDriver) Free(_ int, p cuda.DevicePtr) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	delete(m.mem, p)
+	return nil
+}
 
 // at is the host view of n device bytes at p.
 func (m *memDriver) at(p cuda.DevicePtr, n uint64) []byte {
+	m.mu.Lock()
+	defer m.mu.Unlock()
 	for i := len(m.bases) - 1; i >= 0; i-- {
 		b := m.bases[i]
 		if b <= p {
