@@ -10,7 +10,6 @@ the region's five strides, whatever KV layout vLLM resolved.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import uuid
@@ -23,11 +22,21 @@ _state = {"path": None, "buf": None, "pending_generators": {}}
 
 
 def _shm_zeros(path: str, size: int):
-    # torch.from_file(shared=True) maps the file MAP_SHARED: writes by the
-    # agent are seen by the kernels and vice versa.
+    """A zeroed int8 tensor backed by a shared-memory file, and the path an
+    agent maps it by.
+
+    torch.from_file(shared=True) maps the file MAP_SHARED: writes by the
+    agent are seen by the kernels and vice versa. The file is unlinked at
+    once and kept open, and agents open it as /proc/<pid>/fd/<fd>: the
+    memory goes away with the process however it ends (vLLM's engine is
+    often killed by a signal, which skips exit handlers).
+    """
     with open(path, "wb") as f:
         f.truncate(size)
-    return torch.from_file(path, shared=True, size=size, dtype=torch.int8)
+    buf = torch.from_file(path, shared=True, size=size, dtype=torch.int8)
+    fd = os.open(path, os.O_RDWR)
+    os.unlink(path)
+    return buf, f"/proc/{os.getpid()}/fd/{fd}"
 
 
 def patch_allocation(shm_dir: str) -> None:
@@ -51,9 +60,7 @@ def patch_allocation(shm_dir: str) -> None:
         def zeros(*args, **kw):
             n = args[0] if args else kw.get("size")
             if kw.get("dtype") == torch.int8 and n == size and _state["buf"] is None:
-                _state["buf"] = _shm_zeros(path, size)
-                _state["path"] = path
-                atexit.register(remove_kv_file)
+                _state["buf"], _state["path"] = _shm_zeros(path, size)
                 return _state["buf"]
             return real_zeros(*args, **kw)
 
@@ -72,13 +79,6 @@ def _patched(obj, name, value):
         yield
     finally:
         setattr(obj, name, old)
-
-
-def remove_kv_file() -> None:
-    p = _state.get("path")
-    if p:
-        with contextlib.suppress(OSError):
-            os.unlink(p)
 
 
 def describe_region(worker) -> dict:
