@@ -155,7 +155,7 @@ func memKind(l hooks.Layout) string {
 }
 
 // openRegions maps a layout's regions into dev's context.
-func openRegions(drv *cuda.Lib, dev int, l hooks.Layout) (cudaipc.Regions, func(), error) {
+func openRegions(drv cuda.Driver, dev int, l hooks.Layout) (cudaipc.Regions, func(), error) {
 	var opened []cuda.DevicePtr
 	closeAll := func() {
 		for _, p := range opened {
@@ -192,6 +192,25 @@ func openRegions(drv *cuda.Lib, dev int, l hooks.Layout) (cudaipc.Regions, func(
 	return out, closeAll, nil
 }
 
+// withSource maps a GPU source's regions on its device and hands fn a
+// copier on that device's stream; the mappings close when fn returns.
+func (a *Agent) withSource(src hooks.Layout, fn func(c *cudaipc.Copier, srcPtrs cudaipc.Regions) error) error {
+	g := &a.gpu
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	dev := src.Regions[0].Memory.Device
+	s, err := g.ready(dev)
+	if err != nil {
+		return err
+	}
+	srcPtrs, closeSrc, err := openRegions(g.drv, dev, src)
+	if err != nil {
+		return err
+	}
+	defer closeSrc()
+	return fn(&cudaipc.Copier{Driver: g.drv, Device: dev, Stream: s}, srcPtrs)
+}
+
 // cudaCopy runs one round's copies GPU to GPU: the plan's runs, from the
 // source engine's regions to the target's, issued from the source GPU.
 func (a *Agent) cudaCopy(src, dst hooks.Layout, copies []kvlayout.BlockCopy, fault tcpshm.Fault) (tcpshm.Stats, error) {
@@ -200,60 +219,40 @@ func (a *Agent) cudaCopy(src, dst hooks.Layout, copies []kvlayout.BlockCopy, fau
 	if err != nil {
 		return tcpshm.Stats{}, err
 	}
-	g := &a.gpu
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	dev := src.Regions[0].Memory.Device
-	s, err := g.ready(dev)
-	if err != nil {
-		return tcpshm.Stats{}, err
-	}
-	srcPtrs, closeSrc, err := openRegions(g.drv, dev, src)
-	if err != nil {
-		return tcpshm.Stats{}, err
-	}
-	defer closeSrc()
-	dstPtrs, closeDst, err := openRegions(g.drv, dev, dst)
-	if err != nil {
-		return tcpshm.Stats{}, err
-	}
-	defer closeDst()
-	c := &cudaipc.Copier{Driver: g.drv, Device: dev, Stream: s}
-	if fault != tcpshm.NoFault {
-		// Tests of a copy failing halfway: half the runs land, then the
-		// round fails and the migration must roll back.
-		if err := c.Run(srcPtrs, dstPtrs, runs[:len(runs)/2]); err != nil {
-			return tcpshm.Stats{}, err
+	err = a.withSource(src, func(c *cudaipc.Copier, srcPtrs cudaipc.Regions) error {
+		dstPtrs, closeDst, err := openRegions(c.Driver, c.Device, dst)
+		if err != nil {
+			return err
 		}
-		return tcpshm.Stats{}, errors.New("cuda_ipc: injected fault: copy failed halfway")
-	}
-	if err := c.Run(srcPtrs, dstPtrs, runs); err != nil {
+		defer closeDst()
+		if fault != tcpshm.NoFault {
+			// Tests of a copy failing halfway: half the runs land, then
+			// the round fails and the migration must roll back.
+			if err := c.Run(srcPtrs, dstPtrs, runs[:len(runs)/2]); err != nil {
+				return err
+			}
+			return errors.New("cuda_ipc: injected fault: copy failed halfway")
+		}
+		return c.Run(srcPtrs, dstPtrs, runs)
+	})
+	if err != nil {
 		return tcpshm.Stats{}, err
 	}
 	return tcpshm.Stats{Runs: len(runs), Bytes: kvlayout.Bytes(runs)}, nil
 }
 
 // gatherGPU stages a GPU source's runs in pinned host memory for tcp_shm:
-// it returns the bytes and the runs rewritten to read them.
-func (a *Agent) gatherGPU(src hooks.Layout, runs []kvlayout.CopyRun) ([]byte, []kvlayout.CopyRun, func(), error) {
-	g := &a.gpu
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	dev := src.Regions[0].Memory.Device
-	s, err := g.ready(dev)
-	if err != nil {
-		return nil, nil, nil, err
-	}
-	srcPtrs, closeSrc, err := openRegions(g.drv, dev, src)
-	if err != nil {
-		return nil, nil, nil, err
-	}
-	defer closeSrc()
-	c := &cudaipc.Copier{Driver: g.drv, Device: dev, Stream: s}
-	host, out, err := c.Gather(srcPtrs, runs)
-	if err != nil {
-		c.Close()
-		return nil, nil, nil, err
-	}
-	return host, out, c.Close, nil
+// it returns the bytes and the runs rewritten to read them, and the
+// function that frees the staging once they are sent.
+func (a *Agent) gatherGPU(src hooks.Layout, runs []kvlayout.CopyRun) (host []byte, out []kvlayout.CopyRun, release func(), err error) {
+	err = a.withSource(src, func(c *cudaipc.Copier, srcPtrs cudaipc.Regions) error {
+		var gerr error
+		if host, out, gerr = c.Gather(srcPtrs, runs); gerr != nil {
+			c.Close()
+			return gerr
+		}
+		release = c.Close
+		return nil
+	})
+	return host, out, release, err
 }

@@ -186,11 +186,21 @@ func hook[T any](ctx context.Context, a v1.AgentClient, name string, body any, s
 	if body != nil {
 		b, _ = json.Marshal(body)
 	}
-	resp, err := a.Hook(ctx, &v1.HookRequest{Name: name, Body: b, Since: since})
+	raw, err := hookRaw(ctx, a, name, b, since)
 	if err != nil {
 		return out, err
 	}
-	return out, json.Unmarshal(resp.GetBody(), &out)
+	return out, json.Unmarshal(raw, &out)
+}
+
+// hookRaw calls an engine hook through its agent with a ready body and
+// returns the answer's bytes.
+func hookRaw(ctx context.Context, a v1.AgentClient, name string, body []byte, since uint64) ([]byte, error) {
+	resp, err := a.Hook(ctx, &v1.HookRequest{Name: name, Body: body, Since: since})
+	if err != nil {
+		return nil, err
+	}
+	return resp.GetBody(), nil
 }
 
 // migration is one migration's live state.
@@ -667,7 +677,7 @@ func (m *migration) final(ctx context.Context, since uint64) {
 	var install []byte
 	if len(ids) > 0 {
 		b, _ := json.Marshal(hooks.ExportRequest{RequestIDs: ids})
-		resp, err := m.srcA.Hook(ctx, &v1.HookRequest{Name: "export", Body: b})
+		raw, err := hookRaw(ctx, m.srcA, "export", b, 0)
 		if err != nil {
 			m.fail(fmt.Errorf("export the source's state: %s", status.Convert(err).Message()))
 			return
@@ -675,7 +685,6 @@ func (m *migration) final(ctx context.Context, since uint64) {
 		var exp struct {
 			Requests []movedState `json:"requests"`
 		}
-		raw := resp.GetBody()
 		if err := json.Unmarshal(raw, &exp); err != nil || len(raw) < 2 || raw[0] != '{' {
 			m.fail(fmt.Errorf("export the source's state: unreadable answer: %v", err))
 			return
@@ -686,7 +695,7 @@ func (m *migration) final(ctx context.Context, since uint64) {
 	}
 	m.step("install_target")
 	if len(states) > 0 {
-		if _, err := m.dstA.Hook(ctx, &v1.HookRequest{Name: "install", Body: install}); err != nil {
+		if _, err := hookRaw(ctx, m.dstA, "install", install, 0); err != nil {
 			m.fail(fmt.Errorf("install on the target: %s", status.Convert(err).Message()))
 			return
 		}

@@ -197,13 +197,13 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 			return res
 		}
 		read := time.Now()
-		kind, _ := Classify(ev.Data)
+		kind, textLen, _ := ClassifyText(ev.Data)
 		if kind == KindToken {
 			res.Tokens++
 			p.m.StreamTokens.Inc()
 			s.mu.Lock()
 			s.tokens++
-			s.text += TextLen(ev.Data)
+			s.text += textLen
 			if s.spliceDueLocked() {
 				s.cancelA() // the source's last token: stop waiting on it after this write
 			}

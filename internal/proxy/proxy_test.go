@@ -247,7 +247,7 @@ func TestClassifyFastMatchesSlow(t *testing.T) {
 		`{"id":"c","choices":[{"index":0,"delta":{"tool_calls":[{"index":0}]}}]}`,
 	} {
 		fast, err1 := Classify([]byte(ev))
-		slow, err2 := classifySlow([]byte(ev))
+		slow, _, err2 := classifySlow([]byte(ev))
 		if fast != slow || err1 != nil || err2 != nil {
 			t.Errorf("%s: fast %v, slow %v (%v %v)", ev, fast, slow, err1, err2)
 		}

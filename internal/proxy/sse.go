@@ -128,12 +128,13 @@ type chunkShape struct {
 }
 
 var (
-	keyChoices    = []byte(`"choices":`)
-	keyRoleDelta  = []byte(`"delta":{"role":`)
-	keyText       = []byte(`"text":"`)
-	keyContent    = []byte(`"delta":{"content":"`)
-	keyError      = []byte(`{"error":`)
-	keyToolsDelta = []byte(`"tool_calls"`)
+	keyChoices     = []byte(`"choices":`)
+	keyRoleDelta   = []byte(`"delta":{"role":`)
+	keyText        = []byte(`"text":"`)
+	keyContent     = []byte(`"delta":{"content":"`)
+	keyRoleContent = []byte(`"content":"`)
+	keyError       = []byte(`{"error":`)
+	keyToolsDelta  = []byte(`"tool_calls"`)
 )
 
 // Classify says what an event carries. vLLM's and the sim's chunks have a
@@ -141,54 +142,61 @@ var (
 // (a key's quotes cannot occur unescaped inside a JSON string, so these
 // byte patterns only match structure); anything else is decoded properly.
 func Classify(data []byte) (Kind, error) {
+	k, _, err := ClassifyText(data)
+	return k, err
+}
+
+// TextLen is the number of Unicode code points of text an event carries
+// (a completion's "text" or a chat delta's "content").
+func TextLen(data []byte) int {
+	_, n, _ := ClassifyText(data)
+	return n
+}
+
+// ClassifyText is Classify plus the event's text length in Unicode code
+// points: the unit of the engines' text offsets (Python's len). vLLM
+// merges several tokens into one chunk when its reader lags, so the
+// relayed text, not the number of chunks, tells how far a client got. One
+// pass over the event does both: the relay calls it for every event.
+func ClassifyText(data []byte) (Kind, int, error) {
 	if data == nil {
-		return KindOther, nil
+		return KindOther, 0, nil
 	}
 	if bytes.Equal(data, []byte("[DONE]")) {
-		return KindDone, nil
+		return KindDone, 0, nil
 	}
 	if bytes.HasPrefix(data, keyError) {
-		return KindError, nil
+		return KindError, 0, nil
 	}
 	if i := bytes.Index(data, keyChoices); i >= 0 && !bytes.Contains(data, keyToolsDelta) {
 		rest := data[i+len(keyChoices):]
 		switch {
 		case bytes.HasPrefix(rest, []byte("[]")):
-			return KindUsage, nil
+			return KindUsage, 0, nil
 		case bytes.HasPrefix(rest, []byte("[{")) && bytes.Contains(rest, keyRoleDelta):
-			return KindRole, nil
-		case bytes.HasPrefix(rest, []byte("[{")) && (bytes.Contains(rest, keyText) || bytes.Contains(rest, keyContent)):
-			return KindToken, nil
+			if n, ok := stringAfter(rest, keyRoleContent); ok {
+				return KindRole, n, nil
+			}
+		case bytes.HasPrefix(rest, []byte("[{")):
+			for _, key := range [][]byte{keyText, keyContent} {
+				if n, ok := stringAfter(rest, key); ok {
+					return KindToken, n, nil
+				}
+			}
 		}
 	}
 	return classifySlow(data)
 }
 
-// TextLen is the number of Unicode code points of text a token event
-// carries (a completion's "text" or a chat delta's "content"): the unit of
-// the engines' text offsets (Python's len). vLLM merges several tokens
-// into one chunk when its reader lags, so the relayed text, not the
-// number of chunks, tells how far a client got.
-func TextLen(data []byte) int {
-	for _, key := range [][]byte{keyText, keyContent} {
-		if i := bytes.Index(data, key); i >= 0 {
-			if n, ok := jsonStringRunes(data[i+len(key):]); ok {
-				return n
-			}
-		}
+// stringAfter counts the code points of the JSON string that key (which
+// ends with the string's opening quote) starts; ok is false when key is
+// absent (or the string is cut).
+func stringAfter(data, key []byte) (int, bool) {
+	i := bytes.Index(data, key)
+	if i < 0 {
+		return 0, false
 	}
-	var c chunkShape
-	if json.Unmarshal(data, &c) != nil || c.Choices == nil || len(*c.Choices) == 0 {
-		return 0
-	}
-	ch := (*c.Choices)[0]
-	switch {
-	case ch.Text != nil:
-		return utf8.RuneCountInString(*ch.Text)
-	case ch.Delta != nil && ch.Delta.Content != nil:
-		return utf8.RuneCountInString(*ch.Delta.Content)
-	}
-	return 0
+	return jsonStringRunes(data[i+len(key):])
 }
 
 // jsonStringRunes counts the code points of a JSON string body up to its
@@ -229,32 +237,39 @@ func isLowSurrogate(hex []byte) bool {
 }
 
 // classifySlow decodes the event.
-func classifySlow(data []byte) (Kind, error) {
+func classifySlow(data []byte) (Kind, int, error) {
 	var c chunkShape
 	if err := json.Unmarshal(data, &c); err != nil {
-		return KindOther, fmt.Errorf("sse: event is not JSON: %w", err)
+		return KindOther, 0, fmt.Errorf("sse: event is not JSON: %w", err)
 	}
 	if len(c.Error) > 0 && string(c.Error) != "null" {
-		return KindError, nil
+		return KindError, 0, nil
 	}
 	if c.Choices == nil {
-		return KindOther, nil
+		return KindOther, 0, nil
 	}
 	if len(*c.Choices) == 0 {
-		return KindUsage, nil
+		return KindUsage, 0, nil
 	}
 	ch := (*c.Choices)[0]
+	n := 0
+	switch {
+	case ch.Text != nil:
+		n = utf8.RuneCountInString(*ch.Text)
+	case ch.Delta != nil && ch.Delta.Content != nil:
+		n = utf8.RuneCountInString(*ch.Delta.Content)
+	}
 	switch {
 	case ch.Delta != nil && ch.Delta.Role != nil:
-		return KindRole, nil
+		return KindRole, n, nil
 	case ch.Text != nil || (ch.Delta != nil && ch.Delta.Content != nil):
 		// One content chunk per output token (vLLM streams one per step
 		// and request; the sim one per token). A finishing chunk with empty
 		// text is ambiguous, but once a stream finished its count no longer
 		// matters for splicing.
-		return KindToken, nil
+		return KindToken, n, nil
 	case ch.FinishReason != nil:
-		return KindFinish, nil
+		return KindFinish, 0, nil
 	}
-	return KindOther, nil
+	return KindOther, 0, nil
 }

@@ -216,8 +216,9 @@ func parallel(n int, f func(lo, hi int)) {
 	wg.Wait()
 }
 
-// planReader records the reads a hash needs (returning zeros); replay
-// then hands out the gathered bytes in the same order.
+// planReader records the reads a hash needs (returning nothing: hashSlots
+// does not hash while planning); replay then hands out the gathered bytes
+// in the same order.
 type planReader struct {
 	m   *kvMemory
 	pos int
@@ -227,11 +228,8 @@ func (p *planReader) read(region, off, n int) []byte {
 	g := p.m.gpu
 	g.gather = append(g.gather, cuda.Copy{Src: p.m.regions[region].dptr + cuda.DevicePtr(off), Dst: cuda.DevicePtr(p.pos), Len: uint64(n)})
 	p.pos += n
-	return zeros[:n:n]
+	return nil
 }
-
-// zeros backs planning reads (never hashed for real).
-var zeros = make([]byte, 1<<22)
 
 type replayReader struct {
 	buf []byte

@@ -15,7 +15,6 @@ import atexit
 import inspect
 import json
 import logging
-import os
 import subprocess
 import time
 
@@ -52,8 +51,6 @@ class Installed:
         self.offsets = offs if len(offs) == len(self.output_ids) else [len(self.text)] * len(self.output_ids)
         self.prompt_len = prompt_len
         self.meta = meta
-        self.new_text = ""
-        self.new_tokens = 0
 
 
 class Hooks:
@@ -549,5 +546,4 @@ class VhiEndpoints:
         _patch_serving()
         _wrap_prompt_len()
         state.vllm_hi = Hooks(engine_client, state, args)
-        os.environ.setdefault("VLLM_HI_ENGINE_READY", "1")
         _start_agent(cfg, args)

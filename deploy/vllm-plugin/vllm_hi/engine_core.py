@@ -31,7 +31,6 @@ class CoreState:
         self.hook_lease_s = hook_lease_s
         self.reserved: dict[str, tuple[object, float]] = {}  # id -> (placeholder Request, expiry)
         self.steps = 0
-        self.generator_states: dict[str, bytes] = {}
         scheduler.kv_cache_manager._vhi_log = self.log
 
     # ---- helpers -------------------------------------------------------
