@@ -176,6 +176,10 @@ type PauseResponse struct {
 	Paused         []string `json:"paused"`
 	Cursor         uint64   `json:"cursor"`
 	LeaseExpiresAt float64  `json:"lease_expires_at"`
+	// StepWaitS is how long the call waited for the step in flight to end.
+	// The requests kept decoding (and their clients kept receiving tokens)
+	// until then, so a migration's downtime starts after it.
+	StepWaitS float64 `json:"step_wait_s"`
 }
 
 // ResumeRequest resumes paused requests (all when empty).
@@ -281,11 +285,15 @@ type AllocatedItem struct {
 }
 
 // InstallRequest installs requests whose KV is already in the blocks that
-// Allocate returned. With Resume they start decoding at once; otherwise they
-// wait paused for a Resume.
+// Allocate returned. With Resume they start decoding at once. Otherwise
+// they wait for a Resume, which commits them; a migration installs them
+// this way while its last KV is still being copied. Installed requests
+// that no Resume commits within LeaseMS are dropped silently, blocks
+// freed, not started: the source still has them.
 type InstallRequest struct {
 	Requests []RequestState `json:"requests"`
 	Resume   bool           `json:"resume"`
+	LeaseMS  int            `json:"lease_ms,omitempty"`
 }
 
 // InstallResponse lists what was installed.

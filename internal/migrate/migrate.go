@@ -88,6 +88,7 @@ type Status struct {
 	Rounds            []Round   `json:"rounds"`
 	DowntimeS         float64   `json:"downtime_s"`
 	ClientDowntimeS   float64   `json:"client_downtime_s"`
+	PauseWaitS        float64   `json:"pause_wait_s"`
 	NewActiveInstance string    `json:"new_active_instance"`
 	Error             string    `json:"error"`
 	Src               string    `json:"src_vllm_hi_id"`
@@ -513,9 +514,7 @@ func (m *migration) rollback(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	if m.pausedSrc {
-		if _, err := hook[hooks.ResumeResponse](ctx, m.srcA, "resume", hooks.ResumeRequest{RequestIDs: m.ids()}, 0); err != nil {
-			m.log.Error("rollback: resuming the source failed (its pause lease will resume it)", zap.Error(err))
-		}
+		m.resumeOnSource(ctx, m.ids())
 		m.pausedSrc = false
 	}
 	if m.dstA != nil {
@@ -607,47 +606,21 @@ func (m *migration) run() {
 	m.final(ctx, since)
 }
 
-// final pauses the source, copies the last delta and the state, installs
-// on the target and resumes it; then switches the streams.
+// final pauses the source and, while it is paused, copies the last delta
+// and moves the scheduler state side by side: the target installs the
+// state paused while the copy runs, and resuming it once both are done is
+// the commit (ownership flips there). Then the streams switch.
 func (m *migration) final(ctx context.Context, since uint64) {
 	m.step("pause_source")
 	pauseStart := time.Now()
-	ids := m.ids()
-	if len(ids) > 0 {
-		for attempt := 0; ; attempt++ {
-			_, err := hook[hooks.PauseResponse](ctx, m.srcA, "pause", hooks.PauseRequest{RequestIDs: ids, LeaseMS: int(m.o.cfg.PauseLease / time.Millisecond)}, 0)
-			if err == nil {
-				break
-			}
-			if status.Code(err) != codes.NotFound || attempt > 3 {
-				m.fail(fmt.Errorf("pause the source: %s", status.Convert(err).Message()))
-				return
-			}
-			// Some request finished just now: drop it and pause the rest.
-			list, lerr := hook[hooks.RequestList](ctx, m.srcA, "requests", nil, 0)
-			if lerr != nil {
-				m.fail(fmt.Errorf("pause the source: %w", lerr))
-				return
-			}
-			live := map[string]bool{}
-			for _, r := range list.Requests {
-				live[r.RequestID] = r.Status == hooks.StatusRunning
-			}
-			var keep []string
-			for _, id := range ids {
-				if live[id] {
-					keep = append(keep, id)
-				} else {
-					m.drop(id)
-				}
-			}
-			ids = keep
-			if len(ids) == 0 {
-				break
-			}
-		}
-		m.pausedSrc = len(ids) > 0
+	paused := m.ids()
+	wait, ok := m.pauseSource(ctx)
+	if !ok {
+		return
 	}
+	// The requests kept decoding, and their clients kept receiving tokens,
+	// until the step in flight ended: the downtime starts there.
+	stopped := pauseStart.Add(wait)
 	if m.req.InjectFault == "crash_after_pause" {
 		// Test of the Host dying while the source is paused: the source's
 		// pause lease and the target's reservation lease must clean up.
@@ -656,57 +629,33 @@ func (m *migration) final(ctx context.Context, since uint64) {
 	}
 
 	m.step("final_round")
-	slot := m.req.FinalGranularity != "block"
+	var states []movedState
 	if len(m.ids()) > 0 {
-		fault := m.req.InjectFault
-		if fault == "crash_after_pause" {
-			fault = ""
-		}
-		if _, err := m.copyRound(ctx, "final", since, slot, fault); err != nil {
+		var err error
+		if states, err = m.finalRound(ctx, since); err != nil {
 			m.fail(err)
 			return
 		}
 	}
-	ids = m.ids()
-	// The exported state goes to the target as it came: the target installs
-	// into the blocks it reserved per request id, so nothing in it needs
-	// rewriting, and decoding and re-encoding 256 requests' token ids and
-	// text would sit inside the pause. The Host reads only what splicing
-	// needs.
-	var states []movedState
-	var install []byte
-	if len(ids) > 0 {
-		b, _ := json.Marshal(hooks.ExportRequest{RequestIDs: ids})
-		raw, err := hookRaw(ctx, m.srcA, "export", b, 0)
-		if err != nil {
-			m.fail(fmt.Errorf("export the source's state: %s", status.Convert(err).Message()))
-			return
-		}
-		var exp struct {
-			Requests []movedState `json:"requests"`
-		}
-		if err := json.Unmarshal(raw, &exp); err != nil || len(raw) < 2 || raw[0] != '{' {
-			m.fail(fmt.Errorf("export the source's state: unreadable answer: %v", err))
-			return
-		}
-		states = exp.Requests
-		// {"cursor":…,"requests":[…]} → {"resume":true,"cursor":…,"requests":[…]}
-		install = append([]byte(`{"resume":true,`), raw[1:]...)
-	}
 	m.step("install_target")
 	if len(states) > 0 {
-		if _, err := hookRaw(ctx, m.dstA, "install", install, 0); err != nil {
-			m.fail(fmt.Errorf("install on the target: %s", status.Convert(err).Message()))
+		ids := make([]string, len(states))
+		for i, st := range states {
+			ids[i] = st.RequestID
+		}
+		if _, err := hook[hooks.ResumeResponse](ctx, m.dstA, "resume", hooks.ResumeRequest{RequestIDs: ids}, 0); err != nil {
+			m.fail(fmt.Errorf("resume the installed requests on the target: %s", status.Convert(err).Message()))
 			return
 		}
 	}
 	// Ownership has flipped: the target runs the requests.
-	downtime := time.Since(pauseStart)
+	downtime := time.Since(stopped)
 	for _, st := range states {
 		delete(m.reserved, st.RequestID)
 	}
 	m.mu.Lock()
 	m.st.DowntimeS = downtime.Seconds()
+	m.st.PauseWaitS = wait.Seconds()
 	m.st.Migrated = len(states)
 	m.mu.Unlock()
 
@@ -738,6 +687,10 @@ func (m *migration) final(ctx context.Context, since uint64) {
 	// source connection, which aborted some of them) and the target's
 	// requests nobody listens to any more.
 	actx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	ids := make([]string, len(states))
+	for i, st := range states {
+		ids[i] = st.RequestID
+	}
 	if len(ids) > 0 {
 		if _, err := hook[hooks.AbortResponse](actx, m.srcA, "abort", hooks.AbortRequest{RequestIDs: ids, Silent: true, IgnoreMissing: true}, 0); err != nil {
 			m.log.Warn("dropping the source's copies failed (their pause lease will resume them)", zap.Error(err))
@@ -746,6 +699,7 @@ func (m *migration) final(ctx context.Context, since uint64) {
 	if len(orphans) > 0 {
 		_, _ = hook[hooks.AbortResponse](actx, m.dstA, "abort", hooks.AbortRequest{RequestIDs: orphans, IgnoreMissing: true}, 0)
 	}
+	m.resumeLeftBehind(actx, paused, ids)
 	cancel()
 	m.pausedSrc = false
 	// Requests dropped on the way give their target reservations back.
@@ -769,15 +723,19 @@ func (m *migration) final(ctx context.Context, since uint64) {
 	case KeepSourceActive:
 		m.setNewActive(m.src.ID)
 	}
-	// Client-perceived downtime: pause → each moved stream's first event
-	// from the target.
+	// Client-perceived downtime: the longest gap a moved stream's client
+	// saw across the switch, from its last token from the source to its
+	// first event from the target.
 	deadline := time.Now().Add(2 * time.Second)
 	var worst time.Duration
 	for _, s := range spliced {
 		for {
-			at := s.FirstTargetEventAt()
-			if !at.IsZero() {
-				worst = max(worst, at.Sub(pauseStart))
+			last, first := s.SwitchGap()
+			if last.IsZero() {
+				last = pauseStart // no token from the source yet
+			}
+			if !first.IsZero() {
+				worst = max(worst, first.Sub(last))
 				break
 			}
 			if time.Now().After(deadline) {
@@ -790,6 +748,199 @@ func (m *migration) final(ctx context.Context, since uint64) {
 	m.st.ClientDowntimeS = worst.Seconds()
 	m.mu.Unlock()
 	m.finish(StateSucceeded, "")
+}
+
+// pauseSource pauses the moving requests on the source at a step
+// boundary (dropping any that finished meanwhile) and returns how long the
+// engine waited for the step in flight. ok is false when the migration
+// failed.
+func (m *migration) pauseSource(ctx context.Context) (wait time.Duration, ok bool) {
+	ids := m.ids()
+	for attempt := 0; len(ids) > 0; attempt++ {
+		p, err := hook[hooks.PauseResponse](ctx, m.srcA, "pause", hooks.PauseRequest{RequestIDs: ids, LeaseMS: int(m.o.cfg.PauseLease / time.Millisecond)}, 0)
+		if err == nil {
+			m.pausedSrc = true
+			return time.Duration(p.StepWaitS * float64(time.Second)), true
+		}
+		if status.Code(err) != codes.NotFound || attempt > 3 {
+			m.fail(fmt.Errorf("pause the source: %s", status.Convert(err).Message()))
+			return 0, false
+		}
+		// Some request finished just now: drop it and pause the rest.
+		if ids, err = m.liveOnSource(ctx, ids); err != nil {
+			m.fail(fmt.Errorf("pause the source: %w", err))
+			return 0, false
+		}
+	}
+	return 0, true
+}
+
+// liveOnSource drops from the migration the ids no longer running on the
+// source and returns the rest.
+func (m *migration) liveOnSource(ctx context.Context, ids []string) ([]string, error) {
+	list, err := hook[hooks.RequestList](ctx, m.srcA, "requests", nil, 0)
+	if err != nil {
+		return nil, err
+	}
+	live := map[string]bool{}
+	for _, r := range list.Requests {
+		live[r.RequestID] = r.Status == hooks.StatusRunning
+	}
+	var keep []string
+	for _, id := range ids {
+		if live[id] {
+			keep = append(keep, id)
+		} else {
+			m.drop(id)
+		}
+	}
+	return keep, nil
+}
+
+// resumeLeftBehind resumes on the source the requests it paused that did
+// not move and still run there (a copy round dropped them), so they do
+// not wait out the pause lease.
+func (m *migration) resumeLeftBehind(ctx context.Context, paused, moved []string) {
+	done := map[string]bool{}
+	for _, id := range moved {
+		done[id] = true
+	}
+	var rest []string
+	for _, id := range paused {
+		if !done[id] {
+			rest = append(rest, id)
+		}
+	}
+	m.resumeOnSource(ctx, rest)
+}
+
+// resumeOnSource resumes those of ids still paused on the source (a client
+// may have left meanwhile, and resume refuses unknown ids). What it cannot
+// resume, the pause lease will.
+func (m *migration) resumeOnSource(ctx context.Context, ids []string) {
+	if len(ids) == 0 {
+		return
+	}
+	list, err := hook[hooks.RequestList](ctx, m.srcA, "requests", nil, 0)
+	if err != nil {
+		m.log.Error("resuming the source failed (its pause lease will resume the requests)", zap.Strings("request_ids", ids), zap.Error(err))
+		return
+	}
+	paused := map[string]bool{}
+	for _, r := range list.Requests {
+		paused[r.RequestID] = r.Paused
+	}
+	var resume []string
+	for _, id := range ids {
+		if paused[id] {
+			resume = append(resume, id)
+		}
+	}
+	if len(resume) == 0 {
+		return
+	}
+	if _, err := hook[hooks.ResumeResponse](ctx, m.srcA, "resume", hooks.ResumeRequest{RequestIDs: resume}, 0); err != nil {
+		m.log.Error("resuming the source failed (its pause lease will resume the requests)", zap.Strings("request_ids", resume), zap.Error(err))
+	}
+}
+
+// finalRound copies the last delta while the state moves: the source's
+// export goes to the target untouched and the target installs it paused,
+// both while the copy runs. It returns the moved requests' states once
+// both are done. A request the copy dropped (its client left meanwhile)
+// is taken off the target again.
+func (m *migration) finalRound(ctx context.Context, since uint64) ([]movedState, error) {
+	fault := m.req.InjectFault
+	if fault == "crash_after_pause" {
+		fault = ""
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	copied := make(chan error, 1)
+	go func() {
+		_, err := m.copyRound(cctx, "final", since, m.req.FinalGranularity != "block", fault)
+		copied <- err
+	}()
+	states, err := m.moveState(ctx)
+	if err != nil {
+		cancel()
+	}
+	// Never return with the copy still writing into the target: a rollback
+	// frees those blocks.
+	if cerr := <-copied; cerr != nil {
+		return nil, cerr
+	}
+	if err != nil {
+		return nil, err
+	}
+	moving := map[string]bool{}
+	for _, id := range m.ids() {
+		moving[id] = true
+	}
+	kept, gone := states[:0:0], []string(nil)
+	for _, st := range states {
+		if moving[st.RequestID] {
+			kept = append(kept, st)
+		} else {
+			gone = append(gone, st.RequestID)
+		}
+	}
+	if len(gone) > 0 {
+		if _, err := hook[hooks.AbortResponse](ctx, m.dstA, "abort", hooks.AbortRequest{RequestIDs: gone, Silent: true, IgnoreMissing: true}, 0); err != nil {
+			return nil, fmt.Errorf("take requests the copy dropped off the target: %s", status.Convert(err).Message())
+		}
+	}
+	return kept, nil
+}
+
+// moveState exports the paused requests' state from the source and installs
+// it, paused, on the target. The export goes on as it came: the target
+// installs into the blocks it reserved per request id, so nothing in it
+// needs rewriting, and decoding and re-encoding 256 requests' token ids and
+// text would sit inside the pause. The Host reads only what splicing
+// needs, while the target installs.
+func (m *migration) moveState(ctx context.Context) ([]movedState, error) {
+	ids := m.ids()
+	var raw []byte
+	for attempt := 0; ; attempt++ {
+		if len(ids) == 0 {
+			return nil, nil
+		}
+		b, _ := json.Marshal(hooks.ExportRequest{RequestIDs: ids})
+		var err error
+		if raw, err = hookRaw(ctx, m.srcA, "export", b, 0); err == nil {
+			break
+		}
+		if status.Code(err) != codes.NotFound || attempt > 3 {
+			return nil, fmt.Errorf("export the source's state: %s", status.Convert(err).Message())
+		}
+		// A client left after the pause: its request is gone from the source.
+		if ids, err = m.liveOnSource(ctx, ids); err != nil {
+			return nil, fmt.Errorf("export the source's state: %w", err)
+		}
+	}
+	if len(raw) < 2 || raw[0] != '{' {
+		return nil, fmt.Errorf("export the source's state: unreadable answer")
+	}
+	// {"cursor":…,"requests":[…]} → {"resume":false,"lease_ms":…,"cursor":…,"requests":[…]}
+	head := fmt.Sprintf(`{"resume":false,"lease_ms":%d,`, m.o.cfg.PauseLease/time.Millisecond)
+	install := append([]byte(head), raw[1:]...)
+	installed := make(chan error, 1)
+	go func() {
+		_, err := hookRaw(ctx, m.dstA, "install", install, 0)
+		installed <- err
+	}()
+	var exp struct {
+		Requests []movedState `json:"requests"`
+	}
+	perr := json.Unmarshal(raw, &exp)
+	if err := <-installed; err != nil {
+		return nil, fmt.Errorf("install on the target: %s", status.Convert(err).Message())
+	}
+	if perr != nil {
+		return nil, fmt.Errorf("export the source's state: unreadable answer: %v", perr)
+	}
+	return exp.Requests, nil
 }
 
 func (m *migration) setNewActive(id string) {

@@ -204,6 +204,9 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 			s.mu.Lock()
 			s.tokens++
 			s.text += textLen
+			if !onTarget {
+				s.lastSourceToken = read
+			}
 			if s.spliceDueLocked() {
 				s.cancelA() // the source's last token: stop waiting on it after this write
 			}

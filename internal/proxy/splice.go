@@ -25,12 +25,15 @@ type Stream struct {
 	ID       string // the engine's request id (cmpl-…, chatcmpl-…)
 	Instance string
 
-	mu      sync.Mutex
-	tokens  int // token events relayed
-	text    int // code points of text relayed
-	splice  *spliceTarget
-	cancelA context.CancelFunc // cancels the current upstream read
-	done    chan struct{}      // closed when the relay ends
+	mu     sync.Mutex
+	tokens int // token events relayed
+	text   int // code points of text relayed
+	// lastSourceToken is when the last token event from the stream's
+	// first engine was read: the start of the gap a splice opens.
+	lastSourceToken time.Time
+	splice          *spliceTarget
+	cancelA         context.CancelFunc // cancels the current upstream read
+	done            chan struct{}      // closed when the relay ends
 }
 
 type spliceTarget struct {
@@ -129,15 +132,17 @@ func (s *Stream) Tokens() int {
 	return s.tokens
 }
 
-// FirstTargetEventAt is when the first event from the splice target reached
-// the client (zero before).
-func (s *Stream) FirstTargetEventAt() time.Time {
+// SwitchGap is the pause the client of a spliced stream sees: lastSource
+// is when the last token from the source engine was read, firstTarget when
+// the first event from the splice target reached the client (zero before
+// either happened).
+func (s *Stream) SwitchGap() (lastSource, firstTarget time.Time) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.splice == nil {
-		return time.Time{}
+		return s.lastSourceToken, time.Time{}
 	}
-	return s.splice.at
+	return s.lastSourceToken, s.splice.at
 }
 
 // attachURL is the engine hook that streams a request from token index k.

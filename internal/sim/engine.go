@@ -467,10 +467,15 @@ func (e *Engine) finish(r *request, reason string, stopReason any, now time.Time
 // lease ran out (the Host may have died mid-migration), and forgets finished
 // requests past retention.
 func (e *Engine) expireLeases(now time.Time) {
-	var resumed []string
+	var resumed, dropped []string
 	released := false
 	for _, r := range e.requests {
 		switch {
+		case r.uncommitted && now.After(r.pauseDeadline):
+			r.silent = true
+			e.finish(r, "abort", nil, now)
+			dropped = append(dropped, r.id)
+			released = true
 		case r.paused && !r.pauseDeadline.IsZero() && now.After(r.pauseDeadline):
 			r.paused = false
 			r.pauseDeadline = time.Time{}
@@ -489,6 +494,10 @@ func (e *Engine) expireLeases(now time.Time) {
 	if len(resumed) > 0 {
 		sort.Strings(resumed)
 		e.log.Warn("pause lease expired with no confirmation; resuming", zap.Strings("request_ids", resumed))
+	}
+	if len(dropped) > 0 {
+		sort.Strings(dropped)
+		e.log.Warn("installed requests were never committed (the migration did not finish); dropping them", zap.Strings("request_ids", dropped))
 	}
 	for id, r := range e.done {
 		if now.Sub(r.finishedAt) > e.cfg.FinishedRetention {

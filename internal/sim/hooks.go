@@ -119,14 +119,16 @@ func (e *Engine) lease(ms int) time.Duration {
 // Pause implements hooks.Engine. Steps run under mu, so once Pause holds mu
 // no step is in flight: the requests stop at a step boundary.
 func (e *Engine) Pause(_ context.Context, req hooks.PauseRequest) (hooks.PauseResponse, error) {
+	called := time.Now()
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	wait := time.Since(called)
 	rs, err := e.lookup(req.RequestIDs, false)
 	if err != nil {
 		return hooks.PauseResponse{}, err
 	}
 	deadline := time.Now().Add(e.lease(req.LeaseMS))
-	out := hooks.PauseResponse{Paused: []string{}, Cursor: e.cursor, LeaseExpiresAt: unixSeconds(deadline)}
+	out := hooks.PauseResponse{Paused: []string{}, Cursor: e.cursor, LeaseExpiresAt: unixSeconds(deadline), StepWaitS: wait.Seconds()}
 	for _, r := range rs {
 		r.paused = true
 		r.pauseDeadline = deadline
@@ -146,7 +148,7 @@ func (e *Engine) Resume(_ context.Context, req hooks.ResumeRequest) (hooks.Resum
 	out := hooks.ResumeResponse{Resumed: []string{}}
 	for _, r := range rs {
 		if r.paused {
-			r.paused = false
+			r.paused, r.uncommitted = false, false
 			r.pauseDeadline = time.Time{}
 			out.Resumed = append(out.Resumed, r.id)
 		}
@@ -255,10 +257,10 @@ func (e *Engine) Install(_ context.Context, req hooks.InstallRequest) (hooks.Ins
 		r.scheduledAt = time.Now()
 		r.firstTokenAt = r.scheduledAt
 		r.lastTokenAt = r.scheduledAt
-		r.paused = !req.Resume
+		r.paused, r.uncommitted = !req.Resume, !req.Resume
 		r.pauseDeadline = time.Time{}
 		if r.paused {
-			r.pauseDeadline = time.Now().Add(e.cfg.DefaultPauseLease)
+			r.pauseDeadline = time.Now().Add(e.lease(req.LeaseMS))
 		}
 		// Blocks past the computed tokens may be spare; the KV the agent
 		// wrote counts as written now, so a later migration off this engine

@@ -139,12 +139,21 @@ func TestHooksMoveARequest(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// As the Host does: install paused while the KV is still on its way,
+	// then commit with a resume once it landed.
+	st.BlockIDs = alloc.Requests[0].BlockIDs
+	if _, err := b.Install(ctx, hooks.InstallRequest{Requests: []hooks.RequestState{st}, LeaseMS: 5000}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(5 * cb.Step.Fixed)
+	if o, err := b.Watch(ctx, id, 0); err != nil || o.NumOutput != len(st.OutputTokenIDs) {
+		t.Fatalf("an installed request stepped before its resume: %+v %v", o, err)
+	}
 	layA, _ := a.Layout(ctx)
 	layB, _ := b.Layout(ctx)
 	used := (st.NumComputedTokens + ca.BlockSize - 1) / ca.BlockSize
-	copyBlocks(t, layA, layB, st.BlockIDs[:used], alloc.Requests[0].BlockIDs[:used])
-	st.BlockIDs = alloc.Requests[0].BlockIDs
-	if _, err := b.Install(ctx, hooks.InstallRequest{Requests: []hooks.RequestState{st}, Resume: true}); err != nil {
+	copyBlocks(t, layA, layB, exp.Requests[0].BlockIDs[:used], alloc.Requests[0].BlockIDs[:used])
+	if _, err := b.Resume(ctx, hooks.ResumeRequest{RequestIDs: []string{id}}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := a.Abort(ctx, hooks.AbortRequest{RequestIDs: []string{id}, Silent: true}); err != nil {
@@ -266,6 +275,75 @@ func TestLeasesExpire(t *testing.T) {
 			t.Fatalf("reservation not released: %+v", s)
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// A request installed on a target but never committed (the Host died
+// before the resume) is dropped when its lease ends, its blocks freed,
+// without producing a token: the source still has it.
+func TestUncommittedInstallIsDropped(t *testing.T) {
+	a, b := startEngine(t, testConfig(t)), startEngine(t, testConfig(t))
+	ctx := context.Background()
+	if err := a.Submit(NewRequest{ID: "r", Prompt: prompt(10, 1), Params: greedy(400), SeedSet: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Watch(ctx, "r", 3); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Pause(ctx, hooks.PauseRequest{RequestIDs: []string{"r"}}); err != nil {
+		t.Fatal(err)
+	}
+	exp, err := a.Export(ctx, hooks.ExportRequest{RequestIDs: []string{"r"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	before, _ := b.Stats(ctx)
+	if _, err := b.Allocate(ctx, hooks.AllocateRequest{Requests: []hooks.AllocateItem{{RequestID: "r", NumTokens: 500}}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Install(ctx, hooks.InstallRequest{Requests: exp.Requests, LeaseMS: 60}); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(3 * time.Second)
+	for {
+		s, _ := b.Stats(ctx)
+		if s.FreeBlocks == before.FreeBlocks && s.NumRunning == 0 && s.NumPaused == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("uncommitted install not dropped: %+v", s)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if o, err := b.Watch(ctx, "r", 0); err == nil && o.NumOutput != len(exp.Requests[0].OutputTokenIDs) {
+		t.Fatalf("the uncommitted request produced tokens on the target: %+v", o)
+	}
+	if _, err := b.Resume(ctx, hooks.ResumeRequest{RequestIDs: []string{"r"}}); err == nil {
+		t.Fatal("a dropped install could still be resumed")
+	}
+}
+
+// A pause waits for the step in flight and says how long it waited: the
+// requests decoded until then, so a migration's downtime starts after it.
+func TestPauseReportsItsStepWait(t *testing.T) {
+	e := startEngine(t, testConfig(t))
+	ctx := context.Background()
+	if err := e.Submit(NewRequest{ID: "w", Prompt: prompt(10, 1), Params: greedy(400), SeedSet: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.Watch(ctx, "w", 2); err != nil {
+		t.Fatal(err)
+	}
+	e.mu.Lock() // a step in flight
+	got := make(chan hooks.PauseResponse, 1)
+	go func() {
+		p, _ := e.Pause(ctx, hooks.PauseRequest{RequestIDs: []string{"w"}})
+		got <- p
+	}()
+	time.Sleep(40 * time.Millisecond)
+	e.mu.Unlock()
+	if p := <-got; p.StepWaitS < 0.04 || len(p.Paused) != 1 {
+		t.Fatalf("pause after a 40 ms step reported %+v", p)
 	}
 }
 

@@ -37,7 +37,10 @@ type request struct {
 
 	paused        bool
 	pauseDeadline time.Time // zero: no lease (vLLM's own /pause)
-	reserveUntil  time.Time
+	// uncommitted: installed paused on a migration target and not resumed
+	// yet; its lease ending drops it (the source still runs it).
+	uncommitted  bool
+	reserveUntil time.Time
 
 	finishReason string // "length", "stop", "abort"
 	stopReason   any    // nil, a stop string, or a stop token id

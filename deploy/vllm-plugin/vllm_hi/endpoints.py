@@ -134,8 +134,10 @@ class Hooks:
 
     async def pause(self, body: dict) -> dict:
         ids = [self.internal(i) for i in body.get("request_ids") or []]
+        called = time.time()
         out = await self.core("pause", {"request_ids": ids, "lease_ms": body.get("lease_ms", 0)})
         out["paused"] = [self.host_id(i) for i in out["paused"]]
+        out["step_wait_s"] = max(0.0, out.pop("paused_at", called) - called)
         return out
 
     async def resume(self, body: dict) -> dict:
@@ -215,7 +217,8 @@ class Hooks:
                 self.installed[rid] = Installed(st, q, meta["prompt_len"], meta)
                 added.append(rid)
                 st["prompt_token_ids"], st["output_token_ids"] = prompt, output
-            return await self.core("install", {"requests": states, "resume": bool(body.get("resume"))})
+            return await self.core("install", {"requests": states, "resume": bool(body.get("resume")),
+                                               "lease_ms": int(body.get("lease_ms") or 0)})
         except BaseException:
             for rid in added:
                 self.op.request_states.pop(rid, None)

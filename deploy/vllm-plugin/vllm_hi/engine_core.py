@@ -30,6 +30,10 @@ class CoreState:
         self.leases = Leases()
         self.hook_lease_s = hook_lease_s
         self.reserved: dict[str, tuple[object, float]] = {}  # id -> (placeholder Request, expiry)
+        # Installed without resume (a migration's last KV is still being
+        # copied): built, not yet scheduled. A resume commits them; the
+        # reservation's lease ending drops them.
+        self.uncommitted: dict[str, tuple[object, int]] = {}  # id -> (Request, num_computed_tokens)
         self.steps = 0
         scheduler.kv_cache_manager._vhi_log = self.log
 
@@ -57,6 +61,7 @@ class CoreState:
 
     def _drop_reservation(self, rid: str) -> None:
         req, _ = self.reserved.pop(rid)
+        self.uncommitted.pop(rid, None)
         self.sched.kv_cache_manager.free(req)
 
     def status(self, req) -> str:
@@ -93,10 +98,19 @@ class CoreState:
         ids = self._known(ids) if ids else [r for r, q in self.sched.requests.items() if not q.is_finished()]
         lease = (lease_ms / 1000.0) if lease_ms else self.hook_lease_s
         exp = self.leases.pause(ids, time.time(), lease)
-        return {"paused": ids, "cursor": self.log.cursor, "lease_expires_at": exp}
+        # paused_at: when the pause took effect (between steps); the
+        # endpoint turns it into the step wait the Host leaves out of the
+        # downtime.
+        return {"paused": ids, "cursor": self.log.cursor, "lease_expires_at": exp, "paused_at": time.time()}
 
     def resume(self, ids) -> dict:
-        return {"resumed": self.leases.resume(ids or None)}
+        pending = [i for i in (ids or list(self.uncommitted)) if i in self.uncommitted]
+        for rid in pending:
+            req, computed = self.uncommitted.pop(rid)
+            self._commit(rid, req, computed)
+        if pending and not self.log.in_step:
+            self.log.cursor += 1
+        return {"resumed": pending + self.leases.resume(ids or None)}
 
     def _known(self, ids) -> list[str]:
         missing = [i for i in ids if i not in self.sched.requests or self.sched.requests[i].is_finished()]
@@ -163,17 +177,17 @@ class CoreState:
             out.append({"request_id": rid, "block_ids": self.block_ids(rid)})
         return {"requests": out, "free_blocks": self.free_blocks()}
 
-    def install(self, states, resume: bool) -> dict:
+    def install(self, states, resume: bool, lease_ms: int = 0) -> dict:
         from vllm.v1.request import Request
         from vllm.sampling_params import SamplingParams
 
         for st in states:
-            if st["request_id"] not in self.reserved:
+            if st["request_id"] not in self.reserved or st["request_id"] in self.uncommitted:
                 raise HookError(409, f"Request {st['request_id']} has no reservation here.", "request_id")
         installed = []
+        lease = (lease_ms / 1000.0) if lease_ms else self.hook_lease_s
         for st in states:
             rid = st["request_id"]
-            ph, _ = self.reserved.pop(rid)
             prompt, output = st["prompt_token_ids"], st["output_token_ids"]
             es = st.get("engine_state") or {}
             sp = msgspec.msgpack.decode(base64.b64decode(es["sampling_params"]), type=SamplingParams)
@@ -189,21 +203,27 @@ class CoreState:
                           sampling_params=sp, pooling_params=None, arrival_time=st.get("arrival_time"),
                           priority=st.get("priority", 0),
                           block_hasher=getattr(self, "block_hasher", None))
-            req.num_computed_tokens = st["num_computed_tokens"]
-            # The placeholder's blocks become the request's (they are keyed
-            # by request id in the KV cache manager).
-            self.sched.add_request(req)
-            blocks = self.block_ids(rid)
-            # Mark the installed slots written, so a later migration off
-            # this engine sees them.
-            gen = self.log.next_gen()
-            self.log.stamp_tokens(rid, blocks, 0, st["num_computed_tokens"], gen)
-            if not resume:
-                self.leases.pause([rid], time.time(), self.hook_lease_s)
+            if resume:
+                self._commit(rid, req, st["num_computed_tokens"])
+            else:
+                ph, _ = self.reserved[rid]
+                self.reserved[rid] = (ph, time.time() + lease)
+                self.uncommitted[rid] = (req, st["num_computed_tokens"])
             installed.append(rid)
         if not self.log.in_step:
             self.log.cursor += 1
         return {"installed": installed}
+
+    def _commit(self, rid: str, req, computed: int) -> None:
+        """Schedule an installed request: the placeholder's blocks become
+        its own (they are keyed by request id in the KV cache manager)."""
+        self.reserved.pop(rid)
+        req.num_computed_tokens = computed
+        self.sched.add_request(req)
+        # Mark the installed slots written, so a later migration off this
+        # engine sees them.
+        gen = self.log.next_gen()
+        self.log.stamp_tokens(rid, self.block_ids(rid), 0, computed, gen)
 
     def abort(self, ids, ignore_missing: bool) -> dict:
         from vllm.v1.request import RequestStatus
@@ -233,7 +253,7 @@ class CoreState:
         return {"cursor": self.log.cursor, "total_blocks": total, "free_blocks": free,
                 "used_blocks": total - free, "reserved_blocks": reserved,
                 "num_running": len(self.sched.running), "num_waiting": len(reqs) - len(self.sched.running),
-                "num_paused": len(self.leases),
+                "num_paused": len(self.leases) + len(self.uncommitted),
                 "paused_all": str(getattr(self.sched, "pause_state", "")).endswith("PAUSED_ALL"),
                 "sleeping": False, "steps": self.steps}
 
@@ -362,7 +382,7 @@ def _dispatch(core, op: str, p: dict):
                   for s in p.get("requests") or [] if (s.get("engine_state") or {}).get("generator")}
         if staged:
             core.model_executor.collective_rpc(worker.stage_generators, args=(staged,))
-        return st.install(p.get("requests") or [], bool(p.get("resume")))
+        return st.install(p.get("requests") or [], bool(p.get("resume")), int(p.get("lease_ms") or 0))
     if op == "abort":
         return st.abort(p.get("request_ids") or [], bool(p.get("ignore_missing")))
     if op == "stats":
