@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"sync"
+	"time"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/internal/cuda"
@@ -15,16 +17,35 @@ import (
 )
 
 // gpuPlane is the agent's CUDA state, made on first use: the driver and a
-// stream per device. IPC mappings are opened per copy round and closed at
-// its end, so no mapping outlives the round (an engine may free its KV —
-// sleep, shutdown — right after a migration).
+// stream per device. A migration's IPC mappings of both engines' KV are
+// opened at its first cuda_ipc round and kept for the next ones (opening a
+// peer's allocation of tens of gigabytes is not free, and the final round
+// runs inside the pause); they close after the final round, when a round
+// fails, when the Host releases the migration, or when no round used them
+// for mappingIdle — an engine may free its KV (sleep, shutdown) after a
+// migration, and no mapping may outlive it.
 type gpuPlane struct {
 	mu      sync.Mutex
-	drv     *cuda.Lib
+	drv     cuda.Driver
 	streams map[int]cuda.Stream
 	// targets are this engine's regions mapped for a migration's tcp_shm
 	// writes (GPU KV received over the network), by session.
 	targets map[string]*gpuTarget
+	// pairs are both engines' regions mapped for a migration's cuda_ipc
+	// rounds, by session.
+	pairs map[string]*ipcPair
+}
+
+// mappingIdle is how long a migration's mappings stay open with no round
+// using them (a Host that died mid-migration never sends the final one).
+const mappingIdle = time.Minute
+
+// ipcPair is a migration's mappings of the source's and the target's KV.
+type ipcPair struct {
+	key      string // the regions they map: a changed layout re-opens
+	src, dst cudaipc.Regions
+	close    func()
+	used     time.Time
 }
 
 type gpuTarget struct {
@@ -38,10 +59,14 @@ type gpuTarget struct {
 func (g *gpuPlane) ready(dev int) (cuda.Stream, error) {
 	var err error
 	if g.drv == nil {
-		if g.drv, err = cuda.Load(); err != nil {
+		lib, err := cuda.Load()
+		if err != nil {
+			// (not assigned: a nil *Lib in the interface would pass the
+			// check above next time)
 			return 0, fmt.Errorf("GPU KV: %w", err)
 		}
-		g.streams, g.targets = map[int]cuda.Stream{}, map[string]*gpuTarget{}
+		g.drv = lib
+		g.streams, g.targets, g.pairs = map[int]cuda.Stream{}, map[string]*gpuTarget{}, map[string]*ipcPair{}
 	}
 	s, ok := g.streams[dev]
 	if !ok {
@@ -53,14 +78,64 @@ func (g *gpuPlane) ready(dev int) (cuda.Stream, error) {
 	return s, nil
 }
 
-// releaseTarget unmaps a session's target regions.
-func (g *gpuPlane) releaseTarget(session string) {
+// release unmaps everything a session mapped: its tcp_shm target regions
+// and its cuda_ipc pair.
+func (g *gpuPlane) release(session string) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if t := g.targets[session]; t != nil {
 		t.close()
 		delete(g.targets, session)
 	}
+	g.dropPair(session)
+}
+
+// dropPair closes a session's cuda_ipc mappings (g.mu held).
+func (g *gpuPlane) dropPair(session string) {
+	if p := g.pairs[session]; p != nil {
+		p.close()
+		delete(g.pairs, session)
+	}
+}
+
+// pair returns session's mappings of src and dst on dev, opening them on
+// the first round (g.mu held). Other sessions' mappings idle past
+// mappingIdle are closed on the way.
+func (g *gpuPlane) pair(session string, dev int, src, dst hooks.Layout, now time.Time) (*ipcPair, error) {
+	for id, p := range g.pairs {
+		if id != session && now.Sub(p.used) > mappingIdle {
+			g.dropPair(id)
+		}
+	}
+	key := regionsKey(src) + "→" + regionsKey(dst)
+	if p := g.pairs[session]; p != nil {
+		if p.key == key {
+			p.used = now
+			return p, nil
+		}
+		g.dropPair(session)
+	}
+	srcPtrs, closeSrc, err := openRegions(g.drv, dev, src)
+	if err != nil {
+		return nil, err
+	}
+	dstPtrs, closeDst, err := openRegions(g.drv, dev, dst)
+	if err != nil {
+		closeSrc()
+		return nil, err
+	}
+	p := &ipcPair{key: key, src: srcPtrs, dst: dstPtrs, used: now, close: func() { closeDst(); closeSrc() }}
+	g.pairs[session] = p
+	return p, nil
+}
+
+// regionsKey names the memory a layout's regions are in.
+func regionsKey(l hooks.Layout) string {
+	var b strings.Builder
+	for _, r := range l.Regions {
+		fmt.Fprintf(&b, "%s:%d:%d:%d:%d;", r.Memory.IPCHandle, r.Memory.PID, r.Memory.DevicePointer, r.Memory.Offset, r.Size)
+	}
+	return b.String()
 }
 
 // sink is a tcp_shm target writing session's data into this engine's GPU
@@ -96,6 +171,9 @@ func (g *gpuPlane) close() {
 	}
 	for _, t := range g.targets {
 		t.close()
+	}
+	for id := range g.pairs {
+		g.dropPair(id)
 	}
 	for dev, s := range g.streams {
 		_ = g.drv.DestroyStream(dev, s)
@@ -212,29 +290,40 @@ func (a *Agent) withSource(src hooks.Layout, fn func(c *cudaipc.Copier, srcPtrs 
 }
 
 // cudaCopy runs one round's copies GPU to GPU: the plan's runs, from the
-// source engine's regions to the target's, issued from the source GPU.
-func (a *Agent) cudaCopy(src, dst hooks.Layout, copies []kvlayout.BlockCopy, fault tcpshm.Fault) (tcpshm.Stats, error) {
+// source engine's regions to the target's, issued from the source GPU
+// through the session's mappings (closed after its last round or a
+// failure).
+func (a *Agent) cudaCopy(session string, last bool, src, dst hooks.Layout, copies []kvlayout.BlockCopy, fault tcpshm.Fault) (tcpshm.Stats, error) {
 	geo := src.Geometry
 	runs, err := kvlayout.Plan(geo.Layers, geo.KVHeads, int64(geo.HeadSlotBytes()), specs(src), specs(dst), copies)
 	if err != nil {
 		return tcpshm.Stats{}, err
 	}
-	err = a.withSource(src, func(c *cudaipc.Copier, srcPtrs cudaipc.Regions) error {
-		dstPtrs, closeDst, err := openRegions(c.Driver, c.Device, dst)
-		if err != nil {
-			return err
+	g := &a.gpu
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	dev := src.Regions[0].Memory.Device
+	s, err := g.ready(dev)
+	if err != nil {
+		return tcpshm.Stats{}, err
+	}
+	p, err := g.pair(session, dev, src, dst, time.Now())
+	if err != nil {
+		return tcpshm.Stats{}, err
+	}
+	c := &cudaipc.Copier{Driver: g.drv, Device: dev, Stream: s}
+	if fault != tcpshm.NoFault {
+		// Tests of a copy failing halfway: half the runs land, then the
+		// round fails and the migration must roll back.
+		if err = c.Run(p.src, p.dst, runs[:len(runs)/2]); err == nil {
+			err = errors.New("cuda_ipc: injected fault: copy failed halfway")
 		}
-		defer closeDst()
-		if fault != tcpshm.NoFault {
-			// Tests of a copy failing halfway: half the runs land, then
-			// the round fails and the migration must roll back.
-			if err := c.Run(srcPtrs, dstPtrs, runs[:len(runs)/2]); err != nil {
-				return err
-			}
-			return errors.New("cuda_ipc: injected fault: copy failed halfway")
-		}
-		return c.Run(srcPtrs, dstPtrs, runs)
-	})
+	} else {
+		err = c.Run(p.src, p.dst, runs)
+	}
+	if err != nil || last {
+		g.dropPair(session)
+	}
 	if err != nil {
 		return tcpshm.Stats{}, err
 	}

@@ -1,10 +1,17 @@
 package agent
 
 import (
+	"encoding/base64"
+	"errors"
+	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
+	"github.com/vllm-hi/vllm-hi/internal/cuda"
+	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
+	"github.com/vllm-hi/vllm-hi/internal/transfer/tcpshm"
 )
 
 func TestPickBackend(t *testing.T) {
@@ -37,5 +44,118 @@ func TestPickBackend(t *testing.T) {
 		if !strings.Contains(got, c.expect) {
 			t.Errorf("%q %s→%s: %q, want %q", c.want, memKind(c.src), memKind(c.dst), got, c.expect)
 		}
+	}
+}
+
+// fakeGPU is a driver whose IPC mappings are counted and whose copies are
+// recorded, for the agent's mapping lifecycle.
+type fakeGPU struct {
+	cuda.Driver
+	opened, closed int
+	live           map[cuda.DevicePtr]bool
+	copies         int
+	failCopy       bool
+}
+
+func (f *fakeGPU) IPCOpen(int, cuda.IPCHandle) (cuda.DevicePtr, error) {
+	f.opened++
+	p := cuda.DevicePtr(f.opened) << 40
+	f.live[p] = true
+	return p, nil
+}
+
+func (f *fakeGPU) IPCClose(_ int, p cuda.DevicePtr) error {
+	if !f.live[p] {
+		return errors.New("closing a mapping that is not open")
+	}
+	delete(f.live, p)
+	f.closed++
+	return nil
+}
+
+func (f *fakeGPU) KernelCopy(_ int, _ cuda.Stream, cs []cuda.Copy) error {
+	if f.failCopy {
+		return errors.New("copy failed")
+	}
+	for _, c := range cs {
+		if !f.live[c.Src&^(1<<40-1)] || !f.live[c.Dst&^(1<<40-1)] {
+			return fmt.Errorf("copy %x→%x outside the open mappings", c.Src, c.Dst)
+		}
+	}
+	f.copies += len(cs)
+	return nil
+}
+
+func (f *fakeGPU) Sync(int, cuda.Stream) error { return nil }
+
+func gpuLayout(t *testing.T, handle byte) hooks.Layout {
+	t.Helper()
+	geo := kvlayout.Geometry{Layers: 2, KVHeads: 2, HeadDim: 8, DTypeBytes: 2, BlockSize: 4, NumBlocks: 8}
+	rl := kvlayout.NewRegionLayout(geo, kvlayout.Shard{TPSize: 1, PPSize: 1})
+	h := make([]byte, len(cuda.IPCHandle{}))
+	h[0] = handle
+	return hooks.Layout{Geometry: geo, Parallel: kvlayout.Parallel{TP: 1, PP: 1}, Regions: []hooks.Region{{
+		NumLayers: 2, NumHeads: 2, Size: rl.Size(), LayerStride: rl.LayerStride(), KVStride: rl.KVStride(),
+		BlockStride: rl.BlockStride(), HeadStride: rl.HeadStride(), SlotStride: int64(geo.HeadSlotBytes()),
+		Memory: hooks.Memory{Kind: hooks.MemoryCUDAIPC, IPCHandle: base64.StdEncoding.EncodeToString(h)},
+	}}}
+}
+
+// A migration's IPC mappings open at its first cuda_ipc round, serve the
+// next ones, and close after the final round, a failed round, a release,
+// or when left idle; a changed layout re-opens them.
+func TestCUDAMappingsLiveForAMigration(t *testing.T) {
+	f := &fakeGPU{live: map[cuda.DevicePtr]bool{}}
+	a := &Agent{}
+	a.gpu = gpuPlane{drv: f, streams: map[int]cuda.Stream{0: 1}, targets: map[string]*gpuTarget{}, pairs: map[string]*ipcPair{}}
+	src, dst := gpuLayout(t, 1), gpuLayout(t, 2)
+	copies := []kvlayout.BlockCopy{{Src: 1, Dst: 5, NumSlots: 4}, {Src: 2, Dst: 6, NumSlots: 4}}
+	round := func(session string, last bool, s, d hooks.Layout) error {
+		_, err := a.cudaCopy(session, last, s, d, copies, tcpshm.NoFault)
+		return err
+	}
+	for i := 0; i < 3; i++ {
+		if err := round("m1", false, src, dst); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if f.opened != 2 || f.closed != 0 || f.copies == 0 {
+		t.Fatalf("three rounds: opened %d, closed %d, copies %d; want 2 mappings kept open", f.opened, f.closed, f.copies)
+	}
+	if err := round("m1", true, src, dst); err != nil {
+		t.Fatal(err)
+	}
+	if f.opened != 2 || len(f.live) != 0 {
+		t.Fatalf("after the final round: opened %d, %d still open", f.opened, len(f.live))
+	}
+
+	// A changed target layout (the engine re-allocated its KV) re-opens.
+	_ = round("m2", false, src, dst)
+	_ = round("m2", false, src, gpuLayout(t, 3))
+	if f.opened != 6 || len(f.live) != 2 {
+		t.Fatalf("after a layout change: opened %d, %d open; want 6 and 2", f.opened, len(f.live))
+	}
+	a.gpu.release("m2")
+	if len(f.live) != 0 {
+		t.Fatalf("%d mappings open after the Host released the migration", len(f.live))
+	}
+
+	// A failed round closes them.
+	_ = round("m3", false, src, dst)
+	f.failCopy = true
+	if err := round("m3", false, src, dst); err == nil {
+		t.Fatal("a failing copy reported success")
+	}
+	f.failCopy = false
+	if len(f.live) != 0 {
+		t.Fatalf("%d mappings open after a failed round", len(f.live))
+	}
+
+	// Mappings a migration left idle (its Host died) close on another's round.
+	_ = round("m4", false, src, dst)
+	a.gpu.pairs["m4"].used = time.Now().Add(-2 * mappingIdle)
+	_ = round("m5", false, src, dst)
+	if _, ok := a.gpu.pairs["m4"]; ok || len(f.live) != 2 {
+		t.Fatalf("idle mappings not closed: %d open", len(f.live))
 	}
 }

@@ -113,7 +113,7 @@ func (a *Agent) regions(ctx context.Context, writable bool) (*shm.Regions, hooks
 		cur = &dp.dst
 	}
 	if onGPU(lay) {
-		// GPU KV is mapped per copy round through IPC (cudaCopy).
+		// GPU KV is mapped through IPC per migration (cudaCopy).
 		if writable {
 			dp.dstLayout = lay
 		}
@@ -159,7 +159,7 @@ func (s *agentService) ReleaseTarget(_ context.Context, req *v1.ReleaseTargetReq
 	s.a.dp.mu.Lock()
 	delete(s.a.dp.sessions, req.GetMigrationId())
 	s.a.dp.mu.Unlock()
-	s.a.gpu.releaseTarget(req.GetMigrationId())
+	s.a.gpu.release(req.GetMigrationId())
 	return &v1.ReleaseTargetResponse{}, nil
 }
 
@@ -332,7 +332,7 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 	}
 	staged := onGPU(srcLayout) || onGPU(dstLayout) // tcp_shm with GPU KV on a side: runs, through pinned memory
 	if backend == cudaipc.Type {
-		st, err = a.cudaCopy(srcLayout, dstLayout, copies, fault)
+		st, err = a.cudaCopy(req.GetMigrationId(), req.GetKind() == "final", srcLayout, dstLayout, copies, fault)
 	} else if staged {
 		st, err = a.sendStaged(ctx, req, srcLayout, dstLayout, src, copies, tn, fault)
 	} else if slotGranular {

@@ -529,6 +529,10 @@ func (m *migration) rollback(ctx context.Context) {
 		}
 		_, _ = m.dstA.ReleaseTarget(ctx, &v1.ReleaseTargetRequest{MigrationId: m.st.ID})
 	}
+	if m.srcA != nil {
+		// The source agent keeps its cuda_ipc mappings across rounds.
+		_, _ = m.srcA.ReleaseTarget(ctx, &v1.ReleaseTargetRequest{MigrationId: m.st.ID})
+	}
 	m.reserved = map[string]bool{}
 }
 

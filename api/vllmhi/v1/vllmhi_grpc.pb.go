@@ -243,7 +243,9 @@ type AgentClient interface {
 	// PrepareTarget readies this agent to receive a migration's KV on its
 	// data plane and returns its engine's layout (api/hooks JSON).
 	PrepareTarget(ctx context.Context, in *PrepareTargetRequest, opts ...grpc.CallOption) (*PrepareTargetResponse, error)
-	// ReleaseTarget stops accepting a migration's KV.
+	// ReleaseTarget ends an agent's part in a migration: a target stops
+	// accepting its KV, and either side closes the GPU mappings its rounds
+	// opened. The Host sends it to both agents when a migration ends.
 	ReleaseTarget(ctx context.Context, in *ReleaseTargetRequest, opts ...grpc.CallOption) (*ReleaseTargetResponse, error)
 	// CopyRound sends one round of a migration's KV from this agent's engine
 	// to a target agent's data plane.
@@ -337,7 +339,9 @@ type AgentServer interface {
 	// PrepareTarget readies this agent to receive a migration's KV on its
 	// data plane and returns its engine's layout (api/hooks JSON).
 	PrepareTarget(context.Context, *PrepareTargetRequest) (*PrepareTargetResponse, error)
-	// ReleaseTarget stops accepting a migration's KV.
+	// ReleaseTarget ends an agent's part in a migration: a target stops
+	// accepting its KV, and either side closes the GPU mappings its rounds
+	// opened. The Host sends it to both agents when a migration ends.
 	ReleaseTarget(context.Context, *ReleaseTargetRequest) (*ReleaseTargetResponse, error)
 	// CopyRound sends one round of a migration's KV from this agent's engine
 	// to a target agent's data plane.
