@@ -70,6 +70,12 @@ func (g *gpuPlane) ready(dev int) (cuda.Stream, error) {
 	}
 	s, ok := g.streams[dev]
 	if !ok {
+		if k, ok := g.drv.(interface{ PrepareKernels(int) error }); ok {
+			// The copy kernel compiles at load: not inside a round.
+			if err := k.PrepareKernels(dev); err != nil {
+				return 0, err
+			}
+		}
 		if s, err = g.drv.NewStream(dev); err != nil {
 			return 0, err
 		}

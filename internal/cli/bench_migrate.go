@@ -49,6 +49,8 @@ against the median gap, and each round's blocks and bytes.`,
 	f.StringVar(&jsonOut, "json", "", "also write the statuses as JSON to this file")
 	f.StringVar(&sc.CPUProfile, "cpuprofile", "", "write a CPU profile of the migration window")
 	_ = f.MarkHidden("cpuprofile")
+	f.StringVar(&sc.Trace, "trace", "", "write an execution trace of the migration window (go tool trace)")
+	_ = f.MarkHidden("trace")
 	f.StringVar(&sc.DeviceA, "device-a", "cpu", "sim A's KV (and the reference run's): cpu or cuda[:N]")
 	f.StringVar(&sc.DeviceB, "device-b", "cpu", "sim B's KV: cpu or cuda[:N]")
 	f.StringVar(&geo.profile, "profile", "", "KV geometry profile (default: the sim's)")
@@ -105,6 +107,15 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 		all = append(all, st)
 		fmt.Fprintf(out, "\n== final round: %s ==\n", gran)
 		printMigration(out, st)
+		var steps []string
+		for _, s := range st.StepHistory {
+			switch s.Step {
+			case "pause_source", "final_round", "install_target", "switch":
+				steps = append(steps, fmt.Sprintf("%s %.1f", s.Step, s.DurationS*1000))
+			}
+		}
+		fmt.Fprintf(out, "steps (ms): %s; the pause waited %.1f ms of it for A's step in flight (A decoded until then: not downtime)\n",
+			strings.Join(steps, ", "), st.PauseWaitS*1000)
 		var r0, final int64
 		for _, r := range st.Rounds {
 			if r.Kind == "full" {

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"os"
 	"runtime/pprof"
+	"runtime/trace"
 	"time"
 
 	"go.uber.org/zap"
@@ -32,6 +33,7 @@ type scenario struct {
 	TN               int
 	Log              *zap.Logger
 	CPUProfile       string // write a CPU profile of the migration window here
+	Trace            string // write an execution trace of the migration window here
 }
 
 type scenarioResult struct {
@@ -114,6 +116,17 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 		}
 		defer pprof.StopCPUProfile()
 	}
+	if sc.Trace != "" {
+		f, err := os.Create(sc.Trace)
+		if err != nil {
+			return res, err
+		}
+		defer f.Close()
+		if err := trace.Start(f); err != nil {
+			return res, err
+		}
+		defer trace.Stop()
+	}
 	res.MigrationStart = time.Now()
 	body, _ := json.Marshal(migrate.Request{Src: st.AID, Dst: st.BID, Type: sc.Type, FinalGranularity: sc.FinalGranularity, TN: sc.TN})
 	resp, err := http.Post(st.HostURL+"/vllm_hi/migrate", "application/json", bytes.NewReader(body))
@@ -145,6 +158,9 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 		if res.Status.State != migrate.StateRunning {
 			if sc.CPUProfile != "" {
 				pprof.StopCPUProfile()
+			}
+			if sc.Trace != "" {
+				trace.Stop()
 			}
 			break
 		}

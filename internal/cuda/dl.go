@@ -220,14 +220,18 @@ static CUresult w_peer(int dev, int peer) {
 // with the vhi_copy kernel: one launch whatever n. The descriptors go to
 // descbuf (the caller's, one per stream: copies on other streams may be in
 // flight) on the same stream first.
-static CUresult w_kernel_copies(int dev, uintptr_t s, const char *ptx, CUdeviceptr descbuf, const unsigned long long *desc, unsigned n, unsigned grid, unsigned block) {
+static CUresult w_load_kernels(int dev, const char *ptx) {
+	CUresult r = vhi_dev(dev);
+	if (r || vhi_fn[dev] != NULL) return r;
+	void *mod = NULL;
+	if ((r = p_modLoad(&mod, ptx))) return r;
+	return p_modFn(&vhi_fn[dev], mod, "vhi_copy");
+}
+
+static CUresult w_kernel_copies(int dev, uintptr_t s, CUdeviceptr descbuf, const unsigned long long *desc, unsigned n, unsigned grid, unsigned block) {
 	CUresult r = vhi_dev(dev);
 	if (r) return r;
-	if (vhi_fn[dev] == NULL) {
-		void *mod = NULL;
-		if ((r = p_modLoad(&mod, ptx))) return r;
-		if ((r = p_modFn(&vhi_fn[dev], mod, "vhi_copy"))) return r;
-	}
+	if (vhi_fn[dev] == NULL) return 3; // CUDA_ERROR_NOT_INITIALIZED: PrepareKernels first
 	// Pageable source memory: the driver has copied it out when
 	// cuMemcpyHtoDAsync returns, so desc may be reused by the caller.
 	if ((r = p_htodAsync(descbuf, desc, (size_t)n * 24, (CUstream)s))) return r;
@@ -288,6 +292,10 @@ func Load() (*Lib, error) {
 			C.vhi_close()
 			return nil, fmt.Errorf("cuda: cuInit failed (no usable GPU?)")
 		}
+		// A fresh open forgot the kernels loaded before.
+		kernels.mu.Lock()
+		kernels.ready = nil
+		kernels.mu.Unlock()
 	}
 	lib.refs++
 	return &Lib{}, nil
@@ -477,13 +485,45 @@ func (l *Lib) KernelCopy(dev int, s Stream, copies []Copy) error {
 		}
 		desc[3*i], desc[3*i+1], desc[3*i+2] = uint64(c.Dst), uint64(c.Src), c.Len
 	}
+	if err := l.PrepareKernels(dev); err != nil {
+		return err
+	}
 	buf, err := l.descBuffer(dev, s, uint64(len(desc))*8)
 	if err != nil {
 		return err
 	}
 	grid := min(len(copies), 132*16)
-	return l.check("vhi_copy", C.w_kernel_copies(C.int(dev), C.uintptr_t(s), copyPTXC, C.CUdeviceptr(buf),
+	return l.check("vhi_copy", C.w_kernel_copies(C.int(dev), C.uintptr_t(s), C.CUdeviceptr(buf),
 		(*C.ulonglong)(unsafe.Pointer(&desc[0])), C.uint(len(copies)), C.uint(grid), 512))
+}
+
+// PrepareKernels loads the copy kernel into dev's context now instead of
+// at its first launch: the driver compiles the PTX then, which must not
+// land in a migration target's first step or a final copy round.
+func (l *Lib) PrepareKernels(dev int) error {
+	if err := l.loaded(); err != nil {
+		return err
+	}
+	kernels.mu.Lock()
+	defer kernels.mu.Unlock()
+	if kernels.ready[dev] {
+		return nil
+	}
+	if err := l.check("cuModuleLoadData", C.w_load_kernels(C.int(dev), copyPTXC)); err != nil {
+		return err
+	}
+	if kernels.ready == nil {
+		kernels.ready = map[int]bool{}
+	}
+	kernels.ready[dev] = true
+	return nil
+}
+
+// kernels records the devices whose context has the copy kernel; like the
+// C side's function handles it is process-wide.
+var kernels struct {
+	mu    sync.Mutex
+	ready map[int]bool
 }
 
 type descBuf struct {

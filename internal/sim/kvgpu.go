@@ -49,6 +49,9 @@ func newGPUKVMemory(drv *cuda.Lib, dev int, geo kvlayout.Geometry, par kvlayout.
 	if geo.HeadSlotBytes()%16 != 0 {
 		return nil, fmt.Errorf("--device cuda needs head_dim × dtype bytes to be a multiple of 16 (it is %d)", geo.HeadSlotBytes())
 	}
+	if err := drv.PrepareKernels(dev); err != nil {
+		return nil, err
+	}
 	s, err := drv.NewStream(dev)
 	if err != nil {
 		return nil, err

@@ -80,6 +80,16 @@ func (p *proc) stop(t *testing.T) {
 	p.once.Do(func() { p.stopOnce(t) })
 }
 
+// kill ends the process at once (SIGKILL), as a crash would.
+func (p *proc) kill() {
+	p.once.Do(func() {
+		if p.cmd.ProcessState == nil {
+			_ = p.cmd.Process.Kill()
+			_ = p.cmd.Wait()
+		}
+	})
+}
+
 func (p *proc) stopOnce(t *testing.T) {
 	if p.cmd.ProcessState != nil {
 		return
