@@ -9,6 +9,8 @@ import (
 	"sync"
 	"time"
 
+	"go.uber.org/zap"
+
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/internal/cuda"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
@@ -300,6 +302,7 @@ func (a *Agent) withSource(src hooks.Layout, fn func(c *cudaipc.Copier, srcPtrs 
 // through the session's mappings (closed after its last round or a
 // failure).
 func (a *Agent) cudaCopy(session string, last bool, src, dst hooks.Layout, copies []kvlayout.BlockCopy, fault tcpshm.Fault) (tcpshm.Stats, error) {
+	start := time.Now()
 	geo := src.Geometry
 	runs, err := kvlayout.Plan(geo.Layers, geo.KVHeads, int64(geo.HeadSlotBytes()), specs(src), specs(dst), copies)
 	if err != nil {
@@ -313,10 +316,16 @@ func (a *Agent) cudaCopy(session string, last bool, src, dst hooks.Layout, copie
 	if err != nil {
 		return tcpshm.Stats{}, err
 	}
-	p, err := g.pair(session, dev, src, dst, time.Now())
+	planned := time.Now()
+	p, err := g.pair(session, dev, src, dst, planned)
 	if err != nil {
 		return tcpshm.Stats{}, err
 	}
+	mapped := time.Now()
+	defer func() {
+		a.log.Debug("cuda_ipc copy", zap.Int("runs", len(runs)), zap.Duration("plan", planned.Sub(start)),
+			zap.Duration("map", mapped.Sub(planned)), zap.Duration("copy", time.Since(mapped)))
+	}()
 	c := &cudaipc.Copier{Driver: g.drv, Device: dev, Stream: s}
 	if fault != tcpshm.NoFault {
 		// Tests of a copy failing halfway: half the runs land, then the

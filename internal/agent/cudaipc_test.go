@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap"
+
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/internal/cuda"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
@@ -106,7 +108,7 @@ func gpuLayout(t *testing.T, handle byte) hooks.Layout {
 // or when left idle; a changed layout re-opens them.
 func TestCUDAMappingsLiveForAMigration(t *testing.T) {
 	f := &fakeGPU{live: map[cuda.DevicePtr]bool{}}
-	a := &Agent{}
+	a := &Agent{log: zap.NewNop()}
 	a.gpu = gpuPlane{drv: f, streams: map[int]cuda.Stream{0: 1}, targets: map[string]*gpuTarget{}, pairs: map[string]*ipcPair{}}
 	src, dst := gpuLayout(t, 1), gpuLayout(t, 2)
 	copies := []kvlayout.BlockCopy{{Src: 1, Dst: 5, NumSlots: 4}, {Src: 2, Dst: 6, NumSlots: 4}}

@@ -898,13 +898,49 @@ func (m *migration) finalRound(ctx context.Context, since uint64) ([]movedState,
 }
 
 // moveState exports the paused requests' state from the source and installs
-// it, paused, on the target. The export goes on as it came: the target
-// installs into the blocks it reserved per request id, so nothing in it
-// needs rewriting, and decoding and re-encoding 256 requests' token ids and
-// text would sit inside the pause. The Host reads only what splicing
-// needs, while the target installs.
+// it, paused, on the target, in a few chunks side by side: encoding and
+// decoding 256 requests' token ids and text is the longest part of the
+// final round, and engines handle hook calls concurrently.
 func (m *migration) moveState(ctx context.Context) ([]movedState, error) {
 	ids := m.ids()
+	n := min(maxStateChunks, (len(ids)+minStateChunk-1)/minStateChunk)
+	if n <= 1 {
+		return m.moveChunk(ctx, ids)
+	}
+	out := make([][]movedState, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		chunk := ids[i*len(ids)/n : (i+1)*len(ids)/n]
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			out[i], errs[i] = m.moveChunk(ctx, chunk)
+		}()
+	}
+	wg.Wait()
+	var all []movedState
+	for i := range n {
+		if errs[i] != nil {
+			return nil, errs[i]
+		}
+		all = append(all, out[i]...)
+	}
+	return all, nil
+}
+
+// State moves in up to maxStateChunks chunks of at least minStateChunk
+// requests.
+const (
+	maxStateChunks = 8
+	minStateChunk  = 16
+)
+
+// moveChunk exports some paused requests and installs them on the target.
+// The export goes on as it came: the target installs into the blocks it
+// reserved per request id, so nothing in it needs rewriting. The Host
+// reads only what splicing needs, while the target installs.
+func (m *migration) moveChunk(ctx context.Context, ids []string) ([]movedState, error) {
 	var raw []byte
 	for attempt := 0; ; attempt++ {
 		if len(ids) == 0 {

@@ -191,15 +191,16 @@ var ErrScaleDrainTimeout = fmt.Errorf("scale failed due to request drain timeout
 // the configured scale time.
 func (e *Engine) ScaleElasticEP(ctx context.Context, newDP int, drain time.Duration) error {
 	e.mu.Lock()
-	if e.scaling {
+	if !e.scaling.CompareAndSwap(false, true) {
 		e.mu.Unlock()
 		return conflict("A scale operation is already in progress.")
 	}
-	e.scaling, e.pausedNew = true, true
+	e.pausedNew = true
 	e.mu.Unlock()
 	defer func() {
 		e.mu.Lock()
-		e.scaling, e.pausedNew = false, false
+		e.scaling.Store(false)
+		e.pausedNew = false
 		e.mu.Unlock()
 		e.signal()
 	}()
@@ -221,8 +222,8 @@ func (e *Engine) ScaleElasticEP(ctx context.Context, newDP int, drain time.Durat
 }
 
 // Scaling reports whether an elastic-EP scale is under way.
+// The HTTP middleware asks on every request: it must not wait for a step
+// (which holds mu), or every hook call would.
 func (e *Engine) Scaling() bool {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return e.scaling
+	return e.scaling.Load()
 }

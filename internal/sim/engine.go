@@ -10,6 +10,7 @@ import (
 	"math/bits"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
@@ -48,7 +49,7 @@ type Engine struct {
 	pausedNew   bool // vLLM /pause?mode=wait|abort: no new request is admitted
 	sleeping    bool
 	sleepLevel  int
-	scaling     bool
+	scaling     atomic.Bool // read without mu by the HTTP middleware
 	dpSize      int
 	lastStep    time.Duration // modelled duration of the last step
 	lastCompute time.Duration // real compute time of the last step

@@ -208,7 +208,7 @@ func (e *Engine) Allocate(_ context.Context, req hooks.AllocateRequest) (hooks.A
 	out := hooks.AllocateResponse{}
 	for _, it := range req.Requests {
 		blocks, _ := e.pool.allocate((it.NumTokens+e.geo.BlockSize-1)/e.geo.BlockSize, it.RequestID)
-		e.requests[it.RequestID] = &request{id: it.RequestID, blocks: blocks, state: stateReserved, reserveUntil: until, notify: make(chan struct{})}
+		e.requests[it.RequestID] = &request{id: it.RequestID, blocks: blocks, state: stateReserved, reserveUntil: until}
 		out.Requests = append(out.Requests, hooks.AllocatedItem{RequestID: it.RequestID, BlockIDs: append([]int(nil), blocks...)})
 	}
 	out.FreeBlocks = e.pool.numFree()
@@ -270,6 +270,7 @@ func (e *Engine) Install(_ context.Context, req hooks.InstallRequest) (hooks.Ins
 			e.pool.markWritten(r.blocks[pos/e.geo.BlockSize], pos%e.geo.BlockSize, gen)
 		}
 		e.running = append(e.running, r)
+		r.publish()
 		out.Installed = append(out.Installed, r.id)
 	}
 	e.cursor = gen

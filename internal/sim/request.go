@@ -2,6 +2,7 @@ package sim
 
 import (
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
@@ -52,8 +53,35 @@ type request struct {
 	lastTokenAt    time.Time
 	finishedAt     time.Time
 
-	// notify is closed and replaced whenever output is published.
-	notify chan struct{}
+	// pub is what the request's readers (client streams, attach) see.
+	pub view
+}
+
+// view is a request's output as last published (at each token and at its
+// end), under its own lock: client streams follow it without the engine's
+// lock, which a step holds for its whole compute — 256 attached streams
+// queueing on it after every step stretched a migration's switch by
+// hundreds of milliseconds.
+type view struct {
+	mu sync.Mutex
+	// output and textOffsets share the request's backing arrays: their
+	// published elements are never rewritten (releaseText copies).
+	output, textOffsets []int
+	text                string
+	finished, silent    bool
+	reason              string
+	stopReason          any
+	numPrompt           int
+	meta                hooks.ResponseMeta
+	notify              chan struct{} // closed and replaced at each publish
+}
+
+// changed returns the channel the next publish closes (v.mu held).
+func (v *view) changed() chan struct{} {
+	if v.notify == nil {
+		v.notify = make(chan struct{})
+	}
+	return v.notify
 }
 
 func (r *request) numTokens() int { return len(r.prompt) + len(r.output) }
@@ -114,13 +142,23 @@ func (r *request) appendText(piece string) (hit string, ok bool) {
 // release makes the whole text visible once the request is done.
 func (r *request) releaseText() {
 	if n := len(r.textOffsets); n > 0 {
-		r.textOffsets[n-1] = len(r.text)
+		// A copy: readers may hold the published slice.
+		offs := append([]int(nil), r.textOffsets...)
+		offs[n-1] = len(r.text)
+		r.textOffsets = offs
 	}
 }
 
+// publish makes r's current output visible to its readers (e.mu held).
 func (r *request) publish() {
-	close(r.notify)
-	r.notify = make(chan struct{})
+	v := &r.pub
+	v.mu.Lock()
+	v.output, v.textOffsets, v.text = r.output, r.textOffsets, r.text
+	v.finished, v.silent, v.reason, v.stopReason = r.finished(), r.silent, r.finishReason, r.stopReason
+	v.numPrompt, v.meta = len(r.prompt), r.meta
+	close(v.changed())
+	v.notify = make(chan struct{})
+	v.mu.Unlock()
 }
 
 func (r *request) info() hooks.RequestInfo {

@@ -281,10 +281,14 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, kind, idPrefix
 
 // respond waits for the whole output and writes one JSON response.
 func (s *Server) respond(w http.ResponseWriter, ctx context.Context, id, kind string, prompt []int) {
+	wt, err := s.eng.Watcher(id)
+	if err != nil {
+		s.eng.AbortClient(id)
+		return
+	}
 	var o Output
 	for {
-		var err error
-		o, err = s.eng.Watch(ctx, id, len(o.Tokens)+o.From)
+		o, err = wt.Next(ctx, len(o.Tokens)+o.From)
 		if err != nil {
 			s.eng.AbortClient(id)
 			return
@@ -321,7 +325,11 @@ func (s *Server) respond(w http.ResponseWriter, ctx context.Context, id, kind st
 // continued on another engine is byte-compatible with the original.
 func (s *Server) stream(w http.ResponseWriter, ctx context.Context, id string, from int, sendRole bool) {
 	// Check the request exists before committing to a 200.
-	o, err := s.eng.Watch(ctx, id, from)
+	wt, err := s.eng.Watcher(id)
+	var o Output
+	if err == nil {
+		o, err = wt.Next(ctx, from)
+	}
 	if err != nil {
 		if ctx.Err() == nil {
 			writeError(w, err)
@@ -348,10 +356,7 @@ func (s *Server) stream(w http.ResponseWriter, ctx context.Context, id string, f
 		}
 		enc.event(first)
 	}
-	prev := 0
-	if o.From > 0 {
-		prev = s.textOffsetBefore(id, o.From)
-	}
+	prev := o.TextBefore
 	for {
 		for i, tok := range o.Tokens {
 			idx := o.From + i
@@ -390,26 +395,12 @@ func (s *Server) stream(w http.ResponseWriter, ctx context.Context, id string, f
 			flusher.Flush()
 		}
 		from = o.From + len(o.Tokens)
-		o, err = s.eng.Watch(ctx, id, from)
+		o, err = wt.Next(ctx, from)
 		if err != nil {
 			s.eng.AbortClient(id)
 			return
 		}
 	}
-}
-
-// textOffsetBefore is the visible text length before output index i.
-func (s *Server) textOffsetBefore(id string, i int) int {
-	s.eng.mu.Lock()
-	defer s.eng.mu.Unlock()
-	r := s.eng.requests[id]
-	if r == nil {
-		r = s.eng.done[id]
-	}
-	if r == nil || i == 0 || i > len(r.textOffsets) {
-		return 0
-	}
-	return r.textOffsets[i-1]
 }
 
 // chunk builds the event of output token idx (tok < 0: a finish with no new

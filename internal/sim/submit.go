@@ -40,7 +40,6 @@ func (e *Engine) Submit(nr NewRequest) error {
 	r := &request{
 		id: nr.ID, prompt: nr.Prompt, params: nr.Params, meta: nr.Meta,
 		arrival: now, priority: nr.Priority, state: stateWaiting,
-		notify: make(chan struct{}),
 	}
 	e.mu.Lock()
 	if _, dup := e.requests[r.id]; dup {
@@ -67,6 +66,7 @@ func (e *Engine) derivedSeed(prompt []int) int64 {
 type Output struct {
 	Tokens      []int  // output tokens from index From
 	TextOffsets []int  // visible text length after each of them
+	TextBefore  int    // visible text length before token From
 	Text        string // the whole visible output text
 	From        int
 	Finished    bool
@@ -78,48 +78,68 @@ type Output struct {
 	Meta        hooks.ResponseMeta
 }
 
-// Watch returns r's output from token index from, waiting until there is
-// something new, the request finishes or ctx ends. It returns a not-found
-// error for unknown (or long-finished) ids.
-func (e *Engine) Watch(ctx context.Context, id string, from int) (Output, error) {
+// Watcher follows one request's published output.
+type Watcher struct{ r *request }
+
+// Watcher returns a watcher of request id, or a not-found error for unknown
+// (or long-finished) ids.
+func (e *Engine) Watcher(id string) (*Watcher, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	r := e.requests[id]
+	if r == nil {
+		r = e.done[id]
+	}
+	if r == nil || r.state == stateReserved {
+		return nil, notFound("request_id", "Request %s does not exist.", id)
+	}
+	return &Watcher{r: r}, nil
+}
+
+// Next returns the output from token index from, waiting until there is
+// something new, the request finishes or ctx ends.
+func (w *Watcher) Next(ctx context.Context, from int) (Output, error) {
+	v := &w.r.pub
 	for {
-		e.mu.Lock()
-		r := e.requests[id]
-		if r == nil {
-			r = e.done[id]
-		}
-		if r == nil || r.state == stateReserved {
-			e.mu.Unlock()
-			return Output{}, notFound("request_id", "Request %s does not exist.", id)
-		}
-		if from > len(r.output) {
-			from = len(r.output)
-		}
-		if from < len(r.output) || r.finished() {
+		v.mu.Lock()
+		from = min(from, len(v.output))
+		if from < len(v.output) || v.finished {
 			o := Output{
-				Tokens:      append([]int(nil), r.output[from:]...),
-				TextOffsets: append([]int(nil), r.textOffsets[from:]...),
-				Text:        r.text,
+				Tokens:      append([]int(nil), v.output[from:]...),
+				TextOffsets: append([]int(nil), v.textOffsets[from:]...),
+				Text:        v.text,
 				From:        from,
-				Finished:    r.finished(),
-				Silent:      r.silent,
-				Reason:      r.finishReason,
-				StopReason:  r.stopReason,
-				NumPrompt:   len(r.prompt),
-				NumOutput:   len(r.output),
-				Meta:        r.meta,
+				Finished:    v.finished,
+				Silent:      v.silent,
+				Reason:      v.reason,
+				StopReason:  v.stopReason,
+				NumPrompt:   v.numPrompt,
+				NumOutput:   len(v.output),
+				Meta:        v.meta,
 			}
-			e.mu.Unlock()
+			if from > 0 && from <= len(v.textOffsets) {
+				o.TextBefore = v.textOffsets[from-1]
+			}
+			v.mu.Unlock()
 			return o, nil
 		}
-		ch := r.notify
-		e.mu.Unlock()
+		ch := v.changed()
+		v.mu.Unlock()
 		select {
 		case <-ctx.Done():
 			return Output{}, ctx.Err()
 		case <-ch:
 		}
 	}
+}
+
+// Watch returns request id's output from token index from (see Next).
+func (e *Engine) Watch(ctx context.Context, id string, from int) (Output, error) {
+	w, err := e.Watcher(id)
+	if err != nil {
+		return Output{}, err
+	}
+	return w.Next(ctx, from)
 }
 
 // AbortClient aborts a request whose client went away. Unknown ids are
