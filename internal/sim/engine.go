@@ -40,10 +40,14 @@ type Engine struct {
 	pool     *blockPool
 	requests map[string]*request // live and reserved requests
 	done     map[string]*request // finished, kept for attach until retention ends
-	waiting  []*request
-	running  []*request
-	cursor   uint64 // generation of the last completed mutation
-	steps    uint64
+	// watchable indexes the submitted and installed requests of both maps
+	// for Watcher, which must not wait for e.mu: a step holds it for its
+	// whole compute, and a migration attaches hundreds of streams at once.
+	watchable sync.Map // id → *request
+	waiting   []*request
+	running   []*request
+	cursor    uint64 // generation of the last completed mutation
+	steps     uint64
 
 	pausedAll   bool // vLLM /pause?mode=keep: nothing is scheduled
 	pausedNew   bool // vLLM /pause?mode=wait|abort: no new request is admitted
@@ -503,6 +507,7 @@ func (e *Engine) expireLeases(now time.Time) {
 	for id, r := range e.done {
 		if now.Sub(r.finishedAt) > e.cfg.FinishedRetention {
 			delete(e.done, id)
+			e.watchable.CompareAndDelete(id, r)
 		}
 	}
 }

@@ -271,6 +271,7 @@ func (e *Engine) Install(_ context.Context, req hooks.InstallRequest) (hooks.Ins
 		}
 		e.running = append(e.running, r)
 		r.publish()
+		e.watchable.Store(r.id, r)
 		out.Installed = append(out.Installed, r.id)
 	}
 	e.cursor = gen

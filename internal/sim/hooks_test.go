@@ -3,6 +3,7 @@ package sim
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"os"
 	"strings"
@@ -386,3 +387,42 @@ func TestChangesSinceCursor(t *testing.T) {
 }
 
 func itoa(n int) string { b, _ := json.Marshal(n); return string(b) }
+
+// Client streams read a request's published output without the engine's
+// lock: a step in flight (which holds it) does not hold them up, nor does
+// attaching to a request.
+func TestWatchersDoNotWaitForAStep(t *testing.T) {
+	e := startEngine(t, testConfig(t))
+	ctx := context.Background()
+	if err := e.Submit(NewRequest{ID: "v", Prompt: prompt(10, 1), Params: greedy(400), SeedSet: true}); err != nil {
+		t.Fatal(err)
+	}
+	for n := 0; n < 4; {
+		o, err := e.Watch(ctx, "v", n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n = o.NumOutput
+	}
+	e.mu.Lock() // a step in flight
+	defer e.mu.Unlock()
+	got := make(chan error, 1)
+	go func() {
+		o, err := e.Watch(ctx, "v", 1)
+		if err == nil && (o.From != 1 || len(o.Tokens) < 2 || o.TextBefore == 0) {
+			err = fmt.Errorf("unexpected output %+v", o)
+		}
+		got <- err
+	}()
+	select {
+	case err := <-got:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("a watcher waited for the engine's lock")
+	}
+	if _, err := e.Watcher("nobody"); err == nil {
+		t.Fatal("a watcher of an unknown request")
+	}
+}

@@ -47,6 +47,8 @@ func (e *Engine) Submit(nr NewRequest) error {
 		return badRequest("request_id", "Request id %s is already running.", r.id)
 	}
 	e.requests[r.id] = r
+	r.publish()
+	e.watchable.Store(r.id, r)
 	e.waiting = append(e.waiting, r)
 	e.met.promptTokens.Add(float64(len(r.prompt)))
 	e.mu.Unlock()
@@ -82,18 +84,13 @@ type Output struct {
 type Watcher struct{ r *request }
 
 // Watcher returns a watcher of request id, or a not-found error for unknown
-// (or long-finished) ids.
+// (or long-finished) ids. It does not wait for a step.
 func (e *Engine) Watcher(id string) (*Watcher, error) {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	r := e.requests[id]
-	if r == nil {
-		r = e.done[id]
-	}
-	if r == nil || r.state == stateReserved {
+	r, ok := e.watchable.Load(id)
+	if !ok {
 		return nil, notFound("request_id", "Request %s does not exist.", id)
 	}
-	return &Watcher{r: r}, nil
+	return &Watcher{r: r.(*request)}, nil
 }
 
 // Next returns the output from token index from, waiting until there is
