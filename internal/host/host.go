@@ -91,7 +91,7 @@ func New(cfg Config, log *zap.Logger) *Host {
 	h.proxy = proxy.New(proxy.Options{ClientWriteTimeout: cfg.ClientWriteTimeout}, h.m.proxy, log)
 	mcfg := cfg.Migration
 	mcfg.AgentToken = cfg.AdminToken
-	h.mig = migrate.New(mcfg, h.reg, h.proxy, log)
+	h.mig = migrate.New(mcfg, h.reg, h.proxy, h.m.migrations, log)
 	h.grpc = grpc.NewServer(grpc.UnaryInterceptor(authInterceptor(cfg.AdminToken, func(string) {
 		h.m.registrations.WithLabelValues("unauthenticated").Inc()
 	})))

@@ -268,6 +268,12 @@ func TestMetricsGolden(t *testing.T) {
 	m.proxy.UpstreamErrors.WithLabelValues("m", "read").Inc()
 	m.proxy.StreamsInFlight.Set(2)
 	m.proxy.StreamTokens.Add(7)
+	m.migrations.Migrations.WithLabelValues("succeeded").Inc()
+	m.migrations.Downtime.Observe(0.014)
+	m.migrations.ClientDowntime.Observe(0.044)
+	m.migrations.Duration.Observe(1.6)
+	m.migrations.Bytes.Add(24e9)
+	m.migrations.Requests.Add(256)
 	mfs, err := reg.Gather()
 	if err != nil {
 		t.Fatal(err)

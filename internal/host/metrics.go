@@ -4,6 +4,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/vllm-hi/vllm-hi/internal/host/registry"
+	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
 )
 
@@ -13,6 +14,7 @@ type metrics struct {
 	heartbeats    *prometheus.CounterVec
 	registrations *prometheus.CounterVec
 	proxy         *proxy.Metrics
+	migrations    *migrate.Metrics
 }
 
 func newMetrics(reg prometheus.Registerer, instances *registry.Registry) *metrics {
@@ -41,6 +43,7 @@ func newMetrics(reg prometheus.Registerer, instances *registry.Registry) *metric
 				Name: "vhi_stream_tokens_total", Help: "Token events relayed to clients.",
 			}),
 		},
+		migrations: migrate.NewMetrics(),
 	}
 	instancesByState := prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "vhi_instances", Help: "Registered instances by state.",
@@ -48,6 +51,7 @@ func newMetrics(reg prometheus.Registerer, instances *registry.Registry) *metric
 	reg.MustRegister(m.requests, m.heartbeats, m.registrations,
 		m.proxy.AddedLatency.(prometheus.Collector), m.proxy.UpstreamErrors, m.proxy.StreamsInFlight, m.proxy.StreamTokens,
 		&stateCollector{vec: instancesByState, reg: instances})
+	reg.MustRegister(m.migrations.Collectors()...)
 	return m
 }
 

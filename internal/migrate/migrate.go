@@ -140,6 +140,7 @@ type Orchestrator struct {
 	reg     *registry.Registry
 	proxy   *proxy.Proxy
 	streams *proxy.Streams
+	met     *Metrics
 	log     *zap.Logger
 
 	mu    sync.Mutex
@@ -150,9 +151,9 @@ type Orchestrator struct {
 	wg    sync.WaitGroup
 }
 
-// New returns an orchestrator.
-func New(cfg Config, reg *registry.Registry, px *proxy.Proxy, log *zap.Logger) *Orchestrator {
-	return &Orchestrator{cfg: cfg, reg: reg, proxy: px, streams: px.Streams(), log: log,
+// New returns an orchestrator; met may be nil.
+func New(cfg Config, reg *registry.Registry, px *proxy.Proxy, met *Metrics, log *zap.Logger) *Orchestrator {
+	return &Orchestrator{cfg: cfg, reg: reg, proxy: px, streams: px.Streams(), met: met, log: log,
 		conns: map[string]*grpc.ClientConn{}, all: map[string]*migration{}, busy: map[string]string{}}
 }
 
@@ -235,6 +236,14 @@ func newID() string {
 // so that a bad request or a target that cannot hold the KV is refused
 // with nothing started — and then runs the rest in the background.
 func (o *Orchestrator) Start(req Request) (string, error) {
+	id, err := o.start(req)
+	if err != nil {
+		o.met.refused()
+	}
+	return id, err
+}
+
+func (o *Orchestrator) start(req Request) (string, error) {
 	if req.Src == "" || req.Dst == "" {
 		return "", refuse(400, "src_vllm_hi_id and dst_vllm_hi_id are required")
 	}
@@ -542,7 +551,9 @@ func (m *migration) finish(state, errMsg string) {
 	m.endStepLocked(now)
 	m.st.State, m.st.Error, m.st.FinishedAt = state, errMsg, now
 	m.st.CurrentStep = "done"
+	st := m.st
 	m.mu.Unlock()
+	m.o.met.ended(st)
 	m.o.release(m.src.ID, m.dst.ID)
 	m.log.Info("migration finished", zap.String("state", state), zap.String("error", errMsg))
 }

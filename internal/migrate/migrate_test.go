@@ -63,7 +63,7 @@ func TestStartRefusals(t *testing.T) {
 	add("B", "B", true, "m")
 	add("B2", "B", true, "other")
 	add("P", "B", false, "m")
-	o := New(DefaultConfig(), reg, proxy.New(proxy.Options{}, nil, zap.NewNop()), zap.NewNop())
+	o := New(DefaultConfig(), reg, proxy.New(proxy.Options{}, nil, zap.NewNop()), nil, zap.NewNop())
 	two := 2
 	for _, c := range []struct {
 		req  Request

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"os/exec"
@@ -200,6 +201,8 @@ func TestMigrationEveryStreamExact(t *testing.T) {
 	if roleOf(t, d.hostURL, "B") != "active" || roleOf(t, d.hostURL, "A") != "standby" {
 		t.Fatalf("roles after destroy_source: %+v", listInstances(t, d.hostURL))
 	}
+	hostMetrics(t, d.hostURL, `vhi_migrations_total{state="succeeded"} 1`, "vhi_migration_downtime_seconds_count 1",
+		"vhi_migration_client_downtime_seconds_count 1", "vhi_migrated_requests_total 64")
 	waitUntil(t, "A's KV released", func() bool {
 		resp, err := http.Get(d.aURL + "/is_sleeping")
 		if err != nil {
@@ -371,6 +374,11 @@ func TestMigrationAborts(t *testing.T) {
 			if roleOf(t, d.hostURL, "A") != "active" {
 				t.Fatal("A lost its role after an aborted migration")
 			}
+			if c.refused {
+				hostMetrics(t, d.hostURL, `vhi_migrations_total{state="refused"} 1`, "vhi_migration_downtime_seconds_count 0")
+			} else {
+				hostMetrics(t, d.hostURL, `vhi_migrations_total{state="aborted"} 1`, "vhi_migration_downtime_seconds_count 0")
+			}
 			waitUntil(t, "no leaked blocks", func() bool {
 				a, b := stats(t, d.aURL), stats(t, d.bURL)
 				return a.Free == a.Total && b.Free == b0.Free && b.Reserved == 0
@@ -404,4 +412,24 @@ func TestHostDiesWhileSourcePaused(t *testing.T) {
 		a, b := stats(t, d.aURL), stats(t, d.bURL)
 		return a.Running == 0 && a.Free == a.Total && b.Free == b.Total && b.Reserved == 0
 	})
+}
+
+// hostMetrics checks that the Host's /metrics has every line of want.
+func hostMetrics(t *testing.T, hostURL string, want ...string) {
+	t.Helper()
+	resp, err := http.Get(hostURL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	lines := map[string]bool{}
+	for _, l := range strings.Split(string(b), "\n") {
+		lines[l] = true
+	}
+	for _, w := range want {
+		if !lines[w] {
+			t.Errorf("the Host's /metrics lacks %q", w)
+		}
+	}
 }
