@@ -175,6 +175,9 @@ func printMigration(out io.Writer, st migrate.Status) {
 	if len(parts) > 0 {
 		fmt.Fprintf(out, "rounds (blocks / bytes): %s\n", strings.Join(parts, " | "))
 	}
+	if st.PauseWaitS > 0 {
+		fmt.Fprintf(out, "the pause first waited %.1f ms for the source's step in flight (not downtime: the source decoded meanwhile)\n", st.PauseWaitS*1000)
+	}
 	if st.Error != "" {
 		fmt.Fprintf(out, "error: %s\n", st.Error)
 	}
