@@ -57,15 +57,16 @@ type gpuTarget struct {
 	close func()
 }
 
-// ready loads the driver and makes dev's stream (g.mu held).
-func (g *gpuPlane) ready(dev int) (cuda.Stream, error) {
+// copier loads the driver on first use and returns a copier on dev's
+// stream, made once per device (g.mu held).
+func (g *gpuPlane) copier(dev int) (*cudaipc.Copier, error) {
 	var err error
 	if g.drv == nil {
 		lib, err := cuda.Load()
 		if err != nil {
 			// (not assigned: a nil *Lib in the interface would pass the
 			// check above next time)
-			return 0, fmt.Errorf("GPU KV: %w", err)
+			return nil, fmt.Errorf("GPU KV: %w", err)
 		}
 		g.drv = lib
 		g.streams, g.targets, g.pairs = map[int]cuda.Stream{}, map[string]*gpuTarget{}, map[string]*ipcPair{}
@@ -75,15 +76,15 @@ func (g *gpuPlane) ready(dev int) (cuda.Stream, error) {
 		if k, ok := g.drv.(interface{ PrepareKernels(int) error }); ok {
 			// The copy kernel compiles at load: not inside a round.
 			if err := k.PrepareKernels(dev); err != nil {
-				return 0, err
+				return nil, err
 			}
 		}
 		if s, err = g.drv.NewStream(dev); err != nil {
-			return 0, err
+			return nil, err
 		}
 		g.streams[dev] = s
 	}
-	return s, nil
+	return &cudaipc.Copier{Driver: g.drv, Device: dev, Stream: s}, nil
 }
 
 // release unmaps everything a session mapped: its tcp_shm target regions
@@ -151,24 +152,23 @@ func regionsKey(l hooks.Layout) string {
 func (g *gpuPlane) sink(session string, l hooks.Layout) (*cudaipc.Sink, error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	dev := l.Regions[0].Memory.Device
-	s, err := g.ready(dev)
+	c, err := g.copier(l.Regions[0].Memory.Device)
 	if err != nil {
 		return nil, err
 	}
 	t := g.targets[session]
 	if t == nil {
-		dst, closeAll, err := openRegions(g.drv, dev, l)
+		dst, closeAll, err := openRegions(g.drv, c.Device, l)
 		if err != nil {
 			return nil, err
 		}
-		t = &gpuTarget{dev: dev, dst: dst, close: closeAll}
+		t = &gpuTarget{dev: c.Device, dst: dst, close: closeAll}
 		for _, r := range l.Regions {
 			t.sizes = append(t.sizes, uint64(r.Size))
 		}
 		g.targets[session] = t
 	}
-	return cudaipc.NewSink(&cudaipc.Copier{Driver: g.drv, Device: dev, Stream: s}, t.dst, t.sizes)
+	return cudaipc.NewSink(c, t.dst, t.sizes)
 }
 
 func (g *gpuPlane) close() {
@@ -284,17 +284,16 @@ func (a *Agent) withSource(src hooks.Layout, fn func(c *cudaipc.Copier, srcPtrs 
 	g := &a.gpu
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	dev := src.Regions[0].Memory.Device
-	s, err := g.ready(dev)
+	c, err := g.copier(src.Regions[0].Memory.Device)
 	if err != nil {
 		return err
 	}
-	srcPtrs, closeSrc, err := openRegions(g.drv, dev, src)
+	srcPtrs, closeSrc, err := openRegions(g.drv, c.Device, src)
 	if err != nil {
 		return err
 	}
 	defer closeSrc()
-	return fn(&cudaipc.Copier{Driver: g.drv, Device: dev, Stream: s}, srcPtrs)
+	return fn(c, srcPtrs)
 }
 
 // cudaCopy runs one round's copies GPU to GPU: the plan's runs, from the
@@ -311,13 +310,12 @@ func (a *Agent) cudaCopy(session string, last bool, src, dst hooks.Layout, copie
 	g := &a.gpu
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	dev := src.Regions[0].Memory.Device
-	s, err := g.ready(dev)
+	c, err := g.copier(src.Regions[0].Memory.Device)
 	if err != nil {
 		return tcpshm.Stats{}, err
 	}
 	planned := time.Now()
-	p, err := g.pair(session, dev, src, dst, planned)
+	p, err := g.pair(session, c.Device, src, dst, planned)
 	if err != nil {
 		return tcpshm.Stats{}, err
 	}
@@ -326,7 +324,6 @@ func (a *Agent) cudaCopy(session string, last bool, src, dst hooks.Layout, copie
 		a.log.Debug("cuda_ipc copy", zap.Int("runs", len(runs)), zap.Duration("plan", planned.Sub(start)),
 			zap.Duration("map", mapped.Sub(planned)), zap.Duration("copy", time.Since(mapped)))
 	}()
-	c := &cudaipc.Copier{Driver: g.drv, Device: dev, Stream: s}
 	if fault != tcpshm.NoFault {
 		// Tests of a copy failing halfway: half the runs land, then the
 		// round fails and the migration must roll back.

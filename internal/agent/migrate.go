@@ -230,38 +230,19 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 
 	var cursor uint64
 	var changes hooks.Changes
-	var list hooks.RequestList
-	var tChanges time.Time
-	switch req.GetKind() {
-	case "final":
-		// The moved requests are paused: neither read can miss a write of
-		// theirs, so both run at once (this is inside the pause).
-		var cerr error
-		done := make(chan struct{})
-		go func() {
-			defer close(done)
-			changes, cerr = a.eng.Changes(ctx, req.GetSinceCursor())
-		}()
-		list, err = a.eng.Requests(ctx)
-		<-done
-		if err = errors.Join(cerr, err); err != nil {
+	// The changes first: a block a step allocates and writes between the
+	// two reads is then in the request list, and copied next round if not
+	// now. The other order could miss it for good.
+	if req.GetKind() != "full" {
+		if changes, err = a.eng.Changes(ctx, req.GetSinceCursor()); err != nil {
 			return nil, engineError(err)
 		}
-		cursor, tChanges = changes.Cursor, time.Now()
-	default:
-		// The changes first: a block a step allocates and writes between
-		// the two reads is then in the request list, and copied next round
-		// if not now. The other order could miss it for good.
-		if req.GetKind() != "full" {
-			if changes, err = a.eng.Changes(ctx, req.GetSinceCursor()); err != nil {
-				return nil, engineError(err)
-			}
-			cursor = changes.Cursor
-		}
-		tChanges = time.Now()
-		if list, err = a.eng.Requests(ctx); err != nil {
-			return nil, engineError(err)
-		}
+		cursor = changes.Cursor
+	}
+	tChanges := time.Now()
+	list, err := a.eng.Requests(ctx)
+	if err != nil {
+		return nil, engineError(err)
 	}
 	tRequests := time.Now()
 	if req.GetKind() == "full" {

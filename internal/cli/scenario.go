@@ -5,10 +5,12 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"runtime/pprof"
 	"runtime/trace"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -105,28 +107,11 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 		return res, ctx.Err()
 	case <-time.After(sc.Delay):
 	}
-	if sc.CPUProfile != "" {
-		f, err := os.Create(sc.CPUProfile)
-		if err != nil {
-			return res, err
-		}
-		defer f.Close()
-		if err := pprof.StartCPUProfile(f); err != nil {
-			return res, err
-		}
-		defer pprof.StopCPUProfile()
+	stopCapture, err := sc.captureWindow()
+	if err != nil {
+		return res, err
 	}
-	if sc.Trace != "" {
-		f, err := os.Create(sc.Trace)
-		if err != nil {
-			return res, err
-		}
-		defer f.Close()
-		if err := trace.Start(f); err != nil {
-			return res, err
-		}
-		defer trace.Stop()
-	}
+	defer stopCapture()
 	res.MigrationStart = time.Now()
 	body, _ := json.Marshal(migrate.Request{Src: st.AID, Dst: st.BID, Type: sc.Type, FinalGranularity: sc.FinalGranularity, TN: sc.TN})
 	resp, err := http.Post(st.HostURL+"/vllm_hi/migrate", "application/json", bytes.NewReader(body))
@@ -156,12 +141,7 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 		_ = json.NewDecoder(r.Body).Decode(&res.Status)
 		r.Body.Close()
 		if res.Status.State != migrate.StateRunning {
-			if sc.CPUProfile != "" {
-				pprof.StopCPUProfile()
-			}
-			if sc.Trace != "" {
-				trace.Stop()
-			}
+			stopCapture()
 			break
 		}
 		time.Sleep(20 * time.Millisecond)
@@ -197,4 +177,43 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 	}
 	res.MedianGap = loadgen.Percentile(gaps, 0.5)
 	return res, nil
+}
+
+// captureWindow starts the CPU profile and the execution trace the
+// scenario asks for; the returned function stops them and may be called
+// more than once.
+func (sc scenario) captureWindow() (stop func(), err error) {
+	var stops []func()
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			for i := len(stops) - 1; i >= 0; i-- {
+				stops[i]()
+			}
+		})
+	}
+	for _, c := range []struct {
+		path  string
+		start func(io.Writer) error
+		stop  func()
+	}{
+		{sc.CPUProfile, pprof.StartCPUProfile, pprof.StopCPUProfile},
+		{sc.Trace, trace.Start, trace.Stop},
+	} {
+		if c.path == "" {
+			continue
+		}
+		f, err := os.Create(c.path)
+		if err != nil {
+			stop()
+			return nil, err
+		}
+		if err := c.start(f); err != nil {
+			f.Close()
+			stop()
+			return nil, err
+		}
+		stops = append(stops, func() { c.stop(); f.Close() })
+	}
+	return stop, nil
 }

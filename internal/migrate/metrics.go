@@ -10,7 +10,7 @@ type Metrics struct {
 	Migrations *prometheus.CounterVec
 	// Downtime is each successful migration's downtime_s; ClientDowntime
 	// its client_downtime_s; Duration the whole migration, request to done.
-	Downtime, ClientDowntime, Duration prometheus.Observer
+	Downtime, ClientDowntime, Duration prometheus.Histogram
 	// Bytes is the KV moved over all rounds; Requests the requests that
 	// moved.
 	Bytes, Requests prometheus.Counter
@@ -46,8 +46,7 @@ func NewMetrics() *Metrics {
 
 // Collectors lists the instruments for registration.
 func (m *Metrics) Collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.Migrations, m.Downtime.(prometheus.Collector), m.ClientDowntime.(prometheus.Collector),
-		m.Duration.(prometheus.Collector), m.Bytes, m.Requests}
+	return []prometheus.Collector{m.Migrations, m.Downtime, m.ClientDowntime, m.Duration, m.Bytes, m.Requests}
 }
 
 func (m *Metrics) refused() {

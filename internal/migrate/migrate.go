@@ -653,20 +653,20 @@ func (m *migration) final(ctx context.Context, since uint64) {
 		}
 	}
 	m.step("install_target")
-	if len(states) > 0 {
-		ids := make([]string, len(states))
-		for i, st := range states {
-			ids[i] = st.RequestID
-		}
-		if _, err := hook[hooks.ResumeResponse](ctx, m.dstA, "resume", hooks.ResumeRequest{RequestIDs: ids}, 0); err != nil {
+	moved := make([]string, len(states))
+	for i, st := range states {
+		moved[i] = st.RequestID
+	}
+	if len(moved) > 0 {
+		if _, err := hook[hooks.ResumeResponse](ctx, m.dstA, "resume", hooks.ResumeRequest{RequestIDs: moved}, 0); err != nil {
 			m.fail(fmt.Errorf("resume the installed requests on the target: %s", status.Convert(err).Message()))
 			return
 		}
 	}
 	// Ownership has flipped: the target runs the requests.
 	downtime := time.Since(stopped)
-	for _, st := range states {
-		delete(m.reserved, st.RequestID)
+	for _, id := range moved {
+		delete(m.reserved, id)
 	}
 	m.mu.Lock()
 	m.st.DowntimeS = downtime.Seconds()
@@ -702,19 +702,15 @@ func (m *migration) final(ctx context.Context, since uint64) {
 	// source connection, which aborted some of them) and the target's
 	// requests nobody listens to any more.
 	actx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	ids := make([]string, len(states))
-	for i, st := range states {
-		ids[i] = st.RequestID
-	}
-	if len(ids) > 0 {
-		if _, err := hook[hooks.AbortResponse](actx, m.srcA, "abort", hooks.AbortRequest{RequestIDs: ids, Silent: true, IgnoreMissing: true}, 0); err != nil {
+	if len(moved) > 0 {
+		if _, err := hook[hooks.AbortResponse](actx, m.srcA, "abort", hooks.AbortRequest{RequestIDs: moved, Silent: true, IgnoreMissing: true}, 0); err != nil {
 			m.log.Warn("dropping the source's copies failed (their pause lease will resume them)", zap.Error(err))
 		}
 	}
 	if len(orphans) > 0 {
 		_, _ = hook[hooks.AbortResponse](actx, m.dstA, "abort", hooks.AbortRequest{RequestIDs: orphans, IgnoreMissing: true}, 0)
 	}
-	m.resumeLeftBehind(actx, paused, ids)
+	m.resumeLeftBehind(actx, paused, moved)
 	cancel()
 	m.pausedSrc = false
 	// Requests dropped on the way give their target reservations back.
@@ -793,23 +789,33 @@ func (m *migration) pauseSource(ctx context.Context) (wait time.Duration, ok boo
 // liveOnSource drops from the migration the ids no longer running on the
 // source and returns the rest.
 func (m *migration) liveOnSource(ctx context.Context, ids []string) ([]string, error) {
-	list, err := hook[hooks.RequestList](ctx, m.srcA, "requests", nil, 0)
+	keep, gone, err := m.splitOnSource(ctx, ids, func(r hooks.RequestInfo) bool { return r.Status == hooks.StatusRunning })
 	if err != nil {
 		return nil, err
 	}
-	live := map[string]bool{}
-	for _, r := range list.Requests {
-		live[r.RequestID] = r.Status == hooks.StatusRunning
+	m.drop(gone...)
+	return keep, nil
+}
+
+// splitOnSource lists the source's requests and splits ids into those
+// there for which ok holds and the rest.
+func (m *migration) splitOnSource(ctx context.Context, ids []string, ok func(hooks.RequestInfo) bool) (yes, no []string, err error) {
+	list, err := hook[hooks.RequestList](ctx, m.srcA, "requests", nil, 0)
+	if err != nil {
+		return nil, nil, err
 	}
-	var keep []string
+	there := map[string]bool{}
+	for _, r := range list.Requests {
+		there[r.RequestID] = ok(r)
+	}
 	for _, id := range ids {
-		if live[id] {
-			keep = append(keep, id)
+		if there[id] {
+			yes = append(yes, id)
 		} else {
-			m.drop(id)
+			no = append(no, id)
 		}
 	}
-	return keep, nil
+	return yes, no, nil
 }
 
 // resumeLeftBehind resumes on the source the requests it paused that did
@@ -836,20 +842,10 @@ func (m *migration) resumeOnSource(ctx context.Context, ids []string) {
 	if len(ids) == 0 {
 		return
 	}
-	list, err := hook[hooks.RequestList](ctx, m.srcA, "requests", nil, 0)
+	resume, _, err := m.splitOnSource(ctx, ids, func(r hooks.RequestInfo) bool { return r.Paused })
 	if err != nil {
 		m.log.Error("resuming the source failed (its pause lease will resume the requests)", zap.Strings("request_ids", ids), zap.Error(err))
 		return
-	}
-	paused := map[string]bool{}
-	for _, r := range list.Requests {
-		paused[r.RequestID] = r.Paused
-	}
-	var resume []string
-	for _, id := range ids {
-		if paused[id] {
-			resume = append(resume, id)
-		}
 	}
 	if len(resume) == 0 {
 		return
