@@ -26,6 +26,11 @@ const (
 	PathInstall  = "/vllm_hi/engine/install/commit"
 	PathAbort    = "/vllm_hi/engine/abort"
 	PathStats    = "/vllm_hi/engine/stats"
+	// PathRetire releases the engine's KV memory once its requests
+	// finished (the end of a destroy_source migration); PathWake brings
+	// it back.
+	PathRetire = "/vllm_hi/engine/retire"
+	PathWake   = "/vllm_hi/engine/wake"
 	// PathAttach streams a request's output from token index ?from=K as the
 	// same OpenAI SSE chunks its original stream carries.
 	PathAttach = "/vllm_hi/engine/requests/{request_id}/stream"
@@ -45,6 +50,8 @@ type Engine interface {
 	Install(ctx context.Context, req InstallRequest) (InstallResponse, error)
 	Abort(ctx context.Context, req AbortRequest) (AbortResponse, error)
 	Stats(ctx context.Context) (Stats, error)
+	Retire(ctx context.Context, req RetireRequest) (RetireResponse, error)
+	Wake(ctx context.Context) (WakeResponse, error)
 }
 
 // Memory kinds a region can be exported as.
@@ -66,7 +73,11 @@ type Layout struct {
 	// OpaqueBlocks says a block's bytes are laid out by the engine in a
 	// way the strides describe only as a whole: copy whole blocks, never
 	// single token slots (vLLM's CPU attention tiles slots inside a block).
-	OpaqueBlocks bool     `json:"opaque_blocks,omitempty"`
+	OpaqueBlocks bool `json:"opaque_blocks,omitempty"`
+	// KVGeneration changes whenever the engine re-creates its KV memory
+	// (sleep and wake-up): a mapping made for another generation maps
+	// memory the engine no longer uses. 0 when the engine does not say.
+	KVGeneration uint64   `json:"kv_generation,omitempty"`
 	Regions      []Region `json:"regions"`
 }
 
@@ -331,4 +342,25 @@ type Stats struct {
 	PausedAll      bool   `json:"paused_all"`
 	Sleeping       bool   `json:"sleeping"`
 	Steps          uint64 `json:"steps"`
+}
+
+// RetireRequest asks the engine to give its KV memory back once the
+// requests still on it finished, waiting at most WaitS seconds for them
+// (requests that have not finished by then keep running, and nothing is
+// released).
+type RetireRequest struct {
+	WaitS float64 `json:"wait_s"`
+}
+
+// RetireResponse says what was released. An engine that cannot release
+// its KV (no sleep mode) answers Released false with the reason.
+type RetireResponse struct {
+	Released      bool   `json:"released"`
+	ReleasedBytes int64  `json:"released_bytes"`
+	Note          string `json:"note,omitempty"`
+}
+
+// WakeResponse answers a wake-up: the engine's KV is usable again.
+type WakeResponse struct {
+	Note string `json:"note,omitempty"`
 }

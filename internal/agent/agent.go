@@ -8,6 +8,7 @@ import (
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
+	"crypto/tls"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -21,10 +22,12 @@ import (
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	grpccreds "google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
+	"github.com/vllm-hi/vllm-hi/internal/credentials"
 	"github.com/vllm-hi/vllm-hi/internal/engine"
 	"github.com/vllm-hi/vllm-hi/internal/grpcauth"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/tcpshm"
@@ -32,14 +35,19 @@ import (
 
 // Config configures an agent.
 type Config struct {
-	Type            string // "A" or "B"
-	HostAddr        string // the Host's address, IP:PORT
-	EngineURL       string
-	DataPort        int    // KV data-plane port (0: none yet)
-	ID              string // vllm_hi_id; default derived from type and engine URL
-	Listen          string // the Agent gRPC service's listen address
-	AdvertiseHost   string // host other machines reach this agent at; default: the local address that routes to the Host
-	AdminToken      string
+	Type          string // "A" or "B"
+	HostAddr      string // the Host's address, IP:PORT
+	EngineURL     string
+	DataPort      int    // KV data-plane port (0: none yet)
+	ID            string // vllm_hi_id; default derived from type and engine URL
+	Listen        string // the Agent gRPC service's listen address; default: the advertised host, any port
+	AdvertiseHost string // host other machines reach this agent at; default: the local address that routes to the Host
+	// AgentToken is the agent credential: presented to the Host to
+	// register, required from the Host on this agent's gRPC service,
+	// presented to the engine's hooks. Empty only in an unauthenticated
+	// deployment.
+	AgentToken      string
+	TLS             credentials.TLSFiles
 	TransferBackend string
 	TP, PP          int           // for engines without hooks
 	EngineWait      time.Duration // how long to wait for the engine to become healthy
@@ -58,7 +66,7 @@ func (c *Config) Validate() error {
 	if c.EngineURL == "" {
 		return fmt.Errorf("--engine URL of the engine is required")
 	}
-	if _, err := engine.NewClient(c.EngineURL); err != nil {
+	if _, err := engine.NewClient(c.EngineURL, engine.Options{}); err != nil {
 		return err
 	}
 	if c.DataPort < 0 || c.DataPort > 65535 {
@@ -72,7 +80,7 @@ func (c *Config) Validate() error {
 	if c.TP < 1 || c.PP < 1 {
 		return fmt.Errorf("tp and pp must be ≥ 1")
 	}
-	return nil
+	return c.TLS.Check()
 }
 
 // DefaultID derives a stable id from the type and the engine URL, so an
@@ -93,10 +101,17 @@ type Agent struct {
 	info       engine.Info
 	registered bool
 	lastStats  *v1.EngineStats
+	// role and retired are what the Host last said about this instance;
+	// a registration carries them, so a Host that lost its state learns
+	// them back from the agents.
+	role    v1.Role
+	retired bool
 
-	dp       dataPlane
-	gpu      gpuPlane
-	dataAddr string
+	dp        dataPlane
+	gpu       gpuPlane
+	dataAddr  string
+	clientTLS *tls.Config // dialing the Host and peers' data planes; nil without TLS
+	serverTLS *tls.Config // this agent's gRPC service and data plane; nil without TLS
 }
 
 // New returns an agent for cfg (validated).
@@ -104,7 +119,18 @@ func New(cfg Config, log *zap.Logger) (*Agent, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	c, err := engine.NewClient(cfg.EngineURL)
+	var clientTLS, serverTLS *tls.Config
+	if cfg.TLS.Enabled() || cfg.TLS.CAFile != "" {
+		var err error
+		if clientTLS, err = cfg.TLS.Client(); err != nil {
+			return nil, err
+		}
+	}
+	serverTLS, err := cfg.TLS.Server()
+	if err != nil {
+		return nil, err
+	}
+	c, err := engine.NewClient(cfg.EngineURL, engine.Options{Token: cfg.AgentToken, TLS: clientTLS})
 	if err != nil {
 		return nil, err
 	}
@@ -117,7 +143,7 @@ func New(cfg Config, log *zap.Logger) (*Agent, error) {
 		cfg.DefaultTN = 2
 	}
 	return &Agent{cfg: cfg, log: log.With(zap.String("vllm_hi_id", cfg.ID)), eng: c, session: hex.EncodeToString(b[:]),
-		dp: dataPlane{sessions: map[string]bool{}}}, nil
+		dp: dataPlane{sessions: map[string]*targetSession{}}, clientTLS: clientTLS, serverTLS: serverTLS}, nil
 }
 
 // ID is the agent's vllm_hi_id.
@@ -138,6 +164,15 @@ func (a *Agent) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	if info.Migratable {
+		octx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		info.HooksAuthenticated = !a.eng.HooksOpen(octx)
+		cancel()
+		if !info.HooksAuthenticated {
+			a.log.Warn("the engine serves its hooks to anyone who reaches it (it has no agent token): start it with VLLM_HI_ENGINE_TOKEN_FILE",
+				zap.String("engine_url", info.URL))
+		}
+	}
 	a.mu.Lock()
 	a.info = info
 	a.mu.Unlock()
@@ -148,10 +183,16 @@ func (a *Agent) Run(ctx context.Context) error {
 	if advertise == "" {
 		advertise = localAddrTowards(a.cfg.HostAddr)
 	}
+	// Listeners bind to the address the Host and peers reach this agent
+	// at, not to every interface.
+	bind := advertise
+	if ip := net.ParseIP(advertise); ip == nil {
+		bind = "" // a name: let the system resolve every address of it
+	}
 	dataAddr := ""
 	if info.Migratable {
 		// The tcp_shm data plane: --data-port, or any free port.
-		ds, err := tcpshm.Listen(net.JoinHostPort("0.0.0.0", strconv.Itoa(a.cfg.DataPort)), a.dataTarget, a.log)
+		ds, err := tcpshm.Listen(net.JoinHostPort(bind, strconv.Itoa(a.cfg.DataPort)), a.dataSession, tcpshm.Options{TLS: a.serverTLS}, a.log)
 		if err != nil {
 			return err
 		}
@@ -171,19 +212,33 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	a.dataAddr = dataAddr
 
-	ln, err := net.Listen("tcp", a.cfg.Listen)
-	if err != nil {
-		return fmt.Errorf("agent listen %s: %w", a.cfg.Listen, err)
+	listen := a.cfg.Listen
+	if listen == "" {
+		listen = net.JoinHostPort(bind, "0")
 	}
-	srv := grpc.NewServer()
+	ln, err := net.Listen("tcp", listen)
+	if err != nil {
+		return fmt.Errorf("agent listen %s: %w", listen, err)
+	}
+	opts := grpcauth.ServerOptions(a.cfg.AgentToken, func(method string) {
+		a.log.Warn("refused an unauthenticated call", zap.String("method", method))
+	})
+	if a.serverTLS != nil {
+		opts = append(opts, grpc.Creds(grpccreds.NewTLS(a.serverTLS)))
+	}
+	srv := grpc.NewServer(opts...)
 	v1.RegisterAgentServer(srv, &agentService{a: a})
 	go func() { _ = srv.Serve(ln) }()
 	defer srv.GracefulStop()
 	_, port, _ := net.SplitHostPort(ln.Addr().String())
 	agentAddr := net.JoinHostPort(advertise, port)
 
-	conn, err := grpc.NewClient(a.cfg.HostAddr, grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithPerRPCCredentials(grpcauth.Token(a.cfg.AdminToken)))
+	transport := insecure.NewCredentials()
+	if a.clientTLS != nil {
+		transport = grpccreds.NewTLS(a.clientTLS)
+	}
+	conn, err := grpc.NewClient(a.cfg.HostAddr, grpc.WithTransportCredentials(transport),
+		grpc.WithPerRPCCredentials(grpcauth.Token(a.cfg.AgentToken)))
 	if err != nil {
 		return fmt.Errorf("agent: dial host %s: %w", a.cfg.HostAddr, err)
 	}
@@ -210,6 +265,7 @@ func (a *Agent) registerRequest(info engine.Info, agentAddr, dataAddr string) *v
 		EngineUrl: info.URL, ServedModelNames: info.ServedModels, Model: info.Model,
 		Tp: int32(info.TP), Pp: int32(info.PP), MaxModelLen: int32(info.MaxModelLen),
 		Migratable: info.Migratable, EngineKind: info.Kind, EngineVersion: info.Version,
+		HooksAuthenticated: info.HooksAuthenticated,
 	}
 	if l := info.Layout; l != nil {
 		g := l.Geometry
@@ -221,7 +277,7 @@ func (a *Agent) registerRequest(info engine.Info, agentAddr, dataAddr string) *v
 		backend = "auto"
 	}
 	return &v1.RegisterRequest{VllmHiId: a.cfg.ID, Type: typ, Engine: e, AgentAddress: agentAddr, DataAddress: dataAddr,
-		Session: a.session, Hostname: hostname, TransferBackend: backend}
+		Session: a.session, Hostname: hostname, TransferBackend: backend, Tls: a.serverTLS != nil}
 }
 
 // errFatal marks registration errors that retrying cannot fix.
@@ -245,6 +301,9 @@ func (a *Agent) loop(ctx context.Context, reg v1.RegistryClient, req *v1.Registe
 	for ctx.Err() == nil {
 		if !a.isRegistered() {
 			rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			a.mu.Lock()
+			req.Role, req.Retired = a.role, a.retired
+			a.mu.Unlock()
 			resp, err := reg.Register(rctx, req)
 			cancel()
 			if err != nil {
@@ -262,6 +321,7 @@ func (a *Agent) loop(ctx context.Context, reg v1.RegistryClient, req *v1.Registe
 			if ms := resp.GetHeartbeatIntervalMs(); ms > 0 {
 				interval = time.Duration(ms) * time.Millisecond
 			}
+			a.learn(resp.GetRole(), resp.GetLifecycle())
 			a.setRegistered(true)
 			if everRegistered {
 				a.log.Info("re-registered with the Host", zap.String("host", a.cfg.HostAddr))
@@ -275,10 +335,11 @@ func (a *Agent) loop(ctx context.Context, reg v1.RegistryClient, req *v1.Registe
 		}
 		stats := a.stats(ctx)
 		hctx, cancel := context.WithTimeout(ctx, interval*3)
-		_, err := reg.Heartbeat(hctx, &v1.HeartbeatRequest{VllmHiId: a.cfg.ID, Session: a.session, Stats: stats})
+		hb, err := reg.Heartbeat(hctx, &v1.HeartbeatRequest{VllmHiId: a.cfg.ID, Session: a.session, Stats: stats})
 		cancel()
 		switch status.Code(err) {
 		case codes.OK:
+			a.learn(hb.GetRole(), hb.GetLifecycle())
 		case codes.NotFound:
 			a.log.Warn("the Host does not know this agent (it restarted?); registering again")
 			a.setRegistered(false)
@@ -289,6 +350,18 @@ func (a *Agent) loop(ctx context.Context, reg v1.RegistryClient, req *v1.Registe
 		}
 	}
 	return nil
+}
+
+// learn keeps what the Host says about this instance.
+func (a *Agent) learn(role v1.Role, lifecycle string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if role != v1.Role_ROLE_UNSPECIFIED {
+		a.role = role
+	}
+	if lifecycle != "" {
+		a.retired = lifecycle == "retired"
+	}
 }
 
 func (a *Agent) isRegistered() bool {

@@ -30,8 +30,11 @@ func runHost(t *testing.T, addr string, token string) (h *host.Host, bound strin
 		t.Fatal(err)
 	}
 	cfg := host.DefaultConfig()
-	cfg.HeartbeatInterval, cfg.ShutdownTimeout, cfg.AdminToken = 100*time.Millisecond, time.Second, token
-	h = host.New(cfg, zap.NewNop())
+	cfg.HeartbeatInterval, cfg.ShutdownTimeout, cfg.AgentToken = 100*time.Millisecond, time.Second, token
+	h, err = host.New(cfg, zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); _ = h.Serve(ctx, ln) }()
@@ -158,7 +161,7 @@ func TestFatalRegistration(t *testing.T) {
 		t.Fatal("agent kept retrying a refused registration")
 	}
 	cfg := baseConfig(addr, eng, "B")
-	cfg.AdminToken = "tok"
+	cfg.AgentToken = "tok"
 	_, stop1 := runAgent(t, cfg)
 	defer stop1()
 	time.Sleep(300 * time.Millisecond)

@@ -20,12 +20,13 @@ import (
 
 // gpuPlane is the agent's CUDA state, made on first use: the driver and a
 // stream per device. A migration's IPC mappings of both engines' KV are
-// opened at its first cuda_ipc round and kept for the next ones (opening a
-// peer's allocation of tens of gigabytes is not free, and the final round
-// runs inside the pause); they close after the final round, when a round
-// fails, when the Host releases the migration, or when no round used them
-// for mappingIdle — an engine may free its KV (sleep, shutdown) after a
-// migration, and no mapping may outlive it.
+// opened at its first cuda_ipc round and kept for the next ones and the
+// end-to-end check after the final round (opening a peer's allocation of
+// tens of gigabytes is not free, and the final round and the check run
+// inside the pause); they close when a round fails, when the Host
+// releases the migration, or when nothing used them for mappingIdle — an
+// engine may free its KV (sleep, shutdown) after a migration, and no
+// mapping may outlive it.
 type gpuPlane struct {
 	mu      sync.Mutex
 	drv     cuda.Driver
@@ -52,6 +53,7 @@ type ipcPair struct {
 
 type gpuTarget struct {
 	dev   int
+	key   string
 	dst   cudaipc.Regions
 	sizes []uint64
 	close func()
@@ -141,10 +143,48 @@ func (g *gpuPlane) pair(session string, dev int, src, dst hooks.Layout, now time
 // regionsKey names the memory a layout's regions are in.
 func regionsKey(l hooks.Layout) string {
 	var b strings.Builder
+	fmt.Fprintf(&b, "gen %d;", l.KVGeneration)
 	for _, r := range l.Regions {
 		fmt.Fprintf(&b, "%s:%d:%d:%d:%d;", r.Memory.IPCHandle, r.Memory.PID, r.Memory.DevicePointer, r.Memory.Offset, r.Size)
 	}
 	return b.String()
+}
+
+// target returns session's mapping of this engine's GPU regions, made on
+// first use (g.mu held).
+func (g *gpuPlane) target(session string, l hooks.Layout) (*cudaipc.Copier, *gpuTarget, error) {
+	c, err := g.copier(l.Regions[0].Memory.Device)
+	if err != nil {
+		return nil, nil, err
+	}
+	key := regionsKey(l)
+	t := g.targets[session]
+	if t != nil && t.key != key {
+		t.close()
+		delete(g.targets, session)
+		t = nil
+	}
+	if t == nil {
+		dst, closeAll, err := openRegions(g.drv, c.Device, l)
+		if err != nil {
+			return nil, nil, err
+		}
+		t = &gpuTarget{dev: c.Device, key: key, dst: dst, close: closeAll}
+		for _, r := range l.Regions {
+			t.sizes = append(t.sizes, uint64(r.Size))
+		}
+		g.targets[session] = t
+	}
+	return c, t, nil
+}
+
+// prepareTarget maps this engine's GPU regions for session ahead of its
+// rounds.
+func (g *gpuPlane) prepareTarget(session string, l hooks.Layout) error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	_, _, err := g.target(session, l)
+	return err
 }
 
 // sink is a tcp_shm target writing session's data into this engine's GPU
@@ -152,21 +192,9 @@ func regionsKey(l hooks.Layout) string {
 func (g *gpuPlane) sink(session string, l hooks.Layout) (*cudaipc.Sink, error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	c, err := g.copier(l.Regions[0].Memory.Device)
+	c, t, err := g.target(session, l)
 	if err != nil {
 		return nil, err
-	}
-	t := g.targets[session]
-	if t == nil {
-		dst, closeAll, err := openRegions(g.drv, c.Device, l)
-		if err != nil {
-			return nil, err
-		}
-		t = &gpuTarget{dev: c.Device, dst: dst, close: closeAll}
-		for _, r := range l.Regions {
-			t.sizes = append(t.sizes, uint64(r.Size))
-		}
-		g.targets[session] = t
 	}
 	return cudaipc.NewSink(c, t.dst, t.sizes)
 }
@@ -298,9 +326,9 @@ func (a *Agent) withSource(src hooks.Layout, fn func(c *cudaipc.Copier, srcPtrs 
 
 // cudaCopy runs one round's copies GPU to GPU: the plan's runs, from the
 // source engine's regions to the target's, issued from the source GPU
-// through the session's mappings (closed after its last round or a
-// failure).
-func (a *Agent) cudaCopy(session string, last bool, src, dst hooks.Layout, copies []kvlayout.BlockCopy, fault tcpshm.Fault) (tcpshm.Stats, error) {
+// through the session's mappings (closed when a round fails or the Host
+// releases the migration).
+func (a *Agent) cudaCopy(session string, src, dst hooks.Layout, copies []kvlayout.BlockCopy, fault tcpshm.Fault) (tcpshm.Stats, error) {
 	start := time.Now()
 	geo := src.Geometry
 	runs, err := kvlayout.Plan(geo.Layers, geo.KVHeads, int64(geo.HeadSlotBytes()), specs(src), specs(dst), copies)
@@ -324,16 +352,29 @@ func (a *Agent) cudaCopy(session string, last bool, src, dst hooks.Layout, copie
 		a.log.Debug("cuda_ipc copy", zap.Int("runs", len(runs)), zap.Duration("plan", planned.Sub(start)),
 			zap.Duration("map", mapped.Sub(planned)), zap.Duration("copy", time.Since(mapped)))
 	}()
-	if fault != tcpshm.NoFault {
+	switch fault {
+	case tcpshm.NoFault:
+		err = c.Run(p.src, p.dst, runs)
+	case tcpshm.CorruptSilently:
+		// Tests of a copy that reports success with wrong bytes: the first
+		// run reads from 16 bytes beside where it should.
+		if len(runs) > 0 {
+			r := &runs[0]
+			if r.SrcOffset >= 16 {
+				r.SrcOffset -= 16
+			} else {
+				r.SrcOffset += 16
+			}
+		}
+		err = c.Run(p.src, p.dst, runs)
+	default:
 		// Tests of a copy failing halfway: half the runs land, then the
 		// round fails and the migration must roll back.
 		if err = c.Run(p.src, p.dst, runs[:len(runs)/2]); err == nil {
 			err = errors.New("cuda_ipc: injected fault: copy failed halfway")
 		}
-	} else {
-		err = c.Run(p.src, p.dst, runs)
 	}
-	if err != nil || last {
+	if err != nil {
 		g.dropPair(session)
 	}
 	if err != nil {
@@ -356,4 +397,38 @@ func (a *Agent) gatherGPU(src hooks.Layout, runs []kvlayout.CopyRun) (host []byt
 		return nil
 	})
 	return host, out, release, err
+}
+
+// gather reads runs of this engine's GPU KV (layout l) into host memory,
+// through the session's existing mapping of that memory when there is one
+// (the target's, or the source side of a cuda_ipc pair), else through a
+// mapping made for the call. It returns the bytes with the runs rewritten
+// to read them, and the function that frees them.
+func (g *gpuPlane) gather(session string, l hooks.Layout, runs []kvlayout.CopyRun) ([]byte, []kvlayout.CopyRun, func(), error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	c, err := g.copier(l.Regions[0].Memory.Device)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	key := regionsKey(l)
+	var ptrs cudaipc.Regions
+	closeView := func() {}
+	switch {
+	case g.targets[session] != nil && g.targets[session].key == key:
+		ptrs = g.targets[session].dst
+	case g.pairs[session] != nil && strings.HasPrefix(g.pairs[session].key, key+"→"):
+		ptrs = g.pairs[session].src
+	default:
+		if ptrs, closeView, err = openRegions(g.drv, c.Device, l); err != nil {
+			return nil, nil, nil, err
+		}
+	}
+	host, out, err := c.Gather(ptrs, runs)
+	closeView()
+	if err != nil {
+		c.Close()
+		return nil, nil, nil, err
+	}
+	return host, out, c.Close, nil
 }

@@ -104,36 +104,34 @@ func gpuLayout(t *testing.T, handle byte) hooks.Layout {
 }
 
 // A migration's IPC mappings open at its first cuda_ipc round, serve the
-// next ones, and close after the final round, a failed round, a release,
-// or when left idle; a changed layout re-opens them.
+// next ones and the check after the final round, and close after a failed
+// round, a release, or when left idle; a changed layout re-opens them.
 func TestCUDAMappingsLiveForAMigration(t *testing.T) {
 	f := &fakeGPU{live: map[cuda.DevicePtr]bool{}}
 	a := &Agent{log: zap.NewNop()}
 	a.gpu = gpuPlane{drv: f, streams: map[int]cuda.Stream{0: 1}, targets: map[string]*gpuTarget{}, pairs: map[string]*ipcPair{}}
 	src, dst := gpuLayout(t, 1), gpuLayout(t, 2)
 	copies := []kvlayout.BlockCopy{{Src: 1, Dst: 5, NumSlots: 4}, {Src: 2, Dst: 6, NumSlots: 4}}
-	round := func(session string, last bool, s, d hooks.Layout) error {
-		_, err := a.cudaCopy(session, last, s, d, copies, tcpshm.NoFault)
+	round := func(session string, s, d hooks.Layout) error {
+		_, err := a.cudaCopy(session, s, d, copies, tcpshm.NoFault)
 		return err
 	}
-	for i := 0; i < 3; i++ {
-		if err := round("m1", false, src, dst); err != nil {
+	for i := 0; i < 4; i++ {
+		if err := round("m1", src, dst); err != nil {
 			t.Fatal(err)
 		}
 	}
 	if f.opened != 2 || f.closed != 0 || f.copies == 0 {
-		t.Fatalf("three rounds: opened %d, closed %d, copies %d; want 2 mappings kept open", f.opened, f.closed, f.copies)
+		t.Fatalf("four rounds: opened %d, closed %d, copies %d; want 2 mappings kept open", f.opened, f.closed, f.copies)
 	}
-	if err := round("m1", true, src, dst); err != nil {
-		t.Fatal(err)
-	}
+	a.gpu.release("m1")
 	if f.opened != 2 || len(f.live) != 0 {
-		t.Fatalf("after the final round: opened %d, %d still open", f.opened, len(f.live))
+		t.Fatalf("after the Host released the migration: opened %d, %d still open", f.opened, len(f.live))
 	}
 
 	// A changed target layout (the engine re-allocated its KV) re-opens.
-	_ = round("m2", false, src, dst)
-	_ = round("m2", false, src, gpuLayout(t, 3))
+	_ = round("m2", src, dst)
+	_ = round("m2", src, gpuLayout(t, 3))
 	if f.opened != 6 || len(f.live) != 2 {
 		t.Fatalf("after a layout change: opened %d, %d open; want 6 and 2", f.opened, len(f.live))
 	}
@@ -143,9 +141,9 @@ func TestCUDAMappingsLiveForAMigration(t *testing.T) {
 	}
 
 	// A failed round closes them.
-	_ = round("m3", false, src, dst)
+	_ = round("m3", src, dst)
 	f.failCopy = true
-	if err := round("m3", false, src, dst); err == nil {
+	if err := round("m3", src, dst); err == nil {
 		t.Fatal("a failing copy reported success")
 	}
 	f.failCopy = false
@@ -154,9 +152,9 @@ func TestCUDAMappingsLiveForAMigration(t *testing.T) {
 	}
 
 	// Mappings a migration left idle (its Host died) close on another's round.
-	_ = round("m4", false, src, dst)
+	_ = round("m4", src, dst)
 	a.gpu.pairs["m4"].used = time.Now().Add(-2 * mappingIdle)
-	_ = round("m5", false, src, dst)
+	_ = round("m5", src, dst)
 	if _, ok := a.gpu.pairs["m4"]; ok || len(f.live) != 2 {
 		t.Fatalf("idle mappings not closed: %d open", len(f.live))
 	}

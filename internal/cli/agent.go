@@ -9,7 +9,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/vllm-hi/vllm-hi/internal/agent"
-	"github.com/vllm-hi/vllm-hi/internal/host"
+	"github.com/vllm-hi/vllm-hi/internal/credentials"
 )
 
 // envDefault returns the environment variable's value, or def.
@@ -22,9 +22,10 @@ func envDefault(key, def string) string {
 
 func newAgentCommand(g *globalFlags) *cobra.Command {
 	var (
-		cfg       agent.Config
-		tokenFile string
-		dataPort  string
+		cfg         agent.Config
+		tokenFile   string
+		legacyToken string
+		dataPort    string
 	)
 	cmd := &cobra.Command{
 		Use:   "agent",
@@ -35,7 +36,12 @@ vLLM with the vllm-hi plugin) is migratable; any other OpenAI-compatible server
 registers as routing-only.
 
 Flags default to the seed's environment variables: VLLM_HI_TYPE, VLLM_HI_HOST,
-VLLM_HI_DATA_PORT, VLLM_HI_TRANSFER_BACKEND.`,
+VLLM_HI_DATA_PORT, VLLM_HI_TRANSFER_BACKEND.
+
+The agent token (--token-file; default: the agent-token a Host on this machine keeps
+in its data directory) is presented to the Host, required from the Host on this agent's
+gRPC service, and presented to the engine's hooks. Start the engine with
+VLLM_HI_ENGINE_TOKEN_FILE naming the same file.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			log, err := g.logger()
@@ -46,10 +52,11 @@ VLLM_HI_DATA_PORT, VLLM_HI_TRANSFER_BACKEND.`,
 			if cfg.DataPort, err = strconv.Atoi(dataPort); err != nil {
 				return fmt.Errorf("--data-port (or VLLM_HI_DATA_PORT) %q is not a port number", dataPort)
 			}
-			if tokenFile != "" {
-				if cfg.AdminToken, err = host.ReadAdminToken(tokenFile); err != nil {
-					return err
-				}
+			if tokenFile == "" {
+				tokenFile = legacyToken
+			}
+			if cfg.AgentToken, err = tokenFromFlag(tokenFile, credentials.AgentTokenFile, "--token-file", true); err != nil {
+				return err
 			}
 			a, err := agent.New(cfg, log)
 			if err != nil {
@@ -65,9 +72,12 @@ VLLM_HI_DATA_PORT, VLLM_HI_TRANSFER_BACKEND.`,
 	f.StringVar(&dataPort, "data-port", envDefault("VLLM_HI_DATA_PORT", "0"), "KV data-plane TCP port [VLLM_HI_DATA_PORT]")
 	f.StringVar(&cfg.TransferBackend, "transfer-backend", envDefault("VLLM_HI_TRANSFER_BACKEND", "auto"), "auto, tcp_shm, cuda_ipc or rdma [VLLM_HI_TRANSFER_BACKEND]")
 	f.StringVar(&cfg.ID, "id", "", "vllm_hi_id to register as (default: derived from --type and --engine, stable across restarts)")
-	f.StringVar(&cfg.Listen, "listen", "0.0.0.0:0", "address of the agent's own gRPC service (the Host dials it)")
+	f.StringVar(&cfg.Listen, "listen", "", "address of the agent's own gRPC service (the Host dials it; default: the advertised address, any port)")
 	f.StringVar(&cfg.AdvertiseHost, "advertise-host", "", "host the Host reaches this agent at (default: the local address routing to the Host)")
-	f.StringVar(&tokenFile, "admin-token-file", "", "file holding the Host's admin token")
+	f.StringVar(&tokenFile, "token-file", envDefault("VLLM_HI_TOKEN_FILE", ""), "file holding the agent token [VLLM_HI_TOKEN_FILE] (default: the local Host's agent-token)")
+	f.StringVar(&legacyToken, "admin-token-file", "", "the agent token's file (the first wave's name; use --token-file)")
+	_ = f.MarkHidden("admin-token-file")
+	tlsFlags(cmd, &cfg.TLS)
 	f.IntVar(&cfg.TP, "tensor-parallel-size", 1, "TP size to report for an engine without hooks")
 	f.IntVar(&cfg.PP, "pipeline-parallel-size", 1, "PP size to report for an engine without hooks")
 	f.DurationVar(&cfg.EngineWait, "engine-wait", 15*time.Minute, "how long to wait for the engine to become healthy")

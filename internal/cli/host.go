@@ -8,13 +8,14 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/vllm-hi/vllm-hi/internal/credentials"
 	"github.com/vllm-hi/vllm-hi/internal/host"
 	"github.com/vllm-hi/vllm-hi/internal/migrate"
 )
 
 func newHostCommand(g *globalFlags) *cobra.Command {
 	cfg := host.DefaultConfig()
-	var tokenFile, debugAddr string
+	var adminFile, agentFile, debugAddr string
 	cmd := &cobra.Command{
 		Use:   "host",
 		Short: "Run the Host: registry, OpenAI routing and SSE proxy, REST API, metrics, agents' gRPC",
@@ -23,8 +24,13 @@ func newHostCommand(g *globalFlags) *cobra.Command {
 instance serving it; /vllm_hi/* is the REST API; /metrics is Prometheus; agents reach
 the gRPC registry on the same address.
 
-With --admin-token-file, /vllm_hi/* mutations and agent registration need the token
-(HTTP: "Authorization: Bearer <token>"; agents: --admin-token-file on vhi agent).`,
+Every plane is authenticated. /vllm_hi/* mutations need the admin token (HTTP
+"Authorization: Bearer <token>"); agents register with the agent token, which the Host
+also presents to agents and to engines' hooks. Without --admin-token-file and
+--agent-token-file the Host creates both in --data-dir on first start (admin-token,
+agent-token, mode 0600) and keeps them; agents, engines and the CLI on this machine
+find them there. The data directory also keeps roles, lifecycle and migration records
+across restarts.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			log, err := g.logger()
@@ -32,10 +38,8 @@ With --admin-token-file, /vllm_hi/* mutations and agent registration need the to
 				return err
 			}
 			defer func() { _ = log.Sync() }()
-			if tokenFile != "" {
-				if cfg.AdminToken, err = host.ReadAdminToken(tokenFile); err != nil {
-					return err
-				}
+			if cfg.AdminToken, cfg.AgentToken, err = hostTokens(cfg.DataDir, adminFile, agentFile, log); err != nil {
+				return err
 			}
 			if err := migrationEnv(&cfg.Migration); err != nil {
 				return err
@@ -48,21 +52,39 @@ With --admin-token-file, /vllm_hi/* mutations and agent registration need the to
 					return err
 				}
 			}
+			h, err := host.New(cfg, log)
+			if err != nil {
+				return err
+			}
 			ln, err := net.Listen("tcp", cfg.Listen)
 			if err != nil {
 				return fmt.Errorf("host: listen: %w", err)
 			}
-			return host.New(cfg, log).Serve(cmd.Context(), ln)
+			return h.Serve(cmd.Context(), ln)
 		},
 	}
 	f := cmd.Flags()
 	f.StringVar(&cfg.Listen, "listen", cfg.Listen, "address for HTTP, metrics and the agents' gRPC")
-	f.StringVar(&tokenFile, "admin-token-file", "", "file holding the admin token; when set, mutations and agent registration need it")
+	f.StringVar(&cfg.DataDir, "data-dir", credentials.DefaultDataDir(), "the Host's state: roles, lifecycle, migration records, generated tokens")
+	f.StringVar(&adminFile, "admin-token-file", "", "file holding the admin token (default: <data-dir>/admin-token, created on first start)")
+	f.StringVar(&agentFile, "agent-token-file", "", "file holding the agent token (default: the admin token when --admin-token-file is set, else <data-dir>/agent-token)")
+	tlsFlags(cmd, &cfg.TLS)
+	f.IntVar(&cfg.MaxConnections, "max-connections", cfg.MaxConnections, "client connections served at once (more wait to be accepted)")
+	f.Int64Var(&cfg.MaxRequestBody, "max-request-body", cfg.MaxRequestBody, "bytes of one OpenAI request body")
+	f.DurationVar(&cfg.RequestBodyTimeout, "request-body-timeout", cfg.RequestBodyTimeout, "time to receive one request body")
+	f.Int64Var(&cfg.BodyMemory, "request-body-memory", cfg.BodyMemory, "bytes of request bodies the Host holds at once (beyond: 503)")
+	f.DurationVar(&cfg.UpstreamTimeout, "upstream-timeout", cfg.UpstreamTimeout, "wait this long for an engine's answer to begin (504 after)")
+	f.DurationVar(&cfg.StreamIdleTimeout, "stream-idle-timeout", cfg.StreamIdleTimeout, "end a stream whose engine sends nothing for this long")
+	f.DurationVar(&cfg.InstanceRetention, "instance-retention", cfg.InstanceRetention, "forget an instance whose agent has been gone this long")
+	f.DurationVar(&cfg.Migration.RPCTimeout, "migration-rpc-timeout", cfg.Migration.RPCTimeout, "bound on one control call to an agent during a migration")
+	f.StringVar(&cfg.Migration.Verify, "migration-verify", cfg.Migration.Verify, "check before the commit that the target holds the source's KV: sample, full or off")
+	f.IntVar(&cfg.Migration.MaxHistory, "migration-history", cfg.Migration.MaxHistory, "migrations kept in the history")
+	f.DurationVar(&cfg.Migration.RetireWait, "migration-retire-wait", cfg.Migration.RetireWait, "how long a destroy_source source waits for its remaining requests before releasing its KV")
 	f.DurationVar(&cfg.HeartbeatInterval, "heartbeat-interval", cfg.HeartbeatInterval, "how often agents heartbeat")
 	f.IntVar(&cfg.MissedHeartbeats, "missed-heartbeats", cfg.MissedHeartbeats, "missed heartbeats before an instance is unreachable")
 	f.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", cfg.ShutdownTimeout, "on SIGTERM, how long open streams may finish")
 	f.DurationVar(&cfg.Migration.PauseLease, "migration-pause-lease", cfg.Migration.PauseLease, "a paused source resumes by itself after this long without confirmation")
-	f.DurationVar(&cfg.Migration.ReservationLease, "migration-reservation-lease", cfg.Migration.ReservationLease, "a target frees unclaimed reserved blocks after this long")
+	f.DurationVar(&cfg.Migration.ReservationLease, "migration-reservation-lease", cfg.Migration.ReservationLease, "a target frees unclaimed reserved blocks after this long; a migration must commit before it ends")
 	f.IntVar(&cfg.Migration.DefaultTN, "migration-tn", cfg.Migration.DefaultTN, "default data-plane connections per migration")
 	f.BoolVar(&cfg.Migration.AllowFaultInjection, "allow-fault-injection", false, "accept inject_fault in migrate requests (tests only)")
 	_ = f.MarkHidden("allow-fault-injection")

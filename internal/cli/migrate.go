@@ -1,46 +1,17 @@
 package cli
 
 import (
-	"bytes"
 	"encoding/json"
 	"fmt"
 	"io"
-	"net/http"
 	"strings"
 	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
 
-	"github.com/vllm-hi/vllm-hi/internal/host"
 	"github.com/vllm-hi/vllm-hi/internal/migrate"
 )
-
-func (h *hostClientFlags) postJSON(path string, in, out any) error {
-	b, _ := json.Marshal(in)
-	req, err := http.NewRequest(http.MethodPost, h.base()+path, bytes.NewReader(b))
-	if err != nil {
-		return err
-	}
-	req.Header.Set("Content-Type", "application/json")
-	if h.token != "" {
-		tok, err := host.ReadAdminToken(h.token)
-		if err != nil {
-			return err
-		}
-		req.Header.Set("Authorization", "Bearer "+tok)
-	}
-	resp, err := (&http.Client{Timeout: 60 * time.Second}).Do(req)
-	if err != nil {
-		return fmt.Errorf("cannot reach the Host at %s: %w", h.base(), err)
-	}
-	defer resp.Body.Close()
-	body, _ := io.ReadAll(resp.Body)
-	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("the Host refused (%d): %s", resp.StatusCode, hostErrorMessage(body))
-	}
-	return json.Unmarshal(body, out)
-}
 
 func newMigrateCommand() *cobra.Command {
 	var (
@@ -68,7 +39,7 @@ ends with the seed-style summary; it exits non-zero unless the migration succeed
 				ID string `json:"migration_id"`
 			}
 			if err := hf.postJSON("/vllm_hi/migrate", req, &started); err != nil {
-				return err
+				return hf.fail(err)
 			}
 			out := cmd.OutOrStdout()
 			if !wait {
@@ -80,7 +51,7 @@ ends with the seed-style summary; it exits non-zero unless the migration succeed
 			}
 			st, err := watchMigration(out, &hf, started.ID, timeout)
 			if err != nil {
-				return err
+				return hf.fail(err)
 			}
 			if hf.output == "json" {
 				enc := json.NewEncoder(out)
@@ -90,7 +61,11 @@ ends with the seed-style summary; it exits non-zero unless the migration succeed
 				printMigration(out, st)
 			}
 			if st.State != migrate.StateSucceeded {
-				return exitError{code: 1, err: fmt.Errorf("migration %s %s: %s", st.ID, st.State, st.Error)}
+				err := exitError{code: 1, err: fmt.Errorf("migration %s %s: %s", st.ID, st.State, st.Error)}
+				if hf.output == "json" {
+					return exitError{code: 1, err: errPrinted{err}} // the status above says it all
+				}
+				return err
 			}
 			return nil
 		},
@@ -175,6 +150,16 @@ func printMigration(out io.Writer, st migrate.Status) {
 	if len(parts) > 0 {
 		fmt.Fprintf(out, "rounds (blocks / bytes): %s\n", strings.Join(parts, " | "))
 	}
+	if v := st.Verification; v != nil && v.Mode != migrate.VerifyOff {
+		fmt.Fprintf(out, "checked before the commit (%s): %d blocks, %s on each side, %.1f ms\n", v.Mode, v.Blocks, humanBytes(v.Bytes), v.DurationS*1000)
+	}
+	if st.SourceKV != "" && st.SourceKV != migrate.SourceKVKept {
+		note := ""
+		if st.SourceKVNote != "" {
+			note = " (" + st.SourceKVNote + ")"
+		}
+		fmt.Fprintf(out, "source KV: %s%s\n", strings.ReplaceAll(st.SourceKV, "_", " "), note)
+	}
 	if st.PauseWaitS > 0 {
 		fmt.Fprintf(out, "the pause first waited %.1f ms for the source's step in flight (not downtime: the source decoded meanwhile)\n", st.PauseWaitS*1000)
 	}
@@ -193,7 +178,7 @@ func newMigrationCommand() *cobra.Command {
 		RunE: func(cmd *cobra.Command, args []string) error {
 			var st migrate.Status
 			if err := hf.getJSON("/vllm_hi/migration/"+args[0]+"/status", &st); err != nil {
-				return err
+				return hf.fail(err)
 			}
 			if hf.output == "json" {
 				enc := json.NewEncoder(cmd.OutOrStdout())

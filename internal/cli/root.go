@@ -35,7 +35,7 @@ func NewRootCommand() *cobra.Command {
 	root.PersistentFlags().StringVar(&g.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	root.PersistentFlags().StringVar(&g.logFormat, "log-format", "console", "log format: console or json")
 	root.AddCommand(newVersionCommand(), newHostCommand(g), newAgentCommand(g), newSimCommand(g), newDemoCommand(g),
-		newBenchCommand(g), newInstancesCommand(), newMigrateCommand(), newMigrationCommand())
+		newBenchCommand(g), newInstancesCommand(), newMigrateCommand(), newMigrationCommand(), newWakeCommand())
 	return root
 }
 
@@ -46,7 +46,15 @@ func Execute(args []string) int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	if err := root.ExecuteContext(ctx); err != nil {
-		fmt.Fprintln(os.Stderr, "vhi:", err)
+		var je jsonError
+		var printed errPrinted
+		switch {
+		case errors.As(err, &printed):
+		case errors.As(err, &je):
+			fmt.Fprintln(os.Stdout, string(errorJSON(je.err)))
+		default:
+			fmt.Fprintln(os.Stderr, "vhi:", err)
+		}
 		var ee exitError
 		if errors.As(err, &ee) {
 			return ee.code
@@ -64,6 +72,13 @@ type exitError struct {
 
 func (e exitError) Error() string { return e.err.Error() }
 func (e exitError) Unwrap() error { return e.err }
+
+// errPrinted is an error whose output was already written (a JSON status
+// that says what went wrong): only the exit code is left to give.
+type errPrinted struct{ err error }
+
+func (e errPrinted) Error() string { return e.err.Error() }
+func (e errPrinted) Unwrap() error { return e.err }
 
 func newVersionCommand() *cobra.Command {
 	return &cobra.Command{

@@ -114,7 +114,10 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 	defer stopCapture()
 	res.MigrationStart = time.Now()
 	body, _ := json.Marshal(migrate.Request{Src: st.AID, Dst: st.BID, Type: sc.Type, FinalGranularity: sc.FinalGranularity, TN: sc.TN})
-	resp, err := http.Post(st.HostURL+"/vllm_hi/migrate", "application/json", bytes.NewReader(body))
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, st.HostURL+"/vllm_hi/migrate", bytes.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Authorization", "Bearer "+st.AdminToken)
+	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		return res, err
 	}

@@ -19,9 +19,10 @@ import (
 func newSimCommand(g *globalFlags) *cobra.Command {
 	cfg := sim.DefaultConfig()
 	var (
-		host   string
-		port   int
-		served []string
+		host      string
+		port      int
+		served    []string
+		tokenFile string
 	)
 	cmd := &cobra.Command{
 		Use:   "sim",
@@ -46,6 +47,16 @@ sequences.`,
 			}
 			defer func() { _ = log.Sync() }()
 			cfg.ServedModelNames = served
+			tok, from, err := engineToken(tokenFile)
+			if err != nil {
+				return fmt.Errorf("sim: engine token: %w", err)
+			}
+			cfg.HookToken = tok
+			if tok == "" {
+				log.Warn("the engine hooks and control routes are open to anyone who reaches this port: give the agent token with --engine-token-file or VLLM_HI_ENGINE_TOKEN_FILE")
+			} else {
+				log.Info("engine hooks need the agent token", zap.String("token_file", from))
+			}
 			return runSim(cmd.Context(), cfg, net.JoinHostPort(host, fmt.Sprint(port)), log)
 		},
 	}
@@ -74,6 +85,7 @@ sequences.`,
 	f.DurationVar(&cfg.ScaleTime, "scale-time", cfg.ScaleTime, "how long /scale_elastic_ep reconfigures after draining")
 	f.IntVar(&cfg.EOSOneIn, "eos-one-in", cfg.EOSOneIn, "unless ignore_eos, each token is EOS with probability 1/N (0: never)")
 	f.DurationVar(&cfg.DefaultPauseLease, "hook-lease", cfg.DefaultPauseLease, "default lease of hook pauses and block reservations")
+	f.StringVar(&tokenFile, "engine-token-file", "", "the agent token the hooks and control routes require [VLLM_HI_ENGINE_TOKEN_FILE] (default: the local Host's agent-token, if any)")
 	return cmd
 }
 

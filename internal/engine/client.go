@@ -5,6 +5,7 @@ package engine
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -20,20 +21,34 @@ import (
 
 // Client talks to one engine.
 type Client struct {
-	base string
-	http *http.Client
+	base  string
+	token string
+	http  *http.Client
 }
 
 var _ hooks.Engine = (*Client)(nil)
 
+// Options configure a Client.
+type Options struct {
+	// Token is sent as "Authorization: Bearer" on every call: engines
+	// refuse hook calls without the agent's credential.
+	Token string
+	// TLS verifies an https engine (nil: the system roots).
+	TLS *tls.Config
+}
+
+// defaultTimeout bounds a call whose context has no deadline.
+const defaultTimeout = 30 * time.Second
+
 // NewClient returns a client for the engine at base (e.g.
 // http://127.0.0.1:8000).
-func NewClient(base string) (*Client, error) {
+func NewClient(base string, o Options) (*Client, error) {
 	u, err := url.Parse(base)
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return nil, fmt.Errorf("engine URL %q: want http(s)://host:port", base)
 	}
-	return &Client{base: strings.TrimRight(base, "/"), http: &http.Client{Timeout: 30 * time.Second}}, nil
+	tr := &http.Transport{Proxy: nil, TLSClientConfig: o.TLS, MaxIdleConnsPerHost: 64, IdleConnTimeout: 90 * time.Second}
+	return &Client{base: strings.TrimRight(base, "/"), token: o.Token, http: &http.Client{Transport: tr}}, nil
 }
 
 // BaseURL is the engine's base URL.
@@ -59,12 +74,20 @@ func (c *Client) Raw(ctx context.Context, method, path string, body []byte) ([]b
 	if body != nil {
 		rd = bytes.NewReader(body)
 	}
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, defaultTimeout)
+		defer cancel()
+	}
 	req, err := http.NewRequestWithContext(ctx, method, c.base+path, rd)
 	if err != nil {
 		return nil, err
 	}
 	if body != nil {
 		req.Header.Set("Content-Type", "application/json")
+	}
+	if c.token != "" {
+		req.Header.Set("Authorization", "Bearer "+c.token)
 	}
 	resp, err := c.http.Do(req)
 	if err != nil {
@@ -203,8 +226,27 @@ func (c *Client) Stats(ctx context.Context) (out hooks.Stats, err error) {
 	return out, c.do(ctx, http.MethodGet, hooks.PathStats, nil, &out)
 }
 
-// Sleep is vLLM's POST /sleep: it releases the engine's KV (level 1 also
-// offloads weights). mode "wait" lets in-flight requests finish first.
-func (c *Client) Sleep(ctx context.Context, level int, mode string) error {
-	return c.do(ctx, http.MethodPost, fmt.Sprintf("/sleep?level=%d&mode=%s", level, url.QueryEscape(mode)), nil, nil)
+// Retire implements hooks.Engine.
+func (c *Client) Retire(ctx context.Context, req hooks.RetireRequest) (out hooks.RetireResponse, err error) {
+	return out, c.do(ctx, http.MethodPost, hooks.PathRetire, req, &out)
+}
+
+// Wake implements hooks.Engine.
+func (c *Client) Wake(ctx context.Context) (out hooks.WakeResponse, err error) {
+	return out, c.do(ctx, http.MethodPost, hooks.PathWake, struct{}{}, &out)
+}
+
+// HooksOpen reports whether the engine serves its hooks to a caller
+// without credentials (an engine started without a token).
+func (c *Client) HooksOpen(ctx context.Context) bool {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.base+hooks.PathStats, nil)
+	if err != nil {
+		return false
+	}
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return false
+	}
+	resp.Body.Close()
+	return resp.StatusCode == http.StatusOK
 }

@@ -19,7 +19,10 @@ type Info struct {
 	Migratable   bool
 	Kind         string // "vhi-sim", "vllm", or "openai" (no hooks)
 	Version      string
-	Layout       *hooks.Layout // nil when routing-only
+	// HooksAuthenticated: the engine refuses hook calls without the
+	// agent's credential (set by the agent, which probes it).
+	HooksAuthenticated bool
+	Layout             *hooks.Layout // nil when routing-only
 }
 
 // WaitHealthy polls /health until it answers 200 or ctx ends.

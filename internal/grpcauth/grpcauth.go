@@ -1,13 +1,17 @@
-// Package grpcauth carries the admin token on gRPC calls between the Host
-// and agents, and checks it.
+// Package grpcauth carries the agent token on gRPC calls between the Host
+// and agents, and checks it: the Host's Registry and every agent's Agent
+// service install the same interceptors.
 package grpcauth
 
 import (
 	"context"
-	"crypto/subtle"
-	"strings"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	"github.com/vllm-hi/vllm-hi/internal/credentials"
 )
 
 // Token sends a bearer token as "authorization" metadata; an empty token
@@ -22,16 +26,45 @@ func (t Token) GetRequestMetadata(context.Context, ...string) (map[string]string
 	return map[string]string{"authorization": "Bearer " + string(t)}, nil
 }
 
-// RequireTransportSecurity implements credentials.PerRPCCredentials; the
-// control plane runs without TLS (terminate it in front when needed).
+// RequireTransportSecurity implements credentials.PerRPCCredentials. The
+// token travels over TLS when the deployment has certificates; without
+// them over plain TCP (the threat model in docs/operations.md says what
+// that exposes).
 func (Token) RequireTransportSecurity() bool { return false }
 
 // Check reports whether the incoming call carries want (constant time).
+// An empty want matches nothing.
 func Check(ctx context.Context, want string) bool {
 	md, _ := metadata.FromIncomingContext(ctx)
-	var got string
-	if v := md.Get("authorization"); len(v) > 0 {
-		got = strings.TrimPrefix(v[0], "Bearer ")
+	v := md.Get("authorization")
+	return len(v) > 0 && credentials.Matches(v[0], want)
+}
+
+// ServerOptions are the interceptors that refuse every call, unary or
+// streaming, without the token; refused is told the method of each
+// refusal (for metrics). An empty token refuses nothing.
+func ServerOptions(token string, refused func(method string)) []grpc.ServerOption {
+	deny := func(ctx context.Context, method string) error {
+		if token == "" || Check(ctx, token) {
+			return nil
+		}
+		if refused != nil {
+			refused(method)
+		}
+		return status.Error(codes.Unauthenticated, "missing or wrong agent token")
 	}
-	return subtle.ConstantTimeCompare([]byte(got), []byte(want)) == 1
+	return []grpc.ServerOption{
+		grpc.ChainUnaryInterceptor(func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+			if err := deny(ctx, info.FullMethod); err != nil {
+				return nil, err
+			}
+			return h(ctx, req)
+		}),
+		grpc.ChainStreamInterceptor(func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+			if err := deny(ss.Context(), info.FullMethod); err != nil {
+				return err
+			}
+			return h(srv, ss)
+		}),
+	}
 }

@@ -4,12 +4,10 @@ import (
 	"context"
 	"errors"
 
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
-	"github.com/vllm-hi/vllm-hi/internal/grpcauth"
 	"github.com/vllm-hi/vllm-hi/internal/host/registry"
 )
 
@@ -49,7 +47,28 @@ func (s *registryService) Register(_ context.Context, req *v1.RegisterRequest) (
 	}
 	s.h.m.registrations.WithLabelValues("ok").Inc()
 	s.h.logInstance("registered", inst)
-	return &v1.RegisterResponse{VllmHiId: inst.ID, HeartbeatIntervalMs: s.h.reg.HeartbeatInterval().Milliseconds()}, nil
+	return &v1.RegisterResponse{VllmHiId: inst.ID, HeartbeatIntervalMs: s.h.reg.HeartbeatInterval().Milliseconds(),
+		Role: roleToProto(inst.Role), Lifecycle: string(inst.Lifecycle())}, nil
+}
+
+func roleToProto(r registry.Role) v1.Role {
+	switch r {
+	case registry.RoleActive:
+		return v1.Role_ROLE_ACTIVE
+	case registry.RoleStandby:
+		return v1.Role_ROLE_STANDBY
+	}
+	return v1.Role_ROLE_UNSPECIFIED
+}
+
+func roleFromProto(r v1.Role) registry.Role {
+	switch r {
+	case v1.Role_ROLE_ACTIVE:
+		return registry.RoleActive
+	case v1.Role_ROLE_STANDBY:
+		return registry.RoleStandby
+	}
+	return ""
 }
 
 func (s *registryService) Heartbeat(_ context.Context, req *v1.HeartbeatRequest) (*v1.HeartbeatResponse, error) {
@@ -63,7 +82,11 @@ func (s *registryService) Heartbeat(_ context.Context, req *v1.HeartbeatRequest)
 		return nil, grpcError(err)
 	}
 	s.h.m.heartbeats.WithLabelValues("ok").Inc()
-	return &v1.HeartbeatResponse{}, nil
+	inst, err := s.h.reg.Get(req.GetVllmHiId())
+	if err != nil {
+		return &v1.HeartbeatResponse{}, nil
+	}
+	return &v1.HeartbeatResponse{Role: roleToProto(inst.Role), Lifecycle: string(inst.Lifecycle())}, nil
 }
 
 func (s *registryService) Deregister(_ context.Context, req *v1.DeregisterRequest) (*v1.DeregisterResponse, error) {
@@ -88,28 +111,16 @@ func registrationFromProto(req *v1.RegisterRequest) registry.Registration {
 	return registry.Registration{
 		ID: req.GetVllmHiId(), Type: typ, Session: req.GetSession(), Hostname: req.GetHostname(),
 		AgentAddress: req.GetAgentAddress(), DataAddress: req.GetDataAddress(), TransferBackend: req.GetTransferBackend(),
+		TLS: req.GetTls(), Role: roleFromProto(req.GetRole()), Retired: req.GetRetired(),
 		Engine: registry.Engine{
 			URL: e.GetEngineUrl(), ServedModels: e.GetServedModelNames(), Model: e.GetModel(),
 			TP: int(e.GetTp()), PP: int(e.GetPp()), MaxModelLen: int(e.GetMaxModelLen()),
 			Migratable: e.GetMigratable(), Kind: e.GetEngineKind(), Version: e.GetEngineVersion(),
+			HooksAuthenticated: e.GetHooksAuthenticated(),
 			Geometry: registry.Geometry{
 				Layers: int(g.GetNumLayers()), KVHeads: int(g.GetNumKvHeads()), HeadDim: int(g.GetHeadDim()),
 				DTypeBytes: int(g.GetDtypeBytes()), DType: g.GetDtype(), BlockSize: int(g.GetBlockSize()), NumBlocks: int(g.GetNumBlocks()),
 			},
 		},
-	}
-}
-
-// authInterceptor requires the admin token (as "authorization: Bearer …"
-// metadata) on every Registry call when one is configured.
-func authInterceptor(token string, refused func(method string)) grpc.UnaryServerInterceptor {
-	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-		if token != "" {
-			if !grpcauth.Check(ctx, token) {
-				refused(info.FullMethod)
-				return nil, status.Error(codes.Unauthenticated, "missing or wrong admin token")
-			}
-		}
-		return handler(ctx, req)
 	}
 }

@@ -49,7 +49,10 @@ func startHost(t *testing.T, mod func(*Config)) *testHost {
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := New(cfg, zap.NewNop())
+	h, err := New(cfg, zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- h.Serve(ctx, ln) }()
@@ -156,10 +159,21 @@ func TestRoutingAndErrors(t *testing.T) {
 			}
 		})
 	}
-	// The client's X-Request-Id names the engine request.
-	_, body, _ = httpDo(t, "POST", h.url+"/v1/completions", `{"model":"m","prompt":"x","max_tokens":1}`, map[string]string{"X-Request-Id": "abc"})
-	if !strings.Contains(body, `"id":"cmpl-abc"`) {
-		t.Fatalf("request id not passed on: %s", body)
+	// The Host names engine requests itself: a client's X-Request-Id —
+	// the same for two clients, or with '/' and '?' in it — names nothing.
+	ids := map[string]bool{}
+	for i := 0; i < 2; i++ {
+		_, body, _ = httpDo(t, "POST", h.url+"/v1/completions", `{"model":"m","prompt":"x","max_tokens":1}`, map[string]string{"X-Request-Id": "../abc?x=1"})
+		var r struct {
+			ID string `json:"id"`
+		}
+		if err := json.Unmarshal([]byte(body), &r); err != nil || !strings.HasPrefix(r.ID, "cmpl-") || strings.Contains(r.ID, "abc") {
+			t.Fatalf("the client's request id named the engine request: %s", body)
+		}
+		ids[r.ID] = true
+	}
+	if len(ids) != 2 {
+		t.Fatal("two requests with the same client id got the same engine id")
 	}
 	code, body, _ = httpDo(t, "GET", h.url+"/v1/models", "", nil)
 	if code != 200 || !strings.Contains(body, `"id":"m"`) {
@@ -221,18 +235,27 @@ func TestRegistrationErrors(t *testing.T) {
 	}
 }
 
-func TestAdminToken(t *testing.T) {
-	h := startHost(t, func(c *Config) { c.AdminToken = "s3cret" })
+// Admins and agents hold different credentials: the admin token does not
+// register an agent, the agent token does not change the REST API, and
+// the bearer scheme is case-insensitive.
+func TestAdminAndAgentTokens(t *testing.T) {
+	h := startHost(t, func(c *Config) { c.AdminToken, c.AgentToken = "s3cret", "agent-t0ken" })
 	c := grpcClient(t, h.addr)
 	ctx := context.Background()
 	if err := register(t, c, ctx, "a", v1.InstanceType_INSTANCE_TYPE_A, "http://x", "m"); status.Code(err) != codes.Unauthenticated {
 		t.Fatalf("registration without token: %v", err)
 	}
-	if err := register(t, c, withToken(ctx, "wrong"), "a", v1.InstanceType_INSTANCE_TYPE_A, "http://x", "m"); status.Code(err) != codes.Unauthenticated {
-		t.Fatalf("registration with a wrong token: %v", err)
+	if err := register(t, c, withToken(ctx, "s3cret"), "a", v1.InstanceType_INSTANCE_TYPE_A, "http://x", "m"); status.Code(err) != codes.Unauthenticated {
+		t.Fatalf("registration with the admin token: %v", err)
 	}
-	if err := register(t, c, withToken(ctx, "s3cret"), "a", v1.InstanceType_INSTANCE_TYPE_A, "http://x", "m"); err != nil {
+	if err := register(t, c, withToken(ctx, "agent-t0ken"), "a", v1.InstanceType_INSTANCE_TYPE_A, "http://x", "m"); err != nil {
 		t.Fatal(err)
+	}
+	if _, err := c.Deregister(withToken(ctx, "agent-t0ken"), &v1.DeregisterRequest{VllmHiId: "a"}); status.Code(err) != codes.NotFound {
+		t.Fatalf("deregister without the agent's session: %v", err)
+	}
+	if code, _, _ := httpDo(t, "POST", h.url+"/vllm_hi/instances/a/drain", "", map[string]string{"Authorization": "Bearer agent-t0ken"}); code != 401 {
+		t.Fatalf("drain with the agent token: %d", code)
 	}
 	if code, body, _ := httpDo(t, "POST", h.url+"/vllm_hi/instances/a/drain", "", nil); code != 401 || !strings.Contains(body, `"code":401`) {
 		t.Fatalf("drain without token: %d %s", code, body)
@@ -240,8 +263,8 @@ func TestAdminToken(t *testing.T) {
 	if i, _ := h.Registry().Get("a"); i.State != registry.StateActive {
 		t.Fatal("an unauthenticated drain changed state")
 	}
-	if code, _, _ := httpDo(t, "POST", h.url+"/vllm_hi/instances/a/drain", "", map[string]string{"Authorization": "Bearer s3cret"}); code != 200 {
-		t.Fatalf("drain with token: %d", code)
+	if code, _, _ := httpDo(t, "POST", h.url+"/vllm_hi/instances/a/drain", "", map[string]string{"Authorization": "bearer s3cret"}); code != 200 {
+		t.Fatalf("drain with token (lower-case scheme): %d", code)
 	}
 	if code, _, _ := httpDo(t, "POST", h.url+"/vllm_hi/instances/a/drain", "", map[string]string{"Authorization": "Bearer s3cret"}); code != 409 {
 		t.Fatalf("drain twice: %d", code)
@@ -252,6 +275,18 @@ func TestAdminToken(t *testing.T) {
 	}
 	if got := testutil.ToFloat64(h.m.registrations.WithLabelValues("unauthenticated")); got != 2 {
 		t.Fatalf("unauthenticated registrations counted %v", got)
+	}
+	// Unknown fields and trailing data are refused before anything starts.
+	for _, body := range []string{
+		`{"src_vllm_hi_id":"a","dst_vllm_hi_id":"b","migration_typ":"preserve_source"}`,
+		`{"src_vllm_hi_id":"a","dst_vllm_hi_id":"b"} {"more":1}`,
+		`{"src_vllm_hi_id":"a","dst_vllm_hi_id":"b"}garbage`,
+		`{"src_vllm_hi_id":"a","dst_vllm_hi_id":"b","target_gpu_memory_utilization":-0.5}`,
+	} {
+		code, out, _ := httpDo(t, "POST", h.url+"/vllm_hi/migrate", body, map[string]string{"Authorization": "Bearer s3cret"})
+		if code != 400 || !strings.Contains(out, `"code":400`) {
+			t.Errorf("%s: %d %s", body, code, out)
+		}
 	}
 }
 

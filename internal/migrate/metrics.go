@@ -14,6 +14,9 @@ type Metrics struct {
 	// Bytes is the KV moved over all rounds; Requests the requests that
 	// moved.
 	Bytes, Requests prometheus.Counter
+	// IntegrityFailures counts migrations aborted because the target did
+	// not hold what the source held.
+	IntegrityFailures prometheus.Counter
 }
 
 // NewMetrics makes the orchestrator's instruments, named vhi_migration*.
@@ -41,15 +44,25 @@ func NewMetrics() *Metrics {
 		Requests: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "vhi_migrated_requests_total", Help: "Requests that moved to another instance.",
 		}),
+		IntegrityFailures: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "vhi_migration_integrity_failures_total", Help: "Migrations rolled back because the target did not hold what the source held (the check before the commit).",
+		}),
 	}
 }
 
 // Collectors lists the instruments for registration.
 func (m *Metrics) Collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.Migrations, m.Downtime, m.ClientDowntime, m.Duration, m.Bytes, m.Requests}
+	return []prometheus.Collector{m.Migrations, m.Downtime, m.ClientDowntime, m.Duration, m.Bytes, m.Requests, m.IntegrityFailures}
 }
 
-func (m *Metrics) refused() {
+func (m *Metrics) integrityFailed() {
+	if m != nil {
+		m.IntegrityFailures.Inc()
+	}
+}
+
+// Refused counts a migrate request answered with a 4xx (nothing started).
+func (m *Metrics) Refused() {
 	if m != nil {
 		m.Migrations.WithLabelValues("refused").Inc()
 	}

@@ -63,7 +63,10 @@ func TestStartRefusals(t *testing.T) {
 	add("B", "B", true, "m")
 	add("B2", "B", true, "other")
 	add("P", "B", false, "m")
-	o := New(DefaultConfig(), reg, proxy.New(proxy.Options{}, nil, zap.NewNop()), nil, zap.NewNop())
+	o, err := New(DefaultConfig(), reg, proxy.New(proxy.Options{}, nil, zap.NewNop()), nil, nil, zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
 	two := 2
 	for _, c := range []struct {
 		req  Request

@@ -3,12 +3,15 @@ package proxy
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -31,6 +34,8 @@ type Proxy struct {
 	log          *zap.Logger
 	m            *Metrics
 	writeTimeout time.Duration
+	idleTimeout  time.Duration
+	engineToken  string
 	streams      *Streams
 }
 
@@ -41,7 +46,26 @@ type Options struct {
 	ClientWriteTimeout time.Duration
 	// MaxConnsPerEngine bounds idle keep-alive connections kept per engine.
 	MaxIdleConnsPerEngine int
+	// UpstreamTimeout bounds the wait for an engine's response headers: a
+	// hung or sleeping engine answers 504 instead of holding the client
+	// for ever. (A non-streaming answer comes whole, so this bounds it.)
+	UpstreamTimeout time.Duration
+	// StreamIdleTimeout bounds the silence between two events of a
+	// stream; a stream that says nothing for longer ends with an error
+	// event.
+	StreamIdleTimeout time.Duration
+	// EngineToken is the agent credential, sent when attaching to an
+	// engine's stream hook (hooks refuse callers without it).
+	EngineToken string
+	// TLS verifies https engines (nil: the system roots).
+	TLS *tls.Config
 }
+
+// Defaults of Options.
+const (
+	DefaultUpstreamTimeout   = 10 * time.Minute
+	DefaultStreamIdleTimeout = 2 * time.Minute
+)
 
 // New returns a Proxy.
 func New(o Options, m *Metrics, log *zap.Logger) *Proxy {
@@ -51,17 +75,26 @@ func New(o Options, m *Metrics, log *zap.Logger) *Proxy {
 	if o.MaxIdleConnsPerEngine <= 0 {
 		o.MaxIdleConnsPerEngine = 4096
 	}
-	tr := &http.Transport{
-		Proxy:               nil, // engines are reached directly, never through HTTP_PROXY
-		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
-		MaxIdleConns:        0,
-		MaxIdleConnsPerHost: o.MaxIdleConnsPerEngine,
-		IdleConnTimeout:     90 * time.Second,
-		DisableCompression:  true, // pass bytes through; never gzip SSE
-		WriteBufferSize:     16 << 10,
-		ReadBufferSize:      32 << 10,
+	if o.UpstreamTimeout <= 0 {
+		o.UpstreamTimeout = DefaultUpstreamTimeout
 	}
-	return &Proxy{client: &http.Client{Transport: tr}, log: log, m: m, writeTimeout: o.ClientWriteTimeout, streams: NewStreams()}
+	if o.StreamIdleTimeout <= 0 {
+		o.StreamIdleTimeout = DefaultStreamIdleTimeout
+	}
+	tr := &http.Transport{
+		Proxy:                 nil, // engines are reached directly, never through HTTP_PROXY
+		DialContext:           (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		MaxIdleConns:          0,
+		MaxIdleConnsPerHost:   o.MaxIdleConnsPerEngine,
+		IdleConnTimeout:       90 * time.Second,
+		DisableCompression:    true, // pass bytes through; never gzip SSE
+		WriteBufferSize:       16 << 10,
+		ReadBufferSize:        32 << 10,
+		ResponseHeaderTimeout: o.UpstreamTimeout,
+		TLSClientConfig:       o.TLS,
+	}
+	return &Proxy{client: &http.Client{Transport: tr}, log: log, m: m, writeTimeout: o.ClientWriteTimeout,
+		idleTimeout: o.StreamIdleTimeout, engineToken: o.EngineToken, streams: NewStreams()}
 }
 
 // Streams is the table of live streams (for splicing).
@@ -79,6 +112,9 @@ type Upstream struct {
 	Model      string
 	InstanceID string
 	RequestID  string // the engine's request id; streams are registered under it for splicing
+	// Sent, when set, is called once the engine answered (or could not be
+	// reached): the body is no longer needed.
+	Sent func()
 }
 
 // Result says how a forwarded request ended.
@@ -125,9 +161,16 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 		s.mu.Unlock()
 	}()
 	resp, err := p.client.Do(req)
+	if up.Sent != nil {
+		up.Sent()
+	}
 	if err != nil {
 		if r.Context().Err() != nil {
 			return Result{Status: StatusClientClosed}
+		}
+		var ne net.Error
+		if errors.As(err, &ne) && ne.Timeout() {
+			return p.fail(w, up, http.StatusGatewayTimeout, "timeout", fmt.Sprintf("engine %s did not answer within %v", up.InstanceID, p.client.Transport.(*http.Transport).ResponseHeaderTimeout))
 		}
 		return p.fail(w, up, http.StatusBadGateway, "connect", fmt.Sprintf("engine %s unreachable: %v", up.InstanceID, err))
 	}
@@ -168,11 +211,26 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 	onTarget := false
 	var pending []time.Time // read times of events written but not yet flushed
 	var deadline time.Time  // the client write deadline currently set
+	// An engine that goes silent mid-stream (hung, or paused and never
+	// resumed) is cut after the idle timeout: the read fails and the
+	// client gets an error event instead of waiting for ever.
+	var idle atomic.Bool
+	watchdog := time.AfterFunc(p.idleTimeout, func() {
+		idle.Store(true)
+		s.cancelUpstream()
+	})
+	defer watchdog.Stop()
 	for {
 		ev, err := er.Next()
 		if err != nil {
 			if ctx.Err() != nil {
 				res.Status = StatusClientClosed
+				return res
+			}
+			if idle.Load() {
+				p.m.UpstreamErrors.WithLabelValues(up.Model, "idle").Inc()
+				p.writeStreamError(w, rc, fmt.Sprintf("the engine sent nothing for %v after %d tokens", p.idleTimeout, res.Tokens))
+				res.Truncated = true
 				return res
 			}
 			if next, ok := p.trySwitch(ctx, s); ok {
@@ -197,7 +255,15 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 			return res
 		}
 		read := time.Now()
+		watchdog.Reset(p.idleTimeout)
 		kind, textLen, _ := ClassifyText(ev.Data)
+		if kind == KindToken && !onTarget && s.beyondSplice(textLen) {
+			// The source went on past what it exported (its pause lease
+			// ran out): the target produces these tokens now, so this one
+			// must not reach the client. Switch instead.
+			s.cancelUpstream()
+			continue
+		}
 		if kind == KindToken {
 			res.Tokens++
 			p.m.StreamTokens.Inc()
@@ -288,7 +354,11 @@ func (p *Proxy) writeStreamError(w http.ResponseWriter, rc *http.ResponseControl
 
 func (p *Proxy) fail(w http.ResponseWriter, up Upstream, status int, kind, msg string) Result {
 	p.m.UpstreamErrors.WithLabelValues(up.Model, kind).Inc()
-	WriteError(w, status, "BadGatewayError", msg)
+	typ := "BadGatewayError"
+	if status == http.StatusGatewayTimeout {
+		typ = "GatewayTimeoutError"
+	}
+	WriteError(w, status, typ, msg)
 	return Result{Status: status}
 }
 

@@ -125,6 +125,33 @@ func (s *Stream) spliceDueLocked() bool {
 	return s.tokens == sp.from
 }
 
+// beyondSplice reports whether one more token event carrying textLen code
+// points would take the stream past what the source exported for a
+// pending splice: the fence that keeps a source whose pause lease ended
+// from duplicating what the target produces.
+func (s *Stream) beyondSplice(textLen int) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	sp := s.splice
+	if sp == nil || sp.switched == nil {
+		return false
+	}
+	if sp.text >= 0 {
+		return s.text >= sp.text && textLen > 0 || s.tokens >= sp.from
+	}
+	return s.tokens >= sp.from
+}
+
+// cancelUpstream stops the read of the current upstream.
+func (s *Stream) cancelUpstream() {
+	s.mu.Lock()
+	c := s.cancelA
+	s.mu.Unlock()
+	if c != nil {
+		c()
+	}
+}
+
 // Tokens is how many token events the stream relayed so far.
 func (s *Stream) Tokens() int {
 	s.mu.Lock()
@@ -150,21 +177,41 @@ func attachURL(base, id string, from int) string {
 	return fmt.Sprintf("%s/vllm_hi/engine/requests/%s/stream?from=%d", strings.TrimRight(base, "/"), id, from)
 }
 
-// openAttach opens the target's stream of the request.
+// openAttach opens the target's stream of the request, trying a few times
+// (a connection refused or reset is worth a retry; the target holds the
+// request either way).
 func (p *Proxy) openAttach(ctx context.Context, t *spliceTarget, id string) (*http.Response, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, attachURL(t.url, id, t.from), nil)
-	if err != nil {
-		return nil, err
-	}
-	resp, err := p.client.Do(req)
-	if err != nil {
-		return nil, err
-	}
-	if resp.StatusCode != http.StatusOK {
+	var last error
+	for attempt := 0; attempt < 3; attempt++ {
+		if attempt > 0 {
+			select {
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			case <-time.After(time.Duration(attempt) * 50 * time.Millisecond):
+			}
+		}
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, attachURL(t.url, id, t.from), nil)
+		if err != nil {
+			return nil, err
+		}
+		if p.engineToken != "" {
+			req.Header.Set("Authorization", "Bearer "+p.engineToken)
+		}
+		resp, err := p.client.Do(req)
+		if err != nil {
+			last = err
+			continue
+		}
+		if resp.StatusCode == http.StatusOK {
+			return resp, nil
+		}
 		resp.Body.Close()
-		return nil, fmt.Errorf("attach to %s on %s: HTTP %d", id, t.instance, resp.StatusCode)
+		last = fmt.Errorf("attach to %s on %s: HTTP %d", id, t.instance, resp.StatusCode)
+		if resp.StatusCode < 500 {
+			break // the target refuses: retrying will not change it
+		}
 	}
-	return resp, nil
+	return nil, last
 }
 
 // Warm opens up to n keep-alive connections to an engine ahead of a

@@ -68,6 +68,12 @@ type Config struct {
 	DefaultPauseLease time.Duration
 	// FinishedRetention keeps finished requests attachable for this long.
 	FinishedRetention time.Duration
+	// HookToken is the agent credential that the engine hooks and vLLM's
+	// control routes (sleep, wake_up, pause, resume, scale_elastic_ep)
+	// require as a bearer token. Empty: they are open to anyone who
+	// reaches the port (vLLM's OpenAI routes always are, as in vLLM
+	// without --api-key).
+	HookToken string
 }
 
 // DefaultConfig returns the defaults `vhi sim` documents: three of these

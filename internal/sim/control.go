@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"time"
+
+	"github.com/vllm-hi/vllm-hi/api/hooks"
 )
 
 // PauseMode is vLLM's /pause mode.
@@ -128,6 +130,13 @@ func (e *Engine) Sleep(ctx context.Context, level int, mode PauseMode) error {
 	} else {
 		e.abortAllLocked()
 	}
+	e.releaseLocked(level)
+	return nil
+}
+
+// releaseLocked drops reservations and releases the KV memory (e.mu held;
+// nothing may be running).
+func (e *Engine) releaseLocked(level int) {
 	for _, r := range e.requests {
 		if r.state == stateReserved {
 			e.pool.release(r.blocks, e.cursor+1)
@@ -141,7 +150,6 @@ func (e *Engine) Sleep(ctx context.Context, level int, mode PauseMode) error {
 	}
 	e.sleeping, e.sleepLevel = true, max(level, 1)
 	e.log.Info("engine sleeping: KV cache released")
-	return nil
 }
 
 // WakeUp is vLLM's POST /wake_up: after the configured wake-up time the
@@ -168,11 +176,63 @@ func (e *Engine) WakeUp(ctx context.Context) error {
 		return fmt.Errorf("wake up: %w", err)
 	}
 	e.kv = kv
+	e.kvGen++
 	e.pool = newBlockPool(e.geo.NumBlocks, e.geo.BlockSize)
 	e.sleeping, e.sleepLevel = false, 0
 	e.signal()
 	e.log.Info("engine awake")
 	return nil
+}
+
+// Retire implements hooks.Engine: once no request is running or waiting —
+// they arrived before the Host moved the model's traffic away and finish
+// here — the KV is released (as Sleep does). New requests are admitted
+// meanwhile (a client may still talk to the engine directly); when the
+// engine is not idle within WaitS, nothing is released and the answer
+// says why.
+func (e *Engine) Retire(ctx context.Context, req hooks.RetireRequest) (hooks.RetireResponse, error) {
+	if req.WaitS < 0 {
+		return hooks.RetireResponse{}, badRequest("wait_s", "wait_s must not be negative")
+	}
+	deadline := time.Now().Add(time.Duration(req.WaitS * float64(time.Second)))
+	for {
+		e.mu.Lock()
+		if e.sleeping {
+			e.mu.Unlock()
+			return hooks.RetireResponse{Released: true, Note: "the engine was already sleeping"}, nil
+		}
+		reserved := false
+		for _, r := range e.requests {
+			reserved = reserved || r.state == stateReserved
+		}
+		if len(e.running) == 0 && len(e.waiting) == 0 && !reserved {
+			var size int64
+			for _, r := range e.kv.regions {
+				size += r.layout.Size()
+			}
+			e.releaseLocked(1)
+			e.mu.Unlock()
+			return hooks.RetireResponse{Released: true, ReleasedBytes: size}, nil
+		}
+		busy := len(e.running) + len(e.waiting)
+		e.mu.Unlock()
+		if time.Now().After(deadline) {
+			return hooks.RetireResponse{Note: fmt.Sprintf("%d requests still on the engine after %.0f s: the KV stays allocated", busy, req.WaitS)}, nil
+		}
+		select {
+		case <-ctx.Done():
+			return hooks.RetireResponse{}, ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// Wake implements hooks.Engine.
+func (e *Engine) Wake(ctx context.Context) (hooks.WakeResponse, error) {
+	if !e.IsSleeping() {
+		return hooks.WakeResponse{Note: "the engine was awake"}, nil
+	}
+	return hooks.WakeResponse{}, e.WakeUp(ctx)
 }
 
 // IsSleeping is vLLM's GET /is_sleeping.

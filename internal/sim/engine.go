@@ -37,6 +37,7 @@ type Engine struct {
 
 	mu       sync.Mutex
 	kv       *kvMemory // nil while sleeping
+	kvGen    uint64    // bumped each time the KV memory is (re-)created
 	pool     *blockPool
 	requests map[string]*request // live and reserved requests
 	done     map[string]*request // finished, kept for attach until retention ends
@@ -84,6 +85,7 @@ func NewEngine(cfg Config, log *zap.Logger) (*Engine, error) {
 		cfg:  cfg, geo: geo, par: par, tok: tokenizer.New(), log: log,
 		wake:     make(chan struct{}, 1),
 		kv:       kv,
+		kvGen:    1,
 		pool:     newBlockPool(geo.NumBlocks, geo.BlockSize),
 		requests: map[string]*request{},
 		done:     map[string]*request{},

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/base64"
 	"fmt"
+	"math"
 	"os"
 	"sort"
 	"time"
@@ -24,7 +25,7 @@ func (e *Engine) Layout(context.Context) (hooks.Layout, error) {
 	l := hooks.Layout{
 		Engine: "vhi-sim", EngineVersion: version.Version, HooksVersion: hooks.Version,
 		Model: e.cfg.Model, ServedModels: e.cfg.ServedModelNames,
-		Geometry: e.geo, Parallel: e.par, KVLayout: "HND",
+		Geometry: e.geo, Parallel: e.par, KVLayout: "HND", KVGeneration: e.kvGen,
 	}
 	gpu, dev, _ := e.cfg.device()
 	for _, r := range e.kv.regions {
@@ -221,23 +222,20 @@ func (e *Engine) Allocate(_ context.Context, req hooks.AllocateRequest) (hooks.A
 func (e *Engine) Install(_ context.Context, req hooks.InstallRequest) (hooks.InstallResponse, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	// Everything is checked before anything changes: a refused install
+	// leaves the engine as it was.
+	seen := map[string]bool{}
 	for _, st := range req.Requests {
 		r := e.requests[st.RequestID]
 		if r == nil || r.state != stateReserved {
 			return hooks.InstallResponse{}, notFound("request_id", "Request %s has no reservation on this engine; allocate first.", st.RequestID)
 		}
-		total := len(st.PromptTokenIDs) + len(st.OutputTokenIDs)
-		switch {
-		case len(st.PromptTokenIDs) == 0:
-			return hooks.InstallResponse{}, badRequest("prompt_token_ids", "Request %s has no prompt tokens.", st.RequestID)
-		case st.NumComputedTokens < 0 || st.NumComputedTokens > total:
-			return hooks.InstallResponse{}, badRequest("num_computed_tokens", "Request %s: num_computed_tokens %d outside 0..%d.", st.RequestID, st.NumComputedTokens, total)
-		case (total+e.geo.BlockSize-1)/e.geo.BlockSize > len(r.blocks)+e.pool.numFree():
-			return hooks.InstallResponse{}, insufficient("Request %s needs more blocks than are reserved and free.", st.RequestID)
-		case len(st.TextOffsets) != len(st.OutputTokenIDs):
-			return hooks.InstallResponse{}, badRequest("text_offsets", "Request %s: %d text offsets for %d output tokens.", st.RequestID, len(st.TextOffsets), len(st.OutputTokenIDs))
-		case st.Sampling.MaxTokens < 1:
-			return hooks.InstallResponse{}, badRequest("sampling_params", "Request %s: max_tokens must be ≥ 1.", st.RequestID)
+		if seen[st.RequestID] {
+			return hooks.InstallResponse{}, badRequest("request_id", "Request %s is named twice.", st.RequestID)
+		}
+		seen[st.RequestID] = true
+		if err := e.checkState(st, len(r.blocks)); err != nil {
+			return hooks.InstallResponse{}, err
 		}
 	}
 	gen := e.cursor + 1
@@ -277,6 +275,52 @@ func (e *Engine) Install(_ context.Context, req hooks.InstallRequest) (hooks.Ins
 	e.cursor = gen
 	e.signal()
 	return out, nil
+}
+
+// checkState refuses a request state the engine could not run: every
+// field an install reads is bounded here, so a malformed body is a 400,
+// never a panic later in a step or a stream.
+func (e *Engine) checkState(st hooks.RequestState, reservedBlocks int) error {
+	bs := e.geo.BlockSize
+	total := len(st.PromptTokenIDs) + len(st.OutputTokenIDs)
+	vocab := e.tok.VocabSize()
+	switch {
+	case len(st.PromptTokenIDs) == 0:
+		return badRequest("prompt_token_ids", "Request %s has no prompt tokens.", st.RequestID)
+	case total > e.cfg.MaxModelLen:
+		return badRequest("output_token_ids", "Request %s: %d tokens exceed max_model_len %d.", st.RequestID, total, e.cfg.MaxModelLen)
+	case st.NumComputedTokens < 0 || st.NumComputedTokens > total:
+		return badRequest("num_computed_tokens", "Request %s: num_computed_tokens %d outside 0..%d.", st.RequestID, st.NumComputedTokens, total)
+	case st.NumComputedTokens > reservedBlocks*bs:
+		return badRequest("num_computed_tokens", "Request %s: %d computed tokens do not fit its %d reserved blocks.", st.RequestID, st.NumComputedTokens, reservedBlocks)
+	case (total+bs-1)/bs > reservedBlocks+e.pool.numFree():
+		return insufficient("Request %s needs more blocks than are reserved and free.", st.RequestID)
+	case len(st.TextOffsets) != len(st.OutputTokenIDs):
+		return badRequest("text_offsets", "Request %s: %d text offsets for %d output tokens.", st.RequestID, len(st.TextOffsets), len(st.OutputTokenIDs))
+	case st.Sampling.MaxTokens < 1 || st.Sampling.MaxTokens > e.cfg.MaxModelLen:
+		return badRequest("sampling_params", "Request %s: max_tokens must be in 1..%d.", st.RequestID, e.cfg.MaxModelLen)
+	case !(st.Sampling.Temperature >= 0) || math.IsInf(st.Sampling.Temperature, 0):
+		return badRequest("sampling_params", "Request %s: temperature must be a non-negative number.", st.RequestID)
+	case !(st.Sampling.TopP >= 0 && st.Sampling.TopP <= 1): // 0: not set
+		return badRequest("sampling_params", "Request %s: top_p must be in [0, 1].", st.RequestID)
+	case st.RNGPosition < 0:
+		return badRequest("rng_position", "Request %s: rng_position must not be negative.", st.RequestID)
+	}
+	for _, ids := range [][]int{st.PromptTokenIDs, st.OutputTokenIDs, st.Sampling.StopTokenIDs} {
+		for _, t := range ids {
+			if t < 0 || t >= vocab {
+				return badRequest("output_token_ids", "Request %s: token id %d is out of vocabulary (size %d).", st.RequestID, t, vocab)
+			}
+		}
+	}
+	prev := 0
+	for i, off := range st.TextOffsets {
+		if off < prev || off > len(st.OutputText) {
+			return badRequest("text_offsets", "Request %s: text offset %d (%d) is not in order within the %d bytes of output text.", st.RequestID, i, off, len(st.OutputText))
+		}
+		prev = off
+	}
+	return nil
 }
 
 // Abort implements hooks.Engine.

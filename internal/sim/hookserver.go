@@ -30,6 +30,11 @@ func (s *Server) hookRoutes(r chi.Router) {
 	r.Post(hooks.PathAllocate, withBody(s.eng.Allocate))
 	r.Post(hooks.PathInstall, withBody(s.eng.Install))
 	r.Post(hooks.PathAbort, withBody(s.eng.Abort))
+	r.Post(hooks.PathRetire, withBody(s.eng.Retire))
+	r.Post(hooks.PathWake, func(w http.ResponseWriter, r *http.Request) {
+		v, err := s.eng.Wake(r.Context())
+		reply(w, v, err)
+	})
 	r.Get(hooks.PathAttach, func(w http.ResponseWriter, r *http.Request) {
 		from := 0
 		if v := r.URL.Query().Get("from"); v != "" {

@@ -24,7 +24,8 @@ type kvMemory struct {
 
 type kvRegion struct {
 	layout kvlayout.RegionLayout
-	path   string
+	path   string   // what agents open: /proc/<pid>/fd/<n> of the unlinked file
+	file   *os.File // held open: the memory lives as long as this process
 	data   []byte
 	dptr   cuda.DevicePtr // GPU: the region's allocation
 	// Strides, precomputed: the decode step touches every layer and head of
@@ -32,21 +33,33 @@ type kvRegion struct {
 	layerStride, kvStride, blockStride, headStride, slotBytes int
 }
 
-// newKVMemory creates (truncating) one file per shard under dir, named
-// prefix-tp{rank}-pp{stage}.kv, and maps each. The files are sparse: pages
-// cost memory only once written.
+// newKVMemory creates one file per shard under dir, named
+// prefix-tp{rank}-pp{stage}.kv, allocates its pages and maps it. Each file
+// is unlinked at once and kept open, and agents map it as
+// /proc/<pid>/fd/<n>: the memory goes away with the process however it
+// ends (SIGKILL skips every cleanup), and nothing is left in the tmpfs.
+// The pages are allocated up front (fallocate) so that a tmpfs too small
+// for the KV is a clear error here, not a SIGBUS at the first write into
+// a page that cannot be backed.
 func newKVMemory(geo kvlayout.Geometry, par kvlayout.Parallel, dir, prefix string) (*kvMemory, error) {
 	m := &kvMemory{geo: geo}
+	var total int64
+	for _, s := range par.Shards() {
+		total += kvlayout.NewRegionLayout(geo, s).Size()
+	}
+	if err := checkRoom(dir, total); err != nil {
+		return nil, err
+	}
 	for _, s := range par.Shards() {
 		l := kvlayout.NewRegionLayout(geo, s)
 		path := filepath.Join(dir, fmt.Sprintf("%s-tp%d-pp%d.kv", prefix, s.TPRank, s.PPStage))
-		data, err := mapFile(path, l.Size())
+		f, data, err := mapFile(path, l.Size())
 		if err != nil {
 			m.close()
 			return nil, err
 		}
 		m.regions = append(m.regions, kvRegion{
-			layout: l, path: path, data: data,
+			layout: l, path: fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), f.Fd()), file: f, data: data,
 			layerStride: int(l.LayerStride()), kvStride: int(l.KVStride()), blockStride: int(l.BlockStride()),
 			headStride: int(l.HeadStride()), slotBytes: geo.HeadSlotBytes(),
 		})
@@ -54,22 +67,36 @@ func newKVMemory(geo kvlayout.Geometry, par kvlayout.Parallel, dir, prefix strin
 	return m, nil
 }
 
-func mapFile(path string, size int64) ([]byte, error) {
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o600)
-	if err != nil {
-		return nil, fmt.Errorf("create KV file: %w", err)
+// checkRoom refuses KV that does not fit the filesystem's free space.
+func checkRoom(dir string, size int64) error {
+	var st syscall.Statfs_t
+	if err := syscall.Statfs(dir, &st); err != nil {
+		return fmt.Errorf("KV directory %s: %w", dir, err)
 	}
-	defer f.Close()
-	if err := f.Truncate(size); err != nil {
-		os.Remove(path)
-		return nil, fmt.Errorf("size KV file %s to %d bytes: %w", path, size, err)
+	if free := int64(st.Bavail) * st.Bsize; free < size {
+		return fmt.Errorf("the KV needs %.2f GiB but %s has %.2f GiB free: lower --num-gpu-blocks or raise --kv-scale, or give the tmpfs more room",
+			float64(size)/(1<<30), dir, float64(free)/(1<<30))
+	}
+	return nil
+}
+
+func mapFile(path string, size int64) (*os.File, []byte, error) {
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return nil, nil, fmt.Errorf("create KV file: %w", err)
+	}
+	// Unlinked at once: the open file is the only name it keeps.
+	_ = os.Remove(path)
+	if err := syscall.Fallocate(int(f.Fd()), 0, 0, size); err != nil {
+		f.Close()
+		return nil, nil, fmt.Errorf("allocate %.2f GiB of KV in %s: %w", float64(size)/(1<<30), filepath.Dir(path), err)
 	}
 	data, err := syscall.Mmap(int(f.Fd()), 0, int(size), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
 	if err != nil {
-		os.Remove(path)
-		return nil, fmt.Errorf("map KV file %s: %w", path, err)
+		f.Close()
+		return nil, nil, fmt.Errorf("map KV file %s: %w", path, err)
 	}
-	return data, nil
+	return f, data, nil
 }
 
 // close unmaps and removes every file (or frees the GPU memory); the KV is
@@ -84,7 +111,9 @@ func (m *kvMemory) close() {
 		if r.data != nil {
 			_ = syscall.Munmap(r.data)
 		}
-		_ = os.Remove(r.path)
+		if r.file != nil {
+			_ = r.file.Close()
+		}
 	}
 	m.regions = nil
 }

@@ -19,6 +19,7 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/api/openai"
+	"github.com/vllm-hi/vllm-hi/internal/credentials"
 	"github.com/vllm-hi/vllm-hi/internal/tokenizer"
 	"github.com/vllm-hi/vllm-hi/internal/version"
 )
@@ -64,24 +65,34 @@ func (s *Server) Handler() http.Handler {
 		writeJSON(w, http.StatusOK, map[string]string{"version": version.Version})
 	})
 	r.Handle("/metrics", promhttp.HandlerFor(s.eng.met.reg, promhttp.HandlerOpts{}))
-	r.Post("/sleep", s.sleep)
-	r.Post("/wake_up", s.wakeUp)
 	r.Get("/is_sleeping", func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]bool{"is_sleeping": s.eng.IsSleeping()})
-	})
-	r.Post("/pause", s.pause)
-	r.Post("/resume", func(w http.ResponseWriter, _ *http.Request) {
-		s.eng.ResumeGeneration()
-		writeJSON(w, http.StatusOK, map[string]string{"status": "resumed"})
 	})
 	r.Get("/is_paused", func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]bool{"is_paused": s.eng.IsPaused()})
 	})
-	r.Post("/scale_elastic_ep", s.scaleElasticEP)
 	r.Post("/is_scaling_elastic_ep", func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]bool{"is_scaling_elastic_ep": s.eng.Scaling()})
 	})
-	s.hookRoutes(r)
+	// What changes the engine's state or reads its requests needs the
+	// agent's credential.
+	r.Group(func(r chi.Router) {
+		r.Use(func(next http.Handler) http.Handler {
+			return credentials.Require(s.eng.cfg.HookToken, func(w http.ResponseWriter) {
+				writeError(w, &Error{Status: http.StatusUnauthorized, Type: "AuthenticationError",
+					Message: "this route needs the agent's credential (Authorization: Bearer …)"})
+			}, next)
+		})
+		r.Post("/sleep", s.sleep)
+		r.Post("/wake_up", s.wakeUp)
+		r.Post("/pause", s.pause)
+		r.Post("/resume", func(w http.ResponseWriter, _ *http.Request) {
+			s.eng.ResumeGeneration()
+			writeJSON(w, http.StatusOK, map[string]string{"status": "resumed"})
+		})
+		r.Post("/scale_elastic_ep", s.scaleElasticEP)
+		s.hookRoutes(r)
+	})
 	r.NotFound(func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusNotFound, map[string]string{"detail": "Not Found"})
 	})

@@ -16,6 +16,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/internal/agent"
+	"github.com/vllm-hi/vllm-hi/internal/credentials"
 	"github.com/vllm-hi/vllm-hi/internal/host"
 	"github.com/vllm-hi/vllm-hi/internal/sim"
 )
@@ -29,13 +30,17 @@ type Options struct {
 	HostCfg host.Config
 }
 
-// Stack is a running deployment.
+// Stack is a running deployment. Every plane is authenticated as in a
+// real one: the Host, the agents and the engines' hooks share a fresh
+// agent token, and the REST API's mutations need AdminToken.
 type Stack struct {
 	HostURL    string
 	AURL, BURL string // engines
 	AID, BID   string // vllm_hi_ids
 	A, B       *sim.Engine
 	Host       *host.Host
+	AdminToken string
+	AgentToken string
 	stops      []func()
 }
 
@@ -44,7 +49,7 @@ func Start(o Options) (*Stack, error) {
 	if o.Log == nil {
 		o.Log = zap.NewNop()
 	}
-	s := &Stack{AID: "sim-a", BID: "sim-b"}
+	s := &Stack{AID: "sim-a", BID: "sim-b", AdminToken: credentials.NewToken(), AgentToken: credentials.NewToken()}
 	fail := func(err error) (*Stack, error) { s.Stop(); return nil, err }
 	pid := os.Getpid()
 	var err error
@@ -64,7 +69,11 @@ func Start(o Options) (*Stack, error) {
 		cfg.HeartbeatInterval = 200 * time.Millisecond
 		cfg.ShutdownTimeout = 5 * time.Second
 	}
-	s.Host = host.New(cfg, o.Log.Named("host"))
+	cfg.AdminToken, cfg.AgentToken = s.AdminToken, s.AgentToken
+	if s.Host, err = host.New(cfg, o.Log.Named("host")); err != nil {
+		ln.Close()
+		return fail(err)
+	}
 	hctx, hcancel := context.WithCancel(context.Background())
 	hdone := make(chan struct{})
 	go func() { defer close(hdone); _ = s.Host.Serve(hctx, ln) }()
@@ -72,7 +81,8 @@ func Start(o Options) (*Stack, error) {
 	s.HostURL = "http://" + ln.Addr().String()
 	for _, a := range []struct{ typ, id, url string }{{"A", s.AID, s.AURL}, {"B", s.BID, s.BURL}} {
 		ag, err := agent.New(agent.Config{Type: a.typ, HostAddr: ln.Addr().String(), EngineURL: a.url, ID: a.id,
-			Listen: "127.0.0.1:0", AdvertiseHost: "127.0.0.1", TP: 1, PP: 1, EngineWait: 10 * time.Second}, o.Log.Named("agent-"+a.id))
+			Listen: "127.0.0.1:0", AdvertiseHost: "127.0.0.1", TP: 1, PP: 1, EngineWait: 10 * time.Second, AgentToken: s.AgentToken},
+			o.Log.Named("agent-"+a.id))
 		if err != nil {
 			return fail(err)
 		}
@@ -101,7 +111,7 @@ func Start(o Options) (*Stack, error) {
 }
 
 func (s *Stack) startSim(c sim.Config, model, prefix string, log *zap.Logger) (*sim.Engine, string, error) {
-	c.Model, c.ServedModelNames, c.ShmPrefix = model, []string{model}, prefix
+	c.Model, c.ServedModelNames, c.ShmPrefix, c.HookToken = model, []string{model}, prefix, s.AgentToken
 	r, err := sim.Start(c, log.Named(prefix))
 	if err != nil {
 		return nil, "", err

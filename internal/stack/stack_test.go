@@ -38,7 +38,9 @@ func TestMigrationInProcess(t *testing.T) {
 	}()
 	time.Sleep(150 * time.Millisecond)
 	body, _ := json.Marshal(migrate.Request{Src: st.AID, Dst: st.BID, Type: migrate.PreserveSource})
-	resp, err := http.Post(st.HostURL+"/vllm_hi/migrate", "application/json", bytes.NewReader(body))
+	req, _ := http.NewRequest(http.MethodPost, st.HostURL+"/vllm_hi/migrate", bytes.NewReader(body))
+	req.Header.Set("Authorization", "Bearer "+st.AdminToken)
+	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}

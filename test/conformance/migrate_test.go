@@ -73,7 +73,7 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 			want := runStreamsFrom(t, hostURL, i, 1, nil)
 			var st migrationStatus
 			got := runStreamsFrom(t, hostURL, i, 1, func() {
-				st = migrateAndWait(t, hostURL, fmt.Sprintf(`{"src_vllm_hi_id":%q,"dst_vllm_hi_id":%q,"type":"preserve_source","final_granularity":%q}`, src, dst, finalGranularity))
+				st = migrateAndWait(t, hostURL, fmt.Sprintf(`{"src_vllm_hi_id":%q,"dst_vllm_hi_id":%q,"migration_type":"preserve_source","final_granularity":%q}`, src, dst, finalGranularity))
 			})
 			if st.State != "succeeded" || st.Migrated != 1 {
 				t.Fatalf("migration %s (%s), %d requests moved", st.State, st.Error, st.Migrated)
@@ -91,7 +91,7 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 		want := runStreamsWith(t, hostURL, 0, 1, sampling, nil)
 		var st migrationStatus
 		got := runStreamsWith(t, hostURL, 0, 1, sampling, func() {
-			st = migrateAndWait(t, hostURL, fmt.Sprintf(`{"src_vllm_hi_id":%q,"dst_vllm_hi_id":%q,"type":"preserve_source"}`, src, dst))
+			st = migrateAndWait(t, hostURL, fmt.Sprintf(`{"src_vllm_hi_id":%q,"dst_vllm_hi_id":%q,"migration_type":"preserve_source"}`, src, dst))
 		})
 		if st.State != "succeeded" || st.Migrated != 1 {
 			t.Fatalf("migration %s (%s), %d requests moved", st.State, st.Error, st.Migrated)
@@ -103,7 +103,7 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 	t.Run("concurrent streams move and stay exact", func(t *testing.T) {
 		var st migrationStatus
 		got := runStreams(t, hostURL, n, func() {
-			st = migrateAndWait(t, hostURL, fmt.Sprintf(`{"src_vllm_hi_id":%q,"dst_vllm_hi_id":%q,"type":"preserve_source"}`, src, dst))
+			st = migrateAndWait(t, hostURL, fmt.Sprintf(`{"src_vllm_hi_id":%q,"dst_vllm_hi_id":%q,"migration_type":"preserve_source"}`, src, dst))
 		})
 		if st.State != "succeeded" || st.Migrated != n {
 			t.Fatalf("migration %s (%s), %d of %d requests moved", st.State, st.Error, st.Migrated, n)

@@ -23,7 +23,10 @@ func startHostWith(t *testing.T, cfg host.Config) (url, addr string) {
 		t.Fatal(err)
 	}
 	cfg.HeartbeatInterval, cfg.ShutdownTimeout = 200*time.Millisecond, 2*time.Second
-	h := host.New(cfg, zap.NewNop())
+	h, err := host.New(cfg, zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); _ = h.Serve(ctx, ln) }()

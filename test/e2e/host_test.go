@@ -50,16 +50,20 @@ func waitUntil(t *testing.T, what string, cond func() bool) {
 // survives a Host restart and deregisters on SIGTERM.
 func TestHostSimAgentProcesses(t *testing.T) {
 	shm := t.TempDir()
+	tk := newTokens(t)
+	dataDir := t.TempDir()
 	simPort, hostPort := freePort(t), freePort(t)
 	startVHI(t, "sim", "--port", fmt.Sprint(simPort), "--served-model-name", "m", "--shm-dir", shm,
-		"--num-gpu-blocks", "4096", "--step-fixed", "2ms", "--log-level", "warn")
+		"--num-gpu-blocks", "4096", "--step-fixed", "2ms", "--log-level", "warn", "--engine-token-file", tk.agentFile)
 	simURL := fmt.Sprintf("http://127.0.0.1:%d", simPort)
 	waitHealthy(t, simURL+"/health")
 	hostAddr := fmt.Sprintf("127.0.0.1:%d", hostPort)
 	hostURL := "http://" + hostAddr
-	host := startVHI(t, "host", "--listen", hostAddr, "--heartbeat-interval", "200ms", "--log-level", "warn")
+	hostArgs := append([]string{"host", "--listen", hostAddr, "--heartbeat-interval", "200ms", "--log-level", "warn", "--data-dir", dataDir}, tk.hostArgs()...)
+	host := startVHI(t, hostArgs...)
 	waitHealthy(t, hostURL+"/health")
-	agent := startVHI(t, "agent", "--type", "A", "--host", hostAddr, "--engine", simURL, "--data-port", "19999", "--log-level", "warn")
+	agent := startVHI(t, "agent", "--type", "A", "--host", hostAddr, "--engine", simURL, "--data-port", "19999", "--log-level", "warn",
+		"--token-file", tk.agentFile)
 	waitUntil(t, "the agent's registration", func() bool { return len(listInstances(t, hostURL).Instances) == 1 })
 	if v := listInstances(t, hostURL); v.Instances[0].Role != "active" || !v.Instances[0].Migratable {
 		t.Fatalf("instance: %+v", v)
@@ -96,9 +100,14 @@ func TestHostSimAgentProcesses(t *testing.T) {
 
 	// Restart the Host: the agent registers again by itself.
 	host.stop(t)
-	startVHI(t, "host", "--listen", hostAddr, "--heartbeat-interval", "200ms", "--log-level", "warn")
+	startVHI(t, hostArgs...)
 	waitHealthy(t, hostURL+"/health")
-	waitUntil(t, "re-registration after a Host restart", func() bool { return len(listInstances(t, hostURL).Instances) == 1 })
+	// The restarted Host knows the instance from its state (listed, not
+	// yet reachable) until the agent registers again by itself.
+	waitUntil(t, "re-registration after a Host restart", func() bool {
+		v := listInstances(t, hostURL)
+		return len(v.Instances) == 1 && v.Instances[0].State == "active"
+	})
 	resp, err := http.Post(hostURL+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"again","max_tokens":2}`))
 	if err != nil || resp.StatusCode != 200 {
 		t.Fatalf("routing after the restart: %v %v", err, resp)

@@ -45,6 +45,43 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
+// tokens are a deployment's credentials in files, as an operator keeps
+// them.
+type tokens struct {
+	dir              string
+	adminFile, admin string
+	agentFile, agent string
+}
+
+func newTokens(t *testing.T) tokens {
+	t.Helper()
+	dir := t.TempDir()
+	tk := tokens{dir: dir, adminFile: filepath.Join(dir, "admin-token"), admin: "admin-" + t.Name(),
+		agentFile: filepath.Join(dir, "agent-token"), agent: "agent-" + t.Name()}
+	for _, f := range [][2]string{{tk.adminFile, tk.admin}, {tk.agentFile, tk.agent}} {
+		if err := os.WriteFile(f[0], []byte(f[1]+"\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return tk
+}
+
+// hostArgs are the credential flags of vhi host.
+func (tk tokens) hostArgs() []string {
+	return []string{"--admin-token-file", tk.adminFile, "--agent-token-file", tk.agentFile}
+}
+
+// authGet is a GET with the agent token (what an agent or the Host sends
+// an engine's hooks).
+func authGet(url, token string) (*http.Response, error) {
+	req, err := http.NewRequest(http.MethodGet, url, nil)
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Authorization", "Bearer "+token)
+	return http.DefaultClient.Do(req)
+}
+
 func freePort(t *testing.T) int {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")

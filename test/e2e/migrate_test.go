@@ -17,16 +17,33 @@ import (
 )
 
 // deployment is Host + sim A + sim B + two agents as processes, plus a
-// lone reference sim for unmigrated runs.
+// lone reference sim for unmigrated runs. Every plane is authenticated,
+// as it is by default.
 type deployment struct {
 	hostURL, aURL, bURL, refURL string
+	hostAddr, dataDir           string
 	host, agentA, agentB        *proc
+	simA, simB                  *proc
+	tk                          tokens
+	hostArgs                    []string
+}
+
+// deployOptions vary a deployment.
+type deployOptions struct {
+	bBlocks  int
+	simArgs  []string // extra flags of sims A and B
+	hostArgs []string // extra flags of the Host
 }
 
 func deploy(t *testing.T, bBlocks int) *deployment {
+	return deployWith(t, deployOptions{bBlocks: bBlocks})
+}
+
+func deployWith(t *testing.T, o deployOptions) *deployment {
 	t.Helper()
 	shm := t.TempDir()
-	d := &deployment{}
+	d := &deployment{tk: newTokens(t), dataDir: t.TempDir()}
+	bBlocks := o.bBlocks
 	// VHI_E2E_SIM_DEVICES=cuda:0,cuda:1,cuda:0 puts the KV of A, B and the
 	// reference on GPUs (the GPU machines run these tests that way; the
 	// migration then goes through cuda_ipc).
@@ -40,7 +57,7 @@ func deploy(t *testing.T, bBlocks int) *deployment {
 	simArgs := func(port int, blocks int, device string) []string {
 		args := []string{"sim", "--port", fmt.Sprint(port), "--served-model-name", "m", "--shm-dir", shm,
 			"--num-gpu-blocks", fmt.Sprint(blocks), "--max-model-len", "1024", "--step-fixed", "6ms", "--log-level", "warn",
-			"--device", device}
+			"--device", device, "--engine-token-file", d.tk.agentFile}
 		if strings.Contains(strings.Join(devices, ","), "cuda") {
 			// GPU copies move 16-byte multiples; every engine of a
 			// deployment shares one geometry.
@@ -49,23 +66,45 @@ func deploy(t *testing.T, bBlocks int) *deployment {
 		return args
 	}
 	var urls []string
+	var sims []*proc
 	for i, blocks := range []int{4096, bBlocks, 4096} {
 		port := freePort(t)
-		startVHI(t, simArgs(port, blocks, devices[i])...)
+		args := simArgs(port, blocks, devices[i])
+		if i < 2 {
+			args = append(args, o.simArgs...)
+		}
+		sims = append(sims, startVHI(t, args...))
 		u := fmt.Sprintf("http://127.0.0.1:%d", port)
 		waitHealthy(t, u+"/health")
 		urls = append(urls, u)
 	}
 	d.aURL, d.bURL, d.refURL = urls[0], urls[1], urls[2]
-	hostAddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-	d.hostURL = "http://" + hostAddr
-	d.host = startVHI(t, "host", "--listen", hostAddr, "--heartbeat-interval", "500ms", "--allow-fault-injection",
-		"--migration-pause-lease", "2s", "--migration-reservation-lease", "3s", "--log-level", "warn")
-	waitHealthy(t, d.hostURL+"/health")
-	d.agentA = startVHI(t, "agent", "--type", "A", "--id", "A", "--host", hostAddr, "--engine", d.aURL, "--log-level", "warn")
-	d.agentB = startVHI(t, "agent", "--type", "B", "--id", "B", "--host", hostAddr, "--engine", d.bURL, "--log-level", "warn")
+	d.simA, d.simB = sims[0], sims[1]
+	d.hostAddr = fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	d.hostURL = "http://" + d.hostAddr
+	d.hostArgs = append(append([]string{"host", "--listen", d.hostAddr, "--heartbeat-interval", "500ms", "--allow-fault-injection",
+		"--migration-pause-lease", "2s", "--migration-reservation-lease", "10s", "--log-level", "warn", "--data-dir", d.dataDir},
+		d.tk.hostArgs()...), o.hostArgs...)
+	d.host = d.startHost(t)
+	d.agentA = d.startAgent(t, "A", d.aURL)
+	d.agentB = d.startAgent(t, "B", d.bURL)
 	waitUntil(t, "both agents", func() bool { return len(listInstances(t, d.hostURL).Instances) == 2 })
 	return d
+}
+
+// startHost (re)starts the deployment's Host.
+func (d *deployment) startHost(t *testing.T) *proc {
+	t.Helper()
+	p := startVHI(t, d.hostArgs...)
+	waitHealthy(t, d.hostURL+"/health")
+	return p
+}
+
+// startAgent starts agent typ ("A" or "B", also its id) beside engine.
+func (d *deployment) startAgent(t *testing.T, typ, engine string) *proc {
+	t.Helper()
+	return startVHI(t, "agent", "--type", typ, "--id", typ, "--host", d.hostAddr, "--engine", engine, "--log-level", "warn",
+		"--token-file", d.tk.agentFile)
 }
 
 func load(n, tokens int) []loadgen.Request {
@@ -105,7 +144,13 @@ type migStatus struct {
 	State    string `json:"state"`
 	Error    string `json:"error"`
 	Migrated int    `json:"migrated_request_count"`
-	Rounds   []struct {
+	Requests int    `json:"request_count"`
+	SourceKV string `json:"source_kv"`
+	Verified *struct {
+		Mode   string `json:"mode"`
+		Blocks int    `json:"blocks"`
+	} `json:"verification"`
+	Rounds []struct {
 		Kind  string `json:"kind"`
 		Bytes int64  `json:"data_size_bytes"`
 	} `json:"rounds"`
@@ -114,7 +159,10 @@ type migStatus struct {
 
 func (d *deployment) migrate(t *testing.T, body string) (int, string) {
 	t.Helper()
-	resp, err := http.Post(d.hostURL+"/vllm_hi/migrate", "application/json", strings.NewReader(body))
+	req, _ := http.NewRequest(http.MethodPost, d.hostURL+"/vllm_hi/migrate", strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Authorization", "Bearer "+d.tk.admin)
+	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -134,16 +182,29 @@ func (d *deployment) waitMigration(t *testing.T, startBody string) migStatus {
 		ID string `json:"migration_id"`
 	}
 	_ = json.Unmarshal([]byte(body), &started)
+	return d.waitEnd(t, started.ID)
+}
+
+// waitEnd polls a migration until it ends.
+func (d *deployment) waitEnd(t *testing.T, id string) migStatus {
+	t.Helper()
 	var st migStatus
 	waitUntil(t, "the migration to end", func() bool {
-		resp, err := http.Get(d.hostURL + "/vllm_hi/migration/" + started.ID + "/status")
-		if err != nil {
-			return false
-		}
-		defer resp.Body.Close()
-		_ = json.NewDecoder(resp.Body).Decode(&st)
+		st = d.status(t, id)
 		return st.State != "running"
 	})
+	return st
+}
+
+func (d *deployment) status(t *testing.T, id string) migStatus {
+	t.Helper()
+	var st migStatus
+	resp, err := http.Get(d.hostURL + "/vllm_hi/migration/" + id + "/status")
+	if err != nil {
+		return st
+	}
+	defer resp.Body.Close()
+	_ = json.NewDecoder(resp.Body).Decode(&st)
 	return st
 }
 
@@ -151,7 +212,7 @@ type engineStats struct {
 	Free, Total, Reserved, Running int
 }
 
-func stats(t *testing.T, url string) engineStats {
+func (d *deployment) stats(t *testing.T, url string) engineStats {
 	t.Helper()
 	var s struct {
 		Free     int `json:"free_blocks"`
@@ -159,7 +220,7 @@ func stats(t *testing.T, url string) engineStats {
 		Reserved int `json:"reserved_blocks"`
 		Running  int `json:"num_running"`
 	}
-	resp, err := http.Get(url + "/vllm_hi/engine/stats")
+	resp, err := authGet(url+"/vllm_hi/engine/stats", d.tk.agent)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -190,7 +251,7 @@ func TestMigrationEveryStreamExact(t *testing.T) {
 	want := d.reference(reqs)
 	running := d.startLoad(reqs)
 	time.Sleep(900 * time.Millisecond)
-	out, err := exec.Command(vhiBin, "migrate", "--host", d.hostURL, "--src", "A", "--dst", "B", "--wait").CombinedOutput()
+	out, err := exec.Command(vhiBin, "migrate", "--host", d.hostURL, "--src", "A", "--dst", "B", "--wait", "--admin-token-file", d.tk.adminFile).CombinedOutput()
 	if err != nil {
 		t.Fatalf("vhi migrate --wait: %v\n%s", err, out)
 	}
@@ -215,7 +276,7 @@ func TestMigrationEveryStreamExact(t *testing.T) {
 		_ = json.NewDecoder(resp.Body).Decode(&v)
 		return v.S
 	})
-	if s := stats(t, d.bURL); s.Free != s.Total || s.Reserved != 0 {
+	if s := d.stats(t, d.bURL); s.Free != s.Total || s.Reserved != 0 {
 		t.Fatalf("B leaked blocks: %+v", s)
 	}
 	// New requests go to B now.
@@ -333,7 +394,7 @@ func TestMigrationAborts(t *testing.T) {
 			d := deploy(t, c.bBlocks)
 			reqs := load(32, 400)
 			want := d.reference(reqs)
-			b0 := stats(t, d.bURL)
+			b0 := d.stats(t, d.bURL)
 			running := d.startLoad(reqs)
 			time.Sleep(900 * time.Millisecond)
 			if c.refused {
@@ -380,7 +441,7 @@ func TestMigrationAborts(t *testing.T) {
 				hostMetrics(t, d.hostURL, `vhi_migrations_total{state="aborted"} 1`, "vhi_migration_downtime_seconds_count 0")
 			}
 			waitUntil(t, "no leaked blocks", func() bool {
-				a, b := stats(t, d.aURL), stats(t, d.bURL)
+				a, b := d.stats(t, d.aURL), d.stats(t, d.bURL)
 				return a.Free == a.Total && b.Free == b0.Free && b.Reserved == 0
 			})
 		})
@@ -409,7 +470,7 @@ func TestHostDiesWhileSourcePaused(t *testing.T) {
 		}
 	}
 	waitUntil(t, "A and B back to all blocks free", func() bool {
-		a, b := stats(t, d.aURL), stats(t, d.bURL)
+		a, b := d.stats(t, d.aURL), d.stats(t, d.bURL)
 		return a.Running == 0 && a.Free == a.Total && b.Free == b.Total && b.Reserved == 0
 	})
 }

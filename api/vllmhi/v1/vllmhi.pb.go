@@ -27,6 +27,56 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+// Role is what an instance does for its model, as the Host last said.
+type Role int32
+
+const (
+	Role_ROLE_UNSPECIFIED Role = 0 // never told (a fresh agent)
+	Role_ROLE_ACTIVE      Role = 1
+	Role_ROLE_STANDBY     Role = 2
+)
+
+// Enum value maps for Role.
+var (
+	Role_name = map[int32]string{
+		0: "ROLE_UNSPECIFIED",
+		1: "ROLE_ACTIVE",
+		2: "ROLE_STANDBY",
+	}
+	Role_value = map[string]int32{
+		"ROLE_UNSPECIFIED": 0,
+		"ROLE_ACTIVE":      1,
+		"ROLE_STANDBY":     2,
+	}
+)
+
+func (x Role) Enum() *Role {
+	p := new(Role)
+	*p = x
+	return p
+}
+
+func (x Role) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (Role) Descriptor() protoreflect.EnumDescriptor {
+	return file_vllmhi_v1_vllmhi_proto_enumTypes[0].Descriptor()
+}
+
+func (Role) Type() protoreflect.EnumType {
+	return &file_vllmhi_v1_vllmhi_proto_enumTypes[0]
+}
+
+func (x Role) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use Role.Descriptor instead.
+func (Role) EnumDescriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{0}
+}
+
 // InstanceType is the role an instance starts in.
 type InstanceType int32
 
@@ -61,11 +111,11 @@ func (x InstanceType) String() string {
 }
 
 func (InstanceType) Descriptor() protoreflect.EnumDescriptor {
-	return file_vllmhi_v1_vllmhi_proto_enumTypes[0].Descriptor()
+	return file_vllmhi_v1_vllmhi_proto_enumTypes[1].Descriptor()
 }
 
 func (InstanceType) Type() protoreflect.EnumType {
-	return &file_vllmhi_v1_vllmhi_proto_enumTypes[0]
+	return &file_vllmhi_v1_vllmhi_proto_enumTypes[1]
 }
 
 func (x InstanceType) Number() protoreflect.EnumNumber {
@@ -74,7 +124,7 @@ func (x InstanceType) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use InstanceType.Descriptor instead.
 func (InstanceType) EnumDescriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{0}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{1}
 }
 
 type HookRequest struct {
@@ -185,8 +235,16 @@ func (x *HookResponse) GetBody() []byte {
 }
 
 type PrepareTargetRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	MigrationId   string                 `protobuf:"bytes,1,opt,name=migration_id,json=migrationId,proto3" json:"migration_id,omitempty"`
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	MigrationId string                 `protobuf:"bytes,1,opt,name=migration_id,json=migrationId,proto3" json:"migration_id,omitempty"`
+	// The migration's data-plane secret (at least 16 bytes).
+	Secret []byte `protobuf:"bytes,2,opt,name=secret,proto3" json:"secret,omitempty"`
+	// The target engine's blocks reserved for this migration: the only
+	// blocks its data plane writes.
+	BlockIds []int32 `protobuf:"varint,3,rep,packed,name=block_ids,json=blockIds,proto3" json:"block_ids,omitempty"`
+	// How long the target accepts this migration's KV: its blocks'
+	// reservation lease, less a margin.
+	LeaseMs       int64 `protobuf:"varint,4,opt,name=lease_ms,json=leaseMs,proto3" json:"lease_ms,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -226,6 +284,27 @@ func (x *PrepareTargetRequest) GetMigrationId() string {
 		return x.MigrationId
 	}
 	return ""
+}
+
+func (x *PrepareTargetRequest) GetSecret() []byte {
+	if x != nil {
+		return x.Secret
+	}
+	return nil
+}
+
+func (x *PrepareTargetRequest) GetBlockIds() []int32 {
+	if x != nil {
+		return x.BlockIds
+	}
+	return nil
+}
+
+func (x *PrepareTargetRequest) GetLeaseMs() int64 {
+	if x != nil {
+		return x.LeaseMs
+	}
+	return 0
 }
 
 type PrepareTargetResponse struct {
@@ -435,8 +514,13 @@ type CopyRoundRequest struct {
 	TargetLayout      []byte           `protobuf:"bytes,6,opt,name=target_layout,json=targetLayout,proto3" json:"target_layout,omitempty"`
 	Tn                int32            `protobuf:"varint,7,opt,name=tn,proto3" json:"tn,omitempty"`
 	SlotGranular      bool             `protobuf:"varint,8,opt,name=slot_granular,json=slotGranular,proto3" json:"slot_granular,omitempty"`
-	// Test hook: "corrupt" or "cut" injects a data-plane fault.
-	InjectFault   string `protobuf:"bytes,9,opt,name=inject_fault,json=injectFault,proto3" json:"inject_fault,omitempty"`
+	// Test hook: "corrupt", "cut" or "silent_corrupt" injects a data-plane
+	// fault.
+	InjectFault string `protobuf:"bytes,9,opt,name=inject_fault,json=injectFault,proto3" json:"inject_fault,omitempty"`
+	// The migration's data-plane secret (see PrepareTargetRequest).
+	Secret []byte `protobuf:"bytes,10,opt,name=secret,proto3" json:"secret,omitempty"`
+	// The target's data plane speaks TLS.
+	TargetTls     bool `protobuf:"varint,11,opt,name=target_tls,json=targetTls,proto3" json:"target_tls,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -534,6 +618,20 @@ func (x *CopyRoundRequest) GetInjectFault() string {
 	return ""
 }
 
+func (x *CopyRoundRequest) GetSecret() []byte {
+	if x != nil {
+		return x.Secret
+	}
+	return nil
+}
+
+func (x *CopyRoundRequest) GetTargetTls() bool {
+	if x != nil {
+		return x.TargetTls
+	}
+	return false
+}
+
 type CopyRoundResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The cursor read before this round copied: the next round's since.
@@ -629,15 +727,184 @@ func (x *CopyRoundResponse) GetTokenSlots() int32 {
 	return 0
 }
 
-type RetireRequest struct {
+// BlockSlots names slots [0, num_slots) of a block.
+type BlockSlots struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
+	Block         int32                  `protobuf:"varint,1,opt,name=block,proto3" json:"block,omitempty"`
+	NumSlots      int32                  `protobuf:"varint,2,opt,name=num_slots,json=numSlots,proto3" json:"num_slots,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BlockSlots) Reset() {
+	*x = BlockSlots{}
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BlockSlots) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BlockSlots) ProtoMessage() {}
+
+func (x *BlockSlots) ProtoReflect() protoreflect.Message {
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BlockSlots.ProtoReflect.Descriptor instead.
+func (*BlockSlots) Descriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *BlockSlots) GetBlock() int32 {
+	if x != nil {
+		return x.Block
+	}
+	return 0
+}
+
+func (x *BlockSlots) GetNumSlots() int32 {
+	if x != nil {
+		return x.NumSlots
+	}
+	return 0
+}
+
+type HashBlocksRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	MigrationId   string                 `protobuf:"bytes,1,opt,name=migration_id,json=migrationId,proto3" json:"migration_id,omitempty"`
+	Blocks        []*BlockSlots          `protobuf:"bytes,2,rep,name=blocks,proto3" json:"blocks,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *HashBlocksRequest) Reset() {
+	*x = HashBlocksRequest{}
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HashBlocksRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HashBlocksRequest) ProtoMessage() {}
+
+func (x *HashBlocksRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HashBlocksRequest.ProtoReflect.Descriptor instead.
+func (*HashBlocksRequest) Descriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *HashBlocksRequest) GetMigrationId() string {
+	if x != nil {
+		return x.MigrationId
+	}
+	return ""
+}
+
+func (x *HashBlocksRequest) GetBlocks() []*BlockSlots {
+	if x != nil {
+		return x.Blocks
+	}
+	return nil
+}
+
+type HashBlocksResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// One xxhash64 per requested block, in order.
+	Hashes        []uint64 `protobuf:"fixed64,1,rep,packed,name=hashes,proto3" json:"hashes,omitempty"`
+	Bytes         int64    `protobuf:"varint,2,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	DurationS     float64  `protobuf:"fixed64,3,opt,name=duration_s,json=durationS,proto3" json:"duration_s,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *HashBlocksResponse) Reset() {
+	*x = HashBlocksResponse{}
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HashBlocksResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HashBlocksResponse) ProtoMessage() {}
+
+func (x *HashBlocksResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HashBlocksResponse.ProtoReflect.Descriptor instead.
+func (*HashBlocksResponse) Descriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *HashBlocksResponse) GetHashes() []uint64 {
+	if x != nil {
+		return x.Hashes
+	}
+	return nil
+}
+
+func (x *HashBlocksResponse) GetBytes() int64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+func (x *HashBlocksResponse) GetDurationS() float64 {
+	if x != nil {
+		return x.DurationS
+	}
+	return 0
+}
+
+type RetireRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// How long the requests still running on the engine may take to finish
+	// before the KV is released anyway (0: the agent's default).
+	WaitMs        int64 `protobuf:"varint,1,opt,name=wait_ms,json=waitMs,proto3" json:"wait_ms,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RetireRequest) Reset() {
 	*x = RetireRequest{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[9]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -649,7 +916,7 @@ func (x *RetireRequest) String() string {
 func (*RetireRequest) ProtoMessage() {}
 
 func (x *RetireRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[9]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -662,18 +929,31 @@ func (x *RetireRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RetireRequest.ProtoReflect.Descriptor instead.
 func (*RetireRequest) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{9}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *RetireRequest) GetWaitMs() int64 {
+	if x != nil {
+		return x.WaitMs
+	}
+	return 0
 }
 
 type RetireResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Whether the engine's KV memory was given back.
+	Released      bool  `protobuf:"varint,1,opt,name=released,proto3" json:"released,omitempty"`
+	ReleasedBytes int64 `protobuf:"varint,2,opt,name=released_bytes,json=releasedBytes,proto3" json:"released_bytes,omitempty"`
+	// What was done or why nothing could be (e.g. an engine without sleep
+	// mode).
+	Note          string `protobuf:"bytes,3,opt,name=note,proto3" json:"note,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RetireResponse) Reset() {
 	*x = RetireResponse{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[10]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -685,7 +965,7 @@ func (x *RetireResponse) String() string {
 func (*RetireResponse) ProtoMessage() {}
 
 func (x *RetireResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[10]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -698,7 +978,108 @@ func (x *RetireResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RetireResponse.ProtoReflect.Descriptor instead.
 func (*RetireResponse) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{10}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *RetireResponse) GetReleased() bool {
+	if x != nil {
+		return x.Released
+	}
+	return false
+}
+
+func (x *RetireResponse) GetReleasedBytes() int64 {
+	if x != nil {
+		return x.ReleasedBytes
+	}
+	return 0
+}
+
+func (x *RetireResponse) GetNote() string {
+	if x != nil {
+		return x.Note
+	}
+	return ""
+}
+
+type WakeRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WakeRequest) Reset() {
+	*x = WakeRequest{}
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WakeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WakeRequest) ProtoMessage() {}
+
+func (x *WakeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WakeRequest.ProtoReflect.Descriptor instead.
+func (*WakeRequest) Descriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{14}
+}
+
+type WakeResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Note          string                 `protobuf:"bytes,1,opt,name=note,proto3" json:"note,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WakeResponse) Reset() {
+	*x = WakeResponse{}
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WakeResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WakeResponse) ProtoMessage() {}
+
+func (x *WakeResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WakeResponse.ProtoReflect.Descriptor instead.
+func (*WakeResponse) Descriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *WakeResponse) GetNote() string {
+	if x != nil {
+		return x.Note
+	}
+	return ""
 }
 
 type KVGeometry struct {
@@ -716,7 +1097,7 @@ type KVGeometry struct {
 
 func (x *KVGeometry) Reset() {
 	*x = KVGeometry{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[11]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -728,7 +1109,7 @@ func (x *KVGeometry) String() string {
 func (*KVGeometry) ProtoMessage() {}
 
 func (x *KVGeometry) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[11]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -741,7 +1122,7 @@ func (x *KVGeometry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KVGeometry.ProtoReflect.Descriptor instead.
 func (*KVGeometry) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{11}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *KVGeometry) GetNumLayers() int32 {
@@ -809,13 +1190,15 @@ type EngineInfo struct {
 	EngineKind    string      `protobuf:"bytes,8,opt,name=engine_kind,json=engineKind,proto3" json:"engine_kind,omitempty"`
 	EngineVersion string      `protobuf:"bytes,9,opt,name=engine_version,json=engineVersion,proto3" json:"engine_version,omitempty"`
 	Geometry      *KVGeometry `protobuf:"bytes,10,opt,name=geometry,proto3" json:"geometry,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// The engine refuses hook calls without the agent's credential.
+	HooksAuthenticated bool `protobuf:"varint,11,opt,name=hooks_authenticated,json=hooksAuthenticated,proto3" json:"hooks_authenticated,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *EngineInfo) Reset() {
 	*x = EngineInfo{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[12]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -827,7 +1210,7 @@ func (x *EngineInfo) String() string {
 func (*EngineInfo) ProtoMessage() {}
 
 func (x *EngineInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[12]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -840,7 +1223,7 @@ func (x *EngineInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EngineInfo.ProtoReflect.Descriptor instead.
 func (*EngineInfo) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{12}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *EngineInfo) GetEngineUrl() string {
@@ -913,6 +1296,13 @@ func (x *EngineInfo) GetGeometry() *KVGeometry {
 	return nil
 }
 
+func (x *EngineInfo) GetHooksAuthenticated() bool {
+	if x != nil {
+		return x.HooksAuthenticated
+	}
+	return false
+}
+
 type EngineStats struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Healthy       bool                   `protobuf:"varint,1,opt,name=healthy,proto3" json:"healthy,omitempty"`
@@ -927,7 +1317,7 @@ type EngineStats struct {
 
 func (x *EngineStats) Reset() {
 	*x = EngineStats{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[13]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -939,7 +1329,7 @@ func (x *EngineStats) String() string {
 func (*EngineStats) ProtoMessage() {}
 
 func (x *EngineStats) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[13]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -952,7 +1342,7 @@ func (x *EngineStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EngineStats.ProtoReflect.Descriptor instead.
 func (*EngineStats) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{13}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *EngineStats) GetHealthy() bool {
@@ -1011,13 +1401,21 @@ type RegisterRequest struct {
 	Session         string `protobuf:"bytes,6,opt,name=session,proto3" json:"session,omitempty"`
 	Hostname        string `protobuf:"bytes,7,opt,name=hostname,proto3" json:"hostname,omitempty"`
 	TransferBackend string `protobuf:"bytes,8,opt,name=transfer_backend,json=transferBackend,proto3" json:"transfer_backend,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// The role the Host gave this agent last (unspecified until it did): a
+	// Host that lost its state takes it from here, not from the type.
+	Role Role `protobuf:"varint,9,opt,name=role,proto3,enum=vllmhi.v1.Role" json:"role,omitempty"`
+	// The Host retired this engine (a destroy_source migration moved its
+	// requests away) and it has not been woken since.
+	Retired bool `protobuf:"varint,10,opt,name=retired,proto3" json:"retired,omitempty"`
+	// The agent's gRPC service and data plane speak TLS.
+	Tls           bool `protobuf:"varint,11,opt,name=tls,proto3" json:"tls,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RegisterRequest) Reset() {
 	*x = RegisterRequest{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[14]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1029,7 +1427,7 @@ func (x *RegisterRequest) String() string {
 func (*RegisterRequest) ProtoMessage() {}
 
 func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[14]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1042,7 +1440,7 @@ func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterRequest.ProtoReflect.Descriptor instead.
 func (*RegisterRequest) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{14}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *RegisterRequest) GetVllmHiId() string {
@@ -1101,18 +1499,42 @@ func (x *RegisterRequest) GetTransferBackend() string {
 	return ""
 }
 
+func (x *RegisterRequest) GetRole() Role {
+	if x != nil {
+		return x.Role
+	}
+	return Role_ROLE_UNSPECIFIED
+}
+
+func (x *RegisterRequest) GetRetired() bool {
+	if x != nil {
+		return x.Retired
+	}
+	return false
+}
+
+func (x *RegisterRequest) GetTls() bool {
+	if x != nil {
+		return x.Tls
+	}
+	return false
+}
+
 type RegisterResponse struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	VllmHiId string                 `protobuf:"bytes,1,opt,name=vllm_hi_id,json=vllmHiId,proto3" json:"vllm_hi_id,omitempty"`
 	// How often the Host expects heartbeats.
 	HeartbeatIntervalMs int64 `protobuf:"varint,2,opt,name=heartbeat_interval_ms,json=heartbeatIntervalMs,proto3" json:"heartbeat_interval_ms,omitempty"`
-	unknownFields       protoimpl.UnknownFields
-	sizeCache           protoimpl.SizeCache
+	// The instance's role and lifecycle as the Host keeps them.
+	Role          Role   `protobuf:"varint,3,opt,name=role,proto3,enum=vllmhi.v1.Role" json:"role,omitempty"`
+	Lifecycle     string `protobuf:"bytes,4,opt,name=lifecycle,proto3" json:"lifecycle,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RegisterResponse) Reset() {
 	*x = RegisterResponse{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[15]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1124,7 +1546,7 @@ func (x *RegisterResponse) String() string {
 func (*RegisterResponse) ProtoMessage() {}
 
 func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[15]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1137,7 +1559,7 @@ func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterResponse.ProtoReflect.Descriptor instead.
 func (*RegisterResponse) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{15}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *RegisterResponse) GetVllmHiId() string {
@@ -1154,6 +1576,20 @@ func (x *RegisterResponse) GetHeartbeatIntervalMs() int64 {
 	return 0
 }
 
+func (x *RegisterResponse) GetRole() Role {
+	if x != nil {
+		return x.Role
+	}
+	return Role_ROLE_UNSPECIFIED
+}
+
+func (x *RegisterResponse) GetLifecycle() string {
+	if x != nil {
+		return x.Lifecycle
+	}
+	return ""
+}
+
 type HeartbeatRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	VllmHiId      string                 `protobuf:"bytes,1,opt,name=vllm_hi_id,json=vllmHiId,proto3" json:"vllm_hi_id,omitempty"`
@@ -1165,7 +1601,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[16]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1177,7 +1613,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[16]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1190,7 +1626,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{16}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *HeartbeatRequest) GetVllmHiId() string {
@@ -1216,13 +1652,15 @@ func (x *HeartbeatRequest) GetStats() *EngineStats {
 
 type HeartbeatResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
+	Role          Role                   `protobuf:"varint,1,opt,name=role,proto3,enum=vllmhi.v1.Role" json:"role,omitempty"`
+	Lifecycle     string                 `protobuf:"bytes,2,opt,name=lifecycle,proto3" json:"lifecycle,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[17]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1234,7 +1672,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[17]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1247,7 +1685,21 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{17}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *HeartbeatResponse) GetRole() Role {
+	if x != nil {
+		return x.Role
+	}
+	return Role_ROLE_UNSPECIFIED
+}
+
+func (x *HeartbeatResponse) GetLifecycle() string {
+	if x != nil {
+		return x.Lifecycle
+	}
+	return ""
 }
 
 type DeregisterRequest struct {
@@ -1260,7 +1712,7 @@ type DeregisterRequest struct {
 
 func (x *DeregisterRequest) Reset() {
 	*x = DeregisterRequest{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[18]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1272,7 +1724,7 @@ func (x *DeregisterRequest) String() string {
 func (*DeregisterRequest) ProtoMessage() {}
 
 func (x *DeregisterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[18]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1285,7 +1737,7 @@ func (x *DeregisterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterRequest.ProtoReflect.Descriptor instead.
 func (*DeregisterRequest) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{18}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *DeregisterRequest) GetVllmHiId() string {
@@ -1310,7 +1762,7 @@ type DeregisterResponse struct {
 
 func (x *DeregisterResponse) Reset() {
 	*x = DeregisterResponse{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[19]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1322,7 +1774,7 @@ func (x *DeregisterResponse) String() string {
 func (*DeregisterResponse) ProtoMessage() {}
 
 func (x *DeregisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[19]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1335,7 +1787,7 @@ func (x *DeregisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterResponse.ProtoReflect.Descriptor instead.
 func (*DeregisterResponse) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{19}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{24}
 }
 
 type AgentStatusRequest struct {
@@ -1346,7 +1798,7 @@ type AgentStatusRequest struct {
 
 func (x *AgentStatusRequest) Reset() {
 	*x = AgentStatusRequest{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[20]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1358,7 +1810,7 @@ func (x *AgentStatusRequest) String() string {
 func (*AgentStatusRequest) ProtoMessage() {}
 
 func (x *AgentStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[20]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1371,7 +1823,7 @@ func (x *AgentStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AgentStatusRequest.ProtoReflect.Descriptor instead.
 func (*AgentStatusRequest) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{20}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{25}
 }
 
 type AgentStatusResponse struct {
@@ -1386,7 +1838,7 @@ type AgentStatusResponse struct {
 
 func (x *AgentStatusResponse) Reset() {
 	*x = AgentStatusResponse{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[21]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1398,7 +1850,7 @@ func (x *AgentStatusResponse) String() string {
 func (*AgentStatusResponse) ProtoMessage() {}
 
 func (x *AgentStatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[21]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1411,7 +1863,7 @@ func (x *AgentStatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AgentStatusResponse.ProtoReflect.Descriptor instead.
 func (*AgentStatusResponse) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{21}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *AgentStatusResponse) GetVllmHiId() string {
@@ -1452,9 +1904,12 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\x04body\x18\x02 \x01(\fR\x04body\x12\x14\n" +
 	"\x05since\x18\x03 \x01(\x04R\x05since\"\"\n" +
 	"\fHookResponse\x12\x12\n" +
-	"\x04body\x18\x01 \x01(\fR\x04body\"9\n" +
+	"\x04body\x18\x01 \x01(\fR\x04body\"\x89\x01\n" +
 	"\x14PrepareTargetRequest\x12!\n" +
-	"\fmigration_id\x18\x01 \x01(\tR\vmigrationId\"R\n" +
+	"\fmigration_id\x18\x01 \x01(\tR\vmigrationId\x12\x16\n" +
+	"\x06secret\x18\x02 \x01(\fR\x06secret\x12\x1b\n" +
+	"\tblock_ids\x18\x03 \x03(\x05R\bblockIds\x12\x19\n" +
+	"\blease_ms\x18\x04 \x01(\x03R\aleaseMs\"R\n" +
 	"\x15PrepareTargetResponse\x12\x16\n" +
 	"\x06layout\x18\x01 \x01(\fR\x06layout\x12!\n" +
 	"\fdata_address\x18\x02 \x01(\tR\vdataAddress\"9\n" +
@@ -1465,7 +1920,7 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\"\n" +
 	"\rsrc_block_ids\x18\x02 \x03(\x05R\vsrcBlockIds\x12\"\n" +
-	"\rdst_block_ids\x18\x03 \x03(\x05R\vdstBlockIds\"\xcf\x02\n" +
+	"\rdst_block_ids\x18\x03 \x03(\x05R\vdstBlockIds\"\x86\x03\n" +
 	"\x10CopyRoundRequest\x12!\n" +
 	"\fmigration_id\x18\x01 \x01(\tR\vmigrationId\x12\x12\n" +
 	"\x04kind\x18\x02 \x01(\tR\x04kind\x12!\n" +
@@ -1475,7 +1930,11 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\rtarget_layout\x18\x06 \x01(\fR\ftargetLayout\x12\x0e\n" +
 	"\x02tn\x18\a \x01(\x05R\x02tn\x12#\n" +
 	"\rslot_granular\x18\b \x01(\bR\fslotGranular\x12!\n" +
-	"\finject_fault\x18\t \x01(\tR\vinjectFault\"\x88\x02\n" +
+	"\finject_fault\x18\t \x01(\tR\vinjectFault\x12\x16\n" +
+	"\x06secret\x18\n" +
+	" \x01(\fR\x06secret\x12\x1d\n" +
+	"\n" +
+	"target_tls\x18\v \x01(\bR\ttargetTls\"\x88\x02\n" +
 	"\x11CopyRoundResponse\x12\x16\n" +
 	"\x06cursor\x18\x01 \x01(\x04R\x06cursor\x12\x1f\n" +
 	"\vblock_count\x18\x02 \x01(\x05R\n" +
@@ -1486,9 +1945,28 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\x13dropped_request_ids\x18\x05 \x03(\tR\x11droppedRequestIds\x124\n" +
 	"\brequests\x18\x06 \x03(\v2\x18.vllmhi.v1.RequestBlocksR\brequests\x12\x1f\n" +
 	"\vtoken_slots\x18\a \x01(\x05R\n" +
-	"tokenSlots\"\x0f\n" +
-	"\rRetireRequest\"\x10\n" +
-	"\x0eRetireResponse\"\xdd\x01\n" +
+	"tokenSlots\"?\n" +
+	"\n" +
+	"BlockSlots\x12\x14\n" +
+	"\x05block\x18\x01 \x01(\x05R\x05block\x12\x1b\n" +
+	"\tnum_slots\x18\x02 \x01(\x05R\bnumSlots\"e\n" +
+	"\x11HashBlocksRequest\x12!\n" +
+	"\fmigration_id\x18\x01 \x01(\tR\vmigrationId\x12-\n" +
+	"\x06blocks\x18\x02 \x03(\v2\x15.vllmhi.v1.BlockSlotsR\x06blocks\"a\n" +
+	"\x12HashBlocksResponse\x12\x16\n" +
+	"\x06hashes\x18\x01 \x03(\x06R\x06hashes\x12\x14\n" +
+	"\x05bytes\x18\x02 \x01(\x03R\x05bytes\x12\x1d\n" +
+	"\n" +
+	"duration_s\x18\x03 \x01(\x01R\tdurationS\"(\n" +
+	"\rRetireRequest\x12\x17\n" +
+	"\await_ms\x18\x01 \x01(\x03R\x06waitMs\"g\n" +
+	"\x0eRetireResponse\x12\x1a\n" +
+	"\breleased\x18\x01 \x01(\bR\breleased\x12%\n" +
+	"\x0ereleased_bytes\x18\x02 \x01(\x03R\rreleasedBytes\x12\x12\n" +
+	"\x04note\x18\x03 \x01(\tR\x04note\"\r\n" +
+	"\vWakeRequest\"\"\n" +
+	"\fWakeResponse\x12\x12\n" +
+	"\x04note\x18\x01 \x01(\tR\x04note\"\xdd\x01\n" +
 	"\n" +
 	"KVGeometry\x12\x1d\n" +
 	"\n" +
@@ -1502,7 +1980,7 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\n" +
 	"block_size\x18\x06 \x01(\x05R\tblockSize\x12\x1d\n" +
 	"\n" +
-	"num_blocks\x18\a \x01(\x05R\tnumBlocks\"\xce\x02\n" +
+	"num_blocks\x18\a \x01(\x05R\tnumBlocks\"\xff\x02\n" +
 	"\n" +
 	"EngineInfo\x12\x1d\n" +
 	"\n" +
@@ -1519,7 +1997,8 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"engineKind\x12%\n" +
 	"\x0eengine_version\x18\t \x01(\tR\rengineVersion\x121\n" +
 	"\bgeometry\x18\n" +
-	" \x01(\v2\x15.vllmhi.v1.KVGeometryR\bgeometry\"\xc9\x01\n" +
+	" \x01(\v2\x15.vllmhi.v1.KVGeometryR\bgeometry\x12/\n" +
+	"\x13hooks_authenticated\x18\v \x01(\bR\x12hooksAuthenticated\"\xc9\x01\n" +
 	"\vEngineStats\x12\x18\n" +
 	"\ahealthy\x18\x01 \x01(\bR\ahealthy\x12\x1f\n" +
 	"\vnum_running\x18\x02 \x01(\x05R\n" +
@@ -1529,7 +2008,7 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\vfree_blocks\x18\x04 \x01(\x05R\n" +
 	"freeBlocks\x12!\n" +
 	"\ftotal_blocks\x18\x05 \x01(\x05R\vtotalBlocks\x12\x1a\n" +
-	"\bsleeping\x18\x06 \x01(\bR\bsleeping\"\xb4\x02\n" +
+	"\bsleeping\x18\x06 \x01(\bR\bsleeping\"\x85\x03\n" +
 	"\x0fRegisterRequest\x12\x1c\n" +
 	"\n" +
 	"vllm_hi_id\x18\x01 \x01(\tR\bvllmHiId\x12+\n" +
@@ -1539,17 +2018,25 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\fdata_address\x18\x05 \x01(\tR\vdataAddress\x12\x18\n" +
 	"\asession\x18\x06 \x01(\tR\asession\x12\x1a\n" +
 	"\bhostname\x18\a \x01(\tR\bhostname\x12)\n" +
-	"\x10transfer_backend\x18\b \x01(\tR\x0ftransferBackend\"d\n" +
+	"\x10transfer_backend\x18\b \x01(\tR\x0ftransferBackend\x12#\n" +
+	"\x04role\x18\t \x01(\x0e2\x0f.vllmhi.v1.RoleR\x04role\x12\x18\n" +
+	"\aretired\x18\n" +
+	" \x01(\bR\aretired\x12\x10\n" +
+	"\x03tls\x18\v \x01(\bR\x03tls\"\xa7\x01\n" +
 	"\x10RegisterResponse\x12\x1c\n" +
 	"\n" +
 	"vllm_hi_id\x18\x01 \x01(\tR\bvllmHiId\x122\n" +
-	"\x15heartbeat_interval_ms\x18\x02 \x01(\x03R\x13heartbeatIntervalMs\"x\n" +
+	"\x15heartbeat_interval_ms\x18\x02 \x01(\x03R\x13heartbeatIntervalMs\x12#\n" +
+	"\x04role\x18\x03 \x01(\x0e2\x0f.vllmhi.v1.RoleR\x04role\x12\x1c\n" +
+	"\tlifecycle\x18\x04 \x01(\tR\tlifecycle\"x\n" +
 	"\x10HeartbeatRequest\x12\x1c\n" +
 	"\n" +
 	"vllm_hi_id\x18\x01 \x01(\tR\bvllmHiId\x12\x18\n" +
 	"\asession\x18\x02 \x01(\tR\asession\x12,\n" +
-	"\x05stats\x18\x03 \x01(\v2\x16.vllmhi.v1.EngineStatsR\x05stats\"\x13\n" +
-	"\x11HeartbeatResponse\"K\n" +
+	"\x05stats\x18\x03 \x01(\v2\x16.vllmhi.v1.EngineStatsR\x05stats\"V\n" +
+	"\x11HeartbeatResponse\x12#\n" +
+	"\x04role\x18\x01 \x01(\x0e2\x0f.vllmhi.v1.RoleR\x04role\x12\x1c\n" +
+	"\tlifecycle\x18\x02 \x01(\tR\tlifecycle\"K\n" +
 	"\x11DeregisterRequest\x12\x1c\n" +
 	"\n" +
 	"vllm_hi_id\x18\x01 \x01(\tR\bvllmHiId\x12\x18\n" +
@@ -1563,7 +2050,11 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\x05stats\x18\x03 \x01(\v2\x16.vllmhi.v1.EngineStatsR\x05stats\x12\x1e\n" +
 	"\n" +
 	"registered\x18\x04 \x01(\bR\n" +
-	"registered*W\n" +
+	"registered*?\n" +
+	"\x04Role\x12\x14\n" +
+	"\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n" +
+	"\vROLE_ACTIVE\x10\x01\x12\x10\n" +
+	"\fROLE_STANDBY\x10\x02*W\n" +
 	"\fInstanceType\x12\x1d\n" +
 	"\x19INSTANCE_TYPE_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fINSTANCE_TYPE_A\x10\x01\x12\x13\n" +
@@ -1572,14 +2063,17 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\bRegister\x12\x1a.vllmhi.v1.RegisterRequest\x1a\x1b.vllmhi.v1.RegisterResponse\x12F\n" +
 	"\tHeartbeat\x12\x1b.vllmhi.v1.HeartbeatRequest\x1a\x1c.vllmhi.v1.HeartbeatResponse\x12I\n" +
 	"\n" +
-	"Deregister\x12\x1c.vllmhi.v1.DeregisterRequest\x1a\x1d.vllmhi.v1.DeregisterResponse2\xb8\x03\n" +
+	"Deregister\x12\x1c.vllmhi.v1.DeregisterRequest\x1a\x1d.vllmhi.v1.DeregisterResponse2\xbc\x04\n" +
 	"\x05Agent\x12G\n" +
 	"\x06Status\x12\x1d.vllmhi.v1.AgentStatusRequest\x1a\x1e.vllmhi.v1.AgentStatusResponse\x127\n" +
 	"\x04Hook\x12\x16.vllmhi.v1.HookRequest\x1a\x17.vllmhi.v1.HookResponse\x12R\n" +
 	"\rPrepareTarget\x12\x1f.vllmhi.v1.PrepareTargetRequest\x1a .vllmhi.v1.PrepareTargetResponse\x12R\n" +
 	"\rReleaseTarget\x12\x1f.vllmhi.v1.ReleaseTargetRequest\x1a .vllmhi.v1.ReleaseTargetResponse\x12F\n" +
-	"\tCopyRound\x12\x1b.vllmhi.v1.CopyRoundRequest\x1a\x1c.vllmhi.v1.CopyRoundResponse\x12=\n" +
-	"\x06Retire\x12\x18.vllmhi.v1.RetireRequest\x1a\x19.vllmhi.v1.RetireResponseB3Z1github.com/vllm-hi/vllm-hi/api/vllmhi/v1;vllmhiv1b\x06proto3"
+	"\tCopyRound\x12\x1b.vllmhi.v1.CopyRoundRequest\x1a\x1c.vllmhi.v1.CopyRoundResponse\x12I\n" +
+	"\n" +
+	"HashBlocks\x12\x1c.vllmhi.v1.HashBlocksRequest\x1a\x1d.vllmhi.v1.HashBlocksResponse\x12=\n" +
+	"\x06Retire\x12\x18.vllmhi.v1.RetireRequest\x1a\x19.vllmhi.v1.RetireResponse\x127\n" +
+	"\x04Wake\x12\x16.vllmhi.v1.WakeRequest\x1a\x17.vllmhi.v1.WakeResponseB3Z1github.com/vllm-hi/vllm-hi/api/vllmhi/v1;vllmhiv1b\x06proto3"
 
 var (
 	file_vllmhi_v1_vllmhi_proto_rawDescOnce sync.Once
@@ -1593,65 +2087,79 @@ func file_vllmhi_v1_vllmhi_proto_rawDescGZIP() []byte {
 	return file_vllmhi_v1_vllmhi_proto_rawDescData
 }
 
-var file_vllmhi_v1_vllmhi_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_vllmhi_v1_vllmhi_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
+var file_vllmhi_v1_vllmhi_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
+var file_vllmhi_v1_vllmhi_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
 var file_vllmhi_v1_vllmhi_proto_goTypes = []any{
-	(InstanceType)(0),             // 0: vllmhi.v1.InstanceType
-	(*HookRequest)(nil),           // 1: vllmhi.v1.HookRequest
-	(*HookResponse)(nil),          // 2: vllmhi.v1.HookResponse
-	(*PrepareTargetRequest)(nil),  // 3: vllmhi.v1.PrepareTargetRequest
-	(*PrepareTargetResponse)(nil), // 4: vllmhi.v1.PrepareTargetResponse
-	(*ReleaseTargetRequest)(nil),  // 5: vllmhi.v1.ReleaseTargetRequest
-	(*ReleaseTargetResponse)(nil), // 6: vllmhi.v1.ReleaseTargetResponse
-	(*RequestBlocks)(nil),         // 7: vllmhi.v1.RequestBlocks
-	(*CopyRoundRequest)(nil),      // 8: vllmhi.v1.CopyRoundRequest
-	(*CopyRoundResponse)(nil),     // 9: vllmhi.v1.CopyRoundResponse
-	(*RetireRequest)(nil),         // 10: vllmhi.v1.RetireRequest
-	(*RetireResponse)(nil),        // 11: vllmhi.v1.RetireResponse
-	(*KVGeometry)(nil),            // 12: vllmhi.v1.KVGeometry
-	(*EngineInfo)(nil),            // 13: vllmhi.v1.EngineInfo
-	(*EngineStats)(nil),           // 14: vllmhi.v1.EngineStats
-	(*RegisterRequest)(nil),       // 15: vllmhi.v1.RegisterRequest
-	(*RegisterResponse)(nil),      // 16: vllmhi.v1.RegisterResponse
-	(*HeartbeatRequest)(nil),      // 17: vllmhi.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),     // 18: vllmhi.v1.HeartbeatResponse
-	(*DeregisterRequest)(nil),     // 19: vllmhi.v1.DeregisterRequest
-	(*DeregisterResponse)(nil),    // 20: vllmhi.v1.DeregisterResponse
-	(*AgentStatusRequest)(nil),    // 21: vllmhi.v1.AgentStatusRequest
-	(*AgentStatusResponse)(nil),   // 22: vllmhi.v1.AgentStatusResponse
+	(Role)(0),                     // 0: vllmhi.v1.Role
+	(InstanceType)(0),             // 1: vllmhi.v1.InstanceType
+	(*HookRequest)(nil),           // 2: vllmhi.v1.HookRequest
+	(*HookResponse)(nil),          // 3: vllmhi.v1.HookResponse
+	(*PrepareTargetRequest)(nil),  // 4: vllmhi.v1.PrepareTargetRequest
+	(*PrepareTargetResponse)(nil), // 5: vllmhi.v1.PrepareTargetResponse
+	(*ReleaseTargetRequest)(nil),  // 6: vllmhi.v1.ReleaseTargetRequest
+	(*ReleaseTargetResponse)(nil), // 7: vllmhi.v1.ReleaseTargetResponse
+	(*RequestBlocks)(nil),         // 8: vllmhi.v1.RequestBlocks
+	(*CopyRoundRequest)(nil),      // 9: vllmhi.v1.CopyRoundRequest
+	(*CopyRoundResponse)(nil),     // 10: vllmhi.v1.CopyRoundResponse
+	(*BlockSlots)(nil),            // 11: vllmhi.v1.BlockSlots
+	(*HashBlocksRequest)(nil),     // 12: vllmhi.v1.HashBlocksRequest
+	(*HashBlocksResponse)(nil),    // 13: vllmhi.v1.HashBlocksResponse
+	(*RetireRequest)(nil),         // 14: vllmhi.v1.RetireRequest
+	(*RetireResponse)(nil),        // 15: vllmhi.v1.RetireResponse
+	(*WakeRequest)(nil),           // 16: vllmhi.v1.WakeRequest
+	(*WakeResponse)(nil),          // 17: vllmhi.v1.WakeResponse
+	(*KVGeometry)(nil),            // 18: vllmhi.v1.KVGeometry
+	(*EngineInfo)(nil),            // 19: vllmhi.v1.EngineInfo
+	(*EngineStats)(nil),           // 20: vllmhi.v1.EngineStats
+	(*RegisterRequest)(nil),       // 21: vllmhi.v1.RegisterRequest
+	(*RegisterResponse)(nil),      // 22: vllmhi.v1.RegisterResponse
+	(*HeartbeatRequest)(nil),      // 23: vllmhi.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),     // 24: vllmhi.v1.HeartbeatResponse
+	(*DeregisterRequest)(nil),     // 25: vllmhi.v1.DeregisterRequest
+	(*DeregisterResponse)(nil),    // 26: vllmhi.v1.DeregisterResponse
+	(*AgentStatusRequest)(nil),    // 27: vllmhi.v1.AgentStatusRequest
+	(*AgentStatusResponse)(nil),   // 28: vllmhi.v1.AgentStatusResponse
 }
 var file_vllmhi_v1_vllmhi_proto_depIdxs = []int32{
-	7,  // 0: vllmhi.v1.CopyRoundRequest.requests:type_name -> vllmhi.v1.RequestBlocks
-	7,  // 1: vllmhi.v1.CopyRoundResponse.requests:type_name -> vllmhi.v1.RequestBlocks
-	12, // 2: vllmhi.v1.EngineInfo.geometry:type_name -> vllmhi.v1.KVGeometry
-	0,  // 3: vllmhi.v1.RegisterRequest.type:type_name -> vllmhi.v1.InstanceType
-	13, // 4: vllmhi.v1.RegisterRequest.engine:type_name -> vllmhi.v1.EngineInfo
-	14, // 5: vllmhi.v1.HeartbeatRequest.stats:type_name -> vllmhi.v1.EngineStats
-	13, // 6: vllmhi.v1.AgentStatusResponse.engine:type_name -> vllmhi.v1.EngineInfo
-	14, // 7: vllmhi.v1.AgentStatusResponse.stats:type_name -> vllmhi.v1.EngineStats
-	15, // 8: vllmhi.v1.Registry.Register:input_type -> vllmhi.v1.RegisterRequest
-	17, // 9: vllmhi.v1.Registry.Heartbeat:input_type -> vllmhi.v1.HeartbeatRequest
-	19, // 10: vllmhi.v1.Registry.Deregister:input_type -> vllmhi.v1.DeregisterRequest
-	21, // 11: vllmhi.v1.Agent.Status:input_type -> vllmhi.v1.AgentStatusRequest
-	1,  // 12: vllmhi.v1.Agent.Hook:input_type -> vllmhi.v1.HookRequest
-	3,  // 13: vllmhi.v1.Agent.PrepareTarget:input_type -> vllmhi.v1.PrepareTargetRequest
-	5,  // 14: vllmhi.v1.Agent.ReleaseTarget:input_type -> vllmhi.v1.ReleaseTargetRequest
-	8,  // 15: vllmhi.v1.Agent.CopyRound:input_type -> vllmhi.v1.CopyRoundRequest
-	10, // 16: vllmhi.v1.Agent.Retire:input_type -> vllmhi.v1.RetireRequest
-	16, // 17: vllmhi.v1.Registry.Register:output_type -> vllmhi.v1.RegisterResponse
-	18, // 18: vllmhi.v1.Registry.Heartbeat:output_type -> vllmhi.v1.HeartbeatResponse
-	20, // 19: vllmhi.v1.Registry.Deregister:output_type -> vllmhi.v1.DeregisterResponse
-	22, // 20: vllmhi.v1.Agent.Status:output_type -> vllmhi.v1.AgentStatusResponse
-	2,  // 21: vllmhi.v1.Agent.Hook:output_type -> vllmhi.v1.HookResponse
-	4,  // 22: vllmhi.v1.Agent.PrepareTarget:output_type -> vllmhi.v1.PrepareTargetResponse
-	6,  // 23: vllmhi.v1.Agent.ReleaseTarget:output_type -> vllmhi.v1.ReleaseTargetResponse
-	9,  // 24: vllmhi.v1.Agent.CopyRound:output_type -> vllmhi.v1.CopyRoundResponse
-	11, // 25: vllmhi.v1.Agent.Retire:output_type -> vllmhi.v1.RetireResponse
-	17, // [17:26] is the sub-list for method output_type
-	8,  // [8:17] is the sub-list for method input_type
-	8,  // [8:8] is the sub-list for extension type_name
-	8,  // [8:8] is the sub-list for extension extendee
-	0,  // [0:8] is the sub-list for field type_name
+	8,  // 0: vllmhi.v1.CopyRoundRequest.requests:type_name -> vllmhi.v1.RequestBlocks
+	8,  // 1: vllmhi.v1.CopyRoundResponse.requests:type_name -> vllmhi.v1.RequestBlocks
+	11, // 2: vllmhi.v1.HashBlocksRequest.blocks:type_name -> vllmhi.v1.BlockSlots
+	18, // 3: vllmhi.v1.EngineInfo.geometry:type_name -> vllmhi.v1.KVGeometry
+	1,  // 4: vllmhi.v1.RegisterRequest.type:type_name -> vllmhi.v1.InstanceType
+	19, // 5: vllmhi.v1.RegisterRequest.engine:type_name -> vllmhi.v1.EngineInfo
+	0,  // 6: vllmhi.v1.RegisterRequest.role:type_name -> vllmhi.v1.Role
+	0,  // 7: vllmhi.v1.RegisterResponse.role:type_name -> vllmhi.v1.Role
+	20, // 8: vllmhi.v1.HeartbeatRequest.stats:type_name -> vllmhi.v1.EngineStats
+	0,  // 9: vllmhi.v1.HeartbeatResponse.role:type_name -> vllmhi.v1.Role
+	19, // 10: vllmhi.v1.AgentStatusResponse.engine:type_name -> vllmhi.v1.EngineInfo
+	20, // 11: vllmhi.v1.AgentStatusResponse.stats:type_name -> vllmhi.v1.EngineStats
+	21, // 12: vllmhi.v1.Registry.Register:input_type -> vllmhi.v1.RegisterRequest
+	23, // 13: vllmhi.v1.Registry.Heartbeat:input_type -> vllmhi.v1.HeartbeatRequest
+	25, // 14: vllmhi.v1.Registry.Deregister:input_type -> vllmhi.v1.DeregisterRequest
+	27, // 15: vllmhi.v1.Agent.Status:input_type -> vllmhi.v1.AgentStatusRequest
+	2,  // 16: vllmhi.v1.Agent.Hook:input_type -> vllmhi.v1.HookRequest
+	4,  // 17: vllmhi.v1.Agent.PrepareTarget:input_type -> vllmhi.v1.PrepareTargetRequest
+	6,  // 18: vllmhi.v1.Agent.ReleaseTarget:input_type -> vllmhi.v1.ReleaseTargetRequest
+	9,  // 19: vllmhi.v1.Agent.CopyRound:input_type -> vllmhi.v1.CopyRoundRequest
+	12, // 20: vllmhi.v1.Agent.HashBlocks:input_type -> vllmhi.v1.HashBlocksRequest
+	14, // 21: vllmhi.v1.Agent.Retire:input_type -> vllmhi.v1.RetireRequest
+	16, // 22: vllmhi.v1.Agent.Wake:input_type -> vllmhi.v1.WakeRequest
+	22, // 23: vllmhi.v1.Registry.Register:output_type -> vllmhi.v1.RegisterResponse
+	24, // 24: vllmhi.v1.Registry.Heartbeat:output_type -> vllmhi.v1.HeartbeatResponse
+	26, // 25: vllmhi.v1.Registry.Deregister:output_type -> vllmhi.v1.DeregisterResponse
+	28, // 26: vllmhi.v1.Agent.Status:output_type -> vllmhi.v1.AgentStatusResponse
+	3,  // 27: vllmhi.v1.Agent.Hook:output_type -> vllmhi.v1.HookResponse
+	5,  // 28: vllmhi.v1.Agent.PrepareTarget:output_type -> vllmhi.v1.PrepareTargetResponse
+	7,  // 29: vllmhi.v1.Agent.ReleaseTarget:output_type -> vllmhi.v1.ReleaseTargetResponse
+	10, // 30: vllmhi.v1.Agent.CopyRound:output_type -> vllmhi.v1.CopyRoundResponse
+	13, // 31: vllmhi.v1.Agent.HashBlocks:output_type -> vllmhi.v1.HashBlocksResponse
+	15, // 32: vllmhi.v1.Agent.Retire:output_type -> vllmhi.v1.RetireResponse
+	17, // 33: vllmhi.v1.Agent.Wake:output_type -> vllmhi.v1.WakeResponse
+	23, // [23:34] is the sub-list for method output_type
+	12, // [12:23] is the sub-list for method input_type
+	12, // [12:12] is the sub-list for extension type_name
+	12, // [12:12] is the sub-list for extension extendee
+	0,  // [0:12] is the sub-list for field type_name
 }
 
 func init() { file_vllmhi_v1_vllmhi_proto_init() }
@@ -1664,8 +2172,8 @@ func file_vllmhi_v1_vllmhi_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_vllmhi_v1_vllmhi_proto_rawDesc), len(file_vllmhi_v1_vllmhi_proto_rawDesc)),
-			NumEnums:      1,
-			NumMessages:   22,
+			NumEnums:      2,
+			NumMessages:   27,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

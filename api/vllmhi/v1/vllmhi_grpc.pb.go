@@ -224,7 +224,9 @@ const (
 	Agent_PrepareTarget_FullMethodName = "/vllmhi.v1.Agent/PrepareTarget"
 	Agent_ReleaseTarget_FullMethodName = "/vllmhi.v1.Agent/ReleaseTarget"
 	Agent_CopyRound_FullMethodName     = "/vllmhi.v1.Agent/CopyRound"
+	Agent_HashBlocks_FullMethodName    = "/vllmhi.v1.Agent/HashBlocks"
 	Agent_Retire_FullMethodName        = "/vllmhi.v1.Agent/Retire"
+	Agent_Wake_FullMethodName          = "/vllmhi.v1.Agent/Wake"
 )
 
 // AgentClient is the client API for Agent service.
@@ -241,7 +243,9 @@ type AgentClient interface {
 	// 507 RESOURCE_EXHAUSTED).
 	Hook(ctx context.Context, in *HookRequest, opts ...grpc.CallOption) (*HookResponse, error)
 	// PrepareTarget readies this agent to receive a migration's KV on its
-	// data plane and returns its engine's layout (api/hooks JSON).
+	// data plane — only from a source that proves it holds the migration's
+	// secret, only into the blocks reserved for it, only until its lease
+	// ends — and returns its engine's layout (api/hooks JSON).
 	PrepareTarget(ctx context.Context, in *PrepareTargetRequest, opts ...grpc.CallOption) (*PrepareTargetResponse, error)
 	// ReleaseTarget ends an agent's part in a migration: a target stops
 	// accepting its KV, and either side closes the GPU mappings its rounds
@@ -250,9 +254,17 @@ type AgentClient interface {
 	// CopyRound sends one round of a migration's KV from this agent's engine
 	// to a target agent's data plane.
 	CopyRound(ctx context.Context, in *CopyRoundRequest, opts ...grpc.CallOption) (*CopyRoundResponse, error)
+	// HashBlocks reads blocks of this agent's engine, as its memory holds
+	// them now, and hashes each in a canonical order (global layer, K/V,
+	// global head, slot) that does not depend on TP/PP sharding: the Host
+	// compares source and target before a migration commits.
+	HashBlocks(ctx context.Context, in *HashBlocksRequest, opts ...grpc.CallOption) (*HashBlocksResponse, error)
 	// Retire releases the engine's KV once its remaining requests finish
-	// (vLLM's /sleep?mode=wait): the end of a destroy_source migration.
+	// (the engine's retire hook): the end of a destroy_source migration. It
+	// answers when the KV is released, or says what could not be.
 	Retire(ctx context.Context, in *RetireRequest, opts ...grpc.CallOption) (*RetireResponse, error)
+	// Wake brings a retired engine's KV back, so it can be a target again.
+	Wake(ctx context.Context, in *WakeRequest, opts ...grpc.CallOption) (*WakeResponse, error)
 }
 
 type agentClient struct {
@@ -313,10 +325,30 @@ func (c *agentClient) CopyRound(ctx context.Context, in *CopyRoundRequest, opts 
 	return out, nil
 }
 
+func (c *agentClient) HashBlocks(ctx context.Context, in *HashBlocksRequest, opts ...grpc.CallOption) (*HashBlocksResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(HashBlocksResponse)
+	err := c.cc.Invoke(ctx, Agent_HashBlocks_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *agentClient) Retire(ctx context.Context, in *RetireRequest, opts ...grpc.CallOption) (*RetireResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(RetireResponse)
 	err := c.cc.Invoke(ctx, Agent_Retire_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *agentClient) Wake(ctx context.Context, in *WakeRequest, opts ...grpc.CallOption) (*WakeResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(WakeResponse)
+	err := c.cc.Invoke(ctx, Agent_Wake_FullMethodName, in, out, cOpts...)
 	if err != nil {
 		return nil, err
 	}
@@ -337,7 +369,9 @@ type AgentServer interface {
 	// 507 RESOURCE_EXHAUSTED).
 	Hook(context.Context, *HookRequest) (*HookResponse, error)
 	// PrepareTarget readies this agent to receive a migration's KV on its
-	// data plane and returns its engine's layout (api/hooks JSON).
+	// data plane — only from a source that proves it holds the migration's
+	// secret, only into the blocks reserved for it, only until its lease
+	// ends — and returns its engine's layout (api/hooks JSON).
 	PrepareTarget(context.Context, *PrepareTargetRequest) (*PrepareTargetResponse, error)
 	// ReleaseTarget ends an agent's part in a migration: a target stops
 	// accepting its KV, and either side closes the GPU mappings its rounds
@@ -346,9 +380,17 @@ type AgentServer interface {
 	// CopyRound sends one round of a migration's KV from this agent's engine
 	// to a target agent's data plane.
 	CopyRound(context.Context, *CopyRoundRequest) (*CopyRoundResponse, error)
+	// HashBlocks reads blocks of this agent's engine, as its memory holds
+	// them now, and hashes each in a canonical order (global layer, K/V,
+	// global head, slot) that does not depend on TP/PP sharding: the Host
+	// compares source and target before a migration commits.
+	HashBlocks(context.Context, *HashBlocksRequest) (*HashBlocksResponse, error)
 	// Retire releases the engine's KV once its remaining requests finish
-	// (vLLM's /sleep?mode=wait): the end of a destroy_source migration.
+	// (the engine's retire hook): the end of a destroy_source migration. It
+	// answers when the KV is released, or says what could not be.
 	Retire(context.Context, *RetireRequest) (*RetireResponse, error)
+	// Wake brings a retired engine's KV back, so it can be a target again.
+	Wake(context.Context, *WakeRequest) (*WakeResponse, error)
 	mustEmbedUnimplementedAgentServer()
 }
 
@@ -374,8 +416,14 @@ func (UnimplementedAgentServer) ReleaseTarget(context.Context, *ReleaseTargetReq
 func (UnimplementedAgentServer) CopyRound(context.Context, *CopyRoundRequest) (*CopyRoundResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method CopyRound not implemented")
 }
+func (UnimplementedAgentServer) HashBlocks(context.Context, *HashBlocksRequest) (*HashBlocksResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method HashBlocks not implemented")
+}
 func (UnimplementedAgentServer) Retire(context.Context, *RetireRequest) (*RetireResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Retire not implemented")
+}
+func (UnimplementedAgentServer) Wake(context.Context, *WakeRequest) (*WakeResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Wake not implemented")
 }
 func (UnimplementedAgentServer) mustEmbedUnimplementedAgentServer() {}
 func (UnimplementedAgentServer) testEmbeddedByValue()               {}
@@ -488,6 +536,24 @@ func _Agent_CopyRound_Handler(srv interface{}, ctx context.Context, dec func(int
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Agent_HashBlocks_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(HashBlocksRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).HashBlocks(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_HashBlocks_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).HashBlocks(ctx, req.(*HashBlocksRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _Agent_Retire_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(RetireRequest)
 	if err := dec(in); err != nil {
@@ -502,6 +568,24 @@ func _Agent_Retire_Handler(srv interface{}, ctx context.Context, dec func(interf
 	}
 	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
 		return srv.(AgentServer).Retire(ctx, req.(*RetireRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Agent_Wake_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(WakeRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).Wake(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_Wake_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).Wake(ctx, req.(*WakeRequest))
 	}
 	return interceptor(ctx, in, info, handler)
 }
@@ -534,8 +618,16 @@ var Agent_ServiceDesc = grpc.ServiceDesc{
 			Handler:    _Agent_CopyRound_Handler,
 		},
 		{
+			MethodName: "HashBlocks",
+			Handler:    _Agent_HashBlocks_Handler,
+		},
+		{
 			MethodName: "Retire",
 			Handler:    _Agent_Retire_Handler,
+		},
+		{
+			MethodName: "Wake",
+			Handler:    _Agent_Wake_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

@@ -1,5 +1,8 @@
 // Package registry is the Host's table of instances: who they are, which
 // role and state each is in, and whether its agent is still heartbeating.
+// What the Host decided about an instance (role, retired, draining) is
+// written through to a store, so it survives a Host restart; agents that
+// restart get it back when they register again.
 package registry
 
 import (
@@ -8,6 +11,10 @@ import (
 	"sort"
 	"sync"
 	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/internal/host/store"
 )
 
 // Role is what an instance does for its model.
@@ -33,6 +40,20 @@ const (
 	StateUnreachable State = "unreachable"
 )
 
+// Lifecycle is what an instance is doing, as operators see it: one value
+// that tells whether it serves, waits, is asleep or gone.
+type Lifecycle string
+
+// Lifecycles.
+const (
+	LifecycleActive    Lifecycle = "active"    // serves its models
+	LifecycleStandby   Lifecycle = "standby"   // awake, a migration target
+	LifecycleSleeping  Lifecycle = "sleeping"  // its engine sleeps (not by a migration)
+	LifecycleDraining  Lifecycle = "draining"  // gets no new requests
+	LifecycleRetired   Lifecycle = "retired"   // a destroy_source migration moved its requests away and released its KV
+	LifecycleUnhealthy Lifecycle = "unhealthy" // its agent stopped heartbeating, or its engine is not healthy
+)
+
 // Errors the gRPC and REST layers translate to status codes.
 var (
 	ErrNotFound      = errors.New("instance not found")
@@ -52,6 +73,9 @@ type Engine struct {
 	Kind         string
 	Version      string
 	Geometry     Geometry
+	// HooksAuthenticated: the engine refuses hook calls without the
+	// agent's credential.
+	HooksAuthenticated bool
 }
 
 // Geometry mirrors the KV geometry an agent reports.
@@ -78,6 +102,12 @@ type Registration struct {
 	Session         string
 	Hostname        string
 	TransferBackend string
+	TLS             bool // the agent's gRPC service and data plane speak TLS
+	// Role and Retired are what the agent last heard from a Host (empty
+	// and false from a fresh agent): a Host that has no record of the
+	// instance takes them over instead of the start-up type.
+	Role    Role
+	Retired bool
 }
 
 // Instance is one registered engine. Values returned by the registry are
@@ -86,6 +116,7 @@ type Instance struct {
 	Registration
 	Role          Role
 	State         State // operational state (active/standby/migrating/draining)
+	Retired       bool  // released by a destroy_source migration, not woken since
 	RegisteredAt  time.Time
 	LastHeartbeat time.Time
 	Stats         Stats
@@ -100,6 +131,28 @@ func (i Instance) EffectiveState() State {
 	return i.State
 }
 
+// Lifecycle is the instance's lifecycle.
+func (i Instance) Lifecycle() Lifecycle {
+	switch {
+	case !i.Reachable || !i.Stats.Healthy:
+		return LifecycleUnhealthy
+	case i.Retired:
+		return LifecycleRetired
+	case i.Stats.Sleeping:
+		return LifecycleSleeping
+	case i.State == StateDraining:
+		return LifecycleDraining
+	case i.Role == RoleActive:
+		return LifecycleActive
+	}
+	return LifecycleStandby
+}
+
+// routable reports whether new requests may go to the instance.
+func (i *Instance) routable() bool {
+	return i.Role == RoleActive && i.State == StateActive && i.Reachable && i.Stats.Healthy && !i.Retired && !i.Stats.Sleeping
+}
+
 // Serves reports whether the instance serves model.
 func (i Instance) Serves(model string) bool {
 	for _, m := range i.Engine.ServedModels {
@@ -110,21 +163,38 @@ func (i Instance) Serves(model string) bool {
 	return false
 }
 
+// Persister keeps instance records durable (the Host's store).
+type Persister interface {
+	PutInstance(store.Instance) error
+	DeleteInstance(id string) error
+}
+
 // Registry is safe for concurrent use.
 type Registry struct {
 	mu        sync.Mutex
 	now       func() time.Time
 	interval  time.Duration // expected heartbeat interval
 	missed    int           // heartbeats missed before unreachable
+	retention time.Duration // how long an instance without an agent is remembered
 	instances map[string]*Instance
-	rr        map[string]int // round-robin cursor per model
+	// departed are instances whose agent deregistered (a clean stop): not
+	// listed, remembered so the agent gets its role back when it returns.
+	departed map[string]store.Instance
+	rr       map[string]int // round-robin cursor per model
+	persist  Persister
+	log      *zap.Logger
 }
 
 // Options configure a Registry.
 type Options struct {
 	HeartbeatInterval time.Duration // default 1 s
 	MissedHeartbeats  int           // default 3
-	Now               func() time.Time
+	// Retention bounds how long an instance whose agent stopped (or never
+	// came back after a Host restart) is remembered; default 24 h.
+	Retention time.Duration
+	Now       func() time.Time
+	Persist   Persister // nil: nothing survives a restart
+	Log       *zap.Logger
 }
 
 // New returns an empty registry.
@@ -135,11 +205,66 @@ func New(o Options) *Registry {
 	if o.MissedHeartbeats <= 0 {
 		o.MissedHeartbeats = 3
 	}
+	if o.Retention <= 0 {
+		o.Retention = 24 * time.Hour
+	}
 	if o.Now == nil {
 		o.Now = time.Now
 	}
-	return &Registry{now: o.Now, interval: o.HeartbeatInterval, missed: o.MissedHeartbeats,
-		instances: map[string]*Instance{}, rr: map[string]int{}}
+	if o.Log == nil {
+		o.Log = zap.NewNop()
+	}
+	return &Registry{now: o.Now, interval: o.HeartbeatInterval, missed: o.MissedHeartbeats, retention: o.Retention,
+		instances: map[string]*Instance{}, departed: map[string]store.Instance{}, rr: map[string]int{}, persist: o.Persist, log: o.Log}
+}
+
+// Restore loads the records a previous Host kept. Instances come back
+// unreachable, with their roles, until their agents register again.
+func (r *Registry) Restore(records []store.Instance) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := r.now()
+	for _, rec := range records {
+		if rec.Departed {
+			r.departed[rec.ID] = rec
+			continue
+		}
+		st := State(rec.Role)
+		if rec.Draining {
+			st = StateDraining
+		}
+		// LastHeartbeat now: the sweep leaves a restored record alone for
+		// the retention, like any unreachable instance.
+		r.instances[rec.ID] = &Instance{
+			Registration: Registration{ID: rec.ID, Type: rec.Type, Engine: Engine{URL: rec.EngineURL, ServedModels: rec.ServedModels}},
+			Role:         Role(rec.Role), State: st, Retired: rec.Retired, RegisteredAt: rec.RegisteredAt, LastHeartbeat: now,
+		}
+	}
+}
+
+func record(i *Instance, departed bool, now time.Time) store.Instance {
+	return store.Instance{ID: i.ID, Type: i.Type, Role: string(i.Role), Retired: i.Retired, Draining: i.State == StateDraining,
+		EngineURL: i.Engine.URL, ServedModels: i.Engine.ServedModels, RegisteredAt: i.RegisteredAt, Departed: departed, LastSeen: now}
+}
+
+// save writes an instance's record through (r.mu held). A store that
+// fails is logged, not fatal: the Host keeps serving from memory.
+func (r *Registry) save(i *Instance) {
+	if r.persist == nil {
+		return
+	}
+	if err := r.persist.PutInstance(record(i, false, r.now())); err != nil {
+		r.log.Error("saving an instance's state failed", zap.String("vllm_hi_id", i.ID), zap.Error(err))
+	}
+}
+
+func (r *Registry) forget(id string) {
+	if r.persist == nil {
+		return
+	}
+	if err := r.persist.DeleteInstance(id); err != nil {
+		r.log.Error("forgetting an instance failed", zap.String("vllm_hi_id", id), zap.Error(err))
+	}
 }
 
 // HeartbeatInterval is what agents are told to use.
@@ -171,8 +296,12 @@ func validate(reg Registration) error {
 }
 
 // Register adds or refreshes an instance. The same session re-registering
-// (a retry, or after a Host restart) keeps its role and state; a different
-// session may take over an id only once the old one stopped heartbeating.
+// (a retry) keeps everything. A new session of an id the Host knows — the
+// agent restarted, or the Host did — keeps the instance's role, retired
+// and draining marks, but only from the same engine and only once the old
+// session stopped heartbeating: one agent never takes over another's id.
+// An id the Host does not know takes the role the agent reports (what a
+// previous Host told it), else its start-up type.
 func (r *Registry) Register(reg Registration) (Instance, error) {
 	if err := validate(reg); err != nil {
 		return Instance{}, err
@@ -181,23 +310,48 @@ func (r *Registry) Register(reg Registration) (Instance, error) {
 	defer r.mu.Unlock()
 	now := r.now()
 	if old, ok := r.instances[reg.ID]; ok {
-		if old.Session != reg.Session && r.reachable(old, now) {
-			return Instance{}, fmt.Errorf("%w: %s (registered from %s)", ErrAlreadyExists, reg.ID, old.AgentAddress)
-		}
 		if old.Session == reg.Session {
 			old.Registration = reg
 			old.LastHeartbeat = now
 			old.Reachable = true
 			return *old, nil
 		}
+		if r.reachable(old, now) && old.Session != "" {
+			return Instance{}, fmt.Errorf("%w: %s (registered from %s)", ErrAlreadyExists, reg.ID, old.AgentAddress)
+		}
+		if old.Engine.URL != reg.Engine.URL {
+			return Instance{}, fmt.Errorf("%w: %s belongs to the engine at %s, not %s (DELETE /vllm_hi/instances/%s to free the id)",
+				ErrAlreadyExists, reg.ID, old.Engine.URL, reg.Engine.URL, reg.ID)
+		}
+		inst := &Instance{Registration: reg, Role: old.Role, State: old.State, Retired: old.Retired, RegisteredAt: old.RegisteredAt,
+			LastHeartbeat: now, Reachable: true, Stats: Stats{Healthy: true}}
+		if inst.State == StateMigrating || inst.State == "" {
+			inst.State = State(inst.Role)
+		}
+		r.instances[reg.ID] = inst
+		r.save(inst)
+		return *inst, nil
 	}
-	inst := &Instance{Registration: reg, RegisteredAt: now, LastHeartbeat: now, Reachable: true}
-	if reg.Type == "A" {
-		inst.Role, inst.State = RoleActive, StateActive
-	} else {
-		inst.Role, inst.State = RoleStandby, StateStandby
+	// The agent checked its engine's health before registering.
+	inst := &Instance{Registration: reg, RegisteredAt: now, LastHeartbeat: now, Reachable: true, Stats: Stats{Healthy: true}}
+	switch {
+	case r.departed[reg.ID].EngineURL == reg.Engine.URL && r.departed[reg.ID].Role != "":
+		d := r.departed[reg.ID]
+		inst.Role, inst.Retired = Role(d.Role), d.Retired
+	case reg.Role == RoleActive || reg.Role == RoleStandby:
+		inst.Role, inst.Retired = reg.Role, reg.Retired
+	case reg.Type == "A":
+		inst.Role = RoleActive
+	default:
+		inst.Role = RoleStandby
 	}
+	inst.State = State(inst.Role)
+	if d, ok := r.departed[reg.ID]; ok && d.Draining && d.EngineURL == reg.Engine.URL {
+		inst.State = StateDraining
+	}
+	delete(r.departed, reg.ID)
 	r.instances[reg.ID] = inst
+	r.save(inst)
 	return *inst, nil
 }
 
@@ -217,15 +371,42 @@ func (r *Registry) Heartbeat(id, session string, s Stats) error {
 	return nil
 }
 
-// Deregister removes an instance.
+// Deregister removes an instance whose agent stops (its own session only).
+// The Host remembers its role for when the agent comes back.
 func (r *Registry) Deregister(id, session string) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	inst, ok := r.instances[id]
-	if !ok || (session != "" && inst.Session != session) {
+	if !ok || session == "" || inst.Session != session {
 		return fmt.Errorf("%w: %s", ErrNotFound, id)
 	}
 	delete(r.instances, id)
+	rec := record(inst, true, r.now())
+	r.departed[id] = rec
+	if r.persist != nil {
+		if err := r.persist.PutInstance(rec); err != nil {
+			r.log.Error("saving an instance's state failed", zap.String("vllm_hi_id", id), zap.Error(err))
+		}
+	}
+	return nil
+}
+
+// Forget drops everything the Host knows of an instance whose agent is
+// gone (unreachable or deregistered), freeing its id for another engine.
+func (r *Registry) Forget(id string) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	inst, live := r.instances[id]
+	_, departed := r.departed[id]
+	switch {
+	case !live && !departed:
+		return fmt.Errorf("%w: %s", ErrNotFound, id)
+	case live && inst.Reachable && inst.Session != "":
+		return fmt.Errorf("%w: %s is registered and heartbeating; stop its agent first", ErrConflict, id)
+	}
+	delete(r.instances, id)
+	delete(r.departed, id)
+	r.forget(id)
 	return nil
 }
 
@@ -233,15 +414,26 @@ func (r *Registry) reachable(i *Instance, now time.Time) bool {
 	return now.Sub(i.LastHeartbeat) <= time.Duration(r.missed)*r.interval
 }
 
-// Sweep marks instances whose heartbeats stopped as unreachable. The Host
-// calls it every heartbeat interval.
+// Sweep marks instances whose heartbeats stopped as unreachable, and
+// forgets those gone for longer than the retention. The Host calls it
+// every heartbeat interval.
 func (r *Registry) Sweep() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	now := r.now()
-	for _, inst := range r.instances {
+	for id, inst := range r.instances {
 		if inst.Reachable && !r.reachable(inst, now) {
 			inst.Reachable = false
+		}
+		if !inst.Reachable && now.Sub(inst.LastHeartbeat) > r.retention {
+			delete(r.instances, id)
+			r.forget(id)
+		}
+	}
+	for id, d := range r.departed {
+		if now.Sub(d.LastSeen) > r.retention {
+			delete(r.departed, id)
+			r.forget(id)
 		}
 	}
 }
@@ -288,6 +480,7 @@ func (r *Registry) SetState(id string, to State, from ...State) (Instance, error
 		}
 	}
 	inst.State = to
+	r.save(inst)
 	return *inst, nil
 }
 
@@ -301,11 +494,41 @@ func (r *Registry) SetRole(id string, role Role) error {
 	}
 	inst.Role = role
 	inst.State = State(role)
+	r.save(inst)
 	return nil
 }
 
+// SetRetired marks an instance retired (its KV released by a
+// destroy_source migration) or not (woken).
+func (r *Registry) SetRetired(id string, retired bool) (Instance, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	inst, ok := r.instances[id]
+	if !ok {
+		return Instance{}, fmt.Errorf("%w: %s", ErrNotFound, id)
+	}
+	inst.Retired = retired
+	r.save(inst)
+	return *inst, nil
+}
+
+// Woken records that an instance's engine has its KV back: no longer
+// retired or sleeping (until its agent reports otherwise).
+func (r *Registry) Woken(id string) (Instance, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	inst, ok := r.instances[id]
+	if !ok {
+		return Instance{}, fmt.Errorf("%w: %s", ErrNotFound, id)
+	}
+	inst.Retired, inst.Stats.Sleeping = false, false
+	r.save(inst)
+	return *inst, nil
+}
+
 // Route picks the instance that serves new requests for model: an active,
-// reachable instance in state active, round-robin among several. It
+// reachable, healthy, awake instance in state active, round-robin among
+// several. It
 // reports whether any instance serves the model at all (known) so the
 // caller can tell 404 from 503.
 func (r *Registry) Route(model string) (inst Instance, known, ok bool) {
@@ -317,7 +540,7 @@ func (r *Registry) Route(model string) (inst Instance, known, ok bool) {
 			continue
 		}
 		known = true
-		if i.Role == RoleActive && i.State == StateActive && i.Reachable {
+		if i.routable() {
 			cands = append(cands, i)
 		}
 	}

@@ -4,6 +4,8 @@ import (
 	"errors"
 	"testing"
 	"time"
+
+	"github.com/vllm-hi/vllm-hi/internal/host/store"
 )
 
 type clock struct{ t time.Time }
@@ -69,11 +71,16 @@ func TestLifecycle(t *testing.T) {
 	if err := r.Heartbeat("a", "s3", Stats{Running: 4}); err != nil {
 		t.Fatal(err)
 	}
-	if i, _ := r.Get("a"); i.EffectiveState() != StateActive || i.Stats.Running != 4 {
+	// The new session kept what the Host decided (draining): an agent
+	// restart changes nothing an operator or a migration set.
+	if i, _ := r.Get("a"); i.EffectiveState() != StateDraining || i.Role != RoleActive || i.Stats.Running != 4 {
 		t.Fatalf("after heartbeat: %+v", i)
 	}
 	if err := r.Deregister("a", "wrong"); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("deregister with another session: %v", err)
+	}
+	if err := r.Deregister("a", ""); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("deregister with an empty session bypassed the session check: %v", err)
 	}
 	if err := r.Deregister("a", "s3"); err != nil {
 		t.Fatal(err)
@@ -158,5 +165,120 @@ func TestRoute(t *testing.T) {
 	}
 	if models := r.Models(); len(models) != 2 || models[0].Engine.ServedModels[0] != "alias" || models[1].Role != RoleActive {
 		t.Fatalf("models %+v", models)
+	}
+}
+
+// memStore is a Persister in memory.
+type memStore struct{ m map[string]store.Instance }
+
+func (s *memStore) PutInstance(i store.Instance) error { s.m[i.ID] = i; return nil }
+func (s *memStore) DeleteInstance(id string) error     { delete(s.m, id); return nil }
+
+func (s *memStore) records() []store.Instance {
+	var out []store.Instance
+	for _, i := range s.m {
+		out = append(out, i)
+	}
+	return out
+}
+
+// Roles survive restarts of the Host (through the store) and of agents
+// (whose new session keeps the role, and whose clean stop is remembered);
+// an agent of another engine cannot take the id over.
+func TestRolesSurviveRestarts(t *testing.T) {
+	st := &memStore{m: map[string]store.Instance{}}
+	c := &clock{t: time.Unix(1000, 0)}
+	opts := Options{HeartbeatInterval: time.Second, MissedHeartbeats: 3, Now: c.now, Persist: st}
+	r := New(opts)
+	r.Register(reg("a", "A", "s1", "m"))
+	r.Register(reg("b", "B", "s2", "m"))
+	// A migration made B active and retired A.
+	_ = r.SetRole("b", RoleActive)
+	_ = r.SetRole("a", RoleStandby)
+	_, _ = r.SetRetired("a", true)
+
+	// The Host restarts: the instances are known, unreachable, not routed.
+	r2 := New(opts)
+	r2.Restore(st.records())
+	if i, err := r2.Get("b"); err != nil || i.Role != RoleActive || i.Reachable {
+		t.Fatalf("restored b: %+v %v", i, err)
+	}
+	if _, known, ok := r2.Route("m"); !known || ok {
+		t.Fatal("a restored instance was routed to before its agent registered")
+	}
+	// The agents register again with their start-up types: the Host keeps
+	// what it decided.
+	b, _ := r2.Register(reg("b", "B", "s3", "m"))
+	a, _ := r2.Register(reg("a", "A", "s4", "m"))
+	if b.Role != RoleActive || a.Role != RoleStandby || !a.Retired || a.Lifecycle() != LifecycleRetired {
+		t.Fatalf("after re-registration: a %+v, b %+v", a, b)
+	}
+	if inst, _, ok := r2.Route("m"); !ok || inst.ID != "b" {
+		t.Fatalf("routed to %+v", inst)
+	}
+	// An agent of another engine cannot take b's id, even once b is gone.
+	c.advance(10 * time.Second)
+	r2.Sweep()
+	other := reg("b", "B", "s5", "m")
+	other.Engine.URL = "http://elsewhere"
+	if _, err := r2.Register(other); !errors.Is(err, ErrAlreadyExists) {
+		t.Fatalf("takeover by another engine: %v", err)
+	}
+	// A clean stop is remembered: b comes back active.
+	r2.Register(reg("b", "B", "s6", "m"))
+	if err := r2.Deregister("b", "s6"); err != nil {
+		t.Fatal(err)
+	}
+	if len(r2.List()) != 1 {
+		t.Fatal("a departed instance is still listed")
+	}
+	if b, _ := r2.Register(reg("b", "B", "s7", "m")); b.Role != RoleActive {
+		t.Fatalf("b after a clean agent restart: %+v", b)
+	}
+	// A Host with no record takes the role the agent reports.
+	r3 := New(Options{HeartbeatInterval: time.Second, Now: c.now})
+	g := reg("b", "B", "s8", "m")
+	g.Role = RoleActive
+	if b, _ := r3.Register(g); b.Role != RoleActive {
+		t.Fatalf("role from the agent: %+v", b)
+	}
+	// Forget frees an id once its agent is gone; a live one is refused.
+	if err := r3.Forget("b"); !errors.Is(err, ErrConflict) {
+		t.Fatalf("forget a live instance: %v", err)
+	}
+	c.advance(10 * time.Second)
+	r3.Sweep()
+	if err := r3.Forget("b"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r3.Register(other); err != nil {
+		t.Fatalf("the freed id: %v", err)
+	}
+}
+
+// Unhealthy, sleeping and retired engines get no traffic; what the
+// registry forgets after the retention, the store forgets too.
+func TestRoutingSkipsUnhealthyAndRetention(t *testing.T) {
+	st := &memStore{m: map[string]store.Instance{}}
+	c := &clock{t: time.Unix(1000, 0)}
+	r := New(Options{HeartbeatInterval: time.Second, MissedHeartbeats: 3, Now: c.now, Persist: st, Retention: time.Minute})
+	r.Register(reg("a1", "A", "s1", "m"))
+	r.Register(reg("a2", "A", "s2", "m"))
+	_ = r.Heartbeat("a1", "s1", Stats{Healthy: false})
+	_ = r.Heartbeat("a2", "s2", Stats{Healthy: true, Sleeping: true})
+	if _, known, ok := r.Route("m"); !known || ok {
+		t.Fatal("an unhealthy or sleeping engine got a request")
+	}
+	if i, _ := r.Get("a1"); i.Lifecycle() != LifecycleUnhealthy {
+		t.Fatalf("a1: %s", i.Lifecycle())
+	}
+	_ = r.Heartbeat("a1", "s1", Stats{Healthy: true})
+	if inst, _, ok := r.Route("m"); !ok || inst.ID != "a1" {
+		t.Fatal("a healthy engine got nothing")
+	}
+	c.advance(2 * time.Minute)
+	r.Sweep()
+	if len(r.List()) != 0 || len(st.m) != 0 {
+		t.Fatalf("not forgotten after the retention: %d listed, %d stored", len(r.List()), len(st.m))
 	}
 }

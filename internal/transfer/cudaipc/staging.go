@@ -105,7 +105,7 @@ func (k *Sink) Write(region int, at uint64, b []byte) error {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	n := uint64(len(b))
-	if region < 0 || region >= len(k.dst) || at+n > k.sizes[region] {
+	if region < 0 || region >= len(k.dst) || at > k.sizes[region] || n > k.sizes[region]-at {
 		return fmt.Errorf("run outside the target regions: region %d offset %d length %d", region, at, n)
 	}
 	if n > k.c.stageCap {

@@ -7,6 +7,7 @@ import (
 	"sort"
 	"sync"
 	"testing"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -113,12 +114,27 @@ func TestGPUKVOverTCPShm(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv, err := tcpshm.Listen("127.0.0.1:0", func(string) (*tcpshm.Memory, error) { return &tcpshm.Memory{Sink: sink}, nil }, zap.NewNop())
+	// Two regions of K and V planes of 128 blocks of 4 KiB, every block
+	// open to writes.
+	spec := kvlayout.RegionSpec{NumLayers: 1, NumHeads: 1, Strides: kvlayout.Strides{KV: size / 2, Block: 4096, Slot: 16}}
+	all := make([]int, 128)
+	for i := range all {
+		all[i] = i
+	}
+	guard, err := kvlayout.NewBlockGuard([]kvlayout.RegionSpec{spec, spec}, []int64{size, size}, 128, 256, 16, all)
+	if err != nil {
+		t.Fatal(err)
+	}
+	secret := []byte("a secret of sixteen bytes or more")
+	srv, err := tcpshm.Listen("127.0.0.1:0", func(string) (*tcpshm.Session, error) {
+		return &tcpshm.Session{Secret: secret, Expires: time.Now().Add(time.Minute),
+			Open: func() (*tcpshm.Memory, error) { return &tcpshm.Memory{Sink: sink, Guard: guard}, nil }}, nil
+	}, tcpshm.Options{}, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer srv.Close()
-	if _, err := tcpshm.Send(context.Background(), srv.Addr().String(), "s", 1, [][]byte{host}, sendRuns, tcpshm.NoFault); err != nil {
+	if _, err := tcpshm.Send(context.Background(), tcpshm.Dest{Addr: srv.Addr().String(), Session: "s", Secret: secret}, 1, [][]byte{host}, sendRuns, tcpshm.NoFault); err != nil {
 		t.Fatal(err)
 	}
 	for _, r := range runs {
@@ -136,5 +152,8 @@ func TestGPUKVOverTCPShm(t *testing.T) {
 	}
 	if err := sink.Write(0, size-1, []byte{1, 2}); err == nil {
 		t.Fatal("a write past a region's end was accepted")
+	}
+	if err := sink.Write(0, 1<<64-1, []byte{1}); err == nil {
+		t.Fatal("a write at offset 2^64-1 was accepted (the bound wrapped around)")
 	}
 }

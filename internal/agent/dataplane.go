@@ -1,0 +1,245 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/vllm-hi/vllm-hi/api/hooks"
+	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
+	"github.com/vllm-hi/vllm-hi/internal/engine"
+	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
+	"github.com/vllm-hi/vllm-hi/internal/transfer/shm"
+	"github.com/vllm-hi/vllm-hi/internal/transfer/tcpshm"
+)
+
+// dataPlane is the agent's side of KV transfer: its engine's regions mapped
+// for reading (as a source) and writing (as a target), and the sessions it
+// accepts KV for.
+type dataPlane struct {
+	mu       sync.Mutex
+	src, dst *shm.Regions
+	sessions map[string]*targetSession
+	server   *tcpshm.Server
+}
+
+// targetSession is one migration this agent receives KV for: only from a
+// source holding its secret, only into its reserved blocks, only until it
+// expires.
+type targetSession struct {
+	secret  []byte
+	expires time.Time
+	layout  hooks.Layout // the engine's layout when the migration was prepared
+	guard   *kvlayout.BlockGuard
+}
+
+// engineError translates an engine (hook) error into a gRPC status, once,
+// at the boundary.
+func engineError(err error) error {
+	var he *engine.HTTPError
+	if errors.As(err, &he) {
+		code := codes.Unknown
+		switch he.Status {
+		case http.StatusBadRequest:
+			code = codes.InvalidArgument
+		case http.StatusNotFound:
+			code = codes.NotFound
+		case http.StatusConflict:
+			code = codes.FailedPrecondition
+		case http.StatusInsufficientStorage:
+			code = codes.ResourceExhausted
+		case http.StatusServiceUnavailable:
+			code = codes.Unavailable
+		}
+		return status.Error(code, he.Message)
+	}
+	if err != nil {
+		return status.Error(codes.Unavailable, err.Error())
+	}
+	return nil
+}
+
+// hookRoutes maps hook names to the engine's HTTP method and path.
+var hookRoutes = map[string]struct{ method, path string }{
+	"layout":   {http.MethodGet, hooks.PathLayout},
+	"requests": {http.MethodGet, hooks.PathRequests},
+	"stats":    {http.MethodGet, hooks.PathStats},
+	"changes":  {http.MethodGet, hooks.PathChanges},
+	"pause":    {http.MethodPost, hooks.PathPause},
+	"resume":   {http.MethodPost, hooks.PathResume},
+	"export":   {http.MethodPost, hooks.PathExport},
+	"allocate": {http.MethodPost, hooks.PathAllocate},
+	"install":  {http.MethodPost, hooks.PathInstall},
+	"abort":    {http.MethodPost, hooks.PathAbort},
+}
+
+// Hook forwards one hook call. The JSON bodies pass through as bytes: the
+// final round's export and install carry every moved request's tokens,
+// and decoding and re-encoding them here would sit inside the downtime.
+func (s *agentService) Hook(ctx context.Context, req *v1.HookRequest) (*v1.HookResponse, error) {
+	route, ok := hookRoutes[req.GetName()]
+	if !ok {
+		return nil, status.Errorf(codes.InvalidArgument, "unknown hook %q", req.GetName())
+	}
+	path := route.path
+	if req.GetName() == "changes" {
+		path += "?since=" + strconv.FormatUint(req.GetSince(), 10)
+	}
+	body := req.GetBody()
+	if route.method == http.MethodPost && len(body) == 0 {
+		body = []byte("{}")
+	}
+	out, err := s.a.eng.Raw(ctx, route.method, path, body)
+	if err != nil {
+		return nil, engineError(err)
+	}
+	return &v1.HookResponse{Body: out}, nil
+}
+
+// regions returns the engine's current layout and, for shared-memory KV,
+// its regions mapped — re-mapped whenever the memory behind the layout is
+// not what the mapping holds (the engine slept and woke, re-creating its
+// KV under the same path). GPU KV is mapped through IPC per migration.
+func (a *Agent) regions(ctx context.Context, writable bool) (*shm.Regions, hooks.Layout, error) {
+	lay, err := a.eng.Layout(ctx)
+	if err != nil {
+		return nil, lay, err
+	}
+	if onGPU(lay) {
+		return nil, lay, nil
+	}
+	dp := &a.dp
+	dp.mu.Lock()
+	defer dp.mu.Unlock()
+	cur := &dp.src
+	if writable {
+		cur = &dp.dst
+	}
+	if !(*cur).Same(lay) {
+		(*cur).Close()
+		r, err := shm.Map(lay, writable)
+		if err != nil {
+			*cur = nil
+			return nil, lay, err
+		}
+		*cur = r
+	}
+	return *cur, lay, nil
+}
+
+// PrepareTarget implements the Agent service: map the engine's KV for
+// writing, guard the migration's reserved blocks, and accept the
+// migration's authenticated connections until its lease ends.
+func (s *agentService) PrepareTarget(ctx context.Context, req *v1.PrepareTargetRequest) (*v1.PrepareTargetResponse, error) {
+	a := s.a
+	switch {
+	case req.GetMigrationId() == "":
+		return nil, status.Error(codes.InvalidArgument, "migration_id is required")
+	case len(req.GetSecret()) < tcpshm.MinSecret:
+		return nil, status.Errorf(codes.InvalidArgument, "the migration's secret must be at least %d bytes", tcpshm.MinSecret)
+	case req.GetLeaseMs() <= 0:
+		return nil, status.Error(codes.InvalidArgument, "lease_ms must be positive")
+	case a.dp.server == nil:
+		return nil, status.Error(codes.FailedPrecondition, "this agent has no data plane")
+	}
+	_, lay, err := a.regions(ctx, true)
+	if err != nil {
+		return nil, status.Errorf(codes.FailedPrecondition, "map target KV: %v", err)
+	}
+	blocks := make([]int, len(req.GetBlockIds()))
+	for i, b := range req.GetBlockIds() {
+		blocks[i] = int(b)
+	}
+	sizes := make([]int64, len(lay.Regions))
+	for i, r := range lay.Regions {
+		sizes[i] = r.Size
+	}
+	g := lay.Geometry
+	guard, err := kvlayout.NewBlockGuard(specs(lay), sizes, g.NumBlocks, g.BlockSize, int64(g.HeadSlotBytes()), blocks)
+	if err != nil {
+		return nil, status.Errorf(codes.FailedPrecondition, "the target's layout: %v", err)
+	}
+	if onGPU(lay) {
+		// Map the target's GPU memory now, not inside the migration's
+		// pause: tcp_shm rounds write through it, and the end-to-end check
+		// reads it.
+		if err := a.gpu.prepareTarget(req.GetMigrationId(), lay); err != nil {
+			return nil, status.Errorf(codes.FailedPrecondition, "map target GPU KV: %v", err)
+		}
+	}
+	now := time.Now()
+	a.dp.mu.Lock()
+	for id, ts := range a.dp.sessions {
+		if now.After(ts.expires) {
+			delete(a.dp.sessions, id)
+		}
+	}
+	a.dp.sessions[req.GetMigrationId()] = &targetSession{secret: append([]byte(nil), req.GetSecret()...),
+		expires: now.Add(time.Duration(req.GetLeaseMs()) * time.Millisecond), layout: lay, guard: guard}
+	a.dp.mu.Unlock()
+	b, _ := json.Marshal(lay)
+	return &v1.PrepareTargetResponse{Layout: b, DataAddress: a.dataAddr}, nil
+}
+
+// ReleaseTarget implements the Agent service.
+func (s *agentService) ReleaseTarget(_ context.Context, req *v1.ReleaseTargetRequest) (*v1.ReleaseTargetResponse, error) {
+	s.a.dp.mu.Lock()
+	delete(s.a.dp.sessions, req.GetMigrationId())
+	s.a.dp.mu.Unlock()
+	s.a.gpu.release(req.GetMigrationId())
+	return &v1.ReleaseTargetResponse{}, nil
+}
+
+// dataSession resolves a data connection's session: its secret and
+// expiry, and (once the peer proved it holds the secret) the memory it
+// writes into, guarded to the migration's blocks.
+func (a *Agent) dataSession(id string) (*tcpshm.Session, error) {
+	a.dp.mu.Lock()
+	ts := a.dp.sessions[id]
+	a.dp.mu.Unlock()
+	if ts == nil {
+		return nil, fmt.Errorf("no migration %q is expected here", id)
+	}
+	open := func() (*tcpshm.Memory, error) {
+		if onGPU(ts.layout) {
+			sink, err := a.gpu.sink(id, ts.layout)
+			if err != nil {
+				return nil, err
+			}
+			return &tcpshm.Memory{Sink: sink, Guard: ts.guard}, nil
+		}
+		a.dp.mu.Lock()
+		defer a.dp.mu.Unlock()
+		if !a.dp.dst.Same(ts.layout) {
+			// The engine re-created its KV since the migration was
+			// prepared: the reserved blocks are gone with the old memory.
+			return nil, fmt.Errorf("the target's KV memory changed since migration %s was prepared", id)
+		}
+		m := memory(a.dp.dst, ts.layout)
+		m.Guard = ts.guard
+		return m, nil
+	}
+	return &tcpshm.Session{Secret: ts.secret, Expires: ts.expires, Open: open}, nil
+}
+
+func memory(r *shm.Regions, l hooks.Layout) *tcpshm.Memory {
+	return &tcpshm.Memory{Data: r.Data, Specs: specs(l), Layers: l.Geometry.Layers, Heads: l.Geometry.KVHeads,
+		SlotBytes: int64(l.Geometry.HeadSlotBytes())}
+}
+
+func specs(l hooks.Layout) []kvlayout.RegionSpec {
+	out := make([]kvlayout.RegionSpec, len(l.Regions))
+	for i, r := range l.Regions {
+		out[i] = kvlayout.RegionSpec{FirstLayer: r.FirstLayer, NumLayers: r.NumLayers, FirstHead: r.FirstHead, NumHeads: r.NumHeads,
+			Strides: kvlayout.Strides{Layer: r.LayerStride, KV: r.KVStride, Block: r.BlockStride, Head: r.HeadStride, Slot: r.SlotStride}}
+	}
+	return out
+}

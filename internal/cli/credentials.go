@@ -1,0 +1,110 @@
+package cli
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+
+	"github.com/spf13/cobra"
+	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/internal/credentials"
+)
+
+// Authentication is on by default. A Host started without token files
+// makes its own in its data directory (0600) on first start and keeps
+// them; agents, engines and the CLI on the same machine find them there,
+// and other machines are given a copy (--token-file,
+// VLLM_HI_ENGINE_TOKEN_FILE, --admin-token-file).
+
+// hostTokens resolves the Host's admin and agent tokens.
+func hostTokens(dataDir, adminFile, agentFile string, log *zap.Logger) (admin, agent string, err error) {
+	ensure := func(name string) (string, error) {
+		path := filepath.Join(dataDir, name)
+		tok, created, err := credentials.EnsureToken(path)
+		if err != nil {
+			return "", err
+		}
+		if created {
+			log.Info("created a token: give it to those who need it", zap.String("file", path))
+		}
+		return tok, nil
+	}
+	if adminFile != "" {
+		admin, err = credentials.ReadToken(adminFile)
+	} else {
+		admin, err = ensure(credentials.AdminTokenFile)
+	}
+	if err != nil {
+		return "", "", fmt.Errorf("admin token: %w", err)
+	}
+	switch {
+	case agentFile != "":
+		agent, err = credentials.ReadToken(agentFile)
+	case adminFile != "":
+		agent = admin // the contract's default: the admin token
+	default:
+		agent, err = ensure(credentials.AgentTokenFile)
+	}
+	if err != nil {
+		return "", "", fmt.Errorf("agent token: %w", err)
+	}
+	return admin, agent, nil
+}
+
+// localToken reads a token a Host on this machine keeps in the default
+// data directory, if there is one. found is false when there is none.
+func localToken(name string) (tok string, found bool, err error) {
+	path := filepath.Join(credentials.DefaultDataDir(), name)
+	tok, err = credentials.ReadToken(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return "", false, nil
+	}
+	return tok, err == nil, err
+}
+
+// tokenFromFlag reads the token file a flag (or its env default) names,
+// else the local Host's token of that name; required makes its absence an
+// error that says what to pass.
+func tokenFromFlag(file, name, flag string, required bool) (string, error) {
+	if file != "" {
+		return credentials.ReadToken(file)
+	}
+	tok, found, err := localToken(name)
+	switch {
+	case err != nil:
+		return "", err
+	case !found && required:
+		return "", fmt.Errorf("no %s: pass %s (the Host keeps it as %s in its data directory, %s by default)",
+			name, flag, name, credentials.DefaultDataDir())
+	}
+	return tok, nil
+}
+
+// tlsFlags adds the TLS file flags of a server process.
+func tlsFlags(cmd *cobra.Command, f *credentials.TLSFiles) {
+	fl := cmd.Flags()
+	fl.StringVar(&f.CertFile, "tls-cert-file", "", "serve TLS with this certificate (PEM); also presented as a client certificate")
+	fl.StringVar(&f.KeyFile, "tls-key-file", "", "the certificate's private key (PEM)")
+	fl.StringVar(&f.ClientCAFile, "tls-client-ca-file", "", "require client certificates signed by this CA (mTLS)")
+	fl.StringVar(&f.CAFile, "tls-ca-file", "", "verify the TLS servers this process dials with this CA (default: the system roots)")
+}
+
+// engineTokenFile is where an engine finds the agent credential its hooks
+// require: VLLM_HI_ENGINE_TOKEN_FILE, else the local Host's agent token.
+func engineToken(file string) (tok string, source string, err error) {
+	if file == "" {
+		file = os.Getenv("VLLM_HI_ENGINE_TOKEN_FILE")
+	}
+	if file != "" {
+		tok, err = credentials.ReadToken(file)
+		return tok, file, err
+	}
+	tok, found, err := localToken(credentials.AgentTokenFile)
+	if !found || err != nil {
+		return "", "", err
+	}
+	return tok, filepath.Join(credentials.DefaultDataDir(), credentials.AgentTokenFile), nil
+}

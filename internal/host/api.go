@@ -1,0 +1,277 @@
+package host
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"sort"
+	"time"
+
+	"github.com/go-chi/chi/v5"
+
+	"github.com/vllm-hi/vllm-hi/internal/host/registry"
+	"github.com/vllm-hi/vllm-hi/internal/migrate"
+	"github.com/vllm-hi/vllm-hi/internal/proxy"
+	"github.com/vllm-hi/vllm-hi/internal/version"
+)
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+// decodeStrict decodes one JSON object into v, refusing unknown fields
+// and anything after the object: a typo in a field name must not silently
+// fall back to a default (a misspelt migration_type retired an engine).
+func decodeStrict(r io.Reader, v any) error {
+	dec := json.NewDecoder(r)
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return err
+	}
+	if err := dec.Decode(&struct{}{}); err != io.EOF {
+		return errors.New("trailing data after the JSON object")
+	}
+	return nil
+}
+
+// ModelCard is one /v1/models entry.
+type ModelCard struct {
+	ID          string `json:"id"`
+	Object      string `json:"object"`
+	Created     int64  `json:"created"`
+	OwnedBy     string `json:"owned_by"`
+	Root        string `json:"root,omitempty"`
+	MaxModelLen int    `json:"max_model_len,omitempty"`
+}
+
+func (h *Host) models(w http.ResponseWriter, _ *http.Request) {
+	out := struct {
+		Object string      `json:"object"`
+		Data   []ModelCard `json:"data"`
+	}{Object: "list", Data: []ModelCard{}}
+	for _, i := range h.reg.Models() {
+		out.Data = append(out.Data, ModelCard{ID: i.Engine.ServedModels[0], Object: "model", Created: i.RegisteredAt.Unix(),
+			OwnedBy: "vllm-hi", Root: i.Engine.Model, MaxModelLen: i.Engine.MaxModelLen})
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+// InstanceView is one entry of GET /vllm_hi/instances.
+type InstanceView struct {
+	ID                 string        `json:"vllm_hi_id"`
+	Type               string        `json:"type"`
+	Role               string        `json:"role"`
+	State              string        `json:"state"`
+	Lifecycle          string        `json:"lifecycle"`
+	ServedModelName    string        `json:"served_model_name"`
+	ServedModelNames   []string      `json:"served_model_names"`
+	Model              string        `json:"model"`
+	EngineURL          string        `json:"engine_url"`
+	EngineKind         string        `json:"engine_kind"`
+	EngineVersion      string        `json:"engine_version"`
+	TP                 int           `json:"tp"`
+	PP                 int           `json:"pp"`
+	MaxModelLen        int           `json:"max_model_len"`
+	Migratable         bool          `json:"migratable"`
+	HooksAuthenticated bool          `json:"hooks_authenticated"`
+	AgentAddress       string        `json:"agent_address"`
+	DataAddress        string        `json:"data_address"`
+	TransferBackend    string        `json:"transfer_backend"`
+	TLS                bool          `json:"tls"`
+	Hostname           string        `json:"hostname"`
+	RegisteredAt       time.Time     `json:"registered_at"`
+	LastHeartbeatAt    time.Time     `json:"last_heartbeat_at"`
+	Stats              InstanceStats `json:"stats"`
+}
+
+// InstanceStats is the load an agent last reported.
+type InstanceStats struct {
+	Healthy     bool `json:"healthy"`
+	NumRunning  int  `json:"num_running"`
+	NumWaiting  int  `json:"num_waiting"`
+	FreeBlocks  int  `json:"free_blocks"`
+	TotalBlocks int  `json:"total_blocks"`
+	Sleeping    bool `json:"sleeping"`
+}
+
+func (h *Host) view(i registry.Instance) InstanceView {
+	v := view(i)
+	if h.mig.Busy(i.ID) && v.State != string(registry.StateUnreachable) {
+		v.State = string(registry.StateMigrating)
+	}
+	return v
+}
+
+func view(i registry.Instance) InstanceView {
+	v := InstanceView{
+		ID: i.ID, Type: i.Type, Role: string(i.Role), State: string(i.EffectiveState()), Lifecycle: string(i.Lifecycle()),
+		ServedModelNames: i.Engine.ServedModels, Model: i.Engine.Model, EngineURL: i.Engine.URL,
+		EngineKind: i.Engine.Kind, EngineVersion: i.Engine.Version, TP: i.Engine.TP, PP: i.Engine.PP,
+		MaxModelLen: i.Engine.MaxModelLen, Migratable: i.Engine.Migratable, HooksAuthenticated: i.Engine.HooksAuthenticated,
+		AgentAddress: i.AgentAddress, DataAddress: i.DataAddress, TransferBackend: i.TransferBackend, TLS: i.TLS, Hostname: i.Hostname,
+		RegisteredAt: i.RegisteredAt.UTC(), LastHeartbeatAt: i.LastHeartbeat.UTC(),
+		Stats: InstanceStats{Healthy: i.Stats.Healthy, NumRunning: i.Stats.Running, NumWaiting: i.Stats.Waiting,
+			FreeBlocks: i.Stats.FreeBlocks, TotalBlocks: i.Stats.TotalBlocks, Sleeping: i.Stats.Sleeping},
+	}
+	if len(i.Engine.ServedModels) > 0 {
+		v.ServedModelName = i.Engine.ServedModels[0]
+	}
+	return v
+}
+
+// StatusView is GET /vllm_hi/status.
+type StatusView struct {
+	Status           string         `json:"status"`
+	InstanceCount    int            `json:"instance_count"`
+	InstancesByState map[string]int `json:"instances_by_state"`
+	Models           []string       `json:"models"`
+	Version          string         `json:"version"`
+	UptimeS          float64        `json:"uptime_s"`
+}
+
+func (h *Host) status(w http.ResponseWriter, _ *http.Request) {
+	list := h.reg.List()
+	byState := map[string]int{}
+	models := map[string]bool{}
+	for _, i := range list {
+		byState[string(i.EffectiveState())]++
+		for _, m := range i.Engine.ServedModels {
+			models[m] = true
+		}
+	}
+	names := make([]string, 0, len(models))
+	for m := range models {
+		names = append(names, m)
+	}
+	sort.Strings(names)
+	writeJSON(w, http.StatusOK, StatusView{
+		Status: "ok", InstanceCount: len(list), InstancesByState: byState, Models: names,
+		Version: version.Version, UptimeS: time.Since(h.started).Seconds(),
+	})
+}
+
+func (h *Host) instances(w http.ResponseWriter, _ *http.Request) {
+	out := []InstanceView{}
+	for _, i := range h.reg.List() {
+		out = append(out, h.view(i))
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"instances": out})
+}
+
+func (h *Host) instance(w http.ResponseWriter, r *http.Request) {
+	i, err := h.reg.Get(chi.URLParam(r, "id"))
+	if err != nil {
+		h.registryError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, h.view(i))
+}
+
+// drain stops routing new requests to an active instance; streams in
+// flight continue.
+func (h *Host) drain(w http.ResponseWriter, r *http.Request) {
+	i, err := h.reg.SetState(chi.URLParam(r, "id"), registry.StateDraining, registry.StateActive)
+	if err != nil {
+		h.registryError(w, err)
+		return
+	}
+	h.logInstance("draining", i)
+	writeJSON(w, http.StatusOK, view(i))
+}
+
+func (h *Host) undrain(w http.ResponseWriter, r *http.Request) {
+	i, err := h.reg.SetState(chi.URLParam(r, "id"), registry.StateActive, registry.StateDraining)
+	if err != nil {
+		h.registryError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, view(i))
+}
+
+// wake brings a retired or sleeping engine's KV back so it can be a
+// migration target again.
+func (h *Host) wake(w http.ResponseWriter, r *http.Request) {
+	ctx, cancel := context.WithTimeout(r.Context(), 5*time.Minute)
+	defer cancel()
+	i, err := h.mig.Wake(ctx, chi.URLParam(r, "id"))
+	if err != nil {
+		h.migrateError(w, err)
+		return
+	}
+	h.logInstance("woken", i)
+	writeJSON(w, http.StatusOK, h.view(i))
+}
+
+// forget drops an instance whose agent is gone, freeing its id.
+func (h *Host) forget(w http.ResponseWriter, r *http.Request) {
+	id := chi.URLParam(r, "id")
+	if h.mig.Busy(id) {
+		proxy.WriteError(w, http.StatusConflict, "ConflictError", fmt.Sprintf("instance %s is in a migration", id))
+		return
+	}
+	if err := h.reg.Forget(id); err != nil {
+		h.registryError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]string{"forgotten": id})
+}
+
+func (h *Host) registryError(w http.ResponseWriter, err error) {
+	switch {
+	case errors.Is(err, registry.ErrNotFound):
+		proxy.WriteError(w, http.StatusNotFound, "NotFoundError", err.Error())
+	case errors.Is(err, registry.ErrConflict):
+		proxy.WriteError(w, http.StatusConflict, "ConflictError", err.Error())
+	default:
+		proxy.WriteError(w, http.StatusInternalServerError, "InternalServerError", err.Error())
+	}
+}
+
+// migrateError answers an orchestrator error: a refusal with its status,
+// anything else as a 502 (an agent or engine failed).
+func (h *Host) migrateError(w http.ResponseWriter, err error) {
+	var me *migrate.Error
+	if errors.As(err, &me) {
+		typ := map[int]string{400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 502: "BadGatewayError"}[me.Status]
+		if typ == "" {
+			typ = "Error"
+		}
+		proxy.WriteError(w, me.Status, typ, me.Msg)
+		return
+	}
+	proxy.WriteError(w, http.StatusBadGateway, "BadGatewayError", err.Error())
+}
+
+// migrate starts a migration: 202-style immediate answer with its id.
+func (h *Host) migrate(w http.ResponseWriter, r *http.Request) {
+	var req migrate.Request
+	if err := decodeStrict(io.LimitReader(r.Body, 1<<20), &req); err != nil {
+		h.m.migrations.Refused()
+		proxy.WriteError(w, http.StatusBadRequest, "BadRequestError", "malformed migrate body: "+err.Error())
+		return
+	}
+	id, err := h.mig.Start(req)
+	if err != nil {
+		h.migrateError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]string{"migration_id": id})
+}
+
+func (h *Host) migrationStatus(w http.ResponseWriter, r *http.Request) {
+	s, ok := h.mig.Get(chi.URLParam(r, "id"))
+	if !ok {
+		proxy.WriteError(w, http.StatusNotFound, "NotFoundError", "unknown migration "+chi.URLParam(r, "id"))
+		return
+	}
+	writeJSON(w, http.StatusOK, s)
+}
+
+func (h *Host) migrations(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, map[string]any{"migrations": h.mig.List()})
+}

@@ -1,0 +1,172 @@
+package host
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"strings"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/internal/proxy"
+)
+
+func newRequestID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// budget bounds the request-body bytes the Host holds at once: without
+// it, many slow or large uploads pin memory until the machine runs out.
+type budget struct {
+	mu        sync.Mutex
+	used, max int64
+}
+
+func newBudget(max int64) *budget { return &budget{max: max} }
+
+func (b *budget) take(n int64) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.used+n > b.max {
+		return false
+	}
+	b.used += n
+	return true
+}
+
+func (b *budget) give(n int64) {
+	b.mu.Lock()
+	b.used -= n
+	b.mu.Unlock()
+}
+
+var (
+	errBodyTooLarge = errors.New("request body too large")
+	errBodyBudget   = errors.New("the Host holds as many request bodies as it may")
+)
+
+// readBody reads a request body within the per-request limits (size, a
+// read deadline) and the Host-wide body budget, which it takes as the
+// bytes arrive; the caller gives back the returned amount.
+func (h *Host) readBody(w http.ResponseWriter, r *http.Request) ([]byte, int64, error) {
+	rc := http.NewResponseController(w)
+	_ = rc.SetReadDeadline(time.Now().Add(h.cfg.RequestBodyTimeout))
+	defer func() { _ = rc.SetReadDeadline(time.Time{}) }()
+	var held int64
+	var buf []byte
+	chunk := make([]byte, 32<<10)
+	for {
+		n, err := r.Body.Read(chunk)
+		if n > 0 {
+			if int64(len(buf)+n) > h.cfg.MaxRequestBody {
+				h.bodies.give(held)
+				return nil, 0, errBodyTooLarge
+			}
+			if !h.bodies.take(int64(n)) {
+				h.bodies.give(held)
+				return nil, 0, errBodyBudget
+			}
+			held += int64(n)
+			buf = append(buf, chunk[:n]...)
+		}
+		if err == io.EOF {
+			return buf, held, nil
+		}
+		if err != nil {
+			h.bodies.give(held)
+			return nil, 0, err
+		}
+	}
+}
+
+// openAI routes a completion or chat request by its model.
+func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
+	body, held, err := h.readBody(w, r)
+	var released sync.Once
+	release := func() { released.Do(func() { h.bodies.give(held) }) }
+	defer release()
+	switch {
+	case errors.Is(err, errBodyTooLarge):
+		h.count("", http.StatusRequestEntityTooLarge)
+		proxy.WriteError(w, http.StatusRequestEntityTooLarge, "BadRequestError", fmt.Sprintf("request body over %d bytes", h.cfg.MaxRequestBody))
+		return
+	case errors.Is(err, errBodyBudget):
+		h.count("", http.StatusServiceUnavailable)
+		w.Header().Set("Retry-After", "1")
+		proxy.WriteError(w, http.StatusServiceUnavailable, "ServiceUnavailableError", "the Host is holding as many request bodies as it may; retry")
+		return
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		h.count("", http.StatusRequestTimeout)
+		proxy.WriteError(w, http.StatusRequestTimeout, "BadRequestError", fmt.Sprintf("the request body did not arrive within %v", h.cfg.RequestBodyTimeout))
+		return
+	case err != nil:
+		h.count("", http.StatusBadRequest)
+		proxy.WriteError(w, http.StatusBadRequest, "BadRequestError", "could not read the request body")
+		return
+	}
+	var head struct {
+		Model  string `json:"model"`
+		Stream bool   `json:"stream"`
+	}
+	if err := json.Unmarshal(body, &head); err != nil {
+		h.count("", http.StatusBadRequest)
+		proxy.WriteError(w, http.StatusBadRequest, "BadRequestError", "malformed JSON body: "+err.Error())
+		return
+	}
+	if head.Model == "" {
+		h.count("", http.StatusBadRequest)
+		proxy.WriteError(w, http.StatusBadRequest, "BadRequestError", "the request names no model")
+		return
+	}
+	inst, known, ok := h.reg.Route(head.Model)
+	switch {
+	case !known:
+		h.count("", http.StatusNotFound)
+		proxy.WriteError(w, http.StatusNotFound, "NotFoundError", fmt.Sprintf("The model `%s` does not exist.", head.Model))
+		return
+	case !ok:
+		h.count(head.Model, http.StatusServiceUnavailable)
+		w.Header().Set("Retry-After", "1")
+		proxy.WriteError(w, http.StatusServiceUnavailable, "ServiceUnavailableError", fmt.Sprintf("no active, healthy instance serves `%s` right now", head.Model))
+		return
+	}
+	// The engine request id is the Host's own, never the client's: a
+	// client's X-Request-Id could name another client's stream (hiding it
+	// from migration, or stealing its splice) or carry '/' and '?' into
+	// the hook URLs. The client's id is logged for correlation.
+	rid := newRequestID()
+	if cid := r.Header.Get("X-Request-Id"); cid != "" {
+		h.log.Debug("request", zap.String("client_request_id", cid), zap.String("request_id", rid))
+	}
+	hdr := http.Header{"Content-Type": {"application/json"}, "X-Request-Id": {rid}}
+	for _, k := range []string{"Authorization", "Accept"} {
+		if v := r.Header.Get(k); v != "" {
+			hdr.Set(k, v)
+		}
+	}
+	prefix := "cmpl-"
+	if strings.HasSuffix(r.URL.Path, "/chat/completions") {
+		prefix = "chatcmpl-"
+	}
+	res := h.proxy.Forward(w, r, proxy.Upstream{
+		BaseURL: inst.Engine.URL, Path: r.URL.Path, Body: body, Header: hdr, Model: head.Model, InstanceID: inst.ID,
+		RequestID: prefix + rid, Sent: release,
+	})
+	h.count(head.Model, res.Status)
+}
+
+func (h *Host) count(model string, status int) {
+	if model == "" {
+		model = "unknown"
+	}
+	h.m.requests.WithLabelValues(model, fmt.Sprint(status)).Inc()
+}

@@ -1,0 +1,135 @@
+// Package store is the Host's durable state: what it decided about each
+// instance (role, lifecycle) and the record of every migration, in an
+// embedded bbolt database under the Host's data directory. A Host that
+// restarts — cleanly or by kill -9 — reads them back, so routing goes to
+// the instance a migration made active, a retired engine stays retired,
+// and `vhi migration status` still answers for migrations before the
+// restart.
+package store
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	bolt "go.etcd.io/bbolt"
+	bolterrors "go.etcd.io/bbolt/errors"
+)
+
+// FileName is the database's name inside the data directory.
+const FileName = "state.db"
+
+var (
+	bucketInstances  = []byte("instances")
+	bucketMigrations = []byte("migrations")
+)
+
+// Instance is what the Host keeps of one instance across restarts.
+type Instance struct {
+	ID           string    `json:"vllm_hi_id"`
+	Type         string    `json:"type"`
+	Role         string    `json:"role"`
+	Retired      bool      `json:"retired,omitempty"`
+	Draining     bool      `json:"draining,omitempty"`
+	EngineURL    string    `json:"engine_url"`
+	ServedModels []string  `json:"served_model_names"`
+	RegisteredAt time.Time `json:"registered_at"`
+	// Departed: the agent deregistered (a clean stop). The record stays so
+	// a restarted agent gets its role back; it is not listed meanwhile.
+	Departed bool      `json:"departed,omitempty"`
+	LastSeen time.Time `json:"last_seen"`
+}
+
+// Store is safe for concurrent use.
+type Store struct {
+	db *bolt.DB
+}
+
+// Open opens (creating) the store in dir. A second Host on the same data
+// directory is refused, not blocked: the database is locked.
+func Open(dir string) (*Store, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("data directory %s: %w", dir, err)
+	}
+	path := filepath.Join(dir, FileName)
+	db, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: 2 * time.Second})
+	if err != nil {
+		if errors.Is(err, bolterrors.ErrTimeout) {
+			return nil, fmt.Errorf("the state in %s is held by another vhi host (pick another --data-dir)", path)
+		}
+		return nil, fmt.Errorf("open the Host's state %s: %w", path, err)
+	}
+	err = db.Update(func(tx *bolt.Tx) error {
+		for _, b := range [][]byte{bucketInstances, bucketMigrations} {
+			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		db.Close()
+		return nil, fmt.Errorf("initialise the Host's state: %w", err)
+	}
+	return &Store{db: db}, nil
+}
+
+// Close closes the database.
+func (s *Store) Close() error { return s.db.Close() }
+
+func put(db *bolt.DB, bucket []byte, key string, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	return db.Update(func(tx *bolt.Tx) error { return tx.Bucket(bucket).Put([]byte(key), b) })
+}
+
+func del(db *bolt.DB, bucket []byte, key string) error {
+	return db.Update(func(tx *bolt.Tx) error { return tx.Bucket(bucket).Delete([]byte(key)) })
+}
+
+// PutInstance writes an instance's record.
+func (s *Store) PutInstance(i Instance) error { return put(s.db, bucketInstances, i.ID, i) }
+
+// DeleteInstance forgets an instance.
+func (s *Store) DeleteInstance(id string) error { return del(s.db, bucketInstances, id) }
+
+// Instances returns every instance record.
+func (s *Store) Instances() ([]Instance, error) {
+	var out []Instance
+	err := s.db.View(func(tx *bolt.Tx) error {
+		return tx.Bucket(bucketInstances).ForEach(func(_, v []byte) error {
+			var i Instance
+			if err := json.Unmarshal(v, &i); err != nil {
+				return err
+			}
+			out = append(out, i)
+			return nil
+		})
+	})
+	return out, err
+}
+
+// PutMigration writes a migration's record (its status JSON) under id.
+func (s *Store) PutMigration(id string, record json.RawMessage) error {
+	return s.db.Update(func(tx *bolt.Tx) error { return tx.Bucket(bucketMigrations).Put([]byte(id), record) })
+}
+
+// DeleteMigration forgets a migration.
+func (s *Store) DeleteMigration(id string) error { return del(s.db, bucketMigrations, id) }
+
+// Migrations returns every migration record by id.
+func (s *Store) Migrations() (map[string]json.RawMessage, error) {
+	out := map[string]json.RawMessage{}
+	err := s.db.View(func(tx *bolt.Tx) error {
+		return tx.Bucket(bucketMigrations).ForEach(func(k, v []byte) error {
+			out[string(k)] = append(json.RawMessage(nil), v...)
+			return nil
+		})
+	})
+	return out, err
+}

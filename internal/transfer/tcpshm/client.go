@@ -1,0 +1,297 @@
+package tcpshm
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/cespare/xxhash/v2"
+
+	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
+)
+
+// Dest is where a source sends one migration's KV: the target's data
+// address, the migration (session) id and its secret, and the TLS client
+// configuration when the data plane runs over TLS.
+type Dest struct {
+	Addr    string
+	Session string
+	Secret  []byte
+	TLS     *tls.Config
+}
+
+// Send copies runs from src (mapped source regions) to the target over tn
+// connections.
+func Send(ctx context.Context, dst Dest, tn int, src [][]byte, runs []kvlayout.CopyRun, fault Fault) (Stats, error) {
+	start := time.Now()
+	if tn < 1 {
+		tn = 1
+	}
+	// Split long runs and share them out by bytes, keeping each share in
+	// order so the target writes memory sequentially.
+	shares := make([][]kvlayout.CopyRun, tn)
+	load := make([]int64, tn)
+	for _, r := range runs {
+		if r.SrcRegion < 0 || r.SrcRegion >= len(src) || r.SrcOffset < 0 || r.Length < 0 || r.SrcOffset > int64(len(src[r.SrcRegion]))-r.Length {
+			return Stats{}, fmt.Errorf("tcp_shm: run %+v outside the source regions", r)
+		}
+		for off := int64(0); off < r.Length; off += maxFrame {
+			n := min(maxFrame, r.Length-off)
+			i := 0
+			for j := range load {
+				if load[j] < load[i] {
+					i = j
+				}
+			}
+			shares[i] = append(shares[i], kvlayout.CopyRun{SrcRegion: r.SrcRegion, SrcOffset: r.SrcOffset + off, DstRegion: r.DstRegion, DstOffset: r.DstOffset + off, Length: n})
+			load[i] += n
+		}
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, tn)
+	for i := range shares {
+		if len(shares[i]) == 0 && i > 0 {
+			continue
+		}
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			f := NoFault
+			if i == 0 {
+				f = fault
+			}
+			errs[i] = sendConn(ctx, dst, src, shares[i], f)
+		}(i)
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return Stats{}, err
+	}
+	return Stats{Runs: len(runs), Bytes: kvlayout.Bytes(runs), Duration: time.Since(start)}, nil
+}
+
+// frameWriter batches descriptors and their bytes into frames.
+type frameWriter struct {
+	w             *bufio.Writer
+	kind          uint32
+	descSize      int
+	descs         []byte
+	payload       []byte
+	frames, bytes uint64
+	fault         Fault
+}
+
+func newFrameWriter(w *bufio.Writer, kind uint32, descSize int, fault Fault) *frameWriter {
+	return &frameWriter{w: w, kind: kind, descSize: descSize, fault: fault,
+		descs: make([]byte, 0, maxRuns*descSize), payload: make([]byte, 0, maxFrame)}
+}
+
+// reserve flushes first when a descriptor with n more payload bytes would
+// not fit the current frame.
+func (f *frameWriter) reserve(n int) error {
+	if len(f.payload)+n > maxFrame || len(f.descs)/f.descSize == maxRuns {
+		return f.flush()
+	}
+	return nil
+}
+
+// flush writes the pending frame. The payload is a copy of the source
+// bytes, so its checksum matches what is sent even while the engine writes
+// (non-final rounds).
+func (f *frameWriter) flush() error {
+	if len(f.descs) == 0 {
+		return nil
+	}
+	if f.fault == CorruptSilently && f.frames == 0 {
+		f.payload[0] ^= 0xFF
+	}
+	sum := xxhash.Sum64(f.payload)
+	if f.fault == CorruptFrame && f.frames == 0 {
+		f.payload[0] ^= 0xFF
+	}
+	var hdr [frameHdrSize]byte
+	frameHeader{runs: uint32(len(f.descs) / f.descSize), kind: f.kind, length: uint64(len(f.payload)), sum: sum}.put(hdr[:])
+	for _, b := range [][]byte{hdr[:], f.descs, f.payload} {
+		if _, err := f.w.Write(b); err != nil {
+			return err
+		}
+	}
+	f.frames++
+	f.bytes += uint64(len(f.payload))
+	f.descs, f.payload = f.descs[:0], f.payload[:0]
+	return nil
+}
+
+func sendConn(ctx context.Context, dst Dest, src [][]byte, runs []kvlayout.CopyRun, fault Fault) error {
+	return withConn(ctx, dst, func(w *bufio.Writer) (uint64, uint64, error) {
+		fw := newFrameWriter(w, frameRuns, runDescSize, fault)
+		for i, r := range runs {
+			if fault == CutConn && i == len(runs)/2 {
+				return fw.frames, fw.bytes, fmt.Errorf("tcp_shm: injected fault: connection cut after %d of %d runs", i, len(runs))
+			}
+			if err := fw.reserve(int(r.Length)); err != nil {
+				return fw.frames, fw.bytes, err
+			}
+			var desc [runDescSize]byte
+			putRun(desc[:], r.DstRegion, r.DstOffset, r.Length)
+			fw.descs = append(fw.descs, desc[:]...)
+			fw.payload = append(fw.payload, src[r.SrcRegion][r.SrcOffset:r.SrcOffset+r.Length]...)
+		}
+		err := fw.flush()
+		return fw.frames, fw.bytes, err
+	})
+}
+
+// SendSlots copies token slots — slots [FirstSlot, FirstSlot+NumSlots) of
+// each source block into the same slots of its target block — gathering
+// them in canonical order so the target scatters them with its own layout.
+func SendSlots(ctx context.Context, dst Dest, tn int, src *Memory, jobs []kvlayout.BlockCopy, fault Fault) (Stats, error) {
+	start := time.Now()
+	places, err := slotPlaces(src)
+	if err != nil {
+		return Stats{}, err
+	}
+	if tn < 1 {
+		tn = 1
+	}
+	shares := make([][]kvlayout.BlockCopy, tn)
+	for i, j := range jobs {
+		shares[i%tn] = append(shares[i%tn], j)
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, tn)
+	var total int64
+	for _, j := range jobs {
+		total += int64(j.NumSlots) * src.SlotBytes * int64(len(places))
+	}
+	for i := range shares {
+		if len(shares[i]) == 0 {
+			continue
+		}
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			f := NoFault
+			if i == 0 {
+				f = fault
+			}
+			errs[i] = sendSlotsConn(ctx, dst, src, places, shares[i], f)
+		}(i)
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return Stats{}, err
+	}
+	return Stats{Runs: len(jobs) * len(places), Bytes: total, Duration: time.Since(start)}, nil
+}
+
+func sendSlotsConn(ctx context.Context, dst Dest, src *Memory, places []slotPlace, jobs []kvlayout.BlockCopy, fault Fault) error {
+	return withConn(ctx, dst, func(w *bufio.Writer) (uint64, uint64, error) {
+		fw := newFrameWriter(w, frameSlots, jobSize, fault)
+		for i, j := range jobs {
+			if fault == CutConn && i == len(jobs)/2 {
+				return fw.frames, fw.bytes, fmt.Errorf("tcp_shm: injected fault: connection cut after %d of %d slot jobs", i, len(jobs))
+			}
+			n := int64(j.NumSlots) * src.SlotBytes
+			if err := fw.reserve(int(n) * len(places)); err != nil {
+				return fw.frames, fw.bytes, err
+			}
+			var d [jobSize]byte
+			binary.LittleEndian.PutUint32(d[0:], uint32(j.Dst))
+			binary.LittleEndian.PutUint32(d[4:], uint32(j.FirstSlot))
+			binary.LittleEndian.PutUint32(d[8:], uint32(j.NumSlots))
+			fw.descs = append(fw.descs, d[:]...)
+			for _, p := range places {
+				at := p.base + int64(j.Src)*p.block + int64(j.FirstSlot)*p.slot
+				if p.slot == src.SlotBytes {
+					fw.payload = append(fw.payload, src.Data[p.region][at:at+n]...)
+					continue
+				}
+				for k := int64(0); k < int64(j.NumSlots); k++ {
+					a := at + k*p.slot
+					fw.payload = append(fw.payload, src.Data[p.region][a:a+src.SlotBytes]...)
+				}
+			}
+		}
+		err := fw.flush()
+		return fw.frames, fw.bytes, err
+	})
+}
+
+// withConn opens a data connection, authenticates it, lets send write its
+// frames, ends the share and checks the target's acknowledgement.
+func withConn(ctx context.Context, dst Dest, send func(w *bufio.Writer) (frames, bytes uint64, err error)) error {
+	d := net.Dialer{Timeout: 5 * time.Second}
+	raw, err := d.DialContext(ctx, "tcp", dst.Addr)
+	if err != nil {
+		return fmt.Errorf("tcp_shm: dial %s: %w", dst.Addr, err)
+	}
+	defer raw.Close()
+	stop := context.AfterFunc(ctx, func() { raw.Close() })
+	defer stop()
+	conn := raw
+	_ = raw.SetDeadline(time.Now().Add(DefaultHandshakeTimeout))
+	if dst.TLS != nil {
+		cfg := dst.TLS.Clone()
+		if cfg.ServerName == "" {
+			cfg.ServerName, _, _ = net.SplitHostPort(dst.Addr)
+		}
+		tc := tls.Client(raw, cfg)
+		if err := tc.HandshakeContext(ctx); err != nil {
+			return fmt.Errorf("tcp_shm: TLS handshake with %s: %w", dst.Addr, err)
+		}
+		conn = tc
+	}
+	br, err := clientHandshake(conn, dst.Session, dst.Secret)
+	if err != nil {
+		return err
+	}
+	_ = raw.SetDeadline(time.Time{})
+	w := bufio.NewWriterSize(conn, 1<<20)
+	// A target that refuses a frame says why and hangs up; the writes
+	// that follow fail, and its reason is the error worth reporting.
+	refused := func(err error) error {
+		_ = raw.SetReadDeadline(time.Now().Add(time.Second))
+		var a ack
+		if json.NewDecoder(br).Decode(&a) == nil && a.Error != "" {
+			return fmt.Errorf("tcp_shm: target: %s", a.Error)
+		}
+		return fmt.Errorf("tcp_shm: send: %w", err)
+	}
+	frames, bytes, err := send(w)
+	if err != nil {
+		if w.Flush() != nil {
+			return refused(err)
+		}
+		return fmt.Errorf("tcp_shm: send: %w", err)
+	}
+	var hdr [frameHdrSize]byte
+	frameHeader{}.put(hdr[:])
+	if _, err := w.Write(hdr[:]); err != nil {
+		return refused(err)
+	}
+	if err := w.Flush(); err != nil {
+		return refused(err)
+	}
+	_ = raw.SetReadDeadline(time.Now().Add(DefaultIdleTimeout))
+	var a ack
+	if err := json.NewDecoder(br).Decode(&a); err != nil {
+		return fmt.Errorf("tcp_shm: no acknowledgement from the target: %w", err)
+	}
+	switch {
+	case a.Error != "":
+		return fmt.Errorf("tcp_shm: target: %s", a.Error)
+	case a.BadChecksum > 0:
+		return fmt.Errorf("tcp_shm: target found %d frames with a bad checksum", a.BadChecksum)
+	case a.Frames != frames || a.Bytes != bytes:
+		return fmt.Errorf("tcp_shm: target acknowledged %d frames / %d bytes, sent %d / %d", a.Frames, a.Bytes, frames, bytes)
+	}
+	return nil
+}
