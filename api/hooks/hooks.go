@@ -77,8 +77,9 @@ type Layout struct {
 	// KVGeneration changes whenever the engine re-creates its KV memory
 	// (sleep and wake-up): a mapping made for another generation maps
 	// memory the engine no longer uses. 0 when the engine does not say.
-	KVGeneration uint64   `json:"kv_generation,omitempty"`
-	Regions      []Region `json:"regions"`
+	KVGeneration uint64 `json:"kv_generation,omitempty"`
+	// Regions is empty while the engine has no KV memory (it sleeps).
+	Regions []Region `json:"regions"`
 }
 
 // Region is one rank × stage's KV memory. Its layout is fully strided: the

@@ -37,6 +37,11 @@ func (l *IntList) UnmarshalJSON(b []byte) error {
 		if err := json.Unmarshal(b, &xs); err != nil {
 			return err
 		}
+		for _, x := range xs {
+			if x < 0 || x > 0xFFFFFFFF {
+				return fmt.Errorf("IntList: %d does not fit a uint32", x)
+			}
+		}
 		*l = xs
 		return nil
 	}

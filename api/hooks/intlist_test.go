@@ -31,3 +31,35 @@ func TestIntListRoundTrip(t *testing.T) {
 		t.Fatal("negative accepted")
 	}
 }
+
+// FuzzIntList: whatever decodes is a list of uint32s that encodes back to
+// the same list.
+func FuzzIntList(f *testing.F) {
+	for _, seed := range []string{`"AQAAAAIAAAA="`, `[1,2,3]`, `[-1]`, `"AQA="`, `""`, `[]`, `"\u0041"`, `[4294967296]`} {
+		f.Add([]byte(seed))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var l IntList
+		if err := json.Unmarshal(b, &l); err != nil {
+			return
+		}
+		for _, x := range l {
+			if x < 0 || x > 0xFFFFFFFF {
+				t.Fatalf("%q decoded to %d", b, x)
+			}
+		}
+		enc, err := json.Marshal(l)
+		if err != nil {
+			t.Fatalf("%v does not encode: %v", l, err)
+		}
+		var back IntList
+		if err := json.Unmarshal(enc, &back); err != nil || len(back) != len(l) {
+			t.Fatalf("round trip of %v: %v %v", l, back, err)
+		}
+		for i := range l {
+			if back[i] != l[i] {
+				t.Fatalf("round trip of %v: %v", l, back)
+			}
+		}
+	})
+}

@@ -220,7 +220,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("agent listen %s: %w", listen, err)
 	}
-	opts := grpcauth.ServerOptions(a.cfg.AgentToken, func(method string) {
+	opts := grpcauth.ServerOptions(a.cfg.AgentToken, false, func(method string) {
 		a.log.Warn("refused an unauthenticated call", zap.String("method", method))
 	})
 	if a.serverTLS != nil {
@@ -280,6 +280,10 @@ func (a *Agent) registerRequest(info engine.Info, agentAddr, dataAddr string) *v
 		Session: a.session, Hostname: hostname, TransferBackend: backend, Tls: a.serverTLS != nil}
 }
 
+// takeoverWait is how long an agent retries an id held by another session
+// (its killed predecessor's, until the Host sees it miss heartbeats).
+const takeoverWait = 8 * time.Second
+
 // errFatal marks registration errors that retrying cannot fix.
 var errFatal = errors.New("registration refused")
 
@@ -298,6 +302,7 @@ func (a *Agent) loop(ctx context.Context, reg v1.RegistryClient, req *v1.Registe
 	backoff := 200 * time.Millisecond
 	interval := time.Second
 	everRegistered := false
+	started := time.Now()
 	for ctx.Err() == nil {
 		if !a.isRegistered() {
 			rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
@@ -307,7 +312,12 @@ func (a *Agent) loop(ctx context.Context, reg v1.RegistryClient, req *v1.Registe
 			resp, err := reg.Register(rctx, req)
 			cancel()
 			if err != nil {
-				if fatalRegistration(err) && !everRegistered {
+				// The id may be held by this agent's own predecessor,
+				// killed a moment ago: the Host frees it once that session
+				// misses its heartbeats. Another live agent holds it for
+				// good after that.
+				predecessor := status.Code(err) == codes.AlreadyExists && time.Since(started) < takeoverWait
+				if fatalRegistration(err) && !everRegistered && !predecessor {
 					return fmt.Errorf("%w by the Host: %s", errFatal, status.Convert(err).Message())
 				}
 				a.log.Warn("registration failed; retrying", zap.Error(err), zap.Duration("in", backoff))

@@ -169,7 +169,9 @@ func TestFatalRegistration(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	// It retries for a while (the id could be held by its own killed
+	// predecessor), then gives up.
+	ctx, cancel := context.WithTimeout(context.Background(), 3*takeoverWait)
 	defer cancel()
 	if err := a2.Run(ctx); err == nil || ctx.Err() != nil {
 		t.Fatalf("a second agent for the same engine: %v", err)

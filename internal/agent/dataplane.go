@@ -41,9 +41,15 @@ type targetSession struct {
 	guard   *kvlayout.BlockGuard
 }
 
+// errNoKV: the engine has no KV memory now (it sleeps).
+var errNoKV = errors.New("the engine has no KV memory now (it sleeps: wake it first)")
+
 // engineError translates an engine (hook) error into a gRPC status, once,
 // at the boundary.
 func engineError(err error) error {
+	if errors.Is(err, errNoKV) {
+		return status.Error(codes.FailedPrecondition, err.Error())
+	}
 	var he *engine.HTTPError
 	if errors.As(err, &he) {
 		code := codes.Unknown
@@ -112,6 +118,9 @@ func (a *Agent) regions(ctx context.Context, writable bool) (*shm.Regions, hooks
 	lay, err := a.eng.Layout(ctx)
 	if err != nil {
 		return nil, lay, err
+	}
+	if len(lay.Regions) == 0 {
+		return nil, lay, errNoKV
 	}
 	if onGPU(lay) {
 		return nil, lay, nil

@@ -18,7 +18,7 @@ import (
 
 func newBenchMigrateCommand(g *globalFlags) *cobra.Command {
 	sc := scenario{Type: migrate.DestroySource}
-	var grans []string
+	var grans, verifies []string
 	var jsonOut string
 	geo := simGeometryFlags{}
 	cmd := &cobra.Command{
@@ -36,7 +36,7 @@ against the median gap, and each round's blocks and bytes.`,
 				return err
 			}
 			sc.Log = log
-			return runBenchMigrate(cmd.Context(), cmd.OutOrStdout(), sc, geo, grans, jsonOut)
+			return runBenchMigrate(cmd.Context(), cmd.OutOrStdout(), sc, geo, grans, verifies, jsonOut)
 		},
 	}
 	f := cmd.Flags()
@@ -46,6 +46,7 @@ against the median gap, and each round's blocks and bytes.`,
 	f.DurationVar(&sc.Delay, "delay", 5*time.Second, "load start → migration")
 	f.IntVar(&sc.TN, "tn", 2, "data-plane connections")
 	f.StringSliceVar(&grans, "final-granularity", []string{"block", "slot"}, "final-round granularities to compare")
+	f.StringSliceVar(&verifies, "verify", []string{migrate.VerifySample}, "checks before the commit to compare (off, sample, full): each runs with every granularity")
 	f.StringVar(&jsonOut, "json", "", "also write the statuses as JSON to this file")
 	f.StringVar(&sc.CPUProfile, "cpuprofile", "", "write a CPU profile of the migration window")
 	_ = f.MarkHidden("cpuprofile")
@@ -87,7 +88,7 @@ func (g simGeometryFlags) apply(c *sim.Config) {
 	}
 }
 
-func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeometryFlags, grans []string, jsonOut string) error {
+func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeometryFlags, grans, verifies []string, jsonOut string) error {
 	sc.Sim = sim.DefaultConfig()
 	geo.apply(&sc.Sim)
 	if sc.Log == nil {
@@ -97,20 +98,26 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 	fmt.Fprintf(out, "vhi bench migrate: %d streams × %d tokens, sim %s / kv-scale %d, %d blocks, KV on %s → %s, delay %v, tn %d\n",
 		sc.Streams, sc.MaxTokens, g.Profile, g.KVScale, g.NumBlocks, sc.DeviceA, sc.DeviceB, sc.Delay, sc.TN)
 	var all []migrate.Status
-	for _, gran := range grans {
-		sc.FinalGranularity = gran
+	var runs [][2]string
+	for _, v := range verifies {
+		for _, gran := range grans {
+			runs = append(runs, [2]string{v, gran})
+		}
+	}
+	for _, r := range runs {
+		sc.Verify, sc.FinalGranularity = r[0], r[1]
 		res, err := sc.run(ctx)
 		if err != nil {
 			return err
 		}
 		st := res.Status
 		all = append(all, st)
-		fmt.Fprintf(out, "\n== final round: %s ==\n", gran)
+		fmt.Fprintf(out, "\n== final round: %s, check before the commit: %s ==\n", r[1], r[0])
 		printMigration(out, st)
 		var steps []string
 		for _, s := range st.StepHistory {
 			switch s.Step {
-			case "pause_source", "final_round", "install_target", "switch":
+			case "pause_source", "final_round", "verify", "install_target", "switch":
 				steps = append(steps, fmt.Sprintf("%s %.1f", s.Step, s.DurationS*1000))
 			}
 		}

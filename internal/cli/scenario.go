@@ -15,6 +15,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/vllm-hi/vllm-hi/internal/host"
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
 	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/sim"
@@ -33,6 +34,7 @@ type scenario struct {
 	Type             string
 	FinalGranularity string
 	TN               int
+	Verify           string // the Host's --migration-verify ("" = its default)
 	Log              *zap.Logger
 	CPUProfile       string // write a CPU profile of the migration window here
 	Trace            string // write an execution trace of the migration window here
@@ -93,7 +95,12 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 	}
 	simA, simB := sc.Sim, sc.Sim
 	simA.Device, simB.Device = sc.DeviceA, sc.DeviceB
-	st, err := stack.Start(stack.Options{Model: "demo-model", SimA: simA, SimB: simB, Log: sc.Log})
+	tune := func(c *host.Config) {
+		if sc.Verify != "" {
+			c.Migration.Verify = sc.Verify
+		}
+	}
+	st, err := stack.Start(stack.Options{Model: "demo-model", SimA: simA, SimB: simB, Log: sc.Log, TuneHost: tune})
 	if err != nil {
 		return res, err
 	}

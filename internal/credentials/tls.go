@@ -47,8 +47,21 @@ func pool(path string) (*x509.CertPool, error) {
 }
 
 // Server is the TLS configuration of this process's servers; nil when it
-// serves plain TCP. protos are the ALPN protocols offered.
+// serves plain TCP. With a client CA every client must present a
+// certificate it signed. protos are the ALPN protocols offered.
 func (f TLSFiles) Server(protos ...string) (*tls.Config, error) {
+	return f.server(tls.RequireAndVerifyClientCert, protos)
+}
+
+// ServerVerifyIfGiven is Server for an address that serves both clients
+// without certificates (OpenAI and REST clients, who use tokens) and
+// clients that must present one (agents): a certificate that is given
+// must verify, and the caller checks who needs one (grpcauth).
+func (f TLSFiles) ServerVerifyIfGiven(protos ...string) (*tls.Config, error) {
+	return f.server(tls.VerifyClientCertIfGiven, protos)
+}
+
+func (f TLSFiles) server(mode tls.ClientAuthType, protos []string) (*tls.Config, error) {
 	if err := f.Check(); err != nil || !f.Enabled() {
 		return nil, err
 	}
@@ -61,7 +74,7 @@ func (f TLSFiles) Server(protos ...string) (*tls.Config, error) {
 		if c.ClientCAs, err = pool(f.ClientCAFile); err != nil {
 			return nil, err
 		}
-		c.ClientAuth = tls.RequireAndVerifyClientCert
+		c.ClientAuth = mode
 	}
 	return c, nil
 }

@@ -8,10 +8,12 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
-	"github.com/vllm-hi/vllm-hi/internal/credentials"
+	vhicreds "github.com/vllm-hi/vllm-hi/internal/credentials"
 )
 
 // Token sends a bearer token as "authorization" metadata; an empty token
@@ -37,15 +39,28 @@ func (Token) RequireTransportSecurity() bool { return false }
 func Check(ctx context.Context, want string) bool {
 	md, _ := metadata.FromIncomingContext(ctx)
 	v := md.Get("authorization")
-	return len(v) > 0 && credentials.Matches(v[0], want)
+	return len(v) > 0 && vhicreds.Matches(v[0], want)
 }
 
 // ServerOptions are the interceptors that refuse every call, unary or
-// streaming, without the token; refused is told the method of each
-// refusal (for metrics). An empty token refuses nothing.
-func ServerOptions(token string, refused func(method string)) []grpc.ServerOption {
+// streaming, without the token — and, with requireCert, without a
+// verified TLS client certificate (mTLS on an address that also serves
+// clients without one); refused is told the method of each refusal (for
+// metrics). An empty token refuses nothing.
+func ServerOptions(token string, requireCert bool, refused func(method string)) []grpc.ServerOption {
 	deny := func(ctx context.Context, method string) error {
-		if token == "" || Check(ctx, token) {
+		ok := token == "" || Check(ctx, token)
+		if ok && requireCert {
+			p, _ := peer.FromContext(ctx)
+			ti, isTLS := p.AuthInfo.(credentials.TLSInfo)
+			if p == nil || !isTLS || len(ti.State.VerifiedChains) == 0 {
+				if refused != nil {
+					refused(method)
+				}
+				return status.Error(codes.Unauthenticated, "a verified TLS client certificate is required")
+			}
+		}
+		if ok {
 			return nil
 		}
 		if refused != nil {

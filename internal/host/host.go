@@ -98,7 +98,7 @@ func New(cfg Config, log *zap.Logger) (*Host, error) {
 	}
 	h := &Host{cfg: cfg, log: log, started: time.Now(), prom: prometheus.NewRegistry(), bodies: newBudget(cfg.BodyMemory)}
 	var err error
-	if h.serverTLS, err = cfg.TLS.Server("h2", "http/1.1"); err != nil {
+	if h.serverTLS, err = cfg.TLS.ServerVerifyIfGiven("h2", "http/1.1"); err != nil {
 		return nil, err
 	}
 	var agentTLS *tls.Config
@@ -140,7 +140,9 @@ func New(cfg Config, log *zap.Logger) (*Host, error) {
 		h.closeStore()
 		return nil, err
 	}
-	h.grpc = grpc.NewServer(grpcauth.ServerOptions(cfg.AgentToken, func(string) {
+	// With a client CA, agents (the gRPC side of the one address) must
+	// present a certificate it signed; OpenAI and REST clients need none.
+	h.grpc = grpc.NewServer(grpcauth.ServerOptions(cfg.AgentToken, cfg.TLS.ClientCAFile != "", func(string) {
 		h.m.registrations.WithLabelValues("unauthenticated").Inc()
 	})...)
 	v1.RegisterRegistryServer(h.grpc, &registryService{h: h})

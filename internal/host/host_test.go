@@ -1,13 +1,16 @@
 package host
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
 	"flag"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -362,4 +365,100 @@ func tail(s string) string {
 		return s[len(s)-80:]
 	}
 	return s
+}
+
+// FuzzMigrateBody posts arbitrary bodies to POST /vllm_hi/migrate: every
+// answer is a 4xx in the contract's error shape (the registry is empty,
+// so nothing can start), and nothing panics.
+func FuzzMigrateBody(f *testing.F) {
+	cfg := DefaultConfig()
+	h, err := New(cfg, zap.NewNop())
+	if err != nil {
+		f.Fatal(err)
+	}
+	handler := h.Handler()
+	for _, seed := range []string{
+		`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B"}`,
+		`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","migration_type":"preserve_source","tn":4,"target_tp":2,"request_filter":"longest:3"}`,
+		`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","migration_typ":"preserve_source"}`,
+		`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B"} trailing`,
+		`{"target_gpu_memory_utilization":1e400}`,
+		`[]`, ``, `null`,
+	} {
+		f.Add([]byte(seed))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		req := httptest.NewRequest(http.MethodPost, "/vllm_hi/migrate", bytes.NewReader(body))
+		w := httptest.NewRecorder()
+		handler.ServeHTTP(w, req)
+		var e struct {
+			Error struct {
+				Message string `json:"message"`
+				Code    int    `json:"code"`
+			} `json:"error"`
+		}
+		if w.Code < 400 || w.Code >= 500 || json.Unmarshal(w.Body.Bytes(), &e) != nil || e.Error.Code != w.Code || e.Error.Message == "" {
+			t.Fatalf("%q: %d %s", body, w.Code, w.Body)
+		}
+	})
+}
+
+// rawPost opens a connection, sends a request's head announcing n body
+// bytes and the first sent of them, and returns the connection.
+func rawPost(t *testing.T, addr string, n, sent int) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: h\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n", n)
+	if _, err := c.Write(bytes.Repeat([]byte(" "), sent)); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+func statusOf(t *testing.T, c net.Conn, within time.Duration) int {
+	t.Helper()
+	_ = c.SetReadDeadline(time.Now().Add(within))
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		t.Fatalf("no answer within %v: %v", within, err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+// Slow or large uploads cannot pin the Host's memory: a body that does
+// not arrive within the body timeout is answered 408, and beyond the
+// Host-wide body budget new uploads are refused with 503 at once.
+func TestRequestBodiesAreBounded(t *testing.T) {
+	h := startHost(t, func(c *Config) {
+		c.RequestBodyTimeout, c.MaxRequestBody, c.BodyMemory = 500*time.Millisecond, 1<<20, 1<<20
+	})
+	start := time.Now()
+	slow := rawPost(t, h.addr, 100000, 10)
+	defer slow.Close()
+	if code := statusOf(t, slow, 5*time.Second); code != http.StatusRequestTimeout || time.Since(start) > 3*time.Second {
+		t.Fatalf("a body that never arrives: %d after %v", code, time.Since(start))
+	}
+	// One upload holds 700 KiB (and stalls); a second one would take the
+	// Host past its 1 MiB budget.
+	h2 := startHost(t, func(c *Config) {
+		c.RequestBodyTimeout, c.MaxRequestBody, c.BodyMemory = 5*time.Second, 1<<20, 1<<20
+	})
+	first := rawPost(t, h2.addr, 900<<10, 700<<10)
+	defer first.Close()
+	time.Sleep(200 * time.Millisecond)
+	second := rawPost(t, h2.addr, 900<<10, 700<<10)
+	defer second.Close()
+	if code := statusOf(t, second, 3*time.Second); code != http.StatusServiceUnavailable {
+		t.Fatalf("an upload beyond the body budget: %d", code)
+	}
+	// Too large at all: 413.
+	big := rawPost(t, h2.addr, 2<<20, 2<<20)
+	defer big.Close()
+	if code := statusOf(t, big, 3*time.Second); code != http.StatusRequestEntityTooLarge && code != http.StatusServiceUnavailable {
+		t.Fatalf("an upload over the size limit: %d", code)
+	}
 }

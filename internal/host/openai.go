@@ -60,7 +60,6 @@ var (
 func (h *Host) readBody(w http.ResponseWriter, r *http.Request) ([]byte, int64, error) {
 	rc := http.NewResponseController(w)
 	_ = rc.SetReadDeadline(time.Now().Add(h.cfg.RequestBodyTimeout))
-	defer func() { _ = rc.SetReadDeadline(time.Time{}) }()
 	var held int64
 	var buf []byte
 	chunk := make([]byte, 32<<10)
@@ -79,6 +78,7 @@ func (h *Host) readBody(w http.ResponseWriter, r *http.Request) ([]byte, int64, 
 			buf = append(buf, chunk[:n]...)
 		}
 		if err == io.EOF {
+			_ = rc.SetReadDeadline(time.Time{})
 			return buf, held, nil
 		}
 		if err != nil {
@@ -94,6 +94,11 @@ func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 	var released sync.Once
 	release := func() { released.Do(func() { h.bodies.give(held) }) }
 	defer release()
+	if err != nil {
+		// The rest of the body is not read: close the connection after
+		// the answer instead of waiting for bytes that may never come.
+		w.Header().Set("Connection", "close")
+	}
 	switch {
 	case errors.Is(err, errBodyTooLarge):
 		h.count("", http.StatusRequestEntityTooLarge)

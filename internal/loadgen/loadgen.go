@@ -53,6 +53,8 @@ type Config struct {
 	Client  *http.Client
 	// Stagger spreads the start of the streams over this long.
 	Stagger time.Duration
+	// Header is sent with every request (e.g. a client's X-Request-Id).
+	Header http.Header
 }
 
 // Run sends every request concurrently as a streaming completion with
@@ -98,6 +100,9 @@ func streamOne(ctx context.Context, client *http.Client, cfg Config, r Request) 
 	if err != nil {
 		s.Err = err
 		return s
+	}
+	for k, vs := range cfg.Header {
+		req.Header[k] = vs
 	}
 	req.Header.Set("Content-Type", "application/json")
 	resp, err := client.Do(req)

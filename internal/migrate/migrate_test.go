@@ -1,7 +1,10 @@
 package migrate
 
 import (
+	"encoding/json"
 	"errors"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -94,5 +97,101 @@ func TestStartRefusals(t *testing.T) {
 	}
 	if len(o.List()) != 0 || o.Busy("A") || o.Busy("B") {
 		t.Fatal("a refused migration left state behind")
+	}
+}
+
+// memRecords is a RecordStore in memory.
+type memRecords struct {
+	mu sync.Mutex
+	m  map[string]json.RawMessage
+}
+
+func (s *memRecords) PutMigration(id string, r json.RawMessage) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.m[id] = r
+	return nil
+}
+
+func (s *memRecords) DeleteMigration(id string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.m, id)
+	return nil
+}
+
+func (s *memRecords) Migrations() (map[string]json.RawMessage, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := map[string]json.RawMessage{}
+	for k, v := range s.m {
+		out[k] = v
+	}
+	return out, nil
+}
+
+// Records of earlier Hosts come back; migrations a Host died in are
+// closed with what happened to them; the history is bounded, in memory
+// and in the store.
+func TestRecordsSurviveAndStayBounded(t *testing.T) {
+	store := &memRecords{m: map[string]json.RawMessage{}}
+	t0 := time.Unix(1000, 0).UTC()
+	for i, st := range []Status{
+		{ID: "mig-1", State: StateSucceeded},
+		{ID: "mig-2", State: StateAborted},
+		{ID: "mig-3", State: StateSucceeded},
+		{ID: "mig-4", State: StateRunning, CurrentStep: stepRound0},
+		{ID: "mig-5", State: StateRunning, CurrentStep: stepSwitch, Committed: true},
+	} {
+		st.CreatedAt = t0.Add(time.Duration(i) * time.Second)
+		b, _ := json.Marshal(st)
+		store.m[st.ID] = b
+	}
+	cfg := DefaultConfig()
+	cfg.MaxHistory = 3
+	reg := registry.New(registry.Options{})
+	o, err := New(cfg, reg, proxy.New(proxy.Options{}, nil, zap.NewNop()), nil, store, zap.NewNop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	list := o.List()
+	if len(list) != 3 || list[0].ID != "mig-5" || list[2].ID != "mig-3" {
+		t.Fatalf("history: %+v", list)
+	}
+	if st, _ := o.Get("mig-4"); st.State != StateAborted || !strings.Contains(st.Error, "rolled it back") {
+		t.Fatalf("a migration its Host died in before the commit: %+v", st)
+	}
+	if st, _ := o.Get("mig-5"); st.State != StateFailed {
+		t.Fatalf("a migration its Host died in after the commit: %+v", st)
+	}
+	o.Close()
+	if len(store.m) != 3 {
+		t.Fatalf("the store keeps %d records, want 3", len(store.m))
+	}
+	var st Status
+	_ = json.Unmarshal(store.m["mig-4"], &st)
+	if st.State != StateAborted {
+		t.Fatalf("the closed record was not written back: %+v", st)
+	}
+}
+
+// Sample mode checks every request's last two blocks and a few random
+// others; full mode every block.
+func TestVerifyPicks(t *testing.T) {
+	for k := 1; k < 40; k++ {
+		got := pick(k, VerifySample, 2)
+		seen := map[int]bool{}
+		for _, i := range got {
+			if i < 0 || i >= k || seen[i] {
+				t.Fatalf("k=%d: %v", k, got)
+			}
+			seen[i] = true
+		}
+		if len(got) != min(k, 4) || !seen[k-1] || (k > 1 && !seen[k-2]) {
+			t.Fatalf("k=%d: %v", k, got)
+		}
+		if full := pick(k, VerifyFull, 2); len(full) != k {
+			t.Fatalf("full k=%d: %v", k, full)
+		}
 	}
 }

@@ -2,6 +2,8 @@ package proxy
 
 import (
 	"bufio"
+	"bytes"
+	"encoding/json"
 	"io"
 	"net"
 	"net/http"
@@ -252,4 +254,44 @@ func TestClassifyFastMatchesSlow(t *testing.T) {
 			t.Errorf("%s: fast %v, slow %v (%v %v)", ev, fast, slow, err1, err2)
 		}
 	}
+}
+
+// FuzzSSE reads arbitrary bytes as an engine's stream: the reader never
+// panics, every event it returns is bytes of the input, and on valid JSON
+// the fast classification agrees with the full decoder (the relay splices
+// by what the fast path counts).
+func FuzzSSE(f *testing.F) {
+	for _, seed := range []string{
+		"data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"text\":\" a\",\"finish_reason\":null}]}\n\ndata: [DONE]\n\n",
+		"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n",
+		"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1}}\n\n",
+		"data: {\"error\":{\"message\":\"x\"}}\n\n",
+		": comment\n\nevent: x\ndata: a\ndata: b\n\n",
+		"data: {\"choices\":[{\"text\":\"\\ud83d\\ude00\\u00e9\"}]}\n\n",
+		"data: " + strings.Repeat("x", 33000) + "\n\n",
+	} {
+		f.Add([]byte(seed))
+	}
+	f.Fuzz(func(t *testing.T, in []byte) {
+		er := NewEventReader(bytes.NewReader(in))
+		for i := 0; i < 1000; i++ {
+			ev, err := er.Next()
+			if err != nil {
+				return
+			}
+			if !bytes.Contains(in, ev.Raw) {
+				t.Fatalf("event %q is not in the input", ev.Raw)
+			}
+			kind, n, _ := ClassifyText(ev.Data)
+			if n < 0 {
+				t.Fatalf("negative text length for %q", ev.Data)
+			}
+			if json.Valid(ev.Data) {
+				slow, sn, err := classifySlow(ev.Data)
+				if err == nil && (slow != kind || (kind == KindToken && sn != n)) {
+					t.Fatalf("%q: fast %v/%d, slow %v/%d", ev.Data, kind, n, slow, sn)
+				}
+			}
+		}
+	})
 }

@@ -189,3 +189,65 @@ func streamThrough(t *testing.T, p *Proxy, aURL string) <-chan string {
 	}()
 	return got
 }
+
+// The fence: a source whose pause lease ran out goes on decoding past what
+// it exported, but none of those tokens reaches the client — the target
+// produces them. The client gets the source's k tokens, then the
+// target's, each exactly once.
+func TestSpliceFencesASourceThatGoesOn(t *testing.T) {
+	const k, total = 4, 9
+	splice := make(chan struct{})
+	a := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for i := 0; i < k-1; i++ {
+			_, _ = io.WriteString(w, tokenEvent(i))
+		}
+		w.(http.Flusher).Flush()
+		<-splice
+		// The last exported token, and then — the lease ended — more, as
+		// if the request had never moved, all in one write.
+		var rest strings.Builder
+		for i := k - 1; i < total; i++ {
+			rest.WriteString(tokenEvent(i))
+		}
+		_, _ = io.WriteString(w, rest.String())
+		w.(http.Flusher).Flush()
+		<-r.Context().Done()
+	}))
+	defer a.Close()
+	b := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for i := k; i < total; i++ {
+			_, _ = io.WriteString(w, tokenEvent(i))
+		}
+		_, _ = io.WriteString(w, "data: [DONE]\n\n")
+	}))
+	defer b.Close()
+	p := New(Options{StreamIdleTimeout: 3 * time.Second}, testMetrics(), zap.NewNop())
+	got := streamThrough(t, p, a.URL)
+	var s *Stream
+	for deadline := time.Now().Add(5 * time.Second); s == nil || s.Tokens() < k-1; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("stream never started")
+		}
+		s = p.Streams().Get("cmpl-x")
+	}
+	switched := s.Splice(b.URL, "B", k, -1)
+	close(splice)
+	select {
+	case err := <-switched:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the splice never happened")
+	}
+	var want strings.Builder
+	for i := 0; i < total; i++ {
+		want.WriteString(tokenEvent(i))
+	}
+	want.WriteString("data: [DONE]\n\n")
+	if body := <-got; body != want.String() {
+		t.Fatalf("client saw:\n%s\nwant:\n%s", body, want.String())
+	}
+}

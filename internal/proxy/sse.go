@@ -201,9 +201,12 @@ func stringAfter(data, key []byte) (int, bool) {
 
 // jsonStringRunes counts the code points of a JSON string body up to its
 // closing quote without decoding it: a \uXXXX escape is one code point,
-// except the low half of a surrogate pair, which completes the one before.
+// except the low half of a surrogate pair right after its high half,
+// which completes it. (A lone surrogate is one code point, as Python's
+// len and Go's decoder, which makes it U+FFFD, both count it.)
 func jsonStringRunes(b []byte) (int, bool) {
 	n := 0
+	high := false // the previous code point was a \uD800-\uDBFF escape
 	for i := 0; i < len(b); i++ {
 		c := b[i]
 		switch {
@@ -217,23 +220,34 @@ func jsonStringRunes(b []byte) (int, bool) {
 				if i+5 >= len(b) {
 					return 0, false
 				}
-				if !isLowSurrogate(b[i+2 : i+6]) {
+				hex := b[i+2 : i+6]
+				if !(high && isSurrogate(hex, "cdefCDEF")) {
 					n++
 				}
+				high = !high && isSurrogate(hex, "89abAB")
 				i += 5
-			} else {
-				n++
-				i++
+				continue
 			}
-		case c&0xC0 != 0x80: // an ASCII byte or the first byte of a UTF-8 sequence
 			n++
+			i++
+		case c < utf8.RuneSelf:
+			n++
+		default:
+			// A UTF-8 sequence is one code point; so is each byte that is
+			// not valid UTF-8 (Go's decoder makes it U+FFFD).
+			_, size := utf8.DecodeRune(b[i:])
+			n++
+			i += size - 1
 		}
+		high = false
 	}
 	return 0, false
 }
 
-func isLowSurrogate(hex []byte) bool {
-	return (hex[0] == 'd' || hex[0] == 'D') && strings.ContainsRune("cdefCDEF", rune(hex[1]))
+// isSurrogate reports whether the escape's hex digits are \uDxyy with x
+// one of second.
+func isSurrogate(hex []byte, second string) bool {
+	return (hex[0] == 'd' || hex[0] == 'D') && strings.ContainsRune(second, rune(hex[1]))
 }
 
 // classifySlow decodes the event.

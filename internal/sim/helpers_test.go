@@ -12,7 +12,7 @@ import (
 )
 
 // testConfig is a small, fast engine: the tiny profile, a 1 ms step.
-func testConfig(t *testing.T) Config {
+func testConfig(t testing.TB) Config {
 	t.Helper()
 	c := DefaultConfig()
 	c.Model = "test-model"

@@ -19,13 +19,14 @@ var _ hooks.Engine = (*Engine)(nil)
 func (e *Engine) Layout(context.Context) (hooks.Layout, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if e.kv == nil {
-		return hooks.Layout{}, conflict("The engine is sleeping: its KV cache is released.")
-	}
 	l := hooks.Layout{
 		Engine: "vhi-sim", EngineVersion: version.Version, HooksVersion: hooks.Version,
 		Model: e.cfg.Model, ServedModels: e.cfg.ServedModelNames,
-		Geometry: e.geo, Parallel: e.par, KVLayout: "HND", KVGeneration: e.kvGen,
+		Geometry: e.geo, Parallel: e.par, KVLayout: "HND", KVGeneration: e.kvGen, Regions: []hooks.Region{},
+	}
+	if e.kv == nil {
+		// Sleeping: the geometry stands, the memory is gone.
+		return l, nil
 	}
 	gpu, dev, _ := e.cfg.device()
 	for _, r := range e.kv.regions {

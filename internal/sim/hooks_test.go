@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math"
 	"net/http"
 	"os"
 	"strings"
@@ -424,5 +425,49 @@ func TestWatchersDoNotWaitForAStep(t *testing.T) {
 	}
 	if _, err := e.Watcher("nobody"); err == nil {
 		t.Fatal("a watcher of an unknown request")
+	}
+}
+
+// An install is checked whole before anything changes: computed tokens
+// beyond the reservation (which panicked the handler half-way), text
+// offsets past the text (which would panic a stream), a request named
+// twice, or out-of-vocabulary tokens are refused, and the engine is left
+// as it was.
+func TestMalformedInstallsChangeNothing(t *testing.T) {
+	e := startEngine(t, testConfig(t))
+	ctx := context.Background()
+	if _, err := e.Allocate(ctx, hooks.AllocateRequest{Requests: []hooks.AllocateItem{{RequestID: "r", NumTokens: 4}, {RequestID: "s", NumTokens: 40}}}); err != nil {
+		t.Fatal(err)
+	}
+	before, _ := e.Stats(ctx)
+	good := func(id string) hooks.RequestState {
+		return hooks.RequestState{RequestID: id, PromptTokenIDs: []int{5, 6, 7}, OutputTokenIDs: []int{8}, NumComputedTokens: 3,
+			Sampling: hooks.SamplingParams{Temperature: 1, TopP: 1, MaxTokens: 9}, OutputText: "x", TextOffsets: []int{1}}
+	}
+	long := good("r")
+	long.PromptTokenIDs = make([]int, 20)
+	long.NumComputedTokens = 20
+	offsets := good("r")
+	offsets.TextOffsets = []int{9}
+	vocab := good("r")
+	vocab.OutputTokenIDs = []int{1 << 30}
+	nan := good("r")
+	nan.Sampling.Temperature = math.NaN()
+	for name, states := range map[string][]hooks.RequestState{
+		"computed tokens beyond the reservation": {good("s"), long},
+		"text offsets past the text":             {offsets},
+		"a request named twice":                  {good("r"), good("r")},
+		"a token out of vocabulary":              {vocab},
+		"a NaN temperature":                      {nan},
+	} {
+		if _, err := e.Install(ctx, hooks.InstallRequest{Requests: states, Resume: true}); err == nil {
+			t.Errorf("%s: installed", name)
+		}
+		if after, _ := e.Stats(ctx); after.NumRunning != 0 || after.ReservedBlocks != before.ReservedBlocks || after.FreeBlocks != before.FreeBlocks {
+			t.Fatalf("%s changed the engine: %+v, before %+v", name, after, before)
+		}
+	}
+	if _, err := e.Install(ctx, hooks.InstallRequest{Requests: []hooks.RequestState{good("r"), good("s")}, Resume: true}); err != nil {
+		t.Fatalf("the good states: %v", err)
 	}
 }

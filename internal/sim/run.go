@@ -17,8 +17,10 @@ type Running struct {
 	stop   func()
 }
 
-// Start runs an engine for cfg on 127.0.0.1 (any free port).
-func Start(cfg Config, log *zap.Logger) (*Running, error) {
+// Start runs an engine for cfg on 127.0.0.1 (any free port). wrap, when
+// given, wraps the engine's HTTP handler (tests that make an engine
+// misbehave).
+func Start(cfg Config, log *zap.Logger, wrap ...func(http.Handler) http.Handler) (*Running, error) {
 	if log == nil {
 		log = zap.NewNop()
 	}
@@ -34,7 +36,11 @@ func Start(cfg Config, log *zap.Logger) (*Running, error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); e.Run(ctx) }()
-	srv := &http.Server{Handler: NewServer(e, log).Handler(), ReadHeaderTimeout: 10 * time.Second}
+	h := NewServer(e, log).Handler()
+	for _, w := range wrap {
+		h = w(h)
+	}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
 	go func() { _ = srv.Serve(ln) }()
 	return &Running{URL: "http://" + ln.Addr().String(), Engine: e, stop: func() {
 		_ = srv.Close()

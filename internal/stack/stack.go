@@ -28,6 +28,10 @@ type Options struct {
 	SimB    sim.Config
 	Log     *zap.Logger
 	HostCfg host.Config
+	// TuneHost adjusts the Host's configuration (after the defaults).
+	TuneHost func(*host.Config)
+	// WrapB wraps engine B's HTTP handler (tests of a misbehaving target).
+	WrapB func(http.Handler) http.Handler
 }
 
 // Stack is a running deployment. Every plane is authenticated as in a
@@ -56,7 +60,11 @@ func Start(o Options) (*Stack, error) {
 	if s.A, s.AURL, err = s.startSim(o.SimA, o.Model, fmt.Sprintf("vhi-stack-%d-a", pid), o.Log); err != nil {
 		return fail(err)
 	}
-	if s.B, s.BURL, err = s.startSim(o.SimB, o.Model, fmt.Sprintf("vhi-stack-%d-b", pid), o.Log); err != nil {
+	var wrapB []func(http.Handler) http.Handler
+	if o.WrapB != nil {
+		wrapB = append(wrapB, o.WrapB)
+	}
+	if s.B, s.BURL, err = s.startSim(o.SimB, o.Model, fmt.Sprintf("vhi-stack-%d-b", pid), o.Log, wrapB...); err != nil {
 		return fail(err)
 	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -68,6 +76,9 @@ func Start(o Options) (*Stack, error) {
 		cfg = host.DefaultConfig()
 		cfg.HeartbeatInterval = 200 * time.Millisecond
 		cfg.ShutdownTimeout = 5 * time.Second
+	}
+	if o.TuneHost != nil {
+		o.TuneHost(&cfg)
 	}
 	cfg.AdminToken, cfg.AgentToken = s.AdminToken, s.AgentToken
 	if s.Host, err = host.New(cfg, o.Log.Named("host")); err != nil {
@@ -110,9 +121,9 @@ func Start(o Options) (*Stack, error) {
 	}
 }
 
-func (s *Stack) startSim(c sim.Config, model, prefix string, log *zap.Logger) (*sim.Engine, string, error) {
+func (s *Stack) startSim(c sim.Config, model, prefix string, log *zap.Logger, wrap ...func(http.Handler) http.Handler) (*sim.Engine, string, error) {
 	c.Model, c.ServedModelNames, c.ShmPrefix, c.HookToken = model, []string{model}, prefix, s.AgentToken
-	r, err := sim.Start(c, log.Named(prefix))
+	r, err := sim.Start(c, log.Named(prefix), wrap...)
 	if err != nil {
 		return nil, "", err
 	}

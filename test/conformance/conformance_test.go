@@ -100,6 +100,10 @@ var (
 	vllmURL, vllmBURL string
 	vllmErr           error
 	vllmLogs          lockedBuffer
+	// The deployment's credentials: the engines' hooks require the agent
+	// token (VLLM_HI_ENGINE_TOKEN_FILE), the Host's changes the admin one.
+	agentToken, adminToken = "conformance-agent-token", "conformance-admin-token"
+	agentTokenFile         string
 )
 
 type lockedBuffer struct {
@@ -121,6 +125,15 @@ func (l *lockedBuffer) String() string {
 
 func TestMain(m *testing.M) {
 	var stops []func()
+	tokDir, err := os.MkdirTemp("", "vhi-conformance-tokens-")
+	if err != nil {
+		panic(err)
+	}
+	agentTokenFile = filepath.Join(tokDir, "agent-token")
+	if err := os.WriteFile(agentTokenFile, []byte(agentToken+"\n"), 0o600); err != nil {
+		panic(err)
+	}
+	stops = append(stops, func() { os.RemoveAll(tokDir) })
 	if venv := os.Getenv("VHI_VLLM_VENV"); venv != "" {
 		model, cleanup, err := makeTinyModel(venv)
 		stops = append(stops, cleanup)
@@ -184,7 +197,8 @@ func startVLLM(venv, model, typ string) (string, func(), error) {
 	cmd := exec.Command(filepath.Join(venv, "bin", "vllm"), "serve", model, "--port", fmt.Sprint(port),
 		"--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "16",
 		"--vllm-hi-type", typ)
-	cmd.Env = append(os.Environ(), "VLLM_TARGET_DEVICE=cpu", "VLLM_CPU_KVCACHE_SPACE=1", "HF_HUB_OFFLINE=1", "VLLM_HI_AGENT=off")
+	cmd.Env = append(os.Environ(), "VLLM_TARGET_DEVICE=cpu", "VLLM_CPU_KVCACHE_SPACE=1", "HF_HUB_OFFLINE=1", "VLLM_HI_AGENT=off",
+		"VLLM_HI_ENGINE_TOKEN_FILE="+agentTokenFile)
 	cmd.Stdout, cmd.Stderr = &vllmLogs, &vllmLogs
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	start := time.Now()
@@ -249,10 +263,18 @@ type answer struct {
 	events []string // SSE data payloads
 }
 
+// send makes one request, with the credential its route needs: engine
+// hooks the agent token, the Host's changes the admin token.
 func send(t *testing.T, method, url, body string) answer {
 	t.Helper()
 	req, _ := http.NewRequest(method, url, strings.NewReader(body))
 	req.Header.Set("Content-Type", "application/json")
+	switch {
+	case strings.Contains(url, "/vllm_hi/engine/"):
+		req.Header.Set("Authorization", "Bearer "+agentToken)
+	case strings.Contains(url, "/vllm_hi/") && method != http.MethodGet:
+		req.Header.Set("Authorization", "Bearer "+adminToken)
+	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)

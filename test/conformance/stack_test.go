@@ -23,6 +23,7 @@ func startHostWith(t *testing.T, cfg host.Config) (url, addr string) {
 		t.Fatal(err)
 	}
 	cfg.HeartbeatInterval, cfg.ShutdownTimeout = 200*time.Millisecond, 2*time.Second
+	cfg.AdminToken, cfg.AgentToken = adminToken, agentToken
 	h, err := host.New(cfg, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
@@ -37,7 +38,7 @@ func startHostWith(t *testing.T, cfg host.Config) (url, addr string) {
 func startAgent(t *testing.T, hostAddr, engineURL, typ string) {
 	t.Helper()
 	a, err := agent.New(agent.Config{Type: typ, HostAddr: hostAddr, EngineURL: engineURL, Listen: "127.0.0.1:0",
-		AdvertiseHost: "127.0.0.1", TP: 1, PP: 1, EngineWait: time.Minute}, zap.NewNop())
+		AdvertiseHost: "127.0.0.1", TP: 1, PP: 1, EngineWait: time.Minute, AgentToken: agentToken}, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}

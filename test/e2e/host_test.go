@@ -13,13 +13,30 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
 )
 
+type instanceView struct {
+	ID           string `json:"vllm_hi_id"`
+	Role         string `json:"role"`
+	State        string `json:"state"`
+	Lifecycle    string `json:"lifecycle"`
+	Migratable   bool   `json:"migratable"`
+	AgentAddress string `json:"agent_address"`
+	DataAddress  string `json:"data_address"`
+	HooksAuth    bool   `json:"hooks_authenticated"`
+}
+
 type instancesView struct {
-	Instances []struct {
-		ID         string `json:"vllm_hi_id"`
-		Role       string `json:"role"`
-		State      string `json:"state"`
-		Migratable bool   `json:"migratable"`
-	} `json:"instances"`
+	Instances []instanceView `json:"instances"`
+}
+
+// instance returns one instance as the Host lists it (zero if absent).
+func instance(t *testing.T, hostURL, id string) instanceView {
+	t.Helper()
+	for _, i := range listInstances(t, hostURL).Instances {
+		if i.ID == id {
+			return i
+		}
+	}
+	return instanceView{}
 }
 
 func listInstances(t *testing.T, hostURL string) instancesView {

@@ -346,11 +346,21 @@ func TestMigrationBadInput(t *testing.T) {
 		{`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","request_filter":"shortest:3"}`, 400},
 		{`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","target_tp":2}`, 409},
 		{`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","tn":1000}`, 400},
+		// A typo must not fall back to the default (destroy_source).
+		{`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","migration_typ":"preserve_source"}`, 400},
+		{`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B"}{"src_vllm_hi_id":"B"}`, 400},
+		{`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B"} trailing`, 400},
+		{`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","target_gpu_memory_utilization":-0.5}`, 400},
+		{`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","target_gpu_memory_utilization":1.5}`, 400},
+		{`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","target_tp":0}`, 400},
 	} {
 		code, body := d.migrate(t, c.body)
 		if code != c.code || !strings.Contains(body, fmt.Sprintf(`"code":%d`, c.code)) {
 			t.Errorf("%s: %d %s, want %d", c.body, code, body, c.code)
 		}
+	}
+	if roleOf(t, d.hostURL, "A") != "active" || roleOf(t, d.hostURL, "B") != "standby" || len(listMigrations(t, d.hostURL)) != 0 {
+		t.Fatal("a refused migrate request changed something")
 	}
 	resp, _ := http.Get(d.hostURL + "/vllm_hi/migration/mig-unknown/status")
 	if resp.StatusCode != 404 {
@@ -493,4 +503,18 @@ func hostMetrics(t *testing.T, hostURL string, want ...string) {
 			t.Errorf("the Host's /metrics lacks %q", w)
 		}
 	}
+}
+
+func listMigrations(t *testing.T, hostURL string) []migStatus {
+	t.Helper()
+	var v struct {
+		Migrations []migStatus `json:"migrations"`
+	}
+	resp, err := http.Get(hostURL + "/vllm_hi/migrations")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	_ = json.NewDecoder(resp.Body).Decode(&v)
+	return v.Migrations
 }

@@ -20,6 +20,10 @@ ENV_BACKEND = "VLLM_HI_TRANSFER_BACKEND"
 ENV_AGENT = "VLLM_HI_AGENT"          # path of the vhi binary, or "off"
 ENV_SHM_DIR = "VLLM_HI_SHM_DIR"      # where CPU KV files live (default /dev/shm)
 ENV_HOOK_LEASE = "VLLM_HI_HOOK_LEASE_S"
+# The agent credential the hooks require (a file holding the agent token).
+# Unset: the agent-token a vhi host on this machine keeps in its default
+# data directory, if there is one; else the hooks are open (and say so).
+ENV_ENGINE_TOKEN_FILE = "VLLM_HI_ENGINE_TOKEN_FILE"
 
 
 class ConfigError(ValueError):
@@ -35,6 +39,8 @@ class Config:
     agent: str           # vhi binary or "off"
     shm_dir: str
     hook_lease_s: float
+    token: str = ""       # the agent token the hooks require ("" = open)
+    token_file: str = ""  # where it came from
 
     @property
     def enabled(self) -> bool:
@@ -74,10 +80,43 @@ def load(env=None) -> Config:
         lease = float(env.get(ENV_HOOK_LEASE, "10"))
     except ValueError:
         raise ConfigError(f"{ENV_HOOK_LEASE}: not a number") from None
+    token, token_file = _engine_token(env)
     return Config(type=typ, host=host,
                   data_port=_port(env.get(ENV_DATA_PORT, "0") or "0", f"--vllm-hi-data-port / {ENV_DATA_PORT}"),
                   backend=backend, agent=env.get(ENV_AGENT, "vhi"),
-                  shm_dir=env.get(ENV_SHM_DIR, "/dev/shm"), hook_lease_s=lease)
+                  shm_dir=env.get(ENV_SHM_DIR, "/dev/shm"), hook_lease_s=lease, token=token, token_file=token_file)
+
+
+def default_data_dir(env) -> str:
+    """The vhi host's default data directory (internal/credentials)."""
+    if env.get("XDG_STATE_HOME"):
+        return os.path.join(env["XDG_STATE_HOME"], "vllm-hi")
+    return os.path.join(os.path.expanduser("~"), ".local", "state", "vllm-hi")
+
+
+def read_token(path: str) -> str:
+    """A token file as vhi reads one: one word, not readable by every user."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise ConfigError(f"{ENV_ENGINE_TOKEN_FILE}: {e}") from None
+    if st.st_mode & 0o004:
+        raise ConfigError(f"token file {path} is readable by every user: chmod 600 it")
+    with open(path) as f:
+        tok = f.read().strip()
+    if not tok or any(c.isspace() for c in tok):
+        raise ConfigError(f"token file {path} must hold one word")
+    return tok
+
+
+def _engine_token(env) -> tuple[str, str]:
+    path = env.get(ENV_ENGINE_TOKEN_FILE, "").strip()
+    if path:
+        return read_token(path), path
+    local = os.path.join(default_data_dir(env), "agent-token")
+    if os.path.exists(local):
+        return read_token(local), local
+    return "", ""
 
 
 class _EnvAction(argparse.Action):

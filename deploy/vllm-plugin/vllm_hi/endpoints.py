@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import hmac
 import inspect
 import json
 import logging
@@ -54,11 +55,20 @@ class Installed:
 
 
 class Hooks:
-    def __init__(self, engine_client, state, args):
+    def __init__(self, engine_client, state, args, token: str = ""):
         self.ec = engine_client
         self.state = state
         self.args = args
+        self.token = token
         self.installed: dict[str, Installed] = {}
+
+    def authorized(self, header: str | None) -> bool:
+        """The hooks need the agent's credential (Authorization: Bearer,
+        the scheme case-insensitive); without a token they are open."""
+        if not self.token:
+            return True
+        scheme, _, tok = (header or "").strip().partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(tok.strip().encode(), self.token.encode())
 
     @property
     def op(self):
@@ -259,6 +269,41 @@ class Hooks:
         out["sleeping"] = bool(await self.ec.is_sleeping()) if hasattr(self.ec, "is_sleeping") else False
         return out
 
+    async def retire(self, body: dict) -> dict:
+        """Releases the KV once no request is left (running, waiting or
+        reserved), waiting at most wait_s. On CPU the KV's pages are given
+        back to the tmpfs (the file stays mapped: a later request or a
+        migration into this engine gets fresh zero pages) after the prefix
+        cache is reset, in one engine-core step so that no request can
+        slip in between; a GPU engine started with --enable-sleep-mode
+        sleeps; any other engine keeps its KV and says so."""
+        wait_s = float(body.get("wait_s", 600))
+        if wait_s < 0:
+            raise HookError(400, "wait_s must not be negative", "wait_s")
+        deadline = time.monotonic() + wait_s
+        while True:
+            out = await self.core("release")
+            if out.get("released") or out.get("unsupported"):
+                break
+            if time.monotonic() >= deadline:
+                return {"released": False, "released_bytes": 0,
+                        "note": f"{out.get('busy', 0)} requests still on the engine after {wait_s:.0f} s: the KV stays allocated"}
+            await asyncio.sleep(0.05)
+        if out.get("unsupported"):
+            mc = self.ec.vllm_config.model_config
+            if getattr(mc, "enable_sleep_mode", False) and hasattr(self.ec, "sleep"):
+                await self.ec.sleep(1)
+                return {"released": True, "released_bytes": 0, "note": "slept (vLLM sleep mode level 1)"}
+            return {"released": False, "released_bytes": 0, "note": out.get("note", "")}
+        return {"released": True, "released_bytes": int(out.get("bytes", 0)),
+                "note": "the KV's pages went back to the tmpfs; the prefix cache was reset"}
+
+    async def wake(self) -> dict:
+        if hasattr(self.ec, "is_sleeping") and await self.ec.is_sleeping():
+            await self.ec.wake_up()
+            return {"note": "woken from vLLM sleep mode"}
+        return {"note": "awake: released KV pages come back as they are written"}
+
     # ---- attach -------------------------------------------------------------
 
     def chunk(self, inst: Installed, hid: str, text: str, finish, stop_reason, completion_tokens: int) -> str:
@@ -367,6 +412,12 @@ def _error(e: HookError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
+def _unauthorized() -> JSONResponse:
+    return JSONResponse({"error": {"message": "this route needs the agent's credential (Authorization: Bearer …)",
+                                   "type": "AuthenticationError", "param": None, "code": 401}},
+                        status_code=401, headers={"WWW-Authenticate": 'Bearer realm="vllm-hi"'})
+
+
 async def _body(request: Request) -> dict:
     try:
         b = await request.json()
@@ -385,6 +436,8 @@ def build_router(get_hooks) -> APIRouter:
             h = get_hooks(request)
             if h is None:
                 return _error(HookError(404, "vllm-hi hooks are off: start vllm serve with --vllm-hi-type"))
+            if not h.authorized(request.headers.get("authorization")):
+                return _unauthorized()
             try:
                 return JSONResponse(await fn(h, request))
             except HookError as e:
@@ -408,11 +461,15 @@ def build_router(get_hooks) -> APIRouter:
     route("POST", "/install/commit", lambda h, q: with_body(Hooks.install, h, q))
     route("POST", "/abort", lambda h, q: with_body(Hooks.abort, h, q))
     route("GET", "/stats", lambda h, q: h.stats())
+    route("POST", "/retire", lambda h, q: with_body(Hooks.retire, h, q))
+    route("POST", "/wake", lambda h, q: h.wake())
 
     async def attach(request: Request, request_id: str):
         h = get_hooks(request)
         if h is None:
             return _error(HookError(404, "vllm-hi hooks are off"))
+        if not h.authorized(request.headers.get("authorization")):
+            return _unauthorized()
         try:
             start = int(request.query_params.get("from", "0"))
             g = await h.attach(request_id, start)
@@ -503,6 +560,8 @@ def _start_agent(cfg, args) -> None:
     port = getattr(args, "port", 8000)
     cmd = [cfg.agent, "agent", "--host", cfg.host, "--engine", f"http://127.0.0.1:{port}",
            "--data-port", str(cfg.data_port), "--transfer-backend", cfg.backend]
+    if cfg.token_file:
+        cmd += ["--token-file", cfg.token_file]
     if cfg.type:
         cmd += ["--type", cfg.type]
     try:
@@ -548,5 +607,8 @@ class VhiEndpoints:
                                "start vllm serve with --no-async-scheduling")
         _patch_serving()
         _wrap_prompt_len()
-        state.vllm_hi = Hooks(engine_client, state, args)
+        if not cfg.token:
+            log.warning("vllm-hi: the engine hooks are open to anyone who reaches this port; "
+                        "give the agent token with VLLM_HI_ENGINE_TOKEN_FILE")
+        state.vllm_hi = Hooks(engine_client, state, args, cfg.token)
         _start_agent(cfg, args)

@@ -391,4 +391,25 @@ def _dispatch(core, op: str, p: dict):
         from . import worker
 
         return core.model_executor.collective_rpc(worker.describe_region)
+    if op == "release":
+        return _release(core, st)
     raise HookError(404, f"unknown hook {op!r}")
+
+
+def _release(core, st) -> dict:
+    """Gives the KV memory back if no request is left — in one utility
+    call, between two steps, so none can arrive in between. The prefix
+    cache goes first: its blocks' bytes are about to become zeros."""
+    from . import worker
+
+    busy = len([r for r in st.sched.requests.values() if not r.is_finished()]) + len(st.reserved)
+    if busy:
+        return {"released": False, "busy": busy}
+    freed = core.model_executor.collective_rpc(worker.can_release)
+    if not all(freed):
+        return {"unsupported": True, "note": "the KV is not in a shared-memory file this plugin can release "
+                                             "(a GPU engine needs --enable-sleep-mode)"}
+    if not st.sched.reset_prefix_cache():
+        return {"released": False, "busy": 1}
+    sizes = core.model_executor.collective_rpc(worker.release_kv)
+    return {"released": True, "bytes": sum(sizes)}

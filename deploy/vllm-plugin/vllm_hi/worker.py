@@ -11,6 +11,7 @@ the region's five strides, whatever KV layout vLLM resolved.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import uuid
 
@@ -18,7 +19,10 @@ import torch
 
 # One worker process holds one KV buffer; the engine core reads these
 # through collective_rpc.
-_state = {"path": None, "buf": None, "pending_generators": {}}
+_state = {"path": None, "buf": None, "fd": None, "size": 0, "pending_generators": {}}
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
 
 
 def _shm_zeros(path: str, size: int):
@@ -31,12 +35,44 @@ def _shm_zeros(path: str, size: int):
     memory goes away with the process however it ends (vLLM's engine is
     often killed by a signal, which skips exit handlers).
     """
-    with open(path, "wb") as f:
-        f.truncate(size)
+    st = os.statvfs(os.path.dirname(path) or ".")
+    if st.f_bavail * st.f_frsize < size:
+        raise RuntimeError(f"vllm-hi: the KV cache needs {size / 2**30:.2f} GiB but {os.path.dirname(path)} has "
+                           f"{st.f_bavail * st.f_frsize / 2**30:.2f} GiB free: give the tmpfs more room "
+                           f"(a Kubernetes emptyDir sizeLimit) or lower VLLM_CPU_KVCACHE_SPACE")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        # Pages allocated now: a tmpfs too small for the KV is this clear
+        # error, not a SIGBUS at the first write into a page it cannot back.
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        os.close(fd)
+        os.unlink(path)
+        raise RuntimeError(f"vllm-hi: allocating {size / 2**30:.2f} GiB of KV in {os.path.dirname(path)}: {e}") from None
     buf = torch.from_file(path, shared=True, size=size, dtype=torch.int8)
-    fd = os.open(path, os.O_RDWR)
     os.unlink(path)
+    _state["fd"], _state["size"] = fd, size
     return buf, f"/proc/{os.getpid()}/fd/{fd}"
+
+
+def can_release(worker) -> bool:
+    """Whether this worker's KV is a shared-memory file it can release."""
+    return _state["fd"] is not None
+
+
+def release_kv(worker) -> int:
+    """Gives this worker's KV pages back to the tmpfs (collective_rpc
+    target): the file stays the same size and mapped, reads now see zeros
+    and writes get fresh pages. The engine has no request left."""
+    fd, size = _state["fd"], _state["size"]
+    if fd is None:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    if libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, size) != 0:
+        err = ctypes.get_errno()
+        raise RuntimeError(f"vllm-hi: releasing the KV pages: {os.strerror(err)}")
+    return size
 
 
 def patch_allocation(shm_dir: str) -> None:
