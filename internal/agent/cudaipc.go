@@ -37,6 +37,11 @@ type gpuPlane struct {
 	// pairs are both engines' regions mapped for a migration's cuda_ipc
 	// rounds, by session.
 	pairs map[string]*ipcPair
+	// hashers stage the blocks the integrity check reads, one per device,
+	// kept: allocating pinned memory inside the pause would cost more than
+	// the check. hashMu is held while a check reads its staging.
+	hashers map[int]*cudaipc.Copier
+	hashMu  sync.Mutex
 }
 
 // mappingIdle is how long a migration's mappings stay open with no round
@@ -71,7 +76,7 @@ func (g *gpuPlane) copier(dev int) (*cudaipc.Copier, error) {
 			return nil, fmt.Errorf("GPU KV: %w", err)
 		}
 		g.drv = lib
-		g.streams, g.targets, g.pairs = map[int]cuda.Stream{}, map[string]*gpuTarget{}, map[string]*ipcPair{}
+		g.streams, g.targets, g.pairs, g.hashers = map[int]cuda.Stream{}, map[string]*gpuTarget{}, map[string]*ipcPair{}, map[int]*cudaipc.Copier{}
 	}
 	s, ok := g.streams[dev]
 	if !ok {
@@ -179,12 +184,32 @@ func (g *gpuPlane) target(session string, l hooks.Layout) (*cudaipc.Copier, *gpu
 }
 
 // prepareTarget maps this engine's GPU regions for session ahead of its
-// rounds.
+// rounds, and readies the integrity check's staging.
 func (g *gpuPlane) prepareTarget(session string, l hooks.Layout) error {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	_, _, err := g.target(session, l)
+	if _, _, err := g.target(session, l); err != nil {
+		return err
+	}
+	_, err := g.hasher(l.Regions[0].Memory.Device)
 	return err
+}
+
+// hasher returns dev's staging for the integrity check, made once at its
+// full size (g.mu held; the device's copier exists).
+func (g *gpuPlane) hasher(dev int) (*cudaipc.Copier, error) {
+	if g.hashers == nil {
+		g.hashers = map[int]*cudaipc.Copier{}
+	}
+	if c := g.hashers[dev]; c != nil {
+		return c, nil
+	}
+	c := &cudaipc.Copier{Driver: g.drv, Device: dev, Stream: g.streams[dev]}
+	if err := c.Reserve(gpuHashChunk); err != nil {
+		return nil, err
+	}
+	g.hashers[dev] = c
+	return c, nil
 }
 
 // sink is a tcp_shm target writing session's data into this engine's GPU
@@ -210,6 +235,9 @@ func (g *gpuPlane) close() {
 	}
 	for id := range g.pairs {
 		g.dropPair(id)
+	}
+	for _, h := range g.hashers {
+		h.Close()
 	}
 	for dev, s := range g.streams {
 		_ = g.drv.DestroyStream(dev, s)
@@ -347,6 +375,9 @@ func (a *Agent) cudaCopy(session string, src, dst hooks.Layout, copies []kvlayou
 	if err != nil {
 		return tcpshm.Stats{}, err
 	}
+	if _, err := g.hasher(c.Device); err != nil { // the check after the final round reads through it
+		return tcpshm.Stats{}, err
+	}
 	mapped := time.Now()
 	defer func() {
 		a.log.Debug("cuda_ipc copy", zap.Int("runs", len(runs)), zap.Duration("plan", planned.Sub(start)),
@@ -405,10 +436,17 @@ func (a *Agent) gatherGPU(src hooks.Layout, runs []kvlayout.CopyRun) (host []byt
 // mapping made for the call. It returns the bytes with the runs rewritten
 // to read them, and the function that frees them.
 func (g *gpuPlane) gather(session string, l hooks.Layout, runs []kvlayout.CopyRun) ([]byte, []kvlayout.CopyRun, func(), error) {
+	g.hashMu.Lock() // until release: the staging is the caller's meanwhile
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	c, err := g.copier(l.Regions[0].Memory.Device)
+	dev := l.Regions[0].Memory.Device
+	if _, err := g.copier(dev); err != nil {
+		g.hashMu.Unlock()
+		return nil, nil, nil, err
+	}
+	c, err := g.hasher(dev)
 	if err != nil {
+		g.hashMu.Unlock()
 		return nil, nil, nil, err
 	}
 	key := regionsKey(l)
@@ -421,14 +459,15 @@ func (g *gpuPlane) gather(session string, l hooks.Layout, runs []kvlayout.CopyRu
 		ptrs = g.pairs[session].src
 	default:
 		if ptrs, closeView, err = openRegions(g.drv, c.Device, l); err != nil {
+			g.hashMu.Unlock()
 			return nil, nil, nil, err
 		}
 	}
 	host, out, err := c.Gather(ptrs, runs)
 	closeView()
 	if err != nil {
-		c.Close()
+		g.hashMu.Unlock()
 		return nil, nil, nil, err
 	}
-	return host, out, c.Close, nil
+	return host, out, g.hashMu.Unlock, nil
 }

@@ -3,6 +3,9 @@ package agent
 import (
 	"context"
 	"fmt"
+	"runtime"
+	"sort"
+	"sync"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
@@ -20,77 +23,89 @@ const maxHashBlocks = 1 << 20
 
 // HashBlocks implements the Agent service: it reads the named blocks of
 // this agent's engine — mapped afresh when the engine's memory changed —
-// and hashes each in canonical order, so a source and a target of any
-// TP/PP shapes give the same hash for the same KV.
+// and hashes each in canonical order (global layer, K/V, global head,
+// slot), so a source and a target of any TP/PP shapes give the same hash
+// for the same KV.
 func (s *agentService) HashBlocks(ctx context.Context, req *v1.HashBlocksRequest) (*v1.HashBlocksResponse, error) {
 	a := s.a
 	start := time.Now()
 	if len(req.GetBlocks()) > maxHashBlocks {
 		return nil, status.Errorf(codes.InvalidArgument, "at most %d blocks per call", maxHashBlocks)
 	}
-	mem, lay, err := a.regions(ctx, false)
+	// A target reads through the mapping its rounds wrote through (its
+	// pages are in this process already); a source through its own.
+	a.dp.mu.Lock()
+	_, target := a.dp.sessions[req.GetMigrationId()]
+	a.dp.mu.Unlock()
+	mem, lay, err := a.regions(ctx, target)
 	if err != nil {
 		return nil, engineError(err)
 	}
 	g := lay.Geometry
-	if g.NumBlocks < 1 || g.BlockSize < 1 || len(lay.Regions) == 0 {
+	if g.NumBlocks < 1 || g.BlockSize < 1 {
 		return nil, status.Error(codes.FailedPrecondition, "the engine's layout has no KV")
 	}
-	var runs []kvlayout.CopyRun
-	ends := make([]int, len(req.GetBlocks())) // runs of block i end at ends[i]
+	blocks := make([]hashBlock, len(req.GetBlocks()))
 	for i, b := range req.GetBlocks() {
-		n := int(b.GetNumSlots())
-		if b.GetBlock() < 0 || int(b.GetBlock()) >= g.NumBlocks || n < 0 || n > g.BlockSize {
-			return nil, status.Errorf(codes.InvalidArgument, "block %d slots %d outside the engine's %d blocks of %d", b.GetBlock(), n, g.NumBlocks, g.BlockSize)
+		first, n := int(b.GetFirstSlot()), int(b.GetNumSlots())
+		if b.GetBlock() < 0 || int(b.GetBlock()) >= g.NumBlocks || first < 0 || n < 0 || first > g.BlockSize || n > g.BlockSize-first {
+			return nil, status.Errorf(codes.InvalidArgument, "block %d slots %d+%d outside the engine's %d blocks of %d", b.GetBlock(), first, n, g.NumBlocks, g.BlockSize)
 		}
 		if lay.OpaqueBlocks {
-			n = g.BlockSize // slots are not addressable: whole blocks are what moved
+			first, n = 0, g.BlockSize // slots are not addressable: whole blocks are what moved
 		}
-		if runs, err = appendCanonical(runs, lay, int(b.GetBlock()), n); err != nil {
-			return nil, status.Error(codes.FailedPrecondition, err.Error())
-		}
-		ends[i] = len(runs)
+		blocks[i] = hashBlock{id: int64(b.GetBlock()), slots: slotRange{first, n}}
 	}
-	var data [][]byte
+	var hashes []uint64
+	var bytes int64
 	if onGPU(lay) {
-		host, gathered, release, err := a.gpu.gather(req.GetMigrationId(), lay, runs)
-		if err != nil {
-			return nil, status.Errorf(codes.Unavailable, "read GPU KV: %v", err)
-		}
-		defer release()
-		data, runs = [][]byte{host}, gathered
+		hashes, bytes, err = a.hashGPU(req.GetMigrationId(), lay, blocks)
 	} else {
-		data = mem.Data
+		hashes, bytes, err = hashMapped(mem.Data, lay, blocks)
 	}
-	out := &v1.HashBlocksResponse{Hashes: make([]uint64, len(ends))}
-	d := xxhash.New()
-	at := 0
-	for i, end := range ends {
-		d.Reset()
-		for _, r := range runs[at:end] {
-			_, _ = d.Write(data[r.SrcRegion][r.SrcOffset : r.SrcOffset+r.Length])
-			out.Bytes += r.Length
-		}
-		out.Hashes[i] = d.Sum64()
-		at = end
+	if err != nil {
+		return nil, status.Error(codes.FailedPrecondition, err.Error())
 	}
-	out.DurationS = time.Since(start).Seconds()
-	return out, nil
+	return &v1.HashBlocksResponse{Hashes: hashes, Bytes: bytes, DurationS: time.Since(start).Seconds()}, nil
 }
 
-// appendCanonical appends the source runs holding slots [0, n) of block,
-// in canonical order: global layer, K/V, global head, slot.
-func appendCanonical(runs []kvlayout.CopyRun, lay hooks.Layout, block, n int) ([]kvlayout.CopyRun, error) {
-	if n == 0 {
-		return runs, nil
-	}
+type hashBlock struct {
+	id    int64
+	slots slotRange
+}
+
+// slotRange is slots [first, first+n) of a block.
+type slotRange struct{ first, n int }
+
+// piece is one contiguous part of block 0's canonical byte sequence: the
+// same part of block b is at off + b×(its region's block stride).
+type piece struct {
+	region      int
+	off, length int64
+}
+
+// canonicalPieces lists the pieces of slots [first, first+n) of a block
+// in canonical order: global layer, K/V, global head, slot. Pieces that
+// follow each other in memory are merged (a full block of one layer's K
+// in HND is one piece).
+func canonicalPieces(lay hooks.Layout, sr slotRange) ([]piece, error) {
+	first, n := sr.first, sr.n
 	g := lay.Geometry
 	slot := int64(g.HeadSlotBytes())
+	var out []piece
+	add := func(p piece) {
+		if k := len(out) - 1; k >= 0 && out[k].region == p.region && out[k].off+out[k].length == p.off {
+			out[k].length += p.length
+			return
+		}
+		out = append(out, p)
+	}
 	for l := 0; l < g.Layers; l++ {
 		for kv := 0; kv < 2; kv++ {
 			for h := 0; h < g.KVHeads; h++ {
 				ri := -1
-				for i, r := range lay.Regions {
+				for i := range lay.Regions {
+					r := &lay.Regions[i]
 					if l >= r.FirstLayer && l < r.FirstLayer+r.NumLayers && h >= r.FirstHead && h < r.FirstHead+r.NumHeads {
 						ri = i
 						break
@@ -99,24 +114,179 @@ func appendCanonical(runs []kvlayout.CopyRun, lay hooks.Layout, block, n int) ([
 				if ri < 0 {
 					return nil, fmt.Errorf("layer %d head %d is in no region", l, h)
 				}
-				r := lay.Regions[ri]
-				off := int64(l-r.FirstLayer)*r.LayerStride + int64(kv)*r.KVStride + int64(block)*r.BlockStride + int64(h-r.FirstHead)*r.HeadStride
+				r := &lay.Regions[ri]
+				off := int64(l-r.FirstLayer)*r.LayerStride + int64(kv)*r.KVStride + int64(h-r.FirstHead)*r.HeadStride + int64(first)*r.SlotStride
 				if r.SlotStride == slot {
-					if off < 0 || off+int64(n)*slot > r.Size {
-						return nil, fmt.Errorf("block %d lies outside region %d", block, ri)
-					}
-					runs = append(runs, kvlayout.CopyRun{SrcRegion: ri, SrcOffset: off, Length: int64(n) * slot})
+					add(piece{ri, off, int64(n) * slot})
 					continue
 				}
 				for s := 0; s < n; s++ {
-					o := off + int64(s)*r.SlotStride
-					if o < 0 || o+slot > r.Size {
-						return nil, fmt.Errorf("block %d lies outside region %d", block, ri)
-					}
-					runs = append(runs, kvlayout.CopyRun{SrcRegion: ri, SrcOffset: o, Length: slot})
+					add(piece{ri, off + int64(s)*r.SlotStride, slot})
 				}
 			}
 		}
 	}
-	return runs, nil
+	return out, nil
+}
+
+// checkBlock reports whether every piece of block id lies in its region.
+func checkBlock(lay hooks.Layout, pieces []piece, id int64) error {
+	for _, p := range pieces {
+		r := lay.Regions[p.region]
+		if off := p.off + id*r.BlockStride; off < 0 || off+p.length > r.Size {
+			return fmt.Errorf("block %d lies outside region %d", id, p.region)
+		}
+	}
+	return nil
+}
+
+// hashMapped hashes blocks of shared-memory KV. The walk goes piece by
+// piece across all the blocks (sorted), not block by block: one piece of
+// every block sits in one layer's K or V plane, so the reads move forward
+// through memory instead of jumping a whole plane (tens of MiB) between
+// two reads of a block — at small head sizes the jumps, not the hashing,
+// were the cost. Blocks are shared among the cores.
+func hashMapped(data [][]byte, lay hooks.Layout, blocks []hashBlock) ([]uint64, int64, error) {
+	digests := make([]*xxhash.Digest, len(blocks))
+	for i := range digests {
+		digests[i] = xxhash.New()
+	}
+	bySlots := map[slotRange][]int{} // slots → indices into blocks
+	for i, b := range blocks {
+		bySlots[b.slots] = append(bySlots[b.slots], i)
+	}
+	var total int64
+	for n, idx := range bySlots {
+		pieces, err := canonicalPieces(lay, n)
+		if err != nil {
+			return nil, 0, err
+		}
+		for _, i := range idx {
+			if err := checkBlock(lay, pieces, blocks[i].id); err != nil {
+				return nil, 0, err
+			}
+			for _, p := range pieces {
+				total += p.length
+			}
+		}
+		sort.Slice(idx, func(x, y int) bool { return blocks[idx[x]].id < blocks[idx[y]].id })
+		workers := min(runtime.GOMAXPROCS(0), max(1, len(idx)/64))
+		var wg sync.WaitGroup
+		for w := range workers {
+			part := idx[w*len(idx)/workers : (w+1)*len(idx)/workers]
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for _, p := range pieces {
+					stride := lay.Regions[p.region].BlockStride
+					region := data[p.region]
+					for _, i := range part {
+						off := p.off + blocks[i].id*stride
+						_, _ = digests[i].Write(region[off : off+p.length])
+					}
+				}
+			}()
+		}
+		wg.Wait()
+	}
+	out := make([]uint64, len(blocks))
+	for i, d := range digests {
+		out[i] = d.Sum64()
+	}
+	return out, total, nil
+}
+
+// gpuHashChunk bounds the pinned staging one gather of the check uses: a
+// full check of an engine's KV goes through it in pieces (pinning tens of
+// gigabytes at once stalls the whole device).
+const gpuHashChunk = 256 << 20
+
+// hashGPU hashes blocks of GPU KV: their pieces are gathered, block after
+// block, into pinned host memory (one kernel launch and one download per
+// chunk of up to gpuHashChunk bytes), and each block's bytes are then one
+// contiguous stretch to hash.
+func (a *Agent) hashGPU(session string, lay hooks.Layout, blocks []hashBlock) ([]uint64, int64, error) {
+	out := make([]uint64, len(blocks))
+	var total int64
+	for start := 0; start < len(blocks); {
+		end, size := start, int64(0)
+		for end < len(blocks) {
+			n := int64(blocks[end].slots.n) * int64(lay.Geometry.HeadSlotBytes()) * int64(2*lay.Geometry.Layers*lay.Geometry.KVHeads)
+			if end > start && size+n > gpuHashChunk {
+				break
+			}
+			size += n
+			end++
+		}
+		n, err := a.hashGPUChunk(session, lay, blocks[start:end], out[start:end])
+		if err != nil {
+			return nil, 0, err
+		}
+		total += n
+		start = end
+	}
+	return out, total, nil
+}
+
+func (a *Agent) hashGPUChunk(session string, lay hooks.Layout, blocks []hashBlock, out []uint64) (int64, error) {
+	var runs []kvlayout.CopyRun
+	ends := make([]int, len(blocks))
+	cache := map[slotRange][]piece{}
+	for i, b := range blocks {
+		pieces, ok := cache[b.slots]
+		if !ok {
+			var err error
+			if pieces, err = canonicalPieces(lay, b.slots); err != nil {
+				return 0, err
+			}
+			cache[b.slots] = pieces
+		}
+		if err := checkBlock(lay, pieces, b.id); err != nil {
+			return 0, err
+		}
+		for _, p := range pieces {
+			runs = append(runs, kvlayout.CopyRun{SrcRegion: p.region, SrcOffset: p.off + b.id*lay.Regions[p.region].BlockStride, Length: p.length})
+		}
+		ends[i] = len(runs)
+	}
+	if len(runs) == 0 {
+		for i := range out {
+			out[i] = xxhash.Sum64(nil)
+		}
+		return 0, nil
+	}
+	host, gathered, release, err := a.gpu.gather(session, lay, runs)
+	if err != nil {
+		return 0, fmt.Errorf("read GPU KV: %w", err)
+	}
+	defer release()
+	span := func(i int) (lo, hi int64) {
+		at := 0
+		if i > 0 {
+			at = ends[i-1]
+		}
+		if ends[i] > at {
+			lo, hi = gathered[at].SrcOffset, gathered[ends[i]-1].SrcOffset+gathered[ends[i]-1].Length
+		}
+		return lo, hi
+	}
+	workers := min(runtime.GOMAXPROCS(0), max(1, len(blocks)/16))
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := w * len(blocks) / workers; i < (w+1)*len(blocks)/workers; i++ {
+				lo, hi := span(i)
+				out[i] = xxhash.Sum64(host[lo:hi])
+			}
+		}()
+	}
+	wg.Wait()
+	var total int64
+	for i := range blocks {
+		lo, hi := span(i)
+		total += hi - lo
+	}
+	return total, nil
 }

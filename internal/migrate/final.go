@@ -61,7 +61,9 @@ func (m *migration) final(ctx context.Context, since uint64) {
 			return
 		}
 	}
-	m.step(stepVerify)
+	if m.o.cfg.Verify != VerifyOff {
+		m.step(stepVerify)
+	}
 	if err := m.verify(fctx, states); err != nil {
 		m.o.met.integrityFailed()
 		m.fail(m.late(fctx, err))

@@ -45,7 +45,7 @@ const (
 // Verification modes: what the Host compares between the source's and the
 // target's memory before the commit.
 const (
-	VerifySample = "sample" // every moved request's last two blocks and a few random others
+	VerifySample = "sample" // every moved request's last two blocks and a few random others (VerifySamples)
 	VerifyFull   = "full"   // every moved block
 	VerifyOff    = "off"
 )
@@ -98,6 +98,9 @@ type Verification struct {
 	Blocks    int     `json:"blocks"` // blocks hashed on each side
 	Bytes     int64   `json:"bytes"`  // bytes hashed on each side
 	DurationS float64 `json:"duration_s"`
+	// PauseDurationS is the part inside the pause (the rest ran while the
+	// source decoded).
+	PauseDurationS float64 `json:"pause_duration_s"`
 }
 
 // Status is GET /vllm_hi/migration/{id}/status.

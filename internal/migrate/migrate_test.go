@@ -175,23 +175,21 @@ func TestRecordsSurviveAndStayBounded(t *testing.T) {
 	}
 }
 
-// Sample mode checks every request's last two blocks and a few random
-// others; full mode every block.
+// pick takes n distinct indices below k at random, or all of them.
 func TestVerifyPicks(t *testing.T) {
-	for k := 1; k < 40; k++ {
-		got := pick(k, VerifySample, 2)
-		seen := map[int]bool{}
-		for _, i := range got {
-			if i < 0 || i >= k || seen[i] {
-				t.Fatalf("k=%d: %v", k, got)
+	for k := 0; k < 40; k++ {
+		for _, n := range []int{0, 2, k} {
+			got := pick(k, n)
+			seen := map[int]bool{}
+			for _, i := range got {
+				if i < 0 || i >= k || seen[i] {
+					t.Fatalf("k=%d n=%d: %v", k, n, got)
+				}
+				seen[i] = true
 			}
-			seen[i] = true
-		}
-		if len(got) != min(k, 4) || !seen[k-1] || (k > 1 && !seen[k-2]) {
-			t.Fatalf("k=%d: %v", k, got)
-		}
-		if full := pick(k, VerifyFull, 2); len(full) != k {
-			t.Fatalf("full k=%d: %v", k, full)
+			if len(got) != min(k, n) {
+				t.Fatalf("k=%d n=%d: %v", k, n, got)
+			}
 		}
 	}
 }

@@ -43,6 +43,17 @@ func (m *migration) run() {
 			break
 		}
 	}
+	// The check of what is on the target already, while A decodes (a
+	// second round and pass to shrink what the pause checks measured no
+	// better on an H200: the round in between lets A decode as much again).
+	if m.o.cfg.Verify != VerifyOff {
+		m.step(stepCopyCheck)
+	}
+	if err := m.verifyCopied(ctx, since); err != nil {
+		m.o.met.integrityFailed()
+		m.fail(err)
+		return
+	}
 	m.final(ctx, since)
 }
 

@@ -28,6 +28,7 @@ const (
 	stepRound0      = "round_0"
 	stepIncremental = "incremental_rounds"
 	stepPause       = "pause_source"
+	stepCopyCheck   = "verify_copied"
 	stepFinal       = "final_round"
 	stepVerify      = "verify"
 	stepCommit      = "install_target"
@@ -57,7 +58,11 @@ type migration struct {
 	dataAddr  string
 	moving    map[string]*v1.RequestBlocks // by request id
 	reserved  map[string]bool              // request ids holding a reservation on the target
-	pausedSrc bool
+	// stableTokens: per request, the tokens before this index were
+	// checked (or sampled) before the pause; the pause checks the rest.
+	stableTokens map[string]int
+	dstOpaque    bool // the target's blocks are opaque (see hooks.Layout)
+	pausedSrc    bool
 
 	mu sync.Mutex
 	st Status
@@ -356,6 +361,7 @@ func (m *migration) prepare() error {
 	if err := json.Unmarshal(m.dstLayout, &dstLayout); err != nil {
 		return fmt.Errorf("the target's layout: %w", err)
 	}
+	m.dstOpaque = dstLayout.OpaqueBlocks
 	if dstLayout.Geometry.BlockSize != m.srcLayout.Geometry.BlockSize {
 		return refuse(409, "the engines' block sizes differ (%d, %d)", m.srcLayout.Geometry.BlockSize, dstLayout.Geometry.BlockSize)
 	}

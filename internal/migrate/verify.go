@@ -6,37 +6,143 @@ import (
 	"math/rand/v2"
 	"time"
 
+	"github.com/vllm-hi/vllm-hi/api/hooks"
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 )
 
-// verify checks, before the commit, that the target holds what the source
-// held: both agents hash the moved requests' blocks in their engine's
-// memory as it is now (the source's requests are paused, the target's
-// writes have landed), in a canonical order that does not depend on
-// either engine's TP/PP shape, and the Host compares. Sample mode hashes
-// every request's last two blocks — where the final round wrote — and a
-// few random others chosen now, so no copy bug or stale mapping can know
-// which; full mode hashes every block. Only the computed slots of a
-// partial block count (the rest may differ legitimately).
-func (m *migration) verify(ctx context.Context, states []movedState) error {
+// The check that the target holds what the source held runs in two
+// parts. Both agents hash KV slots in their engines' memory as it is at
+// that moment, each in a canonical order (global layer, K/V, global head,
+// slot) that does not depend on either engine's TP/PP shape, and the Host
+// compares. A stale mapping, a copy bug or a write by someone else shows
+// up as a difference, and the migration aborts before the commit.
+//
+//   - verifyCopied runs after the last incremental round, before the
+//     pause, while the source decodes: it checks tokens that can no
+//     longer change and are already on the target — every token before
+//     the first one written after the last round's cursor (slots are
+//     written once, in order). Full mode checks all of them; sample mode
+//     the block the next tokens go into and a few random full blocks per
+//     request. This costs no downtime.
+//   - verify runs in the pause after the final round and checks the rest:
+//     each request's tokens from that boundary to its last computed one
+//     (a few per request: what the final round moved).
+//
+// An engine whose blocks are opaque (vLLM CPU: the final round copies
+// whole blocks) is checked in whole blocks on both sides.
+
+// verifyCopied checks the stable tokens (see above) and remembers, per
+// request, where they end. since is the cursor the last round copied up
+// to. A second call would check every token from the first one's
+// boundary on.
+func (m *migration) verifyCopied(ctx context.Context, since uint64) error {
 	mode := m.o.cfg.Verify
-	v := &Verification{Mode: mode}
-	defer func() {
-		m.mu.Lock()
-		m.st.Verification = v
-		m.mu.Unlock()
-	}()
-	if mode == VerifyOff || len(states) == 0 {
+	m.mu.Lock()
+	prev := m.stableTokens
+	m.stableTokens = map[string]int{}
+	m.mu.Unlock()
+	if mode == VerifyOff {
+		m.setVerification(Verification{Mode: mode})
 		return nil
 	}
-	start := time.Now()
+	bs := m.srcLayout.Geometry.BlockSize
+	cctx, cancel := m.call(ctx)
+	list, err := hook[hooks.RequestList](cctx, m.srcA, "requests", nil, 0)
+	var ch hooks.Changes
+	if err == nil {
+		ch, err = hook[hooks.Changes](cctx, m.srcA, "changes", nil, since)
+	}
+	cancel()
+	if err != nil {
+		return fmt.Errorf("integrity check: read the source's requests and changes: %w", rpcError(err))
+	}
+	// The boundary: the tokens computed when the list was read, or the
+	// first slot written after the last round's cursor, whichever is
+	// earlier (writes after the list was read come later still).
+	boundary := map[string]int{}
+	tables := map[string][]int{}
+	for _, r := range list.Requests {
+		boundary[r.RequestID] = r.NumComputedTokens
+		tables[r.RequestID] = r.BlockIDs
+	}
+	for _, w := range ch.Written {
+		for i, b := range tables[w.RequestID] {
+			if b == w.Block {
+				boundary[w.RequestID] = min(boundary[w.RequestID], i*bs+w.FirstSlot)
+				break
+			}
+		}
+	}
+	opaque := m.srcLayout.OpaqueBlocks || m.dstOpaque
+	var src, dst []*v1.BlockSlots
+	var at []blockAt
+	m.mu.Lock()
+	for id, rb := range m.moving {
+		b := boundary[id]
+		b = min(b, len(rb.SrcBlockIds)*bs, len(rb.DstBlockIds)*bs)
+		if opaque {
+			b -= b % bs
+		}
+		m.stableTokens[id] = b
+		if from, again := prev[id]; again {
+			s, d, w := tokenRange(rb, id, from, b, bs)
+			src, dst, at = append(src, s...), append(dst, d...), append(at, w...)
+			continue
+		}
+		full := b / bs
+		var picks []int
+		if mode == VerifyFull {
+			picks = pick(full, full)
+		} else {
+			picks = pick(full, m.o.cfg.VerifySamples)
+		}
+		for _, i := range picks {
+			src = append(src, &v1.BlockSlots{Block: rb.SrcBlockIds[i], NumSlots: int32(bs)})
+			dst = append(dst, &v1.BlockSlots{Block: rb.DstBlockIds[i], NumSlots: int32(bs)})
+			at = append(at, blockAt{id, i})
+		}
+		if part := b % bs; part > 0 { // where the next tokens go
+			src = append(src, &v1.BlockSlots{Block: rb.SrcBlockIds[full], NumSlots: int32(part)})
+			dst = append(dst, &v1.BlockSlots{Block: rb.DstBlockIds[full], NumSlots: int32(part)})
+			at = append(at, blockAt{id, full})
+		}
+	}
+	m.mu.Unlock()
+	v, err := m.compare(ctx, src, dst, at)
+	m.mu.Lock()
+	if m.st.Verification == nil {
+		m.st.Verification = &Verification{Mode: mode}
+	}
+	m.st.Verification.Blocks += v.Blocks
+	m.st.Verification.Bytes += v.Bytes
+	m.st.Verification.DurationS += v.DurationS
+	m.mu.Unlock()
+	return err
+}
+
+// tokenRange lists the slots of tokens [from, to) of a request, block by
+// block, on both sides.
+func tokenRange(rb *v1.RequestBlocks, id string, from, to, bs int) (src, dst []*v1.BlockSlots, at []blockAt) {
+	for t := from; t < to; {
+		i, first := t/bs, t%bs
+		n := min(bs-first, to-t)
+		src = append(src, &v1.BlockSlots{Block: rb.SrcBlockIds[i], FirstSlot: int32(first), NumSlots: int32(n)})
+		dst = append(dst, &v1.BlockSlots{Block: rb.DstBlockIds[i], FirstSlot: int32(first), NumSlots: int32(n)})
+		at = append(at, blockAt{id, i})
+		t += n
+	}
+	return src, dst, at
+}
+
+// verify checks, in the pause, every moved request's tokens from its
+// stable boundary to its last computed one.
+func (m *migration) verify(ctx context.Context, states []movedState) error {
+	if m.o.cfg.Verify == VerifyOff || len(states) == 0 {
+		return nil
+	}
 	bs := m.srcLayout.Geometry.BlockSize
 	var src, dst []*v1.BlockSlots
-	type where struct {
-		request string
-		index   int
-	}
-	var at []where
+	var at []blockAt
 	m.mu.Lock()
 	for _, st := range states {
 		rb := m.moving[st.RequestID]
@@ -49,20 +155,46 @@ func (m *migration) verify(ctx context.Context, states []movedState) error {
 			m.mu.Unlock()
 			return fmt.Errorf("integrity check: request %s has %d computed tokens but %d source and %d target blocks", st.RequestID, nc, len(rb.SrcBlockIds), len(rb.DstBlockIds))
 		}
-		for _, i := range pick(k, mode, m.o.cfg.VerifySamples) {
-			n := bs
-			if i == k-1 {
-				n = nc - (k-1)*bs
-			}
-			src = append(src, &v1.BlockSlots{Block: rb.SrcBlockIds[i], NumSlots: int32(n)})
-			dst = append(dst, &v1.BlockSlots{Block: rb.DstBlockIds[i], NumSlots: int32(n)})
-			at = append(at, where{st.RequestID, i})
+		from, ok := m.stableTokens[st.RequestID]
+		if !ok || from > nc {
+			from = max(0, (k-2)*bs) // not seen before the pause: its last two blocks
 		}
+		s, d, w := tokenRange(rb, st.RequestID, from, nc, bs)
+		src, dst, at = append(src, s...), append(dst, d...), append(at, w...)
 	}
 	m.mu.Unlock()
-	if len(src) == 0 {
-		return nil
+	v, err := m.compare(ctx, src, dst, at)
+	m.mu.Lock()
+	if m.st.Verification == nil {
+		m.st.Verification = &Verification{Mode: m.o.cfg.Verify}
 	}
+	m.st.Verification.Blocks += v.Blocks
+	m.st.Verification.Bytes += v.Bytes
+	m.st.Verification.DurationS += v.DurationS
+	m.st.Verification.PauseDurationS = v.DurationS
+	m.mu.Unlock()
+	return err
+}
+
+func (m *migration) setVerification(v Verification) {
+	m.mu.Lock()
+	m.st.Verification = &v
+	m.mu.Unlock()
+}
+
+// blockAt names a checked block: request and index in its block table.
+type blockAt struct {
+	request string
+	index   int
+}
+
+// compare has both agents hash their blocks at once and compares.
+func (m *migration) compare(ctx context.Context, src, dst []*v1.BlockSlots, at []blockAt) (Verification, error) {
+	var v Verification
+	if len(src) == 0 {
+		return v, nil
+	}
+	start := time.Now()
 	type answer struct {
 		r   *v1.HashBlocksResponse
 		err error
@@ -79,11 +211,11 @@ func (m *migration) verify(ctx context.Context, states []movedState) error {
 	a, b := <-srcC, <-dstC
 	switch {
 	case a.err != nil:
-		return fmt.Errorf("integrity check: hash the source's blocks: %w", rpcError(a.err))
+		return v, fmt.Errorf("integrity check: hash the source's blocks: %w", rpcError(a.err))
 	case b.err != nil:
-		return fmt.Errorf("integrity check: hash the target's blocks: %w", rpcError(b.err))
+		return v, fmt.Errorf("integrity check: hash the target's blocks: %w", rpcError(b.err))
 	case len(a.r.GetHashes()) != len(src) || len(b.r.GetHashes()) != len(dst):
-		return fmt.Errorf("integrity check: %d and %d hashes for %d blocks", len(a.r.GetHashes()), len(b.r.GetHashes()), len(src))
+		return v, fmt.Errorf("integrity check: %d and %d hashes for %d blocks", len(a.r.GetHashes()), len(b.r.GetHashes()), len(src))
 	}
 	v.Blocks, v.Bytes, v.DurationS = len(src), a.r.GetBytes(), time.Since(start).Seconds()
 	bad, first := 0, -1
@@ -97,26 +229,25 @@ func (m *migration) verify(ctx context.Context, states []movedState) error {
 	}
 	if bad > 0 {
 		w := at[first]
-		return fmt.Errorf("integrity check failed: the target does not hold what the source held (%d of %d blocks checked differ; first: block %d of request %s, source block %d, target block %d)",
+		return v, fmt.Errorf("integrity check failed: the target does not hold what the source held (%d of %d blocks checked differ; first: block %d of request %s, source block %d, target block %d)",
 			bad, len(src), w.index, w.request, src[first].GetBlock(), dst[first].GetBlock())
 	}
-	return nil
+	return v, nil
 }
 
-// pick chooses which of a request's k blocks to check.
-func pick(k int, mode string, samples int) []int {
-	if mode == VerifyFull || k <= 2+samples {
+// pick chooses up to n of k block indices at random (all when n ≥ k).
+func pick(k, n int) []int {
+	if n >= k {
 		out := make([]int, k)
 		for i := range out {
 			out[i] = i
 		}
 		return out
 	}
-	out := []int{k - 1, k - 2}
-	seen := map[int]bool{k - 1: true, k - 2: true}
-	for len(out) < 2+samples {
-		i := rand.IntN(k - 2)
-		if !seen[i] {
+	out := make([]int, 0, n)
+	seen := map[int]bool{}
+	for len(out) < n {
+		if i := rand.IntN(k); !seen[i] {
 			seen[i] = true
 			out = append(out, i)
 		}

@@ -137,7 +137,9 @@ func TestTLSEverywhere(t *testing.T) {
 	reqs := load(32, 400)
 	want := loadgen.Run(context.Background(), loadgen.Config{BaseURL: urls[2], Model: "m"}, reqs)
 	running := make(chan []loadgen.Stream, 1)
-	go func() { running <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: hostURL, Model: "m", Client: client}, reqs) }()
+	go func() {
+		running <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: hostURL, Model: "m", Client: client}, reqs)
+	}()
 	time.Sleep(900 * time.Millisecond)
 	req, _ := http.NewRequest(http.MethodPost, hostURL+"/vllm_hi/migrate", bytes.NewReader([]byte(`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B"}`)))
 	req.Header.Set("Authorization", "Bearer "+tk.admin)
@@ -151,7 +153,10 @@ func TestTLSEverywhere(t *testing.T) {
 	_ = json.NewDecoder(resp.Body).Decode(&started)
 	resp.Body.Close()
 	var st migStatus
-	waitUntil(t, "the migration over TLS", func() bool { get("/vllm_hi/migration/"+started.ID+"/status", &st); return st.State != "running" && st.State != "" })
+	waitUntil(t, "the migration over TLS", func() bool {
+		get("/vllm_hi/migration/"+started.ID+"/status", &st)
+		return st.State != "running" && st.State != ""
+	})
 	if st.State != "succeeded" || st.Migrated != 32 {
 		t.Fatalf("%+v", st)
 	}

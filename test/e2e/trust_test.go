@@ -309,7 +309,9 @@ func TestRestartsKeepRoles(t *testing.T) {
 func TestHungAndDeadEngines(t *testing.T) {
 	d := deployWith(t, deployOptions{bBlocks: 4096, hostArgs: []string{"--upstream-timeout", "2s", "--stream-idle-timeout", "2s"}})
 	streaming := make(chan []loadgen.Stream, 1)
-	go func() { streaming <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: d.hostURL, Model: "m"}, load(1, 900)) }()
+	go func() {
+		streaming <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: d.hostURL, Model: "m"}, load(1, 900))
+	}()
 	time.Sleep(500 * time.Millisecond)
 	pid := d.simA.cmd.Process.Pid
 	_ = syscall.Kill(pid, syscall.SIGSTOP)

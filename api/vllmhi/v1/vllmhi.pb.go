@@ -727,11 +727,12 @@ func (x *CopyRoundResponse) GetTokenSlots() int32 {
 	return 0
 }
 
-// BlockSlots names slots [0, num_slots) of a block.
+// BlockSlots names slots [first_slot, first_slot + num_slots) of a block.
 type BlockSlots struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Block         int32                  `protobuf:"varint,1,opt,name=block,proto3" json:"block,omitempty"`
 	NumSlots      int32                  `protobuf:"varint,2,opt,name=num_slots,json=numSlots,proto3" json:"num_slots,omitempty"`
+	FirstSlot     int32                  `protobuf:"varint,3,opt,name=first_slot,json=firstSlot,proto3" json:"first_slot,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -776,6 +777,13 @@ func (x *BlockSlots) GetBlock() int32 {
 func (x *BlockSlots) GetNumSlots() int32 {
 	if x != nil {
 		return x.NumSlots
+	}
+	return 0
+}
+
+func (x *BlockSlots) GetFirstSlot() int32 {
+	if x != nil {
+		return x.FirstSlot
 	}
 	return 0
 }
@@ -1945,11 +1953,13 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\x13dropped_request_ids\x18\x05 \x03(\tR\x11droppedRequestIds\x124\n" +
 	"\brequests\x18\x06 \x03(\v2\x18.vllmhi.v1.RequestBlocksR\brequests\x12\x1f\n" +
 	"\vtoken_slots\x18\a \x01(\x05R\n" +
-	"tokenSlots\"?\n" +
+	"tokenSlots\"^\n" +
 	"\n" +
 	"BlockSlots\x12\x14\n" +
 	"\x05block\x18\x01 \x01(\x05R\x05block\x12\x1b\n" +
-	"\tnum_slots\x18\x02 \x01(\x05R\bnumSlots\"e\n" +
+	"\tnum_slots\x18\x02 \x01(\x05R\bnumSlots\x12\x1d\n" +
+	"\n" +
+	"first_slot\x18\x03 \x01(\x05R\tfirstSlot\"e\n" +
 	"\x11HashBlocksRequest\x12!\n" +
 	"\fmigration_id\x18\x01 \x01(\tR\vmigrationId\x12-\n" +
 	"\x06blocks\x18\x02 \x03(\v2\x15.vllmhi.v1.BlockSlotsR\x06blocks\"a\n" +

@@ -45,6 +45,11 @@ func (c *Copier) Gather(src Regions, runs []kvlayout.CopyRun) ([]byte, []kvlayou
 	return host, out, c.Driver.Sync(c.Device, c.Stream)
 }
 
+// Reserve sizes the pinned host and device staging buffers to at least n
+// bytes now (allocating pinned memory stalls the device: a copier that
+// stages inside a pause reserves beforehand).
+func (c *Copier) Reserve(n uint64) error { return c.reserve(n) }
+
 // reserve sizes the pinned host and device staging buffers to n bytes.
 func (c *Copier) reserve(n uint64) error {
 	if c.stageCap >= n {
