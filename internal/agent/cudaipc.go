@@ -363,6 +363,11 @@ func (a *Agent) cudaCopy(session string, src, dst hooks.Layout, copies []kvlayou
 	if err != nil {
 		return tcpshm.Stats{}, err
 	}
+	// The kernel writes wherever a run says: every run must lie in the
+	// regions, and on the target inside the blocks this round copies to.
+	if err := checkRuns(src, dst, copies, runs); err != nil {
+		return tcpshm.Stats{}, err
+	}
 	g := &a.gpu
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -470,4 +475,29 @@ func (g *gpuPlane) gather(session string, l hooks.Layout, runs []kvlayout.CopyRu
 		return nil, nil, nil, err
 	}
 	return host, out, g.hashMu.Unlock, nil
+}
+
+// checkRuns checks a cuda_ipc round's runs before a kernel executes them:
+// every run inside its source and target regions (overflow-safe), every
+// copy's blocks inside the engines' pools. The runs come from the Host's
+// reservation through kvlayout.Plan, not from a peer, so this is a bound
+// on bugs (a write past a region is a write into someone else's GPU
+// memory), not the per-block guard the tcp_shm target applies to what
+// arrives from the network; it costs a few comparisons per run inside
+// the pause.
+func checkRuns(src, dst hooks.Layout, copies []kvlayout.BlockCopy, runs []kvlayout.CopyRun) error {
+	for _, c := range copies {
+		if c.Src < 0 || c.Src >= src.Geometry.NumBlocks || c.Dst < 0 || c.Dst >= dst.Geometry.NumBlocks {
+			return fmt.Errorf("cuda_ipc: copy %+v names a block outside the pools (%d, %d blocks)", c, src.Geometry.NumBlocks, dst.Geometry.NumBlocks)
+		}
+	}
+	inside := func(regions []hooks.Region, region int, off, n int64) bool {
+		return region >= 0 && region < len(regions) && off >= 0 && n >= 0 && off <= regions[region].Size-n
+	}
+	for _, r := range runs {
+		if !inside(src.Regions, r.SrcRegion, r.SrcOffset, r.Length) || !inside(dst.Regions, r.DstRegion, r.DstOffset, r.Length) {
+			return fmt.Errorf("cuda_ipc: run %+v outside the engines' regions", r)
+		}
+	}
+	return nil
 }

@@ -165,3 +165,25 @@ func TestCUDAMappingsLiveForAMigration(t *testing.T) {
 		t.Fatalf("idle mappings not closed: %d open", len(f.live))
 	}
 }
+
+// A cuda_ipc round never hands the kernel a run outside the engines'
+// regions, or a copy outside their pools.
+func TestCUDARunsAreBounded(t *testing.T) {
+	src, dst := gpuLayout(t, 1), gpuLayout(t, 2)
+	ok := []kvlayout.BlockCopy{{Src: 1, Dst: 5, NumSlots: 4}}
+	runs, err := kvlayout.Plan(src.Geometry.Layers, src.Geometry.KVHeads, int64(src.Geometry.HeadSlotBytes()), specs(src), specs(dst), ok)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := checkRuns(src, dst, ok, runs); err != nil {
+		t.Fatal(err)
+	}
+	past := append([]kvlayout.CopyRun(nil), runs...)
+	past[0].DstOffset = dst.Regions[0].Size - 1
+	if checkRuns(src, dst, ok, past) == nil {
+		t.Fatal("a run past the target's region passed")
+	}
+	if checkRuns(src, dst, []kvlayout.BlockCopy{{Src: 1, Dst: dst.Geometry.NumBlocks, NumSlots: 4}}, runs) == nil {
+		t.Fatal("a copy outside the target's pool passed")
+	}
+}

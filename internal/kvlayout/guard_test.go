@@ -133,3 +133,30 @@ func FuzzBlockGuard(f *testing.F) {
 		}
 	})
 }
+
+// What the guard costs a final round of 256 requests' token slots at
+// Qwen3-8B's shape (one run per layer, K/V and head: 147,456 runs).
+func BenchmarkBlockGuardFinalRound(b *testing.B) {
+	g := Geometry{Layers: 36, KVHeads: 8, HeadDim: 128, DTypeBytes: 2, BlockSize: 16, NumBlocks: 12000}
+	l := NewRegionLayout(g, Shard{TPSize: 1, PPSize: 1})
+	var allowed []int
+	var copies []BlockCopy
+	for i := 0; i < 256; i++ {
+		allowed = append(allowed, 1+i*40)
+		copies = append(copies, BlockCopy{Src: 1 + i*40, Dst: 1 + i*40, FirstSlot: 5, NumSlots: 2})
+	}
+	runs, err := Plan(g.Layers, g.KVHeads, int64(g.HeadSlotBytes()), []RegionSpec{l.Spec()}, []RegionSpec{l.Spec()}, copies)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		gd, _ := NewBlockGuard([]RegionSpec{l.Spec()}, []int64{l.Size()}, g.NumBlocks, g.BlockSize, int64(g.HeadSlotBytes()), allowed)
+		for _, r := range runs {
+			if err := gd.CheckRun(uint32(r.DstRegion), uint64(r.DstOffset), uint64(r.Length)); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	b.ReportMetric(float64(len(runs)), "runs")
+}

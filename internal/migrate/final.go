@@ -65,7 +65,7 @@ func (m *migration) final(ctx context.Context, since uint64) {
 		m.step(stepVerify)
 	}
 	if err := m.verify(fctx, states); err != nil {
-		m.o.met.integrityFailed()
+		m.o.met.integrity(err)
 		m.fail(m.late(fctx, err))
 		return
 	}

@@ -1,6 +1,10 @@
 package migrate
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"errors"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
 
 // Metrics are the orchestrator's instruments; the Host registers them. A
 // nil *Metrics records nothing.
@@ -55,8 +59,10 @@ func (m *Metrics) Collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.Migrations, m.Downtime, m.ClientDowntime, m.Duration, m.Bytes, m.Requests, m.IntegrityFailures}
 }
 
-func (m *Metrics) integrityFailed() {
-	if m != nil {
+// integrity counts a migration that a check before its commit stopped
+// because the KV differed (not one whose check could not be made).
+func (m *Metrics) integrity(err error) {
+	if m != nil && errors.Is(err, errIntegrity) {
 		m.IntegrityFailures.Inc()
 	}
 }

@@ -50,7 +50,7 @@ func (m *migration) run() {
 		m.step(stepCopyCheck)
 	}
 	if err := m.verifyCopied(ctx, since); err != nil {
-		m.o.met.integrityFailed()
+		m.o.met.integrity(err)
 		m.fail(err)
 		return
 	}

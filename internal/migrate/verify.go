@@ -2,6 +2,7 @@ package migrate
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"time"
@@ -182,6 +183,10 @@ func (m *migration) setVerification(v Verification) {
 	m.mu.Unlock()
 }
 
+// errIntegrity marks a check that found a difference (not one that could
+// not be made).
+var errIntegrity = errors.New("integrity check failed: the target does not hold what the source held")
+
 // blockAt names a checked block: request and index in its block table.
 type blockAt struct {
 	request string
@@ -229,8 +234,8 @@ func (m *migration) compare(ctx context.Context, src, dst []*v1.BlockSlots, at [
 	}
 	if bad > 0 {
 		w := at[first]
-		return v, fmt.Errorf("integrity check failed: the target does not hold what the source held (%d of %d blocks checked differ; first: block %d of request %s, source block %d, target block %d)",
-			bad, len(src), w.index, w.request, src[first].GetBlock(), dst[first].GetBlock())
+		return v, fmt.Errorf("%w (%d of %d blocks checked differ; first: block %d of request %s, source block %d, target block %d)",
+			errIntegrity, bad, len(src), w.index, w.request, src[first].GetBlock(), dst[first].GetBlock())
 	}
 	return v, nil
 }

@@ -55,13 +55,7 @@ func TestSpliceMovesAStreamAtATokenIndex(t *testing.T) {
 			m := testMetrics()
 			p := New(Options{}, m, zap.NewNop())
 			got := streamThrough(t, p, a.URL)
-			var s *Stream
-			for deadline := time.Now().Add(5 * time.Second); s == nil || s.Tokens() < k-inFlight; time.Sleep(time.Millisecond) {
-				if time.Now().After(deadline) {
-					t.Fatal("stream never started")
-				}
-				s = p.Streams().Get("cmpl-x")
-			}
+			s := waitStream(t, p, k-inFlight)
 			switched := s.Splice(b.URL, "B", k, -1)
 			close(release)
 			select {
@@ -72,13 +66,8 @@ func TestSpliceMovesAStreamAtATokenIndex(t *testing.T) {
 			case <-time.After(5 * time.Second):
 				t.Fatal("the splice never happened")
 			}
-			var want strings.Builder
-			for i := 0; i < total; i++ {
-				want.WriteString(tokenEvent(i))
-			}
-			want.WriteString("data: [DONE]\n\n")
-			if body := <-got; body != want.String() {
-				t.Fatalf("client saw:\n%s\nwant:\n%s", body, want.String())
+			if body, want := <-got, tokensThenDone(total); body != want {
+				t.Fatalf("client saw:\n%s\nwant:\n%s", body, want)
 			}
 			if from != fmt.Sprint(k) {
 				t.Fatalf("attached from %q, want %d", from, k)
@@ -190,6 +179,30 @@ func streamThrough(t *testing.T, p *Proxy, aURL string) <-chan string {
 	return got
 }
 
+
+// waitStream waits until the relay of cmpl-x has relayed n tokens.
+func waitStream(t *testing.T, p *Proxy, n int) *Stream {
+	t.Helper()
+	var s *Stream
+	for deadline := time.Now().Add(5 * time.Second); s == nil || s.Tokens() < n; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("stream never started")
+		}
+		s = p.Streams().Get("cmpl-x")
+	}
+	return s
+}
+
+// tokensThenDone is what a client sees of tokens 0 … total-1 and [DONE].
+func tokensThenDone(total int) string {
+	var want strings.Builder
+	for i := 0; i < total; i++ {
+		want.WriteString(tokenEvent(i))
+	}
+	want.WriteString("data: [DONE]\n\n")
+	return want.String()
+}
+
 // The fence: a source whose pause lease ran out goes on decoding past what
 // it exported, but none of those tokens reaches the client — the target
 // produces them. The client gets the source's k tokens, then the
@@ -225,13 +238,7 @@ func TestSpliceFencesASourceThatGoesOn(t *testing.T) {
 	defer b.Close()
 	p := New(Options{StreamIdleTimeout: 3 * time.Second}, testMetrics(), zap.NewNop())
 	got := streamThrough(t, p, a.URL)
-	var s *Stream
-	for deadline := time.Now().Add(5 * time.Second); s == nil || s.Tokens() < k-1; time.Sleep(time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("stream never started")
-		}
-		s = p.Streams().Get("cmpl-x")
-	}
+	s := waitStream(t, p, k-1)
 	switched := s.Splice(b.URL, "B", k, -1)
 	close(splice)
 	select {
@@ -242,12 +249,7 @@ func TestSpliceFencesASourceThatGoesOn(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("the splice never happened")
 	}
-	var want strings.Builder
-	for i := 0; i < total; i++ {
-		want.WriteString(tokenEvent(i))
-	}
-	want.WriteString("data: [DONE]\n\n")
-	if body := <-got; body != want.String() {
-		t.Fatalf("client saw:\n%s\nwant:\n%s", body, want.String())
+	if body, want := <-got, tokensThenDone(total); body != want {
+		t.Fatalf("client saw:\n%s\nwant:\n%s", body, want)
 	}
 }

@@ -172,7 +172,9 @@ func (d *deployment) migrate(t *testing.T, body string) (int, string) {
 	return resp.StatusCode, b.String()
 }
 
-func (d *deployment) waitMigration(t *testing.T, startBody string) migStatus {
+// startMigration starts a migration that must be accepted and returns its
+// id.
+func (d *deployment) startMigration(t *testing.T, startBody string) string {
 	t.Helper()
 	code, body := d.migrate(t, startBody)
 	if code != 200 {
@@ -182,7 +184,12 @@ func (d *deployment) waitMigration(t *testing.T, startBody string) migStatus {
 		ID string `json:"migration_id"`
 	}
 	_ = json.Unmarshal([]byte(body), &started)
-	return d.waitEnd(t, started.ID)
+	return started.ID
+}
+
+func (d *deployment) waitMigration(t *testing.T, startBody string) migStatus {
+	t.Helper()
+	return d.waitEnd(t, d.startMigration(t, startBody))
 }
 
 // waitEnd polls a migration until it ends.

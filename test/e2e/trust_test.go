@@ -144,21 +144,14 @@ func TestEveryPlaneRefusesStrangers(t *testing.T) {
 	want := d.reference(reqs)
 	running := d.startLoad(reqs)
 	time.Sleep(900 * time.Millisecond)
-	code, body := d.migrate(t, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B"}`)
-	if code != 200 {
-		t.Fatalf("migrate: %d %s", code, body)
-	}
-	var started struct {
-		ID string `json:"migration_id"`
-	}
-	_ = json.Unmarshal([]byte(body), &started)
+	id := d.startMigration(t, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B"}`)
 	b := instance(t, d.hostURL, "B")
-	_, err = tcpshm.Send(ctx, tcpshm.Dest{Addr: b.DataAddress, Session: started.ID, Secret: []byte("guessed, not handed out by the Host")}, 1,
+	_, err = tcpshm.Send(ctx, tcpshm.Dest{Addr: b.DataAddress, Session: id, Secret: []byte("guessed, not handed out by the Host")}, 1,
 		[][]byte{make([]byte, 64)}, []kvlayout.CopyRun{{Length: 64}}, tcpshm.NoFault)
 	if err == nil {
 		t.Fatal("a stranger wrote into the target's KV")
 	}
-	if st := d.waitEnd(t, started.ID); st.State != "succeeded" {
+	if st := d.waitEnd(t, id); st.State != "succeeded" {
 		t.Fatalf("the migration: %+v", st)
 	}
 	checkExact(t, <-running, want)
@@ -175,19 +168,12 @@ func TestStalledTargetAbortsAtItsDeadline(t *testing.T) {
 	want := d.reference(reqs)
 	running := d.startLoad(reqs)
 	time.Sleep(900 * time.Millisecond)
-	code, body := d.migrate(t, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B"}`)
-	if code != 200 {
-		t.Fatalf("migrate: %d %s", code, body)
-	}
+	id := d.startMigration(t, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B"}`)
 	stopped := time.Now()
 	pid := d.agentB.cmd.Process.Pid
 	_ = syscall.Kill(pid, syscall.SIGSTOP)
 	defer func() { _ = syscall.Kill(pid, syscall.SIGCONT) }()
-	var started struct {
-		ID string `json:"migration_id"`
-	}
-	_ = json.Unmarshal([]byte(body), &started)
-	st := d.waitEnd(t, started.ID)
+	st := d.waitEnd(t, id)
 	took := time.Since(stopped)
 	if st.State != "aborted" || st.Migrated != 0 {
 		t.Fatalf("a migration to a stalled target: %+v", st)

@@ -54,27 +54,38 @@ func Send(ctx context.Context, dst Dest, tn int, src [][]byte, runs []kvlayout.C
 			load[i] += n
 		}
 	}
-	var wg sync.WaitGroup
-	errs := make([]error, tn)
-	for i := range shares {
-		if len(shares[i]) == 0 && i > 0 {
-			continue
-		}
-		wg.Add(1)
-		go func(i int) {
-			defer wg.Done()
-			f := NoFault
-			if i == 0 {
-				f = fault
-			}
-			errs[i] = sendConn(ctx, dst, src, shares[i], f)
-		}(i)
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+	// Share 0 goes even when empty: a round with nothing to move still
+	// checks that the target takes the migration.
+	err := eachShare(tn, fault, func(i int) bool { return i == 0 || len(shares[i]) > 0 }, func(i int, f Fault) error {
+		return sendConn(ctx, dst, src, shares[i], f)
+	})
+	if err != nil {
 		return Stats{}, err
 	}
 	return Stats{Runs: len(runs), Bytes: kvlayout.Bytes(runs), Duration: time.Since(start)}, nil
+}
+
+// eachShare runs send for every share that goes, each on its own
+// goroutine (its own connection); the fault is injected into share 0.
+func eachShare(n int, fault Fault, goes func(i int) bool, send func(i int, f Fault) error) error {
+	var wg sync.WaitGroup
+	errs := make([]error, n)
+	for i := 0; i < n; i++ {
+		if !goes(i) {
+			continue
+		}
+		f := NoFault
+		if i == 0 {
+			f = fault
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = send(i, f)
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
 }
 
 // frameWriter batches descriptors and their bytes into frames.
@@ -165,28 +176,14 @@ func SendSlots(ctx context.Context, dst Dest, tn int, src *Memory, jobs []kvlayo
 	for i, j := range jobs {
 		shares[i%tn] = append(shares[i%tn], j)
 	}
-	var wg sync.WaitGroup
-	errs := make([]error, tn)
 	var total int64
 	for _, j := range jobs {
 		total += int64(j.NumSlots) * src.SlotBytes * int64(len(places))
 	}
-	for i := range shares {
-		if len(shares[i]) == 0 {
-			continue
-		}
-		wg.Add(1)
-		go func(i int) {
-			defer wg.Done()
-			f := NoFault
-			if i == 0 {
-				f = fault
-			}
-			errs[i] = sendSlotsConn(ctx, dst, src, places, shares[i], f)
-		}(i)
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+	err = eachShare(tn, fault, func(i int) bool { return len(shares[i]) > 0 }, func(i int, f Fault) error {
+		return sendSlotsConn(ctx, dst, src, places, shares[i], f)
+	})
+	if err != nil {
 		return Stats{}, err
 	}
 	return Stats{Runs: len(jobs) * len(places), Bytes: total, Duration: time.Since(start)}, nil
