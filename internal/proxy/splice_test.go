@@ -179,7 +179,6 @@ func streamThrough(t *testing.T, p *Proxy, aURL string) <-chan string {
 	return got
 }
 
-
 // waitStream waits until the relay of cmpl-x has relayed n tokens.
 func waitStream(t *testing.T, p *Proxy, n int) *Stream {
 	t.Helper()
