@@ -12,12 +12,12 @@ import (
 	"github.com/spf13/cobra"
 	"go.uber.org/zap"
 
-	"github.com/vllm-hi/vllm-hi/internal/migrate"
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/sim"
 )
 
 func newBenchMigrateCommand(g *globalFlags) *cobra.Command {
-	sc := scenario{Type: migrate.DestroySource}
+	sc := scenario{Type: hostapi.DestroySource}
 	var grans, verifies []string
 	var jsonOut string
 	geo := simGeometryFlags{}
@@ -46,7 +46,7 @@ against the median gap, and each round's blocks and bytes.`,
 	f.DurationVar(&sc.Delay, "delay", 5*time.Second, "load start → migration")
 	f.IntVar(&sc.TN, "tn", 2, "data-plane connections")
 	f.StringSliceVar(&grans, "final-granularity", []string{"block", "slot"}, "final-round granularities to compare")
-	f.StringSliceVar(&verifies, "verify", []string{migrate.VerifySample}, "checks before the commit to compare (off, sample, full): each runs with every granularity")
+	f.StringSliceVar(&verifies, "verify", []string{hostapi.VerifySample}, "checks before the commit to compare (off, sample, full): each runs with every granularity")
 	f.StringVar(&jsonOut, "json", "", "also write the statuses as JSON to this file")
 	f.StringVar(&sc.CPUProfile, "cpuprofile", "", "write a CPU profile of the migration window")
 	_ = f.MarkHidden("cpuprofile")
@@ -97,7 +97,7 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 	g := sc.Sim
 	fmt.Fprintf(out, "vhi bench migrate: %d streams × %d tokens, sim %s / kv-scale %d, %d blocks, KV on %s → %s, delay %v, tn %d\n",
 		sc.Streams, sc.MaxTokens, g.Profile, g.KVScale, g.NumBlocks, sc.DeviceA, sc.DeviceB, sc.Delay, sc.TN)
-	var all []migrate.Status
+	var all []hostapi.MigrationStatus
 	var runs [][2]string
 	for _, v := range verifies {
 		for _, gran := range grans {
@@ -143,7 +143,7 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 			exact = fmt.Sprintf("%d MISMATCHES: %s", len(res.Mismatches), strings.Join(res.Mismatches[:min(3, len(res.Mismatches))], "; "))
 		}
 		fmt.Fprintf(out, "%s; %s\n", exact, res.StatsA)
-		if st.State != migrate.StateSucceeded || len(res.Mismatches) > 0 {
+		if st.State != hostapi.StateSucceeded || len(res.Mismatches) > 0 {
 			return exitError{code: 1, err: fmt.Errorf("migration %s with %d mismatches", st.State, len(res.Mismatches))}
 		}
 	}

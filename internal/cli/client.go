@@ -1,17 +1,14 @@
 package cli
 
 import (
-	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
-	"io"
-	"net/http"
-	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
 
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/credentials"
 )
 
@@ -32,22 +29,32 @@ func (h *hostClientFlags) add(cmd *cobra.Command) {
 	f.StringVar(&h.caFile, "tls-ca-file", envDefault("VLLM_HI_TLS_CA_FILE", ""), "verify an https Host with this CA [VLLM_HI_TLS_CA_FILE]")
 }
 
-func (h *hostClientFlags) base() string {
-	u := strings.TrimRight(h.url, "/")
-	if !strings.Contains(u, "://") {
-		u = "http://" + u
+// client returns the typed Host client. changes: the command changes
+// something, so the admin token is required (reads send it when known).
+func (h *hostClientFlags) client(changes bool, timeout time.Duration) (*hostapi.Client, error) {
+	tok, err := tokenFromFlag(h.tokenFile, credentials.AdminTokenFile, "--admin-token-file", changes)
+	if err != nil {
+		return nil, err
 	}
-	return u
+	o := hostapi.Options{AdminToken: tok, Timeout: timeout}
+	if h.caFile != "" {
+		if o.TLS, err = (credentials.TLSFiles{CAFile: h.caFile}).Client(); err != nil {
+			return nil, err
+		}
+	}
+	return hostapi.New(h.url, o)
 }
 
-// hostError is the Host's answer to a request it refused.
-type hostError struct {
-	status int
-	typ    string
-	msg    string
+// call runs one client call with the command's deadline.
+func (h *hostClientFlags) call(cmd *cobra.Command, changes bool, timeout time.Duration, f func(context.Context, *hostapi.Client) error) error {
+	c, err := h.client(changes, timeout)
+	if err != nil {
+		return h.fail(err)
+	}
+	ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
+	defer cancel()
+	return h.fail(f(ctx, c))
 }
-
-func (e *hostError) Error() string { return fmt.Sprintf("the Host answered %d: %s", e.status, e.msg) }
 
 // jsonError is printed as the contract's error object on stdout (-o json):
 // scripts parse one JSON document whatever happened.
@@ -68,97 +75,25 @@ func (h *hostClientFlags) fail(err error) error {
 	return jsonError{err}
 }
 
-// errorJSON is the contract's error shape for a CLI error.
+// errorJSON is the contract's error shape for a CLI error: the Host's own
+// error when it refused, else a CLIError.
 func errorJSON(err error) []byte {
-	e := struct {
-		Message string `json:"message"`
-		Type    string `json:"type"`
-		Code    int    `json:"code"`
-	}{Message: err.Error(), Type: "CLIError", Code: 1}
-	var he *hostError
+	e := hostapi.ErrorDetail{Message: err.Error(), Type: "CLIError", Code: 1}
+	var he *hostapi.Error
 	if errors.As(err, &he) {
-		e.Message, e.Type, e.Code = he.msg, he.typ, he.status
+		e.Message, e.Type, e.Code = he.Message, he.Type, he.Status
 	}
 	var ee exitError
 	if errors.As(err, &ee) && he == nil {
 		e.Code = ee.code
 	}
-	b, _ := json.Marshal(map[string]any{"error": e})
+	b, _ := json.Marshal(hostapi.ErrorBody{Error: e})
 	return b
 }
 
-func (h *hostClientFlags) httpClient(timeout time.Duration) (*http.Client, error) {
-	c := &http.Client{Timeout: timeout}
-	if h.caFile != "" {
-		cfg, err := credentials.TLSFiles{CAFile: h.caFile}.Client()
-		if err != nil {
-			return nil, err
-		}
-		c.Transport = &http.Transport{TLSClientConfig: cfg}
-	}
-	return c, nil
-}
-
-// do sends a request to the Host (with the admin token when one is
-// known: reads need none, changes do) and decodes a 200's body into out.
-func (h *hostClientFlags) do(method, path string, in, out any, timeout time.Duration) error {
-	var body io.Reader
-	if in != nil {
-		b, _ := json.Marshal(in)
-		body = bytes.NewReader(b)
-	}
-	req, err := http.NewRequest(method, h.base()+path, body)
-	if err != nil {
-		return err
-	}
-	if in != nil {
-		req.Header.Set("Content-Type", "application/json")
-	}
-	tok, err := tokenFromFlag(h.tokenFile, credentials.AdminTokenFile, "--admin-token-file", method != http.MethodGet)
-	if err != nil {
-		return err
-	}
-	if tok != "" {
-		req.Header.Set("Authorization", "Bearer "+tok)
-	}
-	c, err := h.httpClient(timeout)
-	if err != nil {
-		return err
-	}
-	resp, err := c.Do(req)
-	if err != nil {
-		return fmt.Errorf("cannot reach the Host at %s: %w", h.base(), err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	if resp.StatusCode != http.StatusOK {
-		typ, msg := hostErrorMessage(b)
-		return &hostError{status: resp.StatusCode, typ: typ, msg: msg}
-	}
-	if out == nil {
-		return nil
-	}
-	return json.Unmarshal(b, out)
-}
-
-// getJSON fetches path from the Host into out.
-func (h *hostClientFlags) getJSON(path string, out any) error {
-	return h.do(http.MethodGet, path, nil, out, 10*time.Second)
-}
-
-func (h *hostClientFlags) postJSON(path string, in, out any) error {
-	return h.do(http.MethodPost, path, in, out, 60*time.Second)
-}
-
-func hostErrorMessage(b []byte) (typ, msg string) {
-	var e struct {
-		Error struct {
-			Message string `json:"message"`
-			Type    string `json:"type"`
-		} `json:"error"`
-	}
-	if json.Unmarshal(b, &e) == nil && e.Error.Message != "" {
-		return e.Error.Type, e.Error.Message
-	}
-	return "", strings.TrimSpace(string(b))
+// printJSON writes v indented, as every -o json answer is.
+func printJSON(cmd *cobra.Command, v any) error {
+	enc := json.NewEncoder(cmd.OutOrStdout())
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
 }

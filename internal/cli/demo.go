@@ -9,12 +9,12 @@ import (
 	"github.com/spf13/cobra"
 	"go.uber.org/zap"
 
-	"github.com/vllm-hi/vllm-hi/internal/migrate"
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/sim"
 )
 
 func newDemoCommand(g *globalFlags) *cobra.Command {
-	sc := scenario{Type: migrate.DestroySource, FinalGranularity: "slot"}
+	sc := scenario{Type: hostapi.DestroySource, FinalGranularity: "slot"}
 	cmd := &cobra.Command{
 		Use:   "demo",
 		Short: "Host + two sims + agents on loopback: stream a load, migrate A→B mid-stream, check every stream",
@@ -78,7 +78,7 @@ func runDemo(ctx context.Context, out io.Writer, sc scenario) error {
 // nothing proves nothing, however exact the streams.
 func demoVerdict(out io.Writer, res scenarioResult, streams int) error {
 	st := res.Status
-	if st.State != migrate.StateSucceeded {
+	if st.State != hostapi.StateSucceeded {
 		return fmt.Errorf("migration %s: %s", st.State, st.Error)
 	}
 	if len(res.Mismatches) > 0 {

@@ -4,20 +4,20 @@ import (
 	"io"
 	"testing"
 
-	"github.com/vllm-hi/vllm-hi/internal/migrate"
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 )
 
 // The demo passes only when streams moved, all exact: a migration that
 // moved nothing proves nothing, and used to print OK.
 func TestDemoVerdict(t *testing.T) {
-	ok := scenarioResult{Status: migrate.Status{State: migrate.StateSucceeded, Migrated: 64}}
+	ok := scenarioResult{Status: hostapi.MigrationStatus{State: hostapi.StateSucceeded, Migrated: 64}}
 	if err := demoVerdict(io.Discard, ok, 64); err != nil {
 		t.Fatal(err)
 	}
 	for name, res := range map[string]scenarioResult{
-		"nothing moved": {Status: migrate.Status{State: migrate.StateSucceeded, Migrated: 0}},
-		"aborted":       {Status: migrate.Status{State: migrate.StateAborted, Migrated: 64}},
-		"a mismatch":    {Status: migrate.Status{State: migrate.StateSucceeded, Migrated: 64}, Mismatches: []string{"stream 3 differs"}},
+		"nothing moved": {Status: hostapi.MigrationStatus{State: hostapi.StateSucceeded, Migrated: 0}},
+		"aborted":       {Status: hostapi.MigrationStatus{State: hostapi.StateAborted, Migrated: 64}},
+		"a mismatch":    {Status: hostapi.MigrationStatus{State: hostapi.StateSucceeded, Migrated: 64}, Mismatches: []string{"stream 3 differs"}},
 	} {
 		if err := demoVerdict(io.Discard, res, 64); err == nil {
 			t.Errorf("%s: the demo passed", name)

@@ -1,14 +1,16 @@
 package cli
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
 	"text/tabwriter"
+	"time"
 
 	"github.com/spf13/cobra"
 
-	"github.com/vllm-hi/vllm-hi/internal/host"
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 )
 
 func newInstancesCommand() *cobra.Command {
@@ -18,25 +20,25 @@ func newInstancesCommand() *cobra.Command {
 		Short: "List the instances registered with the Host",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			var out struct {
-				Instances []host.InstanceView `json:"instances"`
-			}
-			if err := hf.getJSON("/vllm_hi/instances", &out); err != nil {
-				return hf.fail(err)
-			}
-			return hf.fail(printInstances(cmd.OutOrStdout(), hf.output, out.Instances))
+			return hf.call(cmd, false, 10*time.Second, func(ctx context.Context, c *hostapi.Client) error {
+				list, err := c.Instances(ctx)
+				if err != nil {
+					return err
+				}
+				return printInstances(cmd.OutOrStdout(), hf.output, list)
+			})
 		},
 	}
 	hf.add(cmd)
 	return cmd
 }
 
-func printInstances(w io.Writer, format string, list []host.InstanceView) error {
+func printInstances(w io.Writer, format string, list []hostapi.Instance) error {
 	switch format {
 	case "json":
 		enc := json.NewEncoder(w)
 		enc.SetIndent("", "  ")
-		return enc.Encode(map[string]any{"instances": list})
+		return enc.Encode(hostapi.InstanceList{Instances: list})
 	case "table":
 	default:
 		return fmt.Errorf("-o %q: want table or json", format)

@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -10,13 +11,13 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/vllm-hi/vllm-hi/internal/migrate"
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 )
 
 func newMigrateCommand() *cobra.Command {
 	var (
 		hf      hostClientFlags
-		req     migrate.Request
+		req     hostapi.MigrateRequest
 		tp, pp  int
 		wait    bool
 		timeout time.Duration
@@ -35,32 +36,38 @@ ends with the seed-style summary; it exits non-zero unless the migration succeed
 			if cmd.Flags().Changed("target-pp") {
 				req.TargetPP = &pp
 			}
-			var started struct {
-				ID string `json:"migration_id"`
-			}
-			if err := hf.postJSON("/vllm_hi/migrate", req, &started); err != nil {
+			c, err := hf.client(true, time.Minute)
+			if err != nil {
 				return hf.fail(err)
 			}
 			out := cmd.OutOrStdout()
+			id, err := c.Migrate(cmd.Context(), req)
+			if err != nil {
+				return hf.fail(err)
+			}
 			if !wait {
 				if hf.output == "json" {
-					return json.NewEncoder(out).Encode(started)
+					return json.NewEncoder(out).Encode(hostapi.MigrateAnswer{ID: id})
 				}
-				fmt.Fprintln(out, started.ID)
+				fmt.Fprintln(out, id)
 				return nil
 			}
-			st, err := watchMigration(out, &hf, started.ID, timeout)
+			ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
+			defer cancel()
+			progress := func(hostapi.MigrationStatus) {}
+			if hf.output != "json" {
+				progress = roundPrinter(out, id)
+			}
+			st, err := c.WaitMigration(ctx, id, 50*time.Millisecond, progress)
 			if err != nil {
 				return hf.fail(err)
 			}
 			if hf.output == "json" {
-				enc := json.NewEncoder(out)
-				enc.SetIndent("", "  ")
-				_ = enc.Encode(st)
+				_ = printJSON(cmd, st)
 			} else {
 				printMigration(out, st)
 			}
-			if st.State != migrate.StateSucceeded {
+			if st.State != hostapi.StateSucceeded {
 				err := exitError{code: 1, err: fmt.Errorf("migration %s %s: %s", st.ID, st.State, st.Error)}
 				if hf.output == "json" {
 					return exitError{code: 1, err: errPrinted{err}} // the status above says it all
@@ -85,36 +92,23 @@ ends with the seed-style summary; it exits non-zero unless the migration succeed
 	return cmd
 }
 
-// watchMigration polls the status, printing each new round, until it ends.
-func watchMigration(out io.Writer, hf *hostClientFlags, id string, timeout time.Duration) (migrate.Status, error) {
-	deadline := time.Now().Add(timeout)
+// roundPrinter prints each new step and copy round of the statuses it is
+// given, once.
+func roundPrinter(out io.Writer, id string) func(hostapi.MigrationStatus) {
 	seen, step := 0, ""
-	for {
-		var st migrate.Status
-		if err := hf.getJSON("/vllm_hi/migration/"+id+"/status", &st); err != nil {
-			return st, err
+	return func(st hostapi.MigrationStatus) {
+		if st.CurrentStep != step {
+			step = st.CurrentStep
+			fmt.Fprintf(out, "[%s] step %s\n", id, step)
 		}
-		if hf.output != "json" {
-			if st.CurrentStep != step {
-				step = st.CurrentStep
-				fmt.Fprintf(out, "[%s] step %s\n", id, step)
+		for ; seen < len(st.Rounds); seen++ {
+			r := st.Rounds[seen]
+			rate := 0.0
+			if r.DurationS > 0 {
+				rate = float64(r.Bytes) / r.DurationS / 1e9
 			}
-			for ; seen < len(st.Rounds); seen++ {
-				r := st.Rounds[seen]
-				rate := 0.0
-				if r.DurationS > 0 {
-					rate = float64(r.Bytes) / r.DurationS / 1e9
-				}
-				fmt.Fprintf(out, "[%s] round %d %-11s %6d blocks %10s %7.2f GB/s %8.1f ms\n", id, r.Round, r.Kind, r.BlockCount, humanBytes(r.Bytes), rate, r.DurationS*1000)
-			}
+			fmt.Fprintf(out, "[%s] round %d %-11s %6d blocks %10s %7.2f GB/s %8.1f ms\n", id, r.Round, r.Kind, r.BlockCount, humanBytes(r.Bytes), rate, r.DurationS*1000)
 		}
-		if st.State != migrate.StateRunning {
-			return st, nil
-		}
-		if time.Now().After(deadline) {
-			return st, fmt.Errorf("migration %s still running after %v", id, timeout)
-		}
-		time.Sleep(50 * time.Millisecond)
 	}
 }
 
@@ -131,7 +125,7 @@ func humanBytes(n int64) string {
 }
 
 // printMigration prints the seed-style summary table.
-func printMigration(out io.Writer, st migrate.Status) {
+func printMigration(out io.Writer, st hostapi.MigrationStatus) {
 	var blocks int
 	var bytes int64
 	for _, r := range st.Rounds {
@@ -150,10 +144,10 @@ func printMigration(out io.Writer, st migrate.Status) {
 	if len(parts) > 0 {
 		fmt.Fprintf(out, "rounds (blocks / bytes): %s\n", strings.Join(parts, " | "))
 	}
-	if v := st.Verification; v != nil && v.Mode != migrate.VerifyOff {
+	if v := st.Verification; v != nil && v.Mode != hostapi.VerifyOff {
 		fmt.Fprintf(out, "checked before the commit (%s): %d blocks, %s on each side, %.1f ms\n", v.Mode, v.Blocks, humanBytes(v.Bytes), v.DurationS*1000)
 	}
-	if st.SourceKV != "" && st.SourceKV != migrate.SourceKVKept {
+	if st.SourceKV != "" && st.SourceKV != hostapi.SourceKVKept {
 		note := ""
 		if st.SourceKVNote != "" {
 			note = " (" + st.SourceKVNote + ")"
@@ -176,20 +170,20 @@ func newMigrationCommand() *cobra.Command {
 		Short: "Show a migration's state, steps and rounds",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			var st migrate.Status
-			if err := hf.getJSON("/vllm_hi/migration/"+args[0]+"/status", &st); err != nil {
-				return hf.fail(err)
-			}
-			if hf.output == "json" {
-				enc := json.NewEncoder(cmd.OutOrStdout())
-				enc.SetIndent("", "  ")
-				return enc.Encode(st)
-			}
-			printMigration(cmd.OutOrStdout(), st)
-			for _, s := range st.StepHistory {
-				fmt.Fprintf(cmd.OutOrStdout(), "  %-20s %s  %8.1f ms\n", s.Step, s.StartedAt.Format("15:04:05.000"), s.DurationS*1000)
-			}
-			return nil
+			return hf.call(cmd, false, 10*time.Second, func(ctx context.Context, c *hostapi.Client) error {
+				st, err := c.Migration(ctx, args[0])
+				if err != nil {
+					return err
+				}
+				if hf.output == "json" {
+					return printJSON(cmd, st)
+				}
+				printMigration(cmd.OutOrStdout(), st)
+				for _, s := range st.StepHistory {
+					fmt.Fprintf(cmd.OutOrStdout(), "  %-20s %s  %8.1f ms\n", s.Step, s.StartedAt.Format("15:04:05.000"), s.DurationS*1000)
+				}
+				return nil
+			})
 		},
 	}
 	hf.add(status)

@@ -1,12 +1,9 @@
 package cli
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
-	"net/http"
 	"os"
 	"runtime/pprof"
 	"runtime/trace"
@@ -15,9 +12,10 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/host"
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
-	"github.com/vllm-hi/vllm-hi/internal/migrate"
+
 	"github.com/vllm-hi/vllm-hi/internal/sim"
 	"github.com/vllm-hi/vllm-hi/internal/stack"
 )
@@ -41,7 +39,7 @@ type scenario struct {
 }
 
 type scenarioResult struct {
-	Status     migrate.Status
+	Status     hostapi.MigrationStatus
 	Streams    []loadgen.Stream
 	Mismatches []string
 	Wall       time.Duration
@@ -120,42 +118,14 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 	}
 	defer stopCapture()
 	res.MigrationStart = time.Now()
-	body, _ := json.Marshal(migrate.Request{Src: st.AID, Dst: st.BID, Type: sc.Type, FinalGranularity: sc.FinalGranularity, TN: sc.TN})
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, st.HostURL+"/vllm_hi/migrate", bytes.NewReader(body))
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("Authorization", "Bearer "+st.AdminToken)
-	resp, err := http.DefaultClient.Do(req)
+	id, err := st.Client().Migrate(ctx, hostapi.MigrateRequest{Src: st.AID, Dst: st.BID, Type: sc.Type, FinalGranularity: sc.FinalGranularity, TN: sc.TN})
 	if err != nil {
+		return res, fmt.Errorf("migrate: %w", err)
+	}
+	if res.Status, err = st.Client().WaitMigration(ctx, id, 20*time.Millisecond, nil); err != nil {
 		return res, err
 	}
-	var started struct {
-		ID    string `json:"migration_id"`
-		Error *struct {
-			Message string `json:"message"`
-		} `json:"error"`
-	}
-	_ = json.NewDecoder(resp.Body).Decode(&started)
-	resp.Body.Close()
-	if started.ID == "" {
-		msg := "no migration id"
-		if started.Error != nil {
-			msg = started.Error.Message
-		}
-		return res, fmt.Errorf("migrate refused: %s", msg)
-	}
-	for {
-		r, err := http.Get(st.HostURL + "/vllm_hi/migration/" + started.ID + "/status")
-		if err != nil {
-			return res, err
-		}
-		_ = json.NewDecoder(r.Body).Decode(&res.Status)
-		r.Body.Close()
-		if res.Status.State != migrate.StateRunning {
-			stopCapture()
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	stopCapture()
 	res.Streams = <-done
 	res.Wall = time.Since(t0)
 	sa, _ := st.A.Stats(ctx)

@@ -1,13 +1,13 @@
 package cli
 
 import (
-	"encoding/json"
+	"context"
 	"fmt"
 	"time"
 
 	"github.com/spf13/cobra"
 
-	"github.com/vllm-hi/vllm-hi/internal/host"
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 )
 
 func newWakeCommand() *cobra.Command {
@@ -19,17 +19,17 @@ func newWakeCommand() *cobra.Command {
 migration retired (or whose engine sleeps). It answers with the instance, now standby.`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			var v host.InstanceView
-			if err := hf.do("POST", "/vllm_hi/instances/"+args[0]+"/wake", struct{}{}, &v, 6*time.Minute); err != nil {
-				return hf.fail(err)
-			}
-			if hf.output == "json" {
-				enc := json.NewEncoder(cmd.OutOrStdout())
-				enc.SetIndent("", "  ")
-				return enc.Encode(v)
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "%s is %s (%s)\n", v.ID, v.Lifecycle, v.Role)
-			return nil
+			return hf.call(cmd, true, 6*time.Minute, func(ctx context.Context, c *hostapi.Client) error {
+				v, err := c.Wake(ctx, args[0])
+				if err != nil {
+					return err
+				}
+				if hf.output == "json" {
+					return printJSON(cmd, v)
+				}
+				fmt.Fprintf(cmd.OutOrStdout(), "%s is %s (%s)\n", v.ID, v.Lifecycle, v.Role)
+				return nil
+			})
 		},
 	}
 	hf.add(cmd)

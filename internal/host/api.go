@@ -12,6 +12,7 @@ import (
 
 	"github.com/go-chi/chi/v5"
 
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/host/registry"
 	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
@@ -61,45 +62,7 @@ func (h *Host) models(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, out)
 }
 
-// InstanceView is one entry of GET /vllm_hi/instances.
-type InstanceView struct {
-	ID                 string        `json:"vllm_hi_id"`
-	Type               string        `json:"type"`
-	Role               string        `json:"role"`
-	State              string        `json:"state"`
-	Lifecycle          string        `json:"lifecycle"`
-	ServedModelName    string        `json:"served_model_name"`
-	ServedModelNames   []string      `json:"served_model_names"`
-	Model              string        `json:"model"`
-	EngineURL          string        `json:"engine_url"`
-	EngineKind         string        `json:"engine_kind"`
-	EngineVersion      string        `json:"engine_version"`
-	TP                 int           `json:"tp"`
-	PP                 int           `json:"pp"`
-	MaxModelLen        int           `json:"max_model_len"`
-	Migratable         bool          `json:"migratable"`
-	HooksAuthenticated bool          `json:"hooks_authenticated"`
-	AgentAddress       string        `json:"agent_address"`
-	DataAddress        string        `json:"data_address"`
-	TransferBackend    string        `json:"transfer_backend"`
-	TLS                bool          `json:"tls"`
-	Hostname           string        `json:"hostname"`
-	RegisteredAt       time.Time     `json:"registered_at"`
-	LastHeartbeatAt    time.Time     `json:"last_heartbeat_at"`
-	Stats              InstanceStats `json:"stats"`
-}
-
-// InstanceStats is the load an agent last reported.
-type InstanceStats struct {
-	Healthy     bool `json:"healthy"`
-	NumRunning  int  `json:"num_running"`
-	NumWaiting  int  `json:"num_waiting"`
-	FreeBlocks  int  `json:"free_blocks"`
-	TotalBlocks int  `json:"total_blocks"`
-	Sleeping    bool `json:"sleeping"`
-}
-
-func (h *Host) view(i registry.Instance) InstanceView {
+func (h *Host) view(i registry.Instance) hostapi.Instance {
 	v := view(i)
 	if h.mig.Busy(i.ID) && v.State != string(registry.StateUnreachable) {
 		v.State = string(registry.StateMigrating)
@@ -107,31 +70,21 @@ func (h *Host) view(i registry.Instance) InstanceView {
 	return v
 }
 
-func view(i registry.Instance) InstanceView {
-	v := InstanceView{
+func view(i registry.Instance) hostapi.Instance {
+	v := hostapi.Instance{
 		ID: i.ID, Type: i.Type, Role: string(i.Role), State: string(i.EffectiveState()), Lifecycle: string(i.Lifecycle()),
 		ServedModelNames: i.Engine.ServedModels, Model: i.Engine.Model, EngineURL: i.Engine.URL,
 		EngineKind: i.Engine.Kind, EngineVersion: i.Engine.Version, TP: i.Engine.TP, PP: i.Engine.PP,
 		MaxModelLen: i.Engine.MaxModelLen, Migratable: i.Engine.Migratable, HooksAuthenticated: i.Engine.HooksAuthenticated,
 		AgentAddress: i.AgentAddress, DataAddress: i.DataAddress, TransferBackend: i.TransferBackend, TLS: i.TLS, Hostname: i.Hostname,
 		RegisteredAt: i.RegisteredAt.UTC(), LastHeartbeatAt: i.LastHeartbeat.UTC(),
-		Stats: InstanceStats{Healthy: i.Stats.Healthy, NumRunning: i.Stats.Running, NumWaiting: i.Stats.Waiting,
+		Stats: hostapi.InstanceStats{Healthy: i.Stats.Healthy, NumRunning: i.Stats.Running, NumWaiting: i.Stats.Waiting,
 			FreeBlocks: i.Stats.FreeBlocks, TotalBlocks: i.Stats.TotalBlocks, Sleeping: i.Stats.Sleeping},
 	}
 	if len(i.Engine.ServedModels) > 0 {
 		v.ServedModelName = i.Engine.ServedModels[0]
 	}
 	return v
-}
-
-// StatusView is GET /vllm_hi/status.
-type StatusView struct {
-	Status           string         `json:"status"`
-	InstanceCount    int            `json:"instance_count"`
-	InstancesByState map[string]int `json:"instances_by_state"`
-	Models           []string       `json:"models"`
-	Version          string         `json:"version"`
-	UptimeS          float64        `json:"uptime_s"`
 }
 
 func (h *Host) status(w http.ResponseWriter, _ *http.Request) {
@@ -149,18 +102,18 @@ func (h *Host) status(w http.ResponseWriter, _ *http.Request) {
 		names = append(names, m)
 	}
 	sort.Strings(names)
-	writeJSON(w, http.StatusOK, StatusView{
+	writeJSON(w, http.StatusOK, hostapi.Status{
 		Status: "ok", InstanceCount: len(list), InstancesByState: byState, Models: names,
 		Version: version.Version, UptimeS: time.Since(h.started).Seconds(),
 	})
 }
 
 func (h *Host) instances(w http.ResponseWriter, _ *http.Request) {
-	out := []InstanceView{}
+	out := hostapi.InstanceList{Instances: []hostapi.Instance{}}
 	for _, i := range h.reg.List() {
-		out = append(out, h.view(i))
+		out.Instances = append(out.Instances, h.view(i))
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"instances": out})
+	writeJSON(w, http.StatusOK, out)
 }
 
 func (h *Host) instance(w http.ResponseWriter, r *http.Request) {
@@ -249,7 +202,7 @@ func (h *Host) migrateError(w http.ResponseWriter, err error) {
 
 // migrate starts a migration: 202-style immediate answer with its id.
 func (h *Host) migrate(w http.ResponseWriter, r *http.Request) {
-	var req migrate.Request
+	var req hostapi.MigrateRequest
 	if err := decodeStrict(io.LimitReader(r.Body, 1<<20), &req); err != nil {
 		h.m.migrations.Refused()
 		proxy.WriteError(w, http.StatusBadRequest, "BadRequestError", "malformed migrate body: "+err.Error())
@@ -260,7 +213,7 @@ func (h *Host) migrate(w http.ResponseWriter, r *http.Request) {
 		h.migrateError(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, map[string]string{"migration_id": id})
+	writeJSON(w, http.StatusOK, hostapi.MigrateAnswer{ID: id})
 }
 
 func (h *Host) migrationStatus(w http.ResponseWriter, r *http.Request) {
@@ -273,5 +226,5 @@ func (h *Host) migrationStatus(w http.ResponseWriter, r *http.Request) {
 }
 
 func (h *Host) migrations(w http.ResponseWriter, _ *http.Request) {
-	writeJSON(w, http.StatusOK, map[string]any{"migrations": h.mig.List()})
+	writeJSON(w, http.StatusOK, hostapi.MigrationList{Migrations: h.mig.List()})
 }

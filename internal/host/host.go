@@ -21,6 +21,7 @@ import (
 	"golang.org/x/net/netutil"
 	"google.golang.org/grpc"
 
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 	"github.com/vllm-hi/vllm-hi/internal/credentials"
 	"github.com/vllm-hi/vllm-hi/internal/grpcauth"
@@ -167,22 +168,20 @@ func (h *Host) Handler() http.Handler {
 	r.Post("/v1/chat/completions", h.openAI)
 	r.Post("/v1/completions", h.openAI)
 	r.Get("/v1/models", h.models)
-	r.Get("/health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
+	r.Get(hostapi.PathHealth, func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
 	r.Get("/metrics", promhttp.HandlerFor(h.prom, promhttp.HandlerOpts{}).ServeHTTP)
-	r.Route("/vllm_hi", func(r chi.Router) {
-		r.Get("/status", h.status)
-		r.Get("/instances", h.instances)
-		r.Get("/instances/{id}", h.instance)
-		r.Get("/migration/{id}/status", h.migrationStatus)
-		r.Get("/migrations", h.migrations)
-		r.Group(func(r chi.Router) {
-			r.Use(h.requireAdmin)
-			r.Post("/instances/{id}/drain", h.drain)
-			r.Post("/instances/{id}/undrain", h.undrain)
-			r.Post("/instances/{id}/wake", h.wake)
-			r.Delete("/instances/{id}", h.forget)
-			r.Post("/migrate", h.migrate)
-		})
+	r.Get(hostapi.PathStatus, h.status)
+	r.Get(hostapi.PathInstances, h.instances)
+	r.Get(hostapi.PathInstance, h.instance)
+	r.Get(hostapi.PathMigrationStatus, h.migrationStatus)
+	r.Get(hostapi.PathMigrations, h.migrations)
+	r.Group(func(r chi.Router) {
+		r.Use(h.requireAdmin)
+		r.Post(hostapi.PathDrain, h.drain)
+		r.Post(hostapi.PathUndrain, h.undrain)
+		r.Post(hostapi.PathWake, h.wake)
+		r.Delete(hostapi.PathInstance, h.forget)
+		r.Post(hostapi.PathMigrate, h.migrate)
 	})
 	r.NotFound(func(w http.ResponseWriter, _ *http.Request) {
 		proxy.WriteError(w, http.StatusNotFound, "NotFoundError", "no such endpoint")

@@ -17,6 +17,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/prometheus/common/expfmt"
@@ -182,7 +184,7 @@ func TestRoutingAndErrors(t *testing.T) {
 	if code != 200 || !strings.Contains(body, `"id":"m"`) {
 		t.Fatalf("models: %s", body)
 	}
-	var st StatusView
+	var st hostapi.Status
 	_, body, _ = httpDo(t, "GET", h.url+"/vllm_hi/status", "", nil)
 	if err := json.Unmarshal([]byte(body), &st); err != nil || st.Status != "ok" || st.InstanceCount != 2 {
 		t.Fatalf("status: %s", body)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"os"
 	"sync"
 	"time"
@@ -61,7 +62,7 @@ func (m *migration) final(ctx context.Context, since uint64) {
 			return
 		}
 	}
-	if m.o.cfg.Verify != VerifyOff {
+	if m.o.cfg.Verify != hostapi.VerifyOff {
 		m.step(stepVerify)
 	}
 	if err := m.verify(fctx, states); err != nil {
@@ -118,10 +119,10 @@ func (m *migration) final(ctx context.Context, since uint64) {
 	m.applyType()
 	m.measureClientGap(spliced, pauseCall)
 	if len(failed) > 0 {
-		m.finish(StateFailed, fmt.Sprintf("the target runs the moved requests, but %d of %d streams could not switch to it (their clients got an error event): %v",
+		m.finish(hostapi.StateFailed, fmt.Sprintf("the target runs the moved requests, but %d of %d streams could not switch to it (their clients got an error event): %v",
 			len(failed), len(states), firstErr))
 	} else {
-		m.finish(StateSucceeded, "")
+		m.finish(hostapi.StateSucceeded, "")
 	}
 	m.closeTarget()
 }
@@ -211,16 +212,16 @@ func (m *migration) measureClientGap(spliced []*proxy.Stream, pauseStart time.Ti
 func (m *migration) applyRoles() {
 	reg := m.o.reg
 	switch m.req.Type {
-	case DestroySource:
+	case hostapi.DestroySource:
 		_ = reg.SetRole(m.dst.ID, registry.RoleActive)
 		_ = reg.SetRole(m.src.ID, registry.RoleStandby)
 		_, _ = reg.SetRetired(m.src.ID, true)
 		m.setNewActive(m.dst.ID)
-	case PreserveSource:
+	case hostapi.PreserveSource:
 		_ = reg.SetRole(m.dst.ID, registry.RoleActive)
 		_ = reg.SetRole(m.src.ID, registry.RoleStandby)
 		m.setNewActive(m.dst.ID)
-	case KeepSourceActive:
+	case hostapi.KeepSourceActive:
 		m.setNewActive(m.src.ID)
 	}
 }
@@ -229,11 +230,11 @@ func (m *migration) applyRoles() {
 // destroy_source source releases its KV once the requests left on it
 // finish — in the background, and the status says what came of it.
 func (m *migration) applyType() {
-	if m.req.Type != DestroySource {
-		m.setSourceKV(SourceKVKept, "")
+	if m.req.Type != hostapi.DestroySource {
+		m.setSourceKV(hostapi.SourceKVKept, "")
 		return
 	}
-	m.setSourceKV(SourceKVReleasing, "")
+	m.setSourceKV(hostapi.SourceKVReleasing, "")
 	o := m.o
 	o.wg.Add(1)
 	go func() {
@@ -243,13 +244,13 @@ func (m *migration) applyType() {
 		resp, err := m.srcA.Retire(ctx, &v1.RetireRequest{WaitMs: o.cfg.RetireWait.Milliseconds()})
 		switch {
 		case err != nil && o.ctx.Err() != nil:
-			m.setSourceKV(SourceKVNotReleased, "the Host stopped before the source's remaining requests finished")
+			m.setSourceKV(hostapi.SourceKVNotReleased, "the Host stopped before the source's remaining requests finished")
 		case err != nil:
-			m.setSourceKV(SourceKVNotReleased, "retiring the source failed: "+rpcError(err).Error())
+			m.setSourceKV(hostapi.SourceKVNotReleased, "retiring the source failed: "+rpcError(err).Error())
 		case resp.GetReleased():
-			m.setSourceKV(SourceKVReleased, resp.GetNote())
+			m.setSourceKV(hostapi.SourceKVReleased, resp.GetNote())
 		default:
-			m.setSourceKV(SourceKVNotReleased, resp.GetNote())
+			m.setSourceKV(hostapi.SourceKVNotReleased, resp.GetNote())
 		}
 	}()
 }
@@ -259,7 +260,7 @@ func (m *migration) setSourceKV(state, note string) {
 	m.st.SourceKV, m.st.SourceKVNote = state, note
 	m.mu.Unlock()
 	m.o.rec.save(m.st.ID)
-	if state == SourceKVNotReleased {
+	if state == hostapi.SourceKVNotReleased {
 		m.log.Warn("the source kept its KV", zap.String("note", note))
 	}
 }

@@ -2,6 +2,7 @@ package migrate
 
 import (
 	"errors"
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -75,7 +76,7 @@ func (m *Metrics) Refused() {
 }
 
 // ended records a migration that ran.
-func (m *Metrics) ended(st Status) {
+func (m *Metrics) ended(st hostapi.MigrationStatus) {
 	if m == nil {
 		return
 	}
@@ -86,7 +87,7 @@ func (m *Metrics) ended(st Status) {
 		bytes += r.Bytes
 	}
 	m.Bytes.Add(float64(bytes))
-	if st.State == StateSucceeded {
+	if st.State == hostapi.StateSucceeded {
 		m.Downtime.Observe(st.DowntimeS)
 		m.ClientDowntime.Observe(st.ClientDowntimeS)
 		m.Requests.Add(float64(st.Migrated))

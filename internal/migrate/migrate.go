@@ -11,6 +11,7 @@ package migrate
 import (
 	"crypto/tls"
 	"fmt"
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"sync"
 	"time"
 
@@ -26,115 +27,6 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/host/registry"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
 )
-
-// Migration types.
-const (
-	DestroySource    = "destroy_source"
-	PreserveSource   = "preserve_source"
-	KeepSourceActive = "keep_source_active"
-)
-
-// Migration states.
-const (
-	StateRunning   = "running"
-	StateSucceeded = "succeeded"
-	StateAborted   = "aborted"
-	StateFailed    = "failed"
-)
-
-// Verification modes: what the Host compares between the source's and the
-// target's memory before the commit.
-const (
-	VerifySample = "sample" // every moved request's last two blocks and a few random others (VerifySamples)
-	VerifyFull   = "full"   // every moved block
-	VerifyOff    = "off"
-)
-
-// What happened to a destroy_source migration's source KV.
-const (
-	SourceKVKept        = "kept"         // preserve_source, keep_source_active
-	SourceKVReleasing   = "releasing"    // waiting for the requests left on the source
-	SourceKVReleased    = "released"     // the engine gave its KV memory back
-	SourceKVNotReleased = "not_released" // the engine could not (source_kv_note says why)
-)
-
-// Request is the body of POST /vllm_hi/migrate.
-type Request struct {
-	Src              string   `json:"src_vllm_hi_id"`
-	Dst              string   `json:"dst_vllm_hi_id"`
-	TargetTP         *int     `json:"target_tp,omitempty"`
-	TargetPP         *int     `json:"target_pp,omitempty"`
-	TargetGPUMemUtil *float64 `json:"target_gpu_memory_utilization,omitempty"`
-	Type             string   `json:"migration_type,omitempty"`
-	TN               int      `json:"tn,omitempty"`
-	RequestFilter    string   `json:"request_filter,omitempty"`
-	FinalGranularity string   `json:"final_granularity,omitempty"` // "slot" (default) or "block"
-	// InjectFault (tests, --allow-fault-injection): "corrupt", "cut" or
-	// "silent_corrupt" in the final round, or "crash_after_pause".
-	InjectFault string `json:"inject_fault,omitempty"`
-}
-
-// Step is one entry of a migration's step history.
-type Step struct {
-	Step      string    `json:"step"`
-	StartedAt time.Time `json:"started_at"`
-	EndedAt   time.Time `json:"ended_at,omitempty"`
-	DurationS float64   `json:"duration_s"`
-}
-
-// Round is one copy round.
-type Round struct {
-	Round      int     `json:"round"`
-	Kind       string  `json:"kind"` // full, incremental, final
-	BlockCount int     `json:"block_count"`
-	TokenSlots int     `json:"token_slots"`
-	Bytes      int64   `json:"data_size_bytes"`
-	DurationS  float64 `json:"duration_s"`
-}
-
-// Verification is the check that the target holds what the source held.
-type Verification struct {
-	Mode      string  `json:"mode"`
-	Blocks    int     `json:"blocks"` // blocks hashed on each side
-	Bytes     int64   `json:"bytes"`  // bytes hashed on each side
-	DurationS float64 `json:"duration_s"`
-	// PauseDurationS is the part inside the pause (the rest ran while the
-	// source decoded).
-	PauseDurationS float64 `json:"pause_duration_s"`
-}
-
-// Status is GET /vllm_hi/migration/{id}/status.
-type Status struct {
-	ID                string        `json:"migration_id"`
-	State             string        `json:"state"`
-	CurrentStep       string        `json:"current_step"`
-	StepHistory       []Step        `json:"step_history"`
-	Rounds            []Round       `json:"rounds"`
-	DowntimeS         float64       `json:"downtime_s"`
-	ClientDowntimeS   float64       `json:"client_downtime_s"`
-	PauseWaitS        float64       `json:"pause_wait_s"`
-	NewActiveInstance string        `json:"new_active_instance"`
-	Error             string        `json:"error"`
-	Src               string        `json:"src_vllm_hi_id"`
-	Dst               string        `json:"dst_vllm_hi_id"`
-	Type              string        `json:"migration_type"`
-	RequestFilter     string        `json:"request_filter"`
-	TN                int           `json:"tn"`
-	Requests          int           `json:"request_count"`
-	Migrated          int           `json:"migrated_request_count"`
-	Dropped           []string      `json:"dropped_request_ids"`
-	Verification      *Verification `json:"verification,omitempty"`
-	// Committed: the target took the requests over (ownership flipped).
-	Committed bool `json:"committed"`
-	// SourceKV says what happened to the source's KV (destroy_source).
-	SourceKV     string    `json:"source_kv,omitempty"`
-	SourceKVNote string    `json:"source_kv_note,omitempty"`
-	CreatedAt    time.Time `json:"created_at"`
-	// Deadline is when the migration aborts if it has not committed (the
-	// target's block reservation ends soon after).
-	Deadline   time.Time `json:"deadline"`
-	FinishedAt time.Time `json:"finished_at,omitempty"`
-}
 
 // Config tunes the orchestrator (the seed's env vars).
 type Config struct {
@@ -166,7 +58,7 @@ type Config struct {
 // DefaultConfig returns the defaults.
 func DefaultConfig() Config {
 	return Config{MaxIncrRounds: 8, StallRounds: 2, DefaultTN: 2, PauseLease: 10 * time.Second, ReservationLease: 60 * time.Second,
-		SpliceTimeout: 5 * time.Second, RPCTimeout: 10 * time.Second, Verify: VerifySample, VerifySamples: 2,
+		SpliceTimeout: 5 * time.Second, RPCTimeout: 10 * time.Second, Verify: hostapi.VerifySample, VerifySamples: 2,
 		RetireWait: 10 * time.Minute, MaxHistory: 1000}
 }
 
@@ -184,7 +76,7 @@ func (c Config) check() error {
 		return fmt.Errorf("the migration reservation lease %v is too short (at least 2s)", c.ReservationLease)
 	case c.RPCTimeout <= 0 || c.SpliceTimeout <= 0:
 		return fmt.Errorf("migration timeouts must be positive")
-	case c.Verify != VerifySample && c.Verify != VerifyFull && c.Verify != VerifyOff:
+	case c.Verify != hostapi.VerifySample && c.Verify != hostapi.VerifyFull && c.Verify != hostapi.VerifyOff:
 		return fmt.Errorf("migration verify %q: want sample, full or off", c.Verify)
 	case c.VerifySamples < 0:
 		return fmt.Errorf("migration verify samples must not be negative")
@@ -315,22 +207,22 @@ func (o *Orchestrator) Busy(instance string) bool {
 }
 
 // Get returns a migration's status.
-func (o *Orchestrator) Get(id string) (Status, bool) {
+func (o *Orchestrator) Get(id string) (hostapi.MigrationStatus, bool) {
 	o.mu.Lock()
 	m, ok := o.all[id]
 	o.mu.Unlock()
 	if !ok {
-		return Status{}, false
+		return hostapi.MigrationStatus{}, false
 	}
 	return m.status(), true
 }
 
 // List returns every migration, newest first.
-func (o *Orchestrator) List() []Status {
+func (o *Orchestrator) List() []hostapi.MigrationStatus {
 	o.mu.Lock()
 	ids := append([]string(nil), o.order...)
 	o.mu.Unlock()
-	out := make([]Status, 0, len(ids))
+	out := make([]hostapi.MigrationStatus, 0, len(ids))
 	for i := len(ids) - 1; i >= 0; i-- {
 		if s, ok := o.Get(ids[i]); ok {
 			out = append(out, s)
@@ -348,7 +240,7 @@ func (o *Orchestrator) add(m *migration) {
 	var dropped []string
 	for i := 0; len(o.order)-len(dropped) > o.cfg.MaxHistory && i < len(o.order); i++ {
 		id := o.order[i]
-		if o.all[id].status().State != StateRunning {
+		if o.all[id].status().State != hostapi.StateRunning {
 			dropped = append(dropped, id)
 		}
 	}

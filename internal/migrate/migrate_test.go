@@ -3,6 +3,7 @@ package migrate
 import (
 	"encoding/json"
 	"errors"
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"strings"
 	"sync"
 	"testing"
@@ -72,22 +73,22 @@ func TestStartRefusals(t *testing.T) {
 	}
 	two := 2
 	for _, c := range []struct {
-		req  Request
+		req  hostapi.MigrateRequest
 		code int
 	}{
-		{Request{Src: "A"}, 400},
-		{Request{Src: "A", Dst: "A"}, 400},
-		{Request{Src: "A", Dst: "B", Type: "x"}, 400},
-		{Request{Src: "A", Dst: "B", FinalGranularity: "page"}, 400},
-		{Request{Src: "A", Dst: "B", TN: 99}, 400},
-		{Request{Src: "A", Dst: "B", RequestFilter: "nope"}, 400},
-		{Request{Src: "A", Dst: "B", InjectFault: "corrupt"}, 400}, // not allowed on this Host
-		{Request{Src: "X", Dst: "B"}, 404},
-		{Request{Src: "A", Dst: "X"}, 404},
-		{Request{Src: "B", Dst: "A"}, 409},
-		{Request{Src: "A", Dst: "P"}, 409},
-		{Request{Src: "A", Dst: "B2"}, 409},
-		{Request{Src: "A", Dst: "B", TargetTP: &two}, 409},
+		{hostapi.MigrateRequest{Src: "A"}, 400},
+		{hostapi.MigrateRequest{Src: "A", Dst: "A"}, 400},
+		{hostapi.MigrateRequest{Src: "A", Dst: "B", Type: "x"}, 400},
+		{hostapi.MigrateRequest{Src: "A", Dst: "B", FinalGranularity: "page"}, 400},
+		{hostapi.MigrateRequest{Src: "A", Dst: "B", TN: 99}, 400},
+		{hostapi.MigrateRequest{Src: "A", Dst: "B", RequestFilter: "nope"}, 400},
+		{hostapi.MigrateRequest{Src: "A", Dst: "B", InjectFault: "corrupt"}, 400}, // not allowed on this Host
+		{hostapi.MigrateRequest{Src: "X", Dst: "B"}, 404},
+		{hostapi.MigrateRequest{Src: "A", Dst: "X"}, 404},
+		{hostapi.MigrateRequest{Src: "B", Dst: "A"}, 409},
+		{hostapi.MigrateRequest{Src: "A", Dst: "P"}, 409},
+		{hostapi.MigrateRequest{Src: "A", Dst: "B2"}, 409},
+		{hostapi.MigrateRequest{Src: "A", Dst: "B", TargetTP: &two}, 409},
 	} {
 		_, err := o.Start(c.req)
 		var me *Error
@@ -136,12 +137,12 @@ func (s *memRecords) Migrations() (map[string]json.RawMessage, error) {
 func TestRecordsSurviveAndStayBounded(t *testing.T) {
 	store := &memRecords{m: map[string]json.RawMessage{}}
 	t0 := time.Unix(1000, 0).UTC()
-	for i, st := range []Status{
-		{ID: "mig-1", State: StateSucceeded},
-		{ID: "mig-2", State: StateAborted},
-		{ID: "mig-3", State: StateSucceeded},
-		{ID: "mig-4", State: StateRunning, CurrentStep: stepRound0},
-		{ID: "mig-5", State: StateRunning, CurrentStep: stepSwitch, Committed: true},
+	for i, st := range []hostapi.MigrationStatus{
+		{ID: "mig-1", State: hostapi.StateSucceeded},
+		{ID: "mig-2", State: hostapi.StateAborted},
+		{ID: "mig-3", State: hostapi.StateSucceeded},
+		{ID: "mig-4", State: hostapi.StateRunning, CurrentStep: stepRound0},
+		{ID: "mig-5", State: hostapi.StateRunning, CurrentStep: stepSwitch, Committed: true},
 	} {
 		st.CreatedAt = t0.Add(time.Duration(i) * time.Second)
 		b, _ := json.Marshal(st)
@@ -158,19 +159,19 @@ func TestRecordsSurviveAndStayBounded(t *testing.T) {
 	if len(list) != 3 || list[0].ID != "mig-5" || list[2].ID != "mig-3" {
 		t.Fatalf("history: %+v", list)
 	}
-	if st, _ := o.Get("mig-4"); st.State != StateAborted || !strings.Contains(st.Error, "rolled it back") {
+	if st, _ := o.Get("mig-4"); st.State != hostapi.StateAborted || !strings.Contains(st.Error, "rolled it back") {
 		t.Fatalf("a migration its Host died in before the commit: %+v", st)
 	}
-	if st, _ := o.Get("mig-5"); st.State != StateFailed {
+	if st, _ := o.Get("mig-5"); st.State != hostapi.StateFailed {
 		t.Fatalf("a migration its Host died in after the commit: %+v", st)
 	}
 	o.Close()
 	if len(store.m) != 3 {
 		t.Fatalf("the store keeps %d records, want 3", len(store.m))
 	}
-	var st Status
+	var st hostapi.MigrationStatus
 	_ = json.Unmarshal(store.m["mig-4"], &st)
-	if st.State != StateAborted {
+	if st.State != hostapi.StateAborted {
 		t.Fatalf("the closed record was not written back: %+v", st)
 	}
 }

@@ -2,6 +2,7 @@ package migrate
 
 import (
 	"encoding/json"
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"sort"
 	"sync"
 	"time"
@@ -138,24 +139,24 @@ func (o *Orchestrator) restore() error {
 		return err
 	}
 	now := time.Now().UTC()
-	var list []Status
+	var list []hostapi.MigrationStatus
 	for id, raw := range recs {
-		var st Status
+		var st hostapi.MigrationStatus
 		if err := json.Unmarshal(raw, &st); err != nil || st.ID != id {
 			o.log.Warn("skipping an unreadable migration record", zap.String("migration_id", id))
 			continue
 		}
-		if st.State == StateRunning {
+		if st.State == hostapi.StateRunning {
 			at := st.CurrentStep
 			switch {
 			case st.Committed:
-				st.State = StateFailed
+				st.State = hostapi.StateFailed
 				st.Error = "the Host stopped after the commit (at step " + at + "): the target runs the moved requests, but their clients' streams ended with that Host"
 			case at == stepCommit:
-				st.State = StateFailed
+				st.State = hostapi.StateFailed
 				st.Error = "the Host stopped during the commit: the target may run the moved requests as well as the source; their clients' streams ended with that Host"
 			default:
-				st.State = StateAborted
+				st.State = hostapi.StateAborted
 				st.Error = "the Host stopped during the migration (at step " + at + "); the engines' leases rolled it back"
 			}
 			st.CurrentStep, st.FinishedAt = "done", now

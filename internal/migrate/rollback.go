@@ -2,6 +2,7 @@ package migrate
 
 import (
 	"context"
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"time"
 
 	"go.uber.org/zap"
@@ -20,7 +21,7 @@ func (m *migration) fail(err error) {
 	m.log.Warn("migration aborted; rolling back", zap.Error(err))
 	m.step(stepRollback)
 	m.rollbackSource()
-	m.finish(StateAborted, err.Error())
+	m.finish(hostapi.StateAborted, err.Error())
 	m.closeTarget()
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"time"
 
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
@@ -46,7 +47,7 @@ func (m *migration) run() {
 	// The check of what is on the target already, while A decodes (a
 	// second round and pass to shrink what the pause checks measured no
 	// better on an H200: the round in between lets A decode as much again).
-	if m.o.cfg.Verify != VerifyOff {
+	if m.o.cfg.Verify != hostapi.VerifyOff {
 		m.step(stepCopyCheck)
 	}
 	if err := m.verifyCopied(ctx, since); err != nil {
@@ -86,7 +87,7 @@ func (m *migration) copyRound(ctx context.Context, kind string, since uint64, sl
 			cur.SrcBlockIds = rb.GetSrcBlockIds()
 		}
 	}
-	m.st.Rounds = append(m.st.Rounds, Round{Round: len(m.st.Rounds), Kind: kind, BlockCount: int(resp.GetBlockCount()),
+	m.st.Rounds = append(m.st.Rounds, hostapi.Round{Round: len(m.st.Rounds), Kind: kind, BlockCount: int(resp.GetBlockCount()),
 		TokenSlots: int(resp.GetTokenSlots()), Bytes: resp.GetBytes(), DurationS: resp.GetDurationS()})
 	m.mu.Unlock()
 	return resp, nil

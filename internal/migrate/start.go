@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"math"
 	"sort"
 	"sync"
@@ -40,7 +41,7 @@ const (
 // migration is one migration's live state.
 type migration struct {
 	o        *Orchestrator
-	req      Request
+	req      hostapi.MigrateRequest
 	filter   Filter
 	src, dst registry.Instance
 	srcA     v1.AgentClient
@@ -65,7 +66,7 @@ type migration struct {
 	pausedSrc    bool
 
 	mu sync.Mutex
-	st Status
+	st hostapi.MigrationStatus
 }
 
 func newID() string {
@@ -78,7 +79,7 @@ func newID() string {
 // requests and reserves their blocks on the target — all before answering,
 // so that a bad request or a target that cannot hold the KV is refused
 // with nothing started — and then runs the rest in the background.
-func (o *Orchestrator) Start(req Request) (string, error) {
+func (o *Orchestrator) Start(req hostapi.MigrateRequest) (string, error) {
 	id, err := o.start(req)
 	if err != nil {
 		o.met.Refused()
@@ -87,7 +88,7 @@ func (o *Orchestrator) Start(req Request) (string, error) {
 }
 
 // validate checks a request's own fields and fills in defaults.
-func (o *Orchestrator) validate(req *Request) (Filter, error) {
+func (o *Orchestrator) validate(req *hostapi.MigrateRequest) (Filter, error) {
 	if req.Src == "" || req.Dst == "" {
 		return nil, refuse(400, "src_vllm_hi_id and dst_vllm_hi_id are required")
 	}
@@ -95,10 +96,10 @@ func (o *Orchestrator) validate(req *Request) (Filter, error) {
 		return nil, refuse(400, "source and target are the same instance %s", req.Src)
 	}
 	if req.Type == "" {
-		req.Type = DestroySource
+		req.Type = hostapi.DestroySource
 	}
 	switch req.Type {
-	case DestroySource, PreserveSource, KeepSourceActive:
+	case hostapi.DestroySource, hostapi.PreserveSource, hostapi.KeepSourceActive:
 	default:
 		return nil, refuse(400, "migration_type %q: want destroy_source, preserve_source or keep_source_active", req.Type)
 	}
@@ -141,7 +142,7 @@ func (o *Orchestrator) validate(req *Request) (Filter, error) {
 	return filter, nil
 }
 
-func (o *Orchestrator) start(req Request) (string, error) {
+func (o *Orchestrator) start(req hostapi.MigrateRequest) (string, error) {
 	filter, err := o.validate(&req)
 	if err != nil {
 		return "", err
@@ -184,8 +185,8 @@ func (o *Orchestrator) start(req Request) (string, error) {
 		secret: secret, moving: map[string]*v1.RequestBlocks{}, reserved: map[string]bool{}}
 	now := time.Now().UTC()
 	m.deadline = now.Add(o.cfg.ReservationLease - margin(o.cfg.ReservationLease))
-	m.st = Status{ID: id, State: StateRunning, Src: src.ID, Dst: dst.ID, Type: req.Type, RequestFilter: filter.String(),
-		TN: req.TN, CreatedAt: now, Deadline: m.deadline, StepHistory: []Step{}, Rounds: []Round{}, Dropped: []string{}}
+	m.st = hostapi.MigrationStatus{ID: id, State: hostapi.StateRunning, Src: src.ID, Dst: dst.ID, Type: req.Type, RequestFilter: filter.String(),
+		TN: req.TN, CreatedAt: now, Deadline: m.deadline, StepHistory: []hostapi.Step{}, Rounds: []hostapi.Round{}, Dropped: []string{}}
 	if err := m.prepare(); err != nil {
 		m.rollback(context.Background())
 		o.release(src.ID, dst.ID)
@@ -222,12 +223,12 @@ func sameModels(a, b registry.Instance) bool {
 	return true
 }
 
-func (m *migration) status() Status {
+func (m *migration) status() hostapi.MigrationStatus {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	s := m.st
-	s.StepHistory = append([]Step(nil), s.StepHistory...)
-	s.Rounds = append([]Round(nil), s.Rounds...)
+	s.StepHistory = append([]hostapi.Step(nil), s.StepHistory...)
+	s.Rounds = append([]hostapi.Round(nil), s.Rounds...)
 	s.Dropped = append([]string(nil), s.Dropped...)
 	if s.Verification != nil {
 		v := *s.Verification
@@ -242,7 +243,7 @@ func (m *migration) step(name string) {
 	now := time.Now().UTC()
 	m.endStepLocked(now)
 	m.st.CurrentStep = name
-	m.st.StepHistory = append(m.st.StepHistory, Step{Step: name, StartedAt: now})
+	m.st.StepHistory = append(m.st.StepHistory, hostapi.Step{Step: name, StartedAt: now})
 	m.mu.Unlock()
 	m.o.rec.save(m.st.ID)
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"math/rand/v2"
 	"time"
 
@@ -42,8 +43,8 @@ func (m *migration) verifyCopied(ctx context.Context, since uint64) error {
 	prev := m.stableTokens
 	m.stableTokens = map[string]int{}
 	m.mu.Unlock()
-	if mode == VerifyOff {
-		m.setVerification(Verification{Mode: mode})
+	if mode == hostapi.VerifyOff {
+		m.setVerification(hostapi.Verification{Mode: mode})
 		return nil
 	}
 	bs := m.srcLayout.Geometry.BlockSize
@@ -92,7 +93,7 @@ func (m *migration) verifyCopied(ctx context.Context, since uint64) error {
 		}
 		full := b / bs
 		var picks []int
-		if mode == VerifyFull {
+		if mode == hostapi.VerifyFull {
 			picks = pick(full, full)
 		} else {
 			picks = pick(full, m.o.cfg.VerifySamples)
@@ -112,7 +113,7 @@ func (m *migration) verifyCopied(ctx context.Context, since uint64) error {
 	v, err := m.compare(ctx, src, dst, at)
 	m.mu.Lock()
 	if m.st.Verification == nil {
-		m.st.Verification = &Verification{Mode: mode}
+		m.st.Verification = &hostapi.Verification{Mode: mode}
 	}
 	m.st.Verification.Blocks += v.Blocks
 	m.st.Verification.Bytes += v.Bytes
@@ -138,7 +139,7 @@ func tokenRange(rb *v1.RequestBlocks, id string, from, to, bs int) (src, dst []*
 // verify checks, in the pause, every moved request's tokens from its
 // stable boundary to its last computed one.
 func (m *migration) verify(ctx context.Context, states []movedState) error {
-	if m.o.cfg.Verify == VerifyOff || len(states) == 0 {
+	if m.o.cfg.Verify == hostapi.VerifyOff || len(states) == 0 {
 		return nil
 	}
 	bs := m.srcLayout.Geometry.BlockSize
@@ -167,7 +168,7 @@ func (m *migration) verify(ctx context.Context, states []movedState) error {
 	v, err := m.compare(ctx, src, dst, at)
 	m.mu.Lock()
 	if m.st.Verification == nil {
-		m.st.Verification = &Verification{Mode: m.o.cfg.Verify}
+		m.st.Verification = &hostapi.Verification{Mode: m.o.cfg.Verify}
 	}
 	m.st.Verification.Blocks += v.Blocks
 	m.st.Verification.Bytes += v.Bytes
@@ -177,7 +178,7 @@ func (m *migration) verify(ctx context.Context, states []movedState) error {
 	return err
 }
 
-func (m *migration) setVerification(v Verification) {
+func (m *migration) setVerification(v hostapi.Verification) {
 	m.mu.Lock()
 	m.st.Verification = &v
 	m.mu.Unlock()
@@ -194,8 +195,8 @@ type blockAt struct {
 }
 
 // compare has both agents hash their blocks at once and compares.
-func (m *migration) compare(ctx context.Context, src, dst []*v1.BlockSlots, at []blockAt) (Verification, error) {
-	var v Verification
+func (m *migration) compare(ctx context.Context, src, dst []*v1.BlockSlots, at []blockAt) (hostapi.Verification, error) {
+	var v hostapi.Verification
 	if len(src) == 0 {
 		return v, nil
 	}

@@ -6,7 +6,6 @@ package stack
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"net"
 	"net/http"
@@ -15,6 +14,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/agent"
 	"github.com/vllm-hi/vllm-hi/internal/credentials"
 	"github.com/vllm-hi/vllm-hi/internal/host"
@@ -45,6 +45,7 @@ type Stack struct {
 	Host       *host.Host
 	AdminToken string
 	AgentToken string
+	client     *hostapi.Client
 	stops      []func()
 }
 
@@ -102,24 +103,25 @@ func Start(o Options) (*Stack, error) {
 		go func() { defer close(adone); _ = ag.Run(actx) }()
 		s.stops = append(s.stops, func() { acancel(); <-adone })
 	}
-	deadline := time.Now().Add(15 * time.Second)
+	if s.client, err = hostapi.New(s.HostURL, hostapi.Options{AdminToken: s.AdminToken}); err != nil {
+		return fail(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
 	for {
-		var st struct {
-			N int `json:"instance_count"`
-		}
-		if resp, err := http.Get(s.HostURL + "/vllm_hi/status"); err == nil {
-			_ = json.NewDecoder(resp.Body).Decode(&st)
-			resp.Body.Close()
-		}
-		if st.N == 2 {
+		if st, err := s.client.Status(ctx); err == nil && st.InstanceCount == 2 {
 			return s, nil
 		}
-		if time.Now().After(deadline) {
-			return fail(fmt.Errorf("agents did not register"))
+		select {
+		case <-ctx.Done():
+			return fail(fmt.Errorf("agents did not register within 15 s"))
+		case <-time.After(20 * time.Millisecond):
 		}
-		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// Client is the typed client of the stack's Host, with the admin token.
+func (s *Stack) Client() *hostapi.Client { return s.client }
 
 func (s *Stack) startSim(c sim.Config, model, prefix string, log *zap.Logger, wrap ...func(http.Handler) http.Handler) (*sim.Engine, string, error) {
 	c.Model, c.ServedModelNames, c.ShmPrefix, c.HookToken = model, []string{model}, prefix, s.AgentToken

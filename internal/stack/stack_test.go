@@ -1,17 +1,15 @@
 package stack
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"net/http"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
-	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/sim"
 )
 
@@ -38,8 +36,8 @@ func TestMigrationInProcess(t *testing.T) {
 		done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: st.HostURL, Model: "m"}, reqs)
 	}()
 	time.Sleep(150 * time.Millisecond)
-	status := migrateAndWait(t, st, migrate.Request{Src: st.AID, Dst: st.BID, Type: migrate.PreserveSource})
-	if status.State != migrate.StateSucceeded || status.Migrated == 0 {
+	status := migrateAndWait(t, st, hostapi.MigrateRequest{Src: st.AID, Dst: st.BID, Type: hostapi.PreserveSource})
+	if status.State != hostapi.StateSucceeded || status.Migrated == 0 {
 		t.Fatalf("migration: %+v", status)
 	}
 	got := <-done
@@ -52,33 +50,14 @@ func TestMigrationInProcess(t *testing.T) {
 
 // migrateAndWait starts a migration through the Host's API and waits for
 // its end.
-func migrateAndWait(t *testing.T, st *Stack, req migrate.Request) migrate.Status {
+func migrateAndWait(t *testing.T, st *Stack, req hostapi.MigrateRequest) hostapi.MigrationStatus {
 	t.Helper()
-	body, _ := json.Marshal(req)
-	r, _ := http.NewRequest(http.MethodPost, st.HostURL+"/vllm_hi/migrate", bytes.NewReader(body))
-	r.Header.Set("Authorization", "Bearer "+st.AdminToken)
-	resp, err := http.DefaultClient.Do(r)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	status, err := st.Client().MigrateAndWait(ctx, req, 10*time.Millisecond)
 	if err != nil {
 		t.Fatal(err)
 	}
-	var started struct {
-		ID string `json:"migration_id"`
-	}
-	_ = json.NewDecoder(resp.Body).Decode(&started)
-	resp.Body.Close()
-	var status migrate.Status
-	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		r, err := http.Get(st.HostURL + "/vllm_hi/migration/" + started.ID + "/status")
-		if err != nil {
-			t.Fatal(err)
-		}
-		_ = json.NewDecoder(r.Body).Decode(&status)
-		r.Body.Close()
-		if status.State != migrate.StateRunning {
-			return status
-		}
-	}
-	t.Fatalf("migration %s did not end", started.ID)
 	return status
 }
 
@@ -115,8 +94,8 @@ func TestFailedSplicesAreNotSuccess(t *testing.T) {
 		done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: st.HostURL, Model: "m"}, reqs)
 	}()
 	time.Sleep(150 * time.Millisecond)
-	status := migrateAndWait(t, st, migrate.Request{Src: st.AID, Dst: st.BID, Type: migrate.PreserveSource})
-	if status.State != migrate.StateFailed || !status.Committed || !strings.Contains(status.Error, "could not switch") {
+	status := migrateAndWait(t, st, hostapi.MigrateRequest{Src: st.AID, Dst: st.BID, Type: hostapi.PreserveSource})
+	if status.State != hostapi.StateFailed || !status.Committed || !strings.Contains(status.Error, "could not switch") {
 		t.Fatalf("a migration whose streams could not switch: %s (%s)", status.State, status.Error)
 	}
 	for i, s := range <-done {

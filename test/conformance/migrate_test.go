@@ -2,6 +2,7 @@ package conformance
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -13,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/host"
 )
 
@@ -31,15 +33,8 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 	ids := map[string]string{}
 	deadline := time.Now().Add(60 * time.Second)
 	for len(ids) < 2 {
-		var list struct {
-			Instances []struct {
-				ID         string `json:"vllm_hi_id"`
-				Type       string `json:"type"`
-				Migratable bool   `json:"migratable"`
-			} `json:"instances"`
-		}
-		_ = json.Unmarshal(send(t, "GET", hostURL+"/vllm_hi/instances", "").body, &list)
-		for _, in := range list.Instances {
+		list, _ := hostClient(t, hostURL).Instances(context.Background())
+		for _, in := range list {
 			if in.Migratable {
 				ids[in.Type] = in.ID
 			}
@@ -54,9 +49,9 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 
 	t.Run("a failed migration changes nothing", func(t *testing.T) {
 		freeA, freeB := freeBlocks(t, vllmA), freeBlocks(t, vllmBURL)
-		var st migrationStatus
+		var st hostapi.MigrationStatus
 		got := runStreams(t, hostURL, n, func() {
-			st = migrateAndWait(t, hostURL, fmt.Sprintf(`{"src_vllm_hi_id":%q,"dst_vllm_hi_id":%q,"inject_fault":"corrupt"}`, ids["A"], ids["B"]))
+			st = migrateAndWait(t, hostURL, hostapi.MigrateRequest{Src: ids["A"], Dst: ids["B"], InjectFault: "corrupt"})
 		})
 		if st.State != "aborted" {
 			t.Fatalf("a corrupted copy: migration %s (%s), want aborted", st.State, st.Error)
@@ -72,9 +67,9 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 	for i := 0; i < 2; i++ {
 		t.Run(fmt.Sprintf("stream %d moves mid-stream and stays exact", i), func(t *testing.T) {
 			want := runStreamsFrom(t, hostURL, i, 1, nil)
-			var st migrationStatus
+			var st hostapi.MigrationStatus
 			got := runStreamsFrom(t, hostURL, i, 1, func() {
-				st = migrateAndWait(t, hostURL, fmt.Sprintf(`{"src_vllm_hi_id":%q,"dst_vllm_hi_id":%q,"migration_type":"preserve_source","final_granularity":%q}`, src, dst, finalGranularity))
+				st = migrateAndWait(t, hostURL, hostapi.MigrateRequest{Src: src, Dst: dst, Type: hostapi.PreserveSource, FinalGranularity: finalGranularity})
 			})
 			if st.State != "succeeded" || st.Migrated != 1 {
 				t.Fatalf("migration %s (%s), %d requests moved", st.State, st.Error, st.Migrated)
@@ -90,9 +85,9 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 	t.Run("a seeded sampled stream moves and stays exact", func(t *testing.T) {
 		const sampling = `"temperature":1.0,"top_p":0.9,"seed":1234`
 		want := runStreamsWith(t, hostURL, 0, 1, sampling, nil)
-		var st migrationStatus
+		var st hostapi.MigrationStatus
 		got := runStreamsWith(t, hostURL, 0, 1, sampling, func() {
-			st = migrateAndWait(t, hostURL, fmt.Sprintf(`{"src_vllm_hi_id":%q,"dst_vllm_hi_id":%q,"migration_type":"preserve_source"}`, src, dst))
+			st = migrateAndWait(t, hostURL, hostapi.MigrateRequest{Src: src, Dst: dst, Type: hostapi.PreserveSource})
 		})
 		if st.State != "succeeded" || st.Migrated != 1 {
 			t.Fatalf("migration %s (%s), %d requests moved", st.State, st.Error, st.Migrated)
@@ -102,9 +97,9 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 	src, dst = dst, src
 
 	t.Run("concurrent streams move and stay exact", func(t *testing.T) {
-		var st migrationStatus
+		var st hostapi.MigrationStatus
 		got := runStreams(t, hostURL, n, func() {
-			st = migrateAndWait(t, hostURL, fmt.Sprintf(`{"src_vllm_hi_id":%q,"dst_vllm_hi_id":%q,"migration_type":"preserve_source"}`, src, dst))
+			st = migrateAndWait(t, hostURL, hostapi.MigrateRequest{Src: src, Dst: dst, Type: hostapi.PreserveSource})
 		})
 		if st.State != "succeeded" || st.Migrated != n {
 			t.Fatalf("migration %s (%s), %d of %d requests moved", st.State, st.Error, st.Migrated, n)
@@ -129,9 +124,9 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 			return int64(fs.Bavail) * fs.Bsize
 		}
 		before := shmFree()
-		var st migrationStatus
+		var st hostapi.MigrationStatus
 		got := runStreams(t, hostURL, n, func() {
-			st = migrateAndWait(t, hostURL, fmt.Sprintf(`{"src_vllm_hi_id":%q,"dst_vllm_hi_id":%q,"migration_type":"destroy_source"}`, src, dst))
+			st = migrateAndWait(t, hostURL, hostapi.MigrateRequest{Src: src, Dst: dst, Type: hostapi.DestroySource})
 		})
 		if st.State != "succeeded" || st.Migrated != n {
 			t.Fatalf("migration %s (%s), %d of %d requests moved", st.State, st.Error, st.Migrated, n)
@@ -141,7 +136,7 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 			if time.Now().After(deadline) || st.SourceKV == "not_released" {
 				t.Fatalf("the source's KV: %s (%s)", st.SourceKV, st.SourceKVNote)
 			}
-			_ = json.Unmarshal(send(t, "GET", hostURL+"/vllm_hi/migration/"+st.ID+"/status", "").body, &st)
+			st, _ = hostClient(t, hostURL).Migration(context.Background(), st.ID)
 		}
 		// vLLM CPU's KV here is 1 GiB (VLLM_CPU_KVCACHE_SPACE=1).
 		if gained := shmFree() - before; gained < 512<<20 {
@@ -157,7 +152,7 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 			t.Fatalf("the woken source is %s, want standby", lc)
 		}
 		got = runStreams(t, hostURL, n, func() {
-			st = migrateAndWait(t, hostURL, fmt.Sprintf(`{"src_vllm_hi_id":%q,"dst_vllm_hi_id":%q,"migration_type":"preserve_source"}`, dst, src))
+			st = migrateAndWait(t, hostURL, hostapi.MigrateRequest{Src: dst, Dst: src, Type: hostapi.PreserveSource})
 		})
 		if st.State != "succeeded" || st.Migrated != n {
 			t.Fatalf("back to the woken engine: %s (%s), %d of %d moved", st.State, st.Error, st.Migrated, n)
@@ -168,10 +163,7 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 
 func lifecycle(t *testing.T, hostURL, id string) string {
 	t.Helper()
-	var v struct {
-		Lifecycle string `json:"lifecycle"`
-	}
-	_ = json.Unmarshal(send(t, "GET", hostURL+"/vllm_hi/instances/"+id, "").body, &v)
+	v, _ := hostClient(t, hostURL).Instance(context.Background(), id)
 	return v.Lifecycle
 }
 
@@ -255,38 +247,27 @@ func sameStreams(t *testing.T, want, got []streamResult) {
 	}
 }
 
-type migrationStatus struct {
-	ID           string  `json:"migration_id"`
-	State        string  `json:"state"`
-	Error        string  `json:"error"`
-	Migrated     int     `json:"migrated_request_count"`
-	DowntimeS    float64 `json:"downtime_s"`
-	SourceKV     string  `json:"source_kv"`
-	SourceKVNote string  `json:"source_kv_note"`
-	Verification *struct {
-		Blocks int `json:"blocks"`
-	} `json:"verification"`
+// migrateAndWait migrates through the Host's typed client and waits for
+// the end.
+func migrateAndWait(t *testing.T, hostURL string, req hostapi.MigrateRequest) hostapi.MigrationStatus {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	st, err := hostClient(t, hostURL).MigrateAndWait(ctx, req, 50*time.Millisecond)
+	if err != nil {
+		t.Fatalf("migrate: %v", err)
+	}
+	return st
 }
 
-func migrateAndWait(t *testing.T, hostURL, body string) migrationStatus {
+// hostClient is the typed client of the Host, with the admin token.
+func hostClient(t *testing.T, hostURL string) *hostapi.Client {
 	t.Helper()
-	r := send(t, "POST", hostURL+"/vllm_hi/migrate", body)
-	if r.status != 200 {
-		t.Fatalf("migrate: %d %s", r.status, r.body)
+	c, err := hostapi.New(hostURL, hostapi.Options{AdminToken: adminToken})
+	if err != nil {
+		t.Fatal(err)
 	}
-	var started struct {
-		ID string `json:"migration_id"`
-	}
-	_ = json.Unmarshal(r.body, &started)
-	var st migrationStatus
-	for deadline := time.Now().Add(2 * time.Minute); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
-		_ = json.Unmarshal(send(t, "GET", hostURL+"/vllm_hi/migration/"+started.ID+"/status", "").body, &st)
-		if st.State != "running" && st.State != "" {
-			return st
-		}
-	}
-	t.Fatalf("migration %s did not end", started.ID)
-	return st
+	return c
 }
 
 func freeBlocks(t *testing.T, engine string) int {

@@ -10,45 +10,39 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
+
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
 )
 
-type instanceView struct {
-	ID           string `json:"vllm_hi_id"`
-	Role         string `json:"role"`
-	State        string `json:"state"`
-	Lifecycle    string `json:"lifecycle"`
-	Migratable   bool   `json:"migratable"`
-	AgentAddress string `json:"agent_address"`
-	DataAddress  string `json:"data_address"`
-	HooksAuth    bool   `json:"hooks_authenticated"`
-}
-
-type instancesView struct {
-	Instances []instanceView `json:"instances"`
+// hostClient is the typed client of the Host at hostURL (reads need no
+// token; admin may be "").
+func hostClient(t *testing.T, hostURL, admin string) *hostapi.Client {
+	t.Helper()
+	c, err := hostapi.New(hostURL, hostapi.Options{AdminToken: admin, Timeout: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
 }
 
 // instance returns one instance as the Host lists it (zero if absent).
-func instance(t *testing.T, hostURL, id string) instanceView {
+func instance(t *testing.T, hostURL, id string) hostapi.Instance {
 	t.Helper()
-	for _, i := range listInstances(t, hostURL).Instances {
+	for _, i := range listInstances(t, hostURL) {
 		if i.ID == id {
 			return i
 		}
 	}
-	return instanceView{}
+	return hostapi.Instance{}
 }
 
-func listInstances(t *testing.T, hostURL string) instancesView {
+// listInstances lists the Host's instances (none while it cannot be
+// reached: callers wait for a condition).
+func listInstances(t *testing.T, hostURL string) []hostapi.Instance {
 	t.Helper()
-	var v instancesView
-	resp, err := http.Get(hostURL + "/vllm_hi/instances")
-	if err != nil {
-		return v
-	}
-	defer resp.Body.Close()
-	_ = json.NewDecoder(resp.Body).Decode(&v)
-	return v
+	list, _ := hostClient(t, hostURL, "").Instances(context.Background())
+	return list
 }
 
 func waitUntil(t *testing.T, what string, cond func() bool) {
@@ -81,8 +75,8 @@ func TestHostSimAgentProcesses(t *testing.T) {
 	waitHealthy(t, hostURL+"/health")
 	agent := startVHI(t, "agent", "--type", "A", "--host", hostAddr, "--engine", simURL, "--data-port", "19999", "--log-level", "warn",
 		"--token-file", tk.agentFile)
-	waitUntil(t, "the agent's registration", func() bool { return len(listInstances(t, hostURL).Instances) == 1 })
-	if v := listInstances(t, hostURL); v.Instances[0].Role != "active" || !v.Instances[0].Migratable {
+	waitUntil(t, "the agent's registration", func() bool { return len(listInstances(t, hostURL)) == 1 })
+	if v := listInstances(t, hostURL); v[0].Role != "active" || !v[0].Migratable {
 		t.Fatalf("instance: %+v", v)
 	}
 
@@ -107,7 +101,7 @@ func TestHostSimAgentProcesses(t *testing.T) {
 		t.Fatalf("vhi instances: %v\n%s", err, out)
 	}
 	out, err = exec.Command(vhiBin, "instances", "--host", hostURL, "-o", "json").Output()
-	var parsed instancesView
+	var parsed hostapi.InstanceList
 	if err != nil || json.Unmarshal(out, &parsed) != nil || len(parsed.Instances) != 1 {
 		t.Fatalf("vhi instances -o json: %v\n%s", err, out)
 	}
@@ -123,7 +117,7 @@ func TestHostSimAgentProcesses(t *testing.T) {
 	// yet reachable) until the agent registers again by itself.
 	waitUntil(t, "re-registration after a Host restart", func() bool {
 		v := listInstances(t, hostURL)
-		return len(v.Instances) == 1 && v.Instances[0].State == "active"
+		return len(v) == 1 && v[0].State == "active"
 	})
 	resp, err := http.Post(hostURL+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"again","max_tokens":2}`))
 	if err != nil || resp.StatusCode != 200 {
@@ -132,5 +126,5 @@ func TestHostSimAgentProcesses(t *testing.T) {
 	resp.Body.Close()
 
 	agent.stop(t)
-	waitUntil(t, "deregistration", func() bool { return len(listInstances(t, hostURL).Instances) == 0 })
+	waitUntil(t, "deregistration", func() bool { return len(listInstances(t, hostURL)) == 0 })
 }

@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
+
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
 )
 
@@ -88,7 +90,7 @@ func deployWith(t *testing.T, o deployOptions) *deployment {
 	d.host = d.startHost(t)
 	d.agentA = d.startAgent(t, "A", d.aURL)
 	d.agentB = d.startAgent(t, "B", d.bURL)
-	waitUntil(t, "both agents", func() bool { return len(listInstances(t, d.hostURL).Instances) == 2 })
+	waitUntil(t, "both agents", func() bool { return len(listInstances(t, d.hostURL)) == 2 })
 	return d
 }
 
@@ -139,24 +141,6 @@ func checkExact(t *testing.T, got, want []loadgen.Stream) {
 	}
 }
 
-type migStatus struct {
-	ID       string `json:"migration_id"`
-	State    string `json:"state"`
-	Error    string `json:"error"`
-	Migrated int    `json:"migrated_request_count"`
-	Requests int    `json:"request_count"`
-	SourceKV string `json:"source_kv"`
-	Verified *struct {
-		Mode   string `json:"mode"`
-		Blocks int    `json:"blocks"`
-	} `json:"verification"`
-	Rounds []struct {
-		Kind  string `json:"kind"`
-		Bytes int64  `json:"data_size_bytes"`
-	} `json:"rounds"`
-	NewActive string `json:"new_active_instance"`
-}
-
 func (d *deployment) migrate(t *testing.T, body string) (int, string) {
 	t.Helper()
 	req, _ := http.NewRequest(http.MethodPost, d.hostURL+"/vllm_hi/migrate", strings.NewReader(body))
@@ -174,44 +158,37 @@ func (d *deployment) migrate(t *testing.T, body string) (int, string) {
 
 // startMigration starts a migration that must be accepted and returns its
 // id.
-func (d *deployment) startMigration(t *testing.T, startBody string) string {
+func (d *deployment) startMigration(t *testing.T, req hostapi.MigrateRequest) string {
 	t.Helper()
-	code, body := d.migrate(t, startBody)
-	if code != 200 {
-		t.Fatalf("migrate: %d %s", code, body)
+	id, err := hostClient(t, d.hostURL, d.tk.admin).Migrate(context.Background(), req)
+	if err != nil {
+		t.Fatalf("migrate: %v", err)
 	}
-	var started struct {
-		ID string `json:"migration_id"`
-	}
-	_ = json.Unmarshal([]byte(body), &started)
-	return started.ID
+	return id
 }
 
-func (d *deployment) waitMigration(t *testing.T, startBody string) migStatus {
+func (d *deployment) waitMigration(t *testing.T, req hostapi.MigrateRequest) hostapi.MigrationStatus {
 	t.Helper()
-	return d.waitEnd(t, d.startMigration(t, startBody))
+	return d.waitEnd(t, d.startMigration(t, req))
 }
 
 // waitEnd polls a migration until it ends.
-func (d *deployment) waitEnd(t *testing.T, id string) migStatus {
+func (d *deployment) waitEnd(t *testing.T, id string) hostapi.MigrationStatus {
 	t.Helper()
-	var st migStatus
-	waitUntil(t, "the migration to end", func() bool {
-		st = d.status(t, id)
-		return st.State != "running"
-	})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	st, err := hostClient(t, d.hostURL, "").WaitMigration(ctx, id, 50*time.Millisecond, nil)
+	if err != nil {
+		t.Fatalf("waiting for migration %s: %v", id, err)
+	}
 	return st
 }
 
-func (d *deployment) status(t *testing.T, id string) migStatus {
+// status reads a migration's status (zero while the Host cannot be
+// reached: callers wait for a condition).
+func (d *deployment) status(t *testing.T, id string) hostapi.MigrationStatus {
 	t.Helper()
-	var st migStatus
-	resp, err := http.Get(d.hostURL + "/vllm_hi/migration/" + id + "/status")
-	if err != nil {
-		return st
-	}
-	defer resp.Body.Close()
-	_ = json.NewDecoder(resp.Body).Decode(&st)
+	st, _ := hostClient(t, d.hostURL, "").Migration(context.Background(), id)
 	return st
 }
 
@@ -241,12 +218,7 @@ func (d *deployment) reference(reqs []loadgen.Request) []loadgen.Stream {
 }
 
 func roleOf(t *testing.T, hostURL, id string) string {
-	for _, i := range listInstances(t, hostURL).Instances {
-		if i.ID == id {
-			return i.Role
-		}
-	}
-	return ""
+	return instance(t, hostURL, id).Role
 }
 
 // 64 streams move from A to B mid-stream through `vhi migrate --wait`:
@@ -302,8 +274,8 @@ func TestMigrationTypesAndFilter(t *testing.T) {
 		want := d.reference(reqs)
 		running := d.startLoad(reqs)
 		time.Sleep(900 * time.Millisecond)
-		st := d.waitMigration(t, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","migration_type":"preserve_source"}`)
-		if st.State != "succeeded" || st.NewActive != "B" || st.Migrated != 16 {
+		st := d.waitMigration(t, hostapi.MigrateRequest{Src: "A", Dst: "B", Type: hostapi.PreserveSource})
+		if st.State != "succeeded" || st.NewActiveInstance != "B" || st.Migrated != 16 {
 			t.Fatalf("%+v", st)
 		}
 		checkExact(t, <-running, want)
@@ -326,8 +298,8 @@ func TestMigrationTypesAndFilter(t *testing.T) {
 		want := d.reference(reqs)
 		running := d.startLoad(reqs)
 		time.Sleep(900 * time.Millisecond)
-		st := d.waitMigration(t, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","migration_type":"keep_source_active","request_filter":"longest:4"}`)
-		if st.State != "succeeded" || st.Migrated != 4 || st.NewActive != "A" {
+		st := d.waitMigration(t, hostapi.MigrateRequest{Src: "A", Dst: "B", Type: hostapi.KeepSourceActive, RequestFilter: "longest:4"})
+		if st.State != "succeeded" || st.Migrated != 4 || st.NewActiveInstance != "A" {
 			t.Fatalf("%+v", st)
 		}
 		checkExact(t, <-running, want)
@@ -431,19 +403,9 @@ func TestMigrationAborts(t *testing.T) {
 					// before a poll sees that round.)
 					d.agentB.kill()
 				}
-				var started struct {
-					ID string `json:"migration_id"`
-				}
+				var started hostapi.MigrateAnswer
 				_ = json.Unmarshal([]byte(body), &started)
-				var st migStatus
-				poll := func() {
-					resp, err := http.Get(d.hostURL + "/vllm_hi/migration/" + started.ID + "/status")
-					if err == nil {
-						_ = json.NewDecoder(resp.Body).Decode(&st)
-						resp.Body.Close()
-					}
-				}
-				waitUntil(t, "the migration to end", func() bool { poll(); return st.State != "running" })
+				st := d.waitEnd(t, started.ID)
 				if st.State != "aborted" || st.Error == "" {
 					t.Fatalf("want aborted, got %+v", st)
 				}
@@ -512,16 +474,11 @@ func hostMetrics(t *testing.T, hostURL string, want ...string) {
 	}
 }
 
-func listMigrations(t *testing.T, hostURL string) []migStatus {
+func listMigrations(t *testing.T, hostURL string) []hostapi.MigrationStatus {
 	t.Helper()
-	var v struct {
-		Migrations []migStatus `json:"migrations"`
-	}
-	resp, err := http.Get(hostURL + "/vllm_hi/migrations")
+	list, err := hostClient(t, hostURL, "").Migrations(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer resp.Body.Close()
-	_ = json.NewDecoder(resp.Body).Decode(&v)
-	return v.Migrations
+	return list
 }

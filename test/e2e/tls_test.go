@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"bytes"
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -9,7 +8,6 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
-	"encoding/json"
 	"encoding/pem"
 	"fmt"
 	"math/big"
@@ -21,6 +19,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
 )
@@ -114,24 +114,13 @@ func TestTLSEverywhere(t *testing.T) {
 		startVHI(t, "agent", "--type", typ, "--id", typ, "--host", hostAddr, "--engine", urls[i], "--log-level", "warn",
 			"--token-file", tk.agentFile, "--tls-cert-file", cert, "--tls-key-file", key, "--tls-client-ca-file", p.ca, "--tls-ca-file", p.ca)
 	}
-	get := func(path string, out any) {
-		t.Helper()
-		resp, err := client.Get(hostURL + path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		_ = json.NewDecoder(resp.Body).Decode(out)
+	hc, err := hostapi.New(hostURL, hostapi.Options{AdminToken: tk.admin, TLS: &tls.Config{RootCAs: pool}, Timeout: 30 * time.Second})
+	if err != nil {
+		t.Fatal(err)
 	}
 	waitUntil(t, "both agents over mTLS", func() bool {
-		var v struct {
-			Instances []struct {
-				State string `json:"state"`
-				TLS   bool   `json:"tls"`
-			} `json:"instances"`
-		}
-		get("/vllm_hi/instances", &v)
-		return len(v.Instances) == 2 && v.Instances[0].TLS && v.Instances[1].TLS && v.Instances[0].State != "unreachable" && v.Instances[1].State != "unreachable"
+		v, _ := hc.Instances(context.Background())
+		return len(v) == 2 && v[0].TLS && v[1].TLS && v[0].State != "unreachable" && v[1].State != "unreachable"
 	})
 
 	reqs := load(32, 400)
@@ -141,22 +130,12 @@ func TestTLSEverywhere(t *testing.T) {
 		running <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: hostURL, Model: "m", Client: client}, reqs)
 	}()
 	time.Sleep(900 * time.Millisecond)
-	req, _ := http.NewRequest(http.MethodPost, hostURL+"/vllm_hi/migrate", bytes.NewReader([]byte(`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B"}`)))
-	req.Header.Set("Authorization", "Bearer "+tk.admin)
-	resp, err := client.Do(req)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	st, err := hc.MigrateAndWait(ctx, hostapi.MigrateRequest{Src: "A", Dst: "B"}, 50*time.Millisecond)
 	if err != nil {
 		t.Fatal(err)
 	}
-	var started struct {
-		ID string `json:"migration_id"`
-	}
-	_ = json.NewDecoder(resp.Body).Decode(&started)
-	resp.Body.Close()
-	var st migStatus
-	waitUntil(t, "the migration over TLS", func() bool {
-		get("/vllm_hi/migration/"+started.ID+"/status", &st)
-		return st.State != "running" && st.State != ""
-	})
 	if st.State != "succeeded" || st.Migrated != 32 {
 		t.Fatalf("%+v", st)
 	}

@@ -3,7 +3,6 @@ package e2e
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"net/http"
 	"os"
 	"os/exec"
@@ -11,6 +10,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -29,11 +30,11 @@ import (
 
 // migrateLoaded streams reqs through the Host, migrates after the load
 // started, and checks every stream against want.
-func (d *deployment) migrateLoaded(t *testing.T, reqs []loadgen.Request, want []loadgen.Stream, body string) migStatus {
+func (d *deployment) migrateLoaded(t *testing.T, reqs []loadgen.Request, want []loadgen.Stream, req hostapi.MigrateRequest) hostapi.MigrationStatus {
 	t.Helper()
 	running := d.startLoad(reqs)
 	time.Sleep(900 * time.Millisecond)
-	st := d.waitMigration(t, body)
+	st := d.waitMigration(t, req)
 	checkExact(t, <-running, want)
 	return st
 }
@@ -42,7 +43,7 @@ func (d *deployment) migrateLoaded(t *testing.T, reqs []loadgen.Request, want []
 // what became of its KV.
 func (d *deployment) waitSourceKV(t *testing.T, id, want string) {
 	t.Helper()
-	var st migStatus
+	var st hostapi.MigrationStatus
 	waitUntil(t, "the source's KV "+want, func() bool { st = d.status(t, id); return st.SourceKV == want })
 }
 
@@ -63,7 +64,7 @@ func TestEnginesWokenAfterRetirementMigrateExactly(t *testing.T) {
 	reqs := load(16, 300)
 	want := d.reference(reqs)
 	for i, mv := range [][2]string{{"A", "B"}, {"B", "A"}, {"A", "B"}} {
-		st := d.migrateLoaded(t, reqs, want, fmt.Sprintf(`{"src_vllm_hi_id":%q,"dst_vllm_hi_id":%q}`, mv[0], mv[1]))
+		st := d.migrateLoaded(t, reqs, want, hostapi.MigrateRequest{Src: mv[0], Dst: mv[1]})
 		if st.State != "succeeded" || st.Migrated != 16 {
 			t.Fatalf("migration %d %s→%s: %+v", i, mv[0], mv[1], st)
 		}
@@ -94,7 +95,7 @@ func TestEveryPlaneRefusesStrangers(t *testing.T) {
 			t.Errorf("%s %s without the agent token: %d", c.method, c.path, resp.StatusCode)
 		}
 	}
-	if !instance(t, d.hostURL, "A").HooksAuth {
+	if !instance(t, d.hostURL, "A").HooksAuthenticated {
 		t.Error("the Host does not show A's hooks as authenticated")
 	}
 
@@ -144,7 +145,7 @@ func TestEveryPlaneRefusesStrangers(t *testing.T) {
 	want := d.reference(reqs)
 	running := d.startLoad(reqs)
 	time.Sleep(900 * time.Millisecond)
-	id := d.startMigration(t, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B"}`)
+	id := d.startMigration(t, hostapi.MigrateRequest{Src: "A", Dst: "B"})
 	b := instance(t, d.hostURL, "B")
 	_, err = tcpshm.Send(ctx, tcpshm.Dest{Addr: b.DataAddress, Session: id, Secret: []byte("guessed, not handed out by the Host")}, 1,
 		[][]byte{make([]byte, 64)}, []kvlayout.CopyRun{{Length: 64}}, tcpshm.NoFault)
@@ -168,7 +169,7 @@ func TestStalledTargetAbortsAtItsDeadline(t *testing.T) {
 	want := d.reference(reqs)
 	running := d.startLoad(reqs)
 	time.Sleep(900 * time.Millisecond)
-	id := d.startMigration(t, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B"}`)
+	id := d.startMigration(t, hostapi.MigrateRequest{Src: "A", Dst: "B"})
 	stopped := time.Now()
 	pid := d.agentB.cmd.Process.Pid
 	_ = syscall.Kill(pid, syscall.SIGSTOP)
@@ -197,7 +198,7 @@ func TestRequestsWaitingOnTheSourceFinishThere(t *testing.T) {
 	d := deployWith(t, deployOptions{bBlocks: 4096, simArgs: []string{"--max-num-seqs", "8"}})
 	reqs := load(24, 300)
 	want := d.reference(reqs)
-	st := d.migrateLoaded(t, reqs, want, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B"}`)
+	st := d.migrateLoaded(t, reqs, want, hostapi.MigrateRequest{Src: "A", Dst: "B"})
 	if st.State != "succeeded" || st.Migrated == 0 || st.Migrated > 8 {
 		t.Fatalf("%+v", st)
 	}
@@ -211,16 +212,16 @@ func TestIntegrityCheckCatchesSilentCorruption(t *testing.T) {
 	d := deploy(t, 4096)
 	reqs := load(32, 400)
 	want := d.reference(reqs)
-	st := d.migrateLoaded(t, reqs, want, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","inject_fault":"silent_corrupt"}`)
+	st := d.migrateLoaded(t, reqs, want, hostapi.MigrateRequest{Src: "A", Dst: "B", InjectFault: "silent_corrupt"})
 	if st.State != "aborted" || !strings.Contains(st.Error, "integrity check failed") {
 		t.Fatalf("a silently corrupted copy: %+v", st)
 	}
 	hostMetrics(t, d.hostURL, "vhi_migration_integrity_failures_total 1", `vhi_migrations_total{state="aborted"} 1`)
 	waitUntil(t, "no leaked blocks", func() bool { s := d.stats(t, d.bURL); return s.Reserved == 0 && s.Free == s.Total })
 	// A clean migration checks the same blocks and passes.
-	st = d.migrateLoaded(t, reqs, want, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B"}`)
-	if st.State != "succeeded" || st.Verified == nil || st.Verified.Mode != "sample" || st.Verified.Blocks < 2*st.Migrated {
-		t.Fatalf("%+v (verification %+v)", st, st.Verified)
+	st = d.migrateLoaded(t, reqs, want, hostapi.MigrateRequest{Src: "A", Dst: "B"})
+	if st.State != "succeeded" || st.Verification == nil || st.Verification.Mode != "sample" || st.Verification.Blocks < 2*st.Migrated {
+		t.Fatalf("%+v (verification %+v)", st, st.Verification)
 	}
 }
 
@@ -237,7 +238,7 @@ func TestClientRequestIDsAreNotTrusted(t *testing.T) {
 			Header: http.Header{"X-Request-Id": {"same/for?all"}}}, reqs)
 	}()
 	time.Sleep(900 * time.Millisecond)
-	st := d.waitMigration(t, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B"}`)
+	st := d.waitMigration(t, hostapi.MigrateRequest{Src: "A", Dst: "B"})
 	checkExact(t, <-running, want)
 	if st.State != "succeeded" || st.Migrated != 8 {
 		t.Fatalf("%+v", st)
@@ -251,7 +252,7 @@ func TestRestartsKeepRoles(t *testing.T) {
 	d := deploy(t, 4096)
 	reqs := load(8, 200)
 	want := d.reference(reqs)
-	st := d.migrateLoaded(t, reqs, want, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B"}`)
+	st := d.migrateLoaded(t, reqs, want, hostapi.MigrateRequest{Src: "A", Dst: "B"})
 	if st.State != "succeeded" {
 		t.Fatalf("%+v", st)
 	}

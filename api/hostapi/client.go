@@ -1,0 +1,214 @@
+package hostapi
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strings"
+	"time"
+)
+
+// Client talks to one Host's REST API.
+type Client struct {
+	base  string
+	token string
+	http  *http.Client
+}
+
+// Options configure a Client.
+type Options struct {
+	// AdminToken is sent as "Authorization: Bearer" (the REST API's
+	// changes need it; reads do not).
+	AdminToken string
+	// TLS verifies an https Host (nil: the system roots).
+	TLS *tls.Config
+	// Timeout bounds one call whose context has no deadline (default 60 s).
+	Timeout time.Duration
+}
+
+// New returns a client for the Host at base (http(s)://host:port, or
+// host:port for http).
+func New(base string, o Options) (*Client, error) {
+	b := base
+	if !strings.Contains(b, "://") {
+		b = "http://" + b
+	}
+	b = strings.TrimRight(b, "/")
+	u, err := url.Parse(b)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, fmt.Errorf("host URL %q: want http(s)://host:port", base)
+	}
+	if o.Timeout <= 0 {
+		o.Timeout = 60 * time.Second
+	}
+	tr := &http.Transport{Proxy: nil, TLSClientConfig: o.TLS, MaxIdleConnsPerHost: 8, IdleConnTimeout: 30 * time.Second}
+	return &Client{base: b, token: o.AdminToken, http: &http.Client{Transport: tr, Timeout: o.Timeout}}, nil
+}
+
+// Base is the Host's base URL.
+func (c *Client) Base() string { return c.base }
+
+// Error is an answer of the Host other than 200: its status and the
+// contract's error object.
+type Error struct {
+	Status  int
+	Type    string
+	Message string
+}
+
+func (e *Error) Error() string { return fmt.Sprintf("the Host answered %d: %s", e.Status, e.Message) }
+
+// IsStatus reports whether err is the Host's answer with that status.
+func IsStatus(err error, status int) bool {
+	var e *Error
+	return errors.As(err, &e) && e.Status == status
+}
+
+func path(p, id string) string { return strings.Replace(p, "{id}", url.PathEscape(id), 1) }
+
+// do sends one request and decodes a 200's JSON body into out.
+func (c *Client) do(ctx context.Context, method, p string, in, out any) error {
+	var body io.Reader
+	if in != nil {
+		b, err := json.Marshal(in)
+		if err != nil {
+			return err
+		}
+		body = bytes.NewReader(b)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, c.base+p, body)
+	if err != nil {
+		return err
+	}
+	if in != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	if c.token != "" {
+		req.Header.Set("Authorization", "Bearer "+c.token)
+	}
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return fmt.Errorf("cannot reach the Host at %s: %w", c.base, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	if err != nil {
+		return fmt.Errorf("read the Host's answer: %w", err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		e := &Error{Status: resp.StatusCode, Message: strings.TrimSpace(string(b))}
+		var eb ErrorBody
+		if json.Unmarshal(b, &eb) == nil && eb.Error.Message != "" {
+			e.Type, e.Message = eb.Error.Type, eb.Error.Message
+		}
+		return e
+	}
+	if out == nil {
+		return nil
+	}
+	if err := json.Unmarshal(b, out); err != nil {
+		return fmt.Errorf("the Host's answer to %s %s: %w", method, p, err)
+	}
+	return nil
+}
+
+// Status is GET /vllm_hi/status.
+func (c *Client) Status(ctx context.Context) (out Status, err error) {
+	return out, c.do(ctx, http.MethodGet, PathStatus, nil, &out)
+}
+
+// Instances lists the instances.
+func (c *Client) Instances(ctx context.Context) ([]Instance, error) {
+	var out InstanceList
+	err := c.do(ctx, http.MethodGet, PathInstances, nil, &out)
+	return out.Instances, err
+}
+
+// Instance returns one instance.
+func (c *Client) Instance(ctx context.Context, id string) (out Instance, err error) {
+	return out, c.do(ctx, http.MethodGet, path(PathInstance, id), nil, &out)
+}
+
+// Wake brings a retired or sleeping engine back as a target.
+func (c *Client) Wake(ctx context.Context, id string) (out Instance, err error) {
+	return out, c.do(ctx, http.MethodPost, path(PathWake, id), struct{}{}, &out)
+}
+
+// Drain stops routing new requests to an instance.
+func (c *Client) Drain(ctx context.Context, id string) (out Instance, err error) {
+	return out, c.do(ctx, http.MethodPost, path(PathDrain, id), struct{}{}, &out)
+}
+
+// Undrain routes to a drained instance again.
+func (c *Client) Undrain(ctx context.Context, id string) (out Instance, err error) {
+	return out, c.do(ctx, http.MethodPost, path(PathUndrain, id), struct{}{}, &out)
+}
+
+// Forget drops an instance whose agent is gone.
+func (c *Client) Forget(ctx context.Context, id string) error {
+	return c.do(ctx, http.MethodDelete, path(PathInstance, id), nil, nil)
+}
+
+// Migrate starts a migration and returns its id.
+func (c *Client) Migrate(ctx context.Context, req MigrateRequest) (string, error) {
+	var out MigrateAnswer
+	if err := c.do(ctx, http.MethodPost, PathMigrate, req, &out); err != nil {
+		return "", err
+	}
+	return out.ID, nil
+}
+
+// Migration returns a migration's status.
+func (c *Client) Migration(ctx context.Context, id string) (out MigrationStatus, err error) {
+	return out, c.do(ctx, http.MethodGet, path(PathMigrationStatus, id), nil, &out)
+}
+
+// Migrations lists every migration, newest first.
+func (c *Client) Migrations(ctx context.Context) ([]MigrationStatus, error) {
+	var out MigrationList
+	err := c.do(ctx, http.MethodGet, PathMigrations, nil, &out)
+	return out.Migrations, err
+}
+
+// WaitMigration polls a migration every interval (default 50 ms) until it
+// ends or ctx does, calling progress (when not nil) with every status it
+// reads.
+func (c *Client) WaitMigration(ctx context.Context, id string, every time.Duration, progress func(MigrationStatus)) (MigrationStatus, error) {
+	if every <= 0 {
+		every = 50 * time.Millisecond
+	}
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		st, err := c.Migration(ctx, id)
+		if err != nil {
+			return st, err
+		}
+		if progress != nil {
+			progress(st)
+		}
+		if st.Ended() {
+			return st, nil
+		}
+		select {
+		case <-ctx.Done():
+			return st, fmt.Errorf("migration %s still %s: %w", id, st.State, ctx.Err())
+		case <-t.C:
+		}
+	}
+}
+
+// MigrateAndWait starts a migration and waits for its end.
+func (c *Client) MigrateAndWait(ctx context.Context, req MigrateRequest, every time.Duration) (MigrationStatus, error) {
+	id, err := c.Migrate(ctx, req)
+	if err != nil {
+		return MigrationStatus{}, err
+	}
+	return c.WaitMigration(ctx, id, every, nil)
+}

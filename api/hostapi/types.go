@@ -1,0 +1,210 @@
+// Package hostapi is the Host's REST API as its clients see it: the paths,
+// the typed requests and answers (the names of docs/operations.md and the
+// contract), and Client, the one typed client the CLI, the demo, the
+// benchmarks and every test use. The Host encodes these same types.
+package hostapi
+
+import "time"
+
+// Paths of the REST API ({id} is an instance or migration id).
+const (
+	PathHealth          = "/health"
+	PathStatus          = "/vllm_hi/status"
+	PathInstances       = "/vllm_hi/instances"
+	PathInstance        = "/vllm_hi/instances/{id}"
+	PathDrain           = "/vllm_hi/instances/{id}/drain"
+	PathUndrain         = "/vllm_hi/instances/{id}/undrain"
+	PathWake            = "/vllm_hi/instances/{id}/wake"
+	PathMigrate         = "/vllm_hi/migrate"
+	PathMigrationStatus = "/vllm_hi/migration/{id}/status"
+	PathMigrations      = "/vllm_hi/migrations"
+)
+
+// Migration types.
+const (
+	DestroySource    = "destroy_source"
+	PreserveSource   = "preserve_source"
+	KeepSourceActive = "keep_source_active"
+)
+
+// Migration states.
+const (
+	StateRunning   = "running"
+	StateSucceeded = "succeeded"
+	StateAborted   = "aborted"
+	StateFailed    = "failed"
+)
+
+// Verification modes: what the Host compares between the source's and the
+// target's memory before the commit.
+const (
+	VerifySample = "sample" // every moved request's last tokens, and a few random blocks
+	VerifyFull   = "full"   // every moved block
+	VerifyOff    = "off"
+)
+
+// What happened to a destroy_source migration's source KV.
+const (
+	SourceKVKept        = "kept"         // preserve_source, keep_source_active
+	SourceKVReleasing   = "releasing"    // waiting for the requests left on the source
+	SourceKVReleased    = "released"     // the engine gave its KV memory back
+	SourceKVNotReleased = "not_released" // the engine could not (source_kv_note says why)
+)
+
+// MigrateRequest is the body of POST /vllm_hi/migrate.
+type MigrateRequest struct {
+	Src              string   `json:"src_vllm_hi_id"`
+	Dst              string   `json:"dst_vllm_hi_id"`
+	TargetTP         *int     `json:"target_tp,omitempty"`
+	TargetPP         *int     `json:"target_pp,omitempty"`
+	TargetGPUMemUtil *float64 `json:"target_gpu_memory_utilization,omitempty"`
+	Type             string   `json:"migration_type,omitempty"`
+	TN               int      `json:"tn,omitempty"`
+	RequestFilter    string   `json:"request_filter,omitempty"`
+	FinalGranularity string   `json:"final_granularity,omitempty"` // "slot" (default) or "block"
+	// InjectFault (tests, --allow-fault-injection): "corrupt", "cut" or
+	// "silent_corrupt" in the final round, or "crash_after_pause".
+	InjectFault string `json:"inject_fault,omitempty"`
+}
+
+// MigrateAnswer is POST /vllm_hi/migrate's answer.
+type MigrateAnswer struct {
+	ID string `json:"migration_id"`
+}
+
+// Step is one entry of a migration's step history.
+type Step struct {
+	Step      string    `json:"step"`
+	StartedAt time.Time `json:"started_at"`
+	EndedAt   time.Time `json:"ended_at,omitempty"`
+	DurationS float64   `json:"duration_s"`
+}
+
+// Round is one copy round.
+type Round struct {
+	Round      int     `json:"round"`
+	Kind       string  `json:"kind"` // full, incremental, final
+	BlockCount int     `json:"block_count"`
+	TokenSlots int     `json:"token_slots"`
+	Bytes      int64   `json:"data_size_bytes"`
+	DurationS  float64 `json:"duration_s"`
+}
+
+// Verification is the check that the target holds what the source held.
+type Verification struct {
+	Mode      string  `json:"mode"`
+	Blocks    int     `json:"blocks"` // blocks hashed on each side
+	Bytes     int64   `json:"bytes"`  // bytes hashed on each side
+	DurationS float64 `json:"duration_s"`
+	// PauseDurationS is the part inside the pause (the rest ran while the
+	// source decoded).
+	PauseDurationS float64 `json:"pause_duration_s"`
+}
+
+// MigrationStatus is GET /vllm_hi/migration/{id}/status.
+type MigrationStatus struct {
+	ID                string        `json:"migration_id"`
+	State             string        `json:"state"`
+	CurrentStep       string        `json:"current_step"`
+	StepHistory       []Step        `json:"step_history"`
+	Rounds            []Round       `json:"rounds"`
+	DowntimeS         float64       `json:"downtime_s"`
+	ClientDowntimeS   float64       `json:"client_downtime_s"`
+	PauseWaitS        float64       `json:"pause_wait_s"`
+	NewActiveInstance string        `json:"new_active_instance"`
+	Error             string        `json:"error"`
+	Src               string        `json:"src_vllm_hi_id"`
+	Dst               string        `json:"dst_vllm_hi_id"`
+	Type              string        `json:"migration_type"`
+	RequestFilter     string        `json:"request_filter"`
+	TN                int           `json:"tn"`
+	Requests          int           `json:"request_count"`
+	Migrated          int           `json:"migrated_request_count"`
+	Dropped           []string      `json:"dropped_request_ids"`
+	Verification      *Verification `json:"verification,omitempty"`
+	// Committed: the target took the requests over (ownership flipped).
+	Committed bool `json:"committed"`
+	// SourceKV says what happened to the source's KV (destroy_source).
+	SourceKV     string    `json:"source_kv,omitempty"`
+	SourceKVNote string    `json:"source_kv_note,omitempty"`
+	CreatedAt    time.Time `json:"created_at"`
+	// Deadline is when the migration aborts if it has not committed (the
+	// target's block reservation ends soon after).
+	Deadline   time.Time `json:"deadline"`
+	FinishedAt time.Time `json:"finished_at,omitempty"`
+}
+
+// Ended reports whether the migration is over.
+func (s MigrationStatus) Ended() bool { return s.State != "" && s.State != StateRunning }
+
+// MigrationList is GET /vllm_hi/migrations: newest first.
+type MigrationList struct {
+	Migrations []MigrationStatus `json:"migrations"`
+}
+
+// Instance is one entry of GET /vllm_hi/instances.
+type Instance struct {
+	ID                 string        `json:"vllm_hi_id"`
+	Type               string        `json:"type"`
+	Role               string        `json:"role"`
+	State              string        `json:"state"`
+	Lifecycle          string        `json:"lifecycle"`
+	ServedModelName    string        `json:"served_model_name"`
+	ServedModelNames   []string      `json:"served_model_names"`
+	Model              string        `json:"model"`
+	EngineURL          string        `json:"engine_url"`
+	EngineKind         string        `json:"engine_kind"`
+	EngineVersion      string        `json:"engine_version"`
+	TP                 int           `json:"tp"`
+	PP                 int           `json:"pp"`
+	MaxModelLen        int           `json:"max_model_len"`
+	Migratable         bool          `json:"migratable"`
+	HooksAuthenticated bool          `json:"hooks_authenticated"`
+	AgentAddress       string        `json:"agent_address"`
+	DataAddress        string        `json:"data_address"`
+	TransferBackend    string        `json:"transfer_backend"`
+	TLS                bool          `json:"tls"`
+	Hostname           string        `json:"hostname"`
+	RegisteredAt       time.Time     `json:"registered_at"`
+	LastHeartbeatAt    time.Time     `json:"last_heartbeat_at"`
+	Stats              InstanceStats `json:"stats"`
+}
+
+// InstanceStats is the load an agent last reported.
+type InstanceStats struct {
+	Healthy     bool `json:"healthy"`
+	NumRunning  int  `json:"num_running"`
+	NumWaiting  int  `json:"num_waiting"`
+	FreeBlocks  int  `json:"free_blocks"`
+	TotalBlocks int  `json:"total_blocks"`
+	Sleeping    bool `json:"sleeping"`
+}
+
+// InstanceList is GET /vllm_hi/instances.
+type InstanceList struct {
+	Instances []Instance `json:"instances"`
+}
+
+// Status is GET /vllm_hi/status.
+type Status struct {
+	Status           string         `json:"status"`
+	InstanceCount    int            `json:"instance_count"`
+	InstancesByState map[string]int `json:"instances_by_state"`
+	Models           []string       `json:"models"`
+	Version          string         `json:"version"`
+	UptimeS          float64        `json:"uptime_s"`
+}
+
+// ErrorBody is the contract's error shape:
+// {"error": {"message", "type", "param", "code"}}.
+type ErrorBody struct {
+	Error ErrorDetail `json:"error"`
+}
+
+// ErrorDetail is the inside of ErrorBody.
+type ErrorDetail struct {
+	Message string `json:"message"`
+	Type    string `json:"type"`
+	Param   any    `json:"param"`
+	Code    int    `json:"code"`
+}
