@@ -21,14 +21,12 @@ import (
 
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
 	grpccreds "google.golang.org/grpc/credentials"
-	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/status"
 
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 	"github.com/vllm-hi/vllm-hi/internal/credentials"
 	"github.com/vllm-hi/vllm-hi/internal/engine"
+	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/grpcauth"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/tcpshm"
 )
@@ -233,12 +231,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	_, port, _ := net.SplitHostPort(ln.Addr().String())
 	agentAddr := net.JoinHostPort(advertise, port)
 
-	transport := insecure.NewCredentials()
-	if a.clientTLS != nil {
-		transport = grpccreds.NewTLS(a.clientTLS)
-	}
-	conn, err := grpc.NewClient(a.cfg.HostAddr, grpc.WithTransportCredentials(transport),
-		grpc.WithPerRPCCredentials(grpcauth.Token(a.cfg.AgentToken)))
+	conn, err := grpc.NewClient(a.cfg.HostAddr, grpcauth.DialOptions(a.cfg.AgentToken, a.clientTLS)...)
 	if err != nil {
 		return fmt.Errorf("agent: dial host %s: %w", a.cfg.HostAddr, err)
 	}
@@ -288,8 +281,8 @@ const takeoverWait = 8 * time.Second
 var errFatal = errors.New("registration refused")
 
 func fatalRegistration(err error) bool {
-	switch status.Code(err) {
-	case codes.InvalidArgument, codes.Unauthenticated, codes.PermissionDenied, codes.AlreadyExists:
+	switch errdefs.Kind(err) {
+	case errdefs.ErrInvalidArgument, errdefs.ErrUnauthenticated, errdefs.ErrPermissionDenied, errdefs.ErrAlreadyExists:
 		return true
 	}
 	return false
@@ -316,9 +309,9 @@ func (a *Agent) loop(ctx context.Context, reg v1.RegistryClient, req *v1.Registe
 				// killed a moment ago: the Host frees it once that session
 				// misses its heartbeats. Another live agent holds it for
 				// good after that.
-				predecessor := status.Code(err) == codes.AlreadyExists && time.Since(started) < takeoverWait
+				predecessor := errors.Is(err, errdefs.ErrAlreadyExists) && time.Since(started) < takeoverWait
 				if fatalRegistration(err) && !everRegistered && !predecessor {
-					return fmt.Errorf("%w by the Host: %s", errFatal, status.Convert(err).Message())
+					return fmt.Errorf("%w by the Host: %v", errFatal, err)
 				}
 				a.log.Warn("registration failed; retrying", zap.Error(err), zap.Duration("in", backoff))
 				if !sleep(ctx, backoff) {
@@ -347,10 +340,10 @@ func (a *Agent) loop(ctx context.Context, reg v1.RegistryClient, req *v1.Registe
 		hctx, cancel := context.WithTimeout(ctx, interval*3)
 		hb, err := reg.Heartbeat(hctx, &v1.HeartbeatRequest{VllmHiId: a.cfg.ID, Session: a.session, Stats: stats})
 		cancel()
-		switch status.Code(err) {
-		case codes.OK:
+		switch {
+		case err == nil:
 			a.learn(hb.GetRole(), hb.GetLifecycle())
-		case codes.NotFound:
+		case errdefs.IsNotFound(err):
 			a.log.Warn("the Host does not know this agent (it restarted?); registering again")
 			a.setRegistered(false)
 		default:

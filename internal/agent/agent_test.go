@@ -11,7 +11,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/internal/host"
-	"github.com/vllm-hi/vllm-hi/internal/host/registry"
+	"github.com/vllm-hi/vllm-hi/internal/registry"
 	"github.com/vllm-hi/vllm-hi/internal/sim"
 )
 

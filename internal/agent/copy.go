@@ -8,11 +8,10 @@ import (
 	"time"
 
 	"go.uber.org/zap"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
+	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/cudaipc"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/shm"
@@ -34,18 +33,18 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 	start := time.Now()
 	var dstLayout hooks.Layout
 	if err := json.Unmarshal(req.GetTargetLayout(), &dstLayout); err != nil {
-		return nil, status.Errorf(codes.InvalidArgument, "target_layout: %v", err)
+		return nil, errdefs.Newf(errdefs.ErrInvalidArgument, "target_layout: %v", err)
 	}
 	src, srcLayout, err := a.regions(ctx, false)
 	if err != nil {
-		return nil, engineError(err)
+		return nil, err
 	}
 	geo := srcLayout.Geometry
 	// An engine whose blocks are opaque (vLLM's CPU kernels tile the
 	// slots inside a block) gets whole changed blocks instead of slots.
 	slotGranular := req.GetSlotGranular() && !srcLayout.OpaqueBlocks && !dstLayout.OpaqueBlocks
 	if err := compatible(geo, dstLayout.Geometry); err != nil {
-		return nil, status.Error(codes.FailedPrecondition, err.Error())
+		return nil, errdefs.New(errdefs.ErrConflict, err.Error())
 	}
 	bs := geo.BlockSize
 
@@ -56,14 +55,14 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 	// now. The other order could miss it for good.
 	if req.GetKind() != "full" {
 		if changes, err = a.eng.Changes(ctx, req.GetSinceCursor()); err != nil {
-			return nil, engineError(err)
+			return nil, err
 		}
 		cursor = changes.Cursor
 	}
 	tChanges := time.Now()
 	list, err := a.eng.Requests(ctx)
 	if err != nil {
-		return nil, engineError(err)
+		return nil, err
 	}
 	tRequests := time.Now()
 	if req.GetKind() == "full" {
@@ -150,7 +149,7 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 	dest := tcpshm.Dest{Addr: req.GetTargetDataAddress(), Session: req.GetMigrationId(), Secret: req.GetSecret()}
 	if req.GetTargetTls() {
 		if a.clientTLS == nil {
-			return nil, status.Error(codes.FailedPrecondition, "the target's data plane speaks TLS and this agent has no TLS configuration (--tls-ca-file)")
+			return nil, errdefs.New(errdefs.ErrConflict, "the target's data plane speaks TLS and this agent has no TLS configuration (--tls-ca-file)")
 		}
 		dest.TLS = a.clientTLS
 	}
@@ -161,7 +160,7 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 	var st tcpshm.Stats
 	backend, err := a.pickBackend(srcLayout, dstLayout)
 	if err != nil {
-		return nil, status.Error(codes.FailedPrecondition, err.Error())
+		return nil, errdefs.New(errdefs.ErrConflict, err.Error())
 	}
 	staged := onGPU(srcLayout) || onGPU(dstLayout) // tcp_shm with GPU KV on a side: runs, through pinned memory
 	if backend == cudaipc.Type {
@@ -175,7 +174,7 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 	} else {
 		var runs []kvlayout.CopyRun
 		if runs, err = kvlayout.Plan(geo.Layers, geo.KVHeads, int64(geo.HeadSlotBytes()), specs(srcLayout), specs(dstLayout), copies); err != nil {
-			return nil, status.Error(codes.FailedPrecondition, err.Error())
+			return nil, errdefs.New(errdefs.ErrConflict, err.Error())
 		}
 		st, err = tcpshm.Send(ctx, dest, tn, src.Data, runs, fault)
 	}
@@ -184,7 +183,7 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 		zap.Duration("select", tSelect.Sub(tRequests)), zap.Duration("send", time.Since(tSelect)))
 	if err != nil {
 		a.log.Warn("copy round failed", zap.String("migration_id", req.GetMigrationId()), zap.String("kind", req.GetKind()), zap.Error(err))
-		return nil, status.Error(codes.Aborted, err.Error())
+		return nil, errdefs.New(errdefs.ErrAborted, err.Error())
 	}
 	resp.Bytes = st.Bytes
 	resp.DurationS = time.Since(start).Seconds()

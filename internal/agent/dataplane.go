@@ -3,19 +3,15 @@ package agent
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
 	"sync"
 	"time"
 
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
-
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
-	"github.com/vllm-hi/vllm-hi/internal/engine"
+	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/shm"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/tcpshm"
@@ -42,70 +38,28 @@ type targetSession struct {
 }
 
 // errNoKV: the engine has no KV memory now (it sleeps).
-var errNoKV = errors.New("the engine has no KV memory now (it sleeps: wake it first)")
+var errNoKV = errdefs.New(errdefs.ErrConflict, "the engine has no KV memory now (it sleeps: wake it first)")
 
-// engineError translates an engine (hook) error into a gRPC status, once,
-// at the boundary.
-func engineError(err error) error {
-	if errors.Is(err, errNoKV) {
-		return status.Error(codes.FailedPrecondition, err.Error())
-	}
-	var he *engine.HTTPError
-	if errors.As(err, &he) {
-		code := codes.Unknown
-		switch he.Status {
-		case http.StatusBadRequest:
-			code = codes.InvalidArgument
-		case http.StatusNotFound:
-			code = codes.NotFound
-		case http.StatusConflict:
-			code = codes.FailedPrecondition
-		case http.StatusInsufficientStorage:
-			code = codes.ResourceExhausted
-		case http.StatusServiceUnavailable:
-			code = codes.Unavailable
-		}
-		return status.Error(code, he.Message)
-	}
-	if err != nil {
-		return status.Error(codes.Unavailable, err.Error())
-	}
-	return nil
-}
-
-// hookRoutes maps hook names to the engine's HTTP method and path.
-var hookRoutes = map[string]struct{ method, path string }{
-	"layout":   {http.MethodGet, hooks.PathLayout},
-	"requests": {http.MethodGet, hooks.PathRequests},
-	"stats":    {http.MethodGet, hooks.PathStats},
-	"changes":  {http.MethodGet, hooks.PathChanges},
-	"pause":    {http.MethodPost, hooks.PathPause},
-	"resume":   {http.MethodPost, hooks.PathResume},
-	"export":   {http.MethodPost, hooks.PathExport},
-	"allocate": {http.MethodPost, hooks.PathAllocate},
-	"install":  {http.MethodPost, hooks.PathInstall},
-	"abort":    {http.MethodPost, hooks.PathAbort},
-}
-
-// Hook forwards one hook call. The JSON bodies pass through as bytes: the
-// final round's export and install carry every moved request's tokens,
-// and decoding and re-encoding them here would sit inside the downtime.
+// Hook forwards one hook call (the relayed routes of api/hooks). The JSON
+// bodies pass through as bytes: the final round's export and install
+// carry every moved request's tokens, and decoding and re-encoding them
+// here would sit inside the downtime.
 func (s *agentService) Hook(ctx context.Context, req *v1.HookRequest) (*v1.HookResponse, error) {
-	route, ok := hookRoutes[req.GetName()]
-	if !ok {
-		return nil, status.Errorf(codes.InvalidArgument, "unknown hook %q", req.GetName())
+	route, ok := hooks.RouteOf(req.GetName())
+	if !ok || !route.Relayed {
+		return nil, errdefs.Newf(errdefs.ErrInvalidArgument, "unknown hook %q", req.GetName())
 	}
-	path := route.path
-	if req.GetName() == "changes" {
+	path := route.Path
+	if route.Name == hooks.HookChanges {
 		path += "?since=" + strconv.FormatUint(req.GetSince(), 10)
 	}
 	body := req.GetBody()
-	if route.method == http.MethodPost && len(body) == 0 {
+	if route.Method == http.MethodPost && len(body) == 0 {
 		body = []byte("{}")
 	}
-	out, err := s.a.eng.Raw(ctx, route.method, path, body)
+	out, err := s.a.eng.Raw(ctx, route.Method, path, body)
 	if err != nil {
-		return nil, engineError(err)
+		return nil, err
 	}
 	return &v1.HookResponse{Body: out}, nil
 }
@@ -151,17 +105,17 @@ func (s *agentService) PrepareTarget(ctx context.Context, req *v1.PrepareTargetR
 	a := s.a
 	switch {
 	case req.GetMigrationId() == "":
-		return nil, status.Error(codes.InvalidArgument, "migration_id is required")
+		return nil, errdefs.New(errdefs.ErrInvalidArgument, "migration_id is required")
 	case len(req.GetSecret()) < tcpshm.MinSecret:
-		return nil, status.Errorf(codes.InvalidArgument, "the migration's secret must be at least %d bytes", tcpshm.MinSecret)
+		return nil, errdefs.Newf(errdefs.ErrInvalidArgument, "the migration's secret must be at least %d bytes", tcpshm.MinSecret)
 	case req.GetLeaseMs() <= 0:
-		return nil, status.Error(codes.InvalidArgument, "lease_ms must be positive")
+		return nil, errdefs.New(errdefs.ErrInvalidArgument, "lease_ms must be positive")
 	case a.dp.server == nil:
-		return nil, status.Error(codes.FailedPrecondition, "this agent has no data plane")
+		return nil, errdefs.New(errdefs.ErrConflict, "this agent has no data plane")
 	}
 	_, lay, err := a.regions(ctx, true)
 	if err != nil {
-		return nil, status.Errorf(codes.FailedPrecondition, "map target KV: %v", err)
+		return nil, errdefs.Newf(errdefs.ErrConflict, "map target KV: %v", err)
 	}
 	blocks := make([]int, len(req.GetBlockIds()))
 	for i, b := range req.GetBlockIds() {
@@ -174,14 +128,14 @@ func (s *agentService) PrepareTarget(ctx context.Context, req *v1.PrepareTargetR
 	g := lay.Geometry
 	guard, err := kvlayout.NewBlockGuard(specs(lay), sizes, g.NumBlocks, g.BlockSize, int64(g.HeadSlotBytes()), blocks)
 	if err != nil {
-		return nil, status.Errorf(codes.FailedPrecondition, "the target's layout: %v", err)
+		return nil, errdefs.Newf(errdefs.ErrConflict, "the target's layout: %v", err)
 	}
 	if onGPU(lay) {
 		// Map the target's GPU memory now, not inside the migration's
 		// pause: tcp_shm rounds write through it, and the end-to-end check
 		// reads it.
 		if err := a.gpu.prepareTarget(req.GetMigrationId(), lay); err != nil {
-			return nil, status.Errorf(codes.FailedPrecondition, "map target GPU KV: %v", err)
+			return nil, errdefs.Newf(errdefs.ErrConflict, "map target GPU KV: %v", err)
 		}
 	}
 	now := time.Now()

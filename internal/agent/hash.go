@@ -9,11 +9,10 @@ import (
 	"time"
 
 	"github.com/cespare/xxhash/v2"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
+	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
 )
 
@@ -30,7 +29,7 @@ func (s *agentService) HashBlocks(ctx context.Context, req *v1.HashBlocksRequest
 	a := s.a
 	start := time.Now()
 	if len(req.GetBlocks()) > maxHashBlocks {
-		return nil, status.Errorf(codes.InvalidArgument, "at most %d blocks per call", maxHashBlocks)
+		return nil, errdefs.Newf(errdefs.ErrInvalidArgument, "at most %d blocks per call", maxHashBlocks)
 	}
 	// A target reads through the mapping its rounds wrote through (its
 	// pages are in this process already); a source through its own.
@@ -39,17 +38,17 @@ func (s *agentService) HashBlocks(ctx context.Context, req *v1.HashBlocksRequest
 	a.dp.mu.Unlock()
 	mem, lay, err := a.regions(ctx, target)
 	if err != nil {
-		return nil, engineError(err)
+		return nil, err
 	}
 	g := lay.Geometry
 	if g.NumBlocks < 1 || g.BlockSize < 1 {
-		return nil, status.Error(codes.FailedPrecondition, "the engine's layout has no KV")
+		return nil, errdefs.New(errdefs.ErrConflict, "the engine's layout has no KV")
 	}
 	blocks := make([]hashBlock, len(req.GetBlocks()))
 	for i, b := range req.GetBlocks() {
 		first, n := int(b.GetFirstSlot()), int(b.GetNumSlots())
 		if b.GetBlock() < 0 || int(b.GetBlock()) >= g.NumBlocks || first < 0 || n < 0 || first > g.BlockSize || n > g.BlockSize-first {
-			return nil, status.Errorf(codes.InvalidArgument, "block %d slots %d+%d outside the engine's %d blocks of %d", b.GetBlock(), first, n, g.NumBlocks, g.BlockSize)
+			return nil, errdefs.Newf(errdefs.ErrInvalidArgument, "block %d slots %d+%d outside the engine's %d blocks of %d", b.GetBlock(), first, n, g.NumBlocks, g.BlockSize)
 		}
 		if lay.OpaqueBlocks {
 			first, n = 0, g.BlockSize // slots are not addressable: whole blocks are what moved
@@ -64,7 +63,7 @@ func (s *agentService) HashBlocks(ctx context.Context, req *v1.HashBlocksRequest
 		hashes, bytes, err = hashMapped(mem.Data, lay, blocks)
 	}
 	if err != nil {
-		return nil, status.Error(codes.FailedPrecondition, err.Error())
+		return nil, errdefs.New(errdefs.ErrConflict, err.Error())
 	}
 	return &v1.HashBlocksResponse{Hashes: hashes, Bytes: bytes, DurationS: time.Since(start).Seconds()}, nil
 }

@@ -30,7 +30,7 @@ func (s *agentService) Retire(ctx context.Context, req *v1.RetireRequest) (*v1.R
 	out, err := a.eng.Retire(rctx, hooks.RetireRequest{WaitS: wait.Seconds()})
 	if err != nil {
 		a.log.Warn("retire: the engine did not release its KV", zap.Error(err))
-		return nil, engineError(err)
+		return nil, err
 	}
 	if out.Released {
 		// Mappings of the old KV must not outlive it.
@@ -54,7 +54,7 @@ func (s *agentService) Wake(ctx context.Context, _ *v1.WakeRequest) (*v1.WakeRes
 	a := s.a
 	out, err := a.eng.Wake(ctx)
 	if err != nil {
-		return nil, engineError(err)
+		return nil, err
 	}
 	a.mu.Lock()
 	a.retired = false

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
+	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 )
 
 // Client talks to one engine.
@@ -61,6 +62,9 @@ type HTTPError struct {
 }
 
 func (e *HTTPError) Error() string { return fmt.Sprintf("engine answered %d: %s", e.Status, e.Message) }
+
+// Unwrap is the failure's kind, by the status the hooks contract gives it.
+func (e *HTTPError) Unwrap() error { return errdefs.FromHTTP(e.Status) }
 
 // IsStatus reports whether err is an HTTPError with that status.
 func IsStatus(err error, status int) bool {

@@ -1,20 +1,37 @@
-// Package grpcauth carries the agent token on gRPC calls between the Host
-// and agents, and checks it: the Host's Registry and every agent's Agent
-// service install the same interceptors.
+// Package grpcauth sets up the gRPC edges between the Host and agents:
+// it carries the agent token on every call and checks it, and it
+// translates errors at the edge, once (internal/errdefs). The Host's
+// Registry and every agent's Agent service install the same server
+// options; the Host and the agents dial each other with DialOptions.
 package grpcauth
 
 import (
 	"context"
+	"crypto/tls"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
 	vhicreds "github.com/vllm-hi/vllm-hi/internal/credentials"
+	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 )
+
+// DialOptions dial a Host or an agent: TLS verified with tlsConfig (plain
+// TCP when nil), the token on every call, and the answers' statuses
+// turned back into errdefs kinds.
+func DialOptions(token string, tlsConfig *tls.Config) []grpc.DialOption {
+	transport := insecure.NewCredentials()
+	if tlsConfig != nil {
+		transport = credentials.NewTLS(tlsConfig)
+	}
+	return []grpc.DialOption{grpc.WithTransportCredentials(transport), grpc.WithPerRPCCredentials(Token(token)),
+		grpc.WithChainUnaryInterceptor(errdefs.UnaryClientInterceptor())}
+}
 
 // Token sends a bearer token as "authorization" metadata; an empty token
 // sends nothing. It implements credentials.PerRPCCredentials.
@@ -74,7 +91,7 @@ func ServerOptions(token string, requireCert bool, refused func(method string)) 
 				return nil, err
 			}
 			return h(ctx, req)
-		}),
+		}, errdefs.UnaryServerInterceptor()),
 		grpc.ChainStreamInterceptor(func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
 			if err := deny(ss.Context(), info.FullMethod); err != nil {
 				return err

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"io"
 	"net/http"
 	"sort"
@@ -13,9 +12,9 @@ import (
 	"github.com/go-chi/chi/v5"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
-	"github.com/vllm-hi/vllm-hi/internal/host/registry"
-	"github.com/vllm-hi/vllm-hi/internal/migrate"
+	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
+	"github.com/vllm-hi/vllm-hi/internal/registry"
 	"github.com/vllm-hi/vllm-hi/internal/version"
 )
 
@@ -62,14 +61,6 @@ func (h *Host) models(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, out)
 }
 
-func (h *Host) view(i registry.Instance) hostapi.Instance {
-	v := view(i)
-	if h.mig.Busy(i.ID) && v.State != string(registry.StateUnreachable) {
-		v.State = string(registry.StateMigrating)
-	}
-	return v
-}
-
 func view(i registry.Instance) hostapi.Instance {
 	v := hostapi.Instance{
 		ID: i.ID, Type: i.Type, Role: string(i.Role), State: string(i.EffectiveState()), Lifecycle: string(i.Lifecycle()),
@@ -111,7 +102,7 @@ func (h *Host) status(w http.ResponseWriter, _ *http.Request) {
 func (h *Host) instances(w http.ResponseWriter, _ *http.Request) {
 	out := hostapi.InstanceList{Instances: []hostapi.Instance{}}
 	for _, i := range h.reg.List() {
-		out.Instances = append(out.Instances, h.view(i))
+		out.Instances = append(out.Instances, view(i))
 	}
 	writeJSON(w, http.StatusOK, out)
 }
@@ -119,10 +110,10 @@ func (h *Host) instances(w http.ResponseWriter, _ *http.Request) {
 func (h *Host) instance(w http.ResponseWriter, r *http.Request) {
 	i, err := h.reg.Get(chi.URLParam(r, "id"))
 	if err != nil {
-		h.registryError(w, err)
+		fail(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, h.view(i))
+	writeJSON(w, http.StatusOK, view(i))
 }
 
 // drain stops routing new requests to an active instance; streams in
@@ -130,7 +121,7 @@ func (h *Host) instance(w http.ResponseWriter, r *http.Request) {
 func (h *Host) drain(w http.ResponseWriter, r *http.Request) {
 	i, err := h.reg.SetState(chi.URLParam(r, "id"), registry.StateDraining, registry.StateActive)
 	if err != nil {
-		h.registryError(w, err)
+		fail(w, err)
 		return
 	}
 	h.logInstance("draining", i)
@@ -140,7 +131,7 @@ func (h *Host) drain(w http.ResponseWriter, r *http.Request) {
 func (h *Host) undrain(w http.ResponseWriter, r *http.Request) {
 	i, err := h.reg.SetState(chi.URLParam(r, "id"), registry.StateActive, registry.StateDraining)
 	if err != nil {
-		h.registryError(w, err)
+		fail(w, err)
 		return
 	}
 	writeJSON(w, http.StatusOK, view(i))
@@ -153,51 +144,28 @@ func (h *Host) wake(w http.ResponseWriter, r *http.Request) {
 	defer cancel()
 	i, err := h.mig.Wake(ctx, chi.URLParam(r, "id"))
 	if err != nil {
-		h.migrateError(w, err)
+		fail(w, err)
 		return
 	}
 	h.logInstance("woken", i)
-	writeJSON(w, http.StatusOK, h.view(i))
+	writeJSON(w, http.StatusOK, view(i))
 }
 
 // forget drops an instance whose agent is gone, freeing its id.
 func (h *Host) forget(w http.ResponseWriter, r *http.Request) {
 	id := chi.URLParam(r, "id")
-	if h.mig.Busy(id) {
-		proxy.WriteError(w, http.StatusConflict, "ConflictError", fmt.Sprintf("instance %s is in a migration", id))
-		return
-	}
 	if err := h.reg.Forget(id); err != nil {
-		h.registryError(w, err)
+		fail(w, err)
 		return
 	}
 	writeJSON(w, http.StatusOK, map[string]string{"forgotten": id})
 }
 
-func (h *Host) registryError(w http.ResponseWriter, err error) {
-	switch {
-	case errors.Is(err, registry.ErrNotFound):
-		proxy.WriteError(w, http.StatusNotFound, "NotFoundError", err.Error())
-	case errors.Is(err, registry.ErrConflict):
-		proxy.WriteError(w, http.StatusConflict, "ConflictError", err.Error())
-	default:
-		proxy.WriteError(w, http.StatusInternalServerError, "InternalServerError", err.Error())
-	}
-}
-
-// migrateError answers an orchestrator error: a refusal with its status,
-// anything else as a 502 (an agent or engine failed).
-func (h *Host) migrateError(w http.ResponseWriter, err error) {
-	var me *migrate.Error
-	if errors.As(err, &me) {
-		typ := map[int]string{400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 502: "BadGatewayError"}[me.Status]
-		if typ == "" {
-			typ = "Error"
-		}
-		proxy.WriteError(w, me.Status, typ, me.Msg)
-		return
-	}
-	proxy.WriteError(w, http.StatusBadGateway, "BadGatewayError", err.Error())
+// fail answers an error in the contract's shape, its status by its kind
+// (internal/errdefs): the REST API's one translation.
+func fail(w http.ResponseWriter, err error) {
+	status := errdefs.HTTPStatus(err)
+	proxy.WriteError(w, status, errdefs.Type(status), err.Error())
 }
 
 // migrate starts a migration: 202-style immediate answer with its id.
@@ -210,7 +178,7 @@ func (h *Host) migrate(w http.ResponseWriter, r *http.Request) {
 	}
 	id, err := h.mig.Start(req)
 	if err != nil {
-		h.migrateError(w, err)
+		fail(w, err)
 		return
 	}
 	writeJSON(w, http.StatusOK, hostapi.MigrateAnswer{ID: id})

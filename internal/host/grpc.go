@@ -4,34 +4,16 @@ import (
 	"context"
 	"errors"
 
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
-
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
-	"github.com/vllm-hi/vllm-hi/internal/host/registry"
+	"github.com/vllm-hi/vllm-hi/internal/errdefs"
+	"github.com/vllm-hi/vllm-hi/internal/registry"
 )
 
-// registryService is the Registry gRPC service. Registry errors are
-// translated to gRPC status codes here, once.
+// registryService is the Registry gRPC service. Its errors become gRPC
+// statuses at the edge, once (grpcauth's server interceptor).
 type registryService struct {
 	v1.UnimplementedRegistryServer
 	h *Host
-}
-
-func grpcError(err error) error {
-	switch {
-	case err == nil:
-		return nil
-	case errors.Is(err, registry.ErrInvalid):
-		return status.Error(codes.InvalidArgument, err.Error())
-	case errors.Is(err, registry.ErrAlreadyExists):
-		return status.Error(codes.AlreadyExists, err.Error())
-	case errors.Is(err, registry.ErrNotFound):
-		return status.Error(codes.NotFound, err.Error())
-	case errors.Is(err, registry.ErrConflict):
-		return status.Error(codes.FailedPrecondition, err.Error())
-	}
-	return status.Error(codes.Internal, err.Error())
 }
 
 func (s *registryService) Register(_ context.Context, req *v1.RegisterRequest) (*v1.RegisterResponse, error) {
@@ -39,11 +21,11 @@ func (s *registryService) Register(_ context.Context, req *v1.RegisterRequest) (
 	inst, err := s.h.reg.Register(reg)
 	if err != nil {
 		result := "invalid"
-		if errors.Is(err, registry.ErrAlreadyExists) {
+		if errors.Is(err, errdefs.ErrAlreadyExists) {
 			result = "conflict"
 		}
 		s.h.m.registrations.WithLabelValues(result).Inc()
-		return nil, grpcError(err)
+		return nil, err
 	}
 	s.h.m.registrations.WithLabelValues("ok").Inc()
 	s.h.logInstance("registered", inst)
@@ -79,7 +61,7 @@ func (s *registryService) Heartbeat(_ context.Context, req *v1.HeartbeatRequest)
 	})
 	if err != nil {
 		s.h.m.heartbeats.WithLabelValues("unknown").Inc()
-		return nil, grpcError(err)
+		return nil, err
 	}
 	s.h.m.heartbeats.WithLabelValues("ok").Inc()
 	inst, err := s.h.reg.Get(req.GetVllmHiId())
@@ -92,7 +74,7 @@ func (s *registryService) Heartbeat(_ context.Context, req *v1.HeartbeatRequest)
 func (s *registryService) Deregister(_ context.Context, req *v1.DeregisterRequest) (*v1.DeregisterResponse, error) {
 	inst, _ := s.h.reg.Get(req.GetVllmHiId())
 	if err := s.h.reg.Deregister(req.GetVllmHiId(), req.GetSession()); err != nil {
-		return nil, grpcError(err)
+		return nil, err
 	}
 	s.h.logInstance("deregistered", inst)
 	return &v1.DeregisterResponse{}, nil

@@ -25,10 +25,10 @@ import (
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 	"github.com/vllm-hi/vllm-hi/internal/credentials"
 	"github.com/vllm-hi/vllm-hi/internal/grpcauth"
-	"github.com/vllm-hi/vllm-hi/internal/host/registry"
-	"github.com/vllm-hi/vllm-hi/internal/host/store"
 	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
+	"github.com/vllm-hi/vllm-hi/internal/registry"
+	"github.com/vllm-hi/vllm-hi/internal/store"
 )
 
 // Config configures the Host.

@@ -30,7 +30,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
-	"github.com/vllm-hi/vllm-hi/internal/host/registry"
+	"github.com/vllm-hi/vllm-hi/internal/registry"
 	"github.com/vllm-hi/vllm-hi/internal/sim"
 )
 

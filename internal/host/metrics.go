@@ -3,9 +3,9 @@ package host
 import (
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/vllm-hi/vllm-hi/internal/host/registry"
 	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
+	"github.com/vllm-hi/vllm-hi/internal/registry"
 )
 
 // metrics are the Host's own instruments, all prefixed vhi_.

@@ -3,8 +3,8 @@ package migrate
 import (
 	"context"
 
-	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
-	"github.com/vllm-hi/vllm-hi/internal/host/registry"
+	"github.com/vllm-hi/vllm-hi/internal/errdefs"
+	"github.com/vllm-hi/vllm-hi/internal/registry"
 )
 
 // Wake brings a retired or sleeping engine's KV back (its agent's Wake),
@@ -12,26 +12,27 @@ import (
 func (o *Orchestrator) Wake(ctx context.Context, id string) (registry.Instance, error) {
 	inst, err := o.reg.Get(id)
 	if err != nil {
-		return inst, refuse(404, "unknown instance %s", id)
+		return inst, err
 	}
 	switch lc := inst.Lifecycle(); {
 	case !inst.Reachable:
-		return inst, refuse(409, "instance %s is unreachable", id)
+		return inst, errdefs.Newf(errdefs.ErrConflict, "instance %s is unreachable", id)
 	case !inst.Engine.Migratable:
-		return inst, refuse(409, "instance %s is routing-only (its engine has no vllm-hi hooks)", id)
+		return inst, errdefs.Newf(errdefs.ErrConflict, "instance %s is routing-only (its engine has no vllm-hi hooks)", id)
 	case lc != registry.LifecycleRetired && lc != registry.LifecycleSleeping:
-		return inst, refuse(409, "instance %s is %s, not retired or sleeping", id, lc)
+		return inst, errdefs.Newf(errdefs.ErrConflict, "instance %s is %s, not retired or sleeping", id, lc)
 	}
-	if err := o.claim("wake", id); err != nil {
+	op := registry.Operation{Kind: registry.OpWake}
+	if err := o.reg.Claim(op, id); err != nil {
 		return inst, err
 	}
-	defer o.release(id)
-	a, err := o.agent(inst)
+	defer o.reg.Release(op, id)
+	a, err := o.agents.Get(inst.AgentAddress, inst.TLS)
 	if err != nil {
-		return inst, &Error{Status: 502, Msg: err.Error()}
+		return inst, errdefs.Newf(errdefs.ErrUpstream, "%w", err)
 	}
-	if _, err := a.Wake(ctx, &v1.WakeRequest{}); err != nil {
-		return inst, &Error{Status: 502, Msg: "waking the engine failed: " + rpcError(err).Error()}
+	if _, err := a.Engine.Wake(ctx); err != nil {
+		return inst, errdefs.Newf(errdefs.ErrUpstream, "waking the engine failed: %w", err)
 	}
 	return o.reg.Woken(id)
 }

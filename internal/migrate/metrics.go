@@ -2,7 +2,9 @@ package migrate
 
 import (
 	"errors"
+
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -63,7 +65,7 @@ func (m *Metrics) Collectors() []prometheus.Collector {
 // integrity counts a migration that a check before its commit stopped
 // because the KV differed (not one whose check could not be made).
 func (m *Metrics) integrity(err error) {
-	if m != nil && errors.Is(err, errIntegrity) {
+	if m != nil && errors.Is(err, errdefs.ErrDataLoss) {
 		m.IntegrityFailures.Inc()
 	}
 }

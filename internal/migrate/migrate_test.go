@@ -2,18 +2,19 @@ package migrate
 
 import (
 	"encoding/json"
-	"errors"
-	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
+
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
-	"github.com/vllm-hi/vllm-hi/internal/host/registry"
+	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
+	"github.com/vllm-hi/vllm-hi/internal/registry"
 )
 
 func TestFilters(t *testing.T) {
@@ -91,12 +92,16 @@ func TestStartRefusals(t *testing.T) {
 		{hostapi.MigrateRequest{Src: "A", Dst: "B", TargetTP: &two}, 409},
 	} {
 		_, err := o.Start(c.req)
-		var me *Error
-		if !errors.As(err, &me) || me.Status != c.code {
+		if err == nil || errdefs.HTTPStatus(err) != c.code {
 			t.Errorf("%+v: %v, want %d", c.req, err, c.code)
 		}
 	}
-	if len(o.List()) != 0 || o.Busy("A") || o.Busy("B") {
+	for _, id := range []string{"A", "B"} {
+		if i, _ := reg.Get(id); i.Busy != (registry.Operation{}) {
+			t.Fatalf("a refused migration left %s claimed by %s", id, i.Busy)
+		}
+	}
+	if len(o.List()) != 0 {
 		t.Fatal("a refused migration left state behind")
 	}
 }
@@ -141,8 +146,8 @@ func TestRecordsSurviveAndStayBounded(t *testing.T) {
 		{ID: "mig-1", State: hostapi.StateSucceeded},
 		{ID: "mig-2", State: hostapi.StateAborted},
 		{ID: "mig-3", State: hostapi.StateSucceeded},
-		{ID: "mig-4", State: hostapi.StateRunning, CurrentStep: stepRound0},
-		{ID: "mig-5", State: hostapi.StateRunning, CurrentStep: stepSwitch, Committed: true},
+		{ID: "mig-4", State: hostapi.StateRunning, CurrentStep: string(stepRound0)},
+		{ID: "mig-5", State: hostapi.StateRunning, CurrentStep: string(stepSwitch), Committed: true},
 	} {
 		st.CreatedAt = t0.Add(time.Duration(i) * time.Second)
 		b, _ := json.Marshal(st)

@@ -2,10 +2,11 @@ package migrate
 
 import (
 	"encoding/json"
-	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"sort"
 	"sync"
 	"time"
+
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 
 	"go.uber.org/zap"
 )
@@ -152,14 +153,14 @@ func (o *Orchestrator) restore() error {
 			case st.Committed:
 				st.State = hostapi.StateFailed
 				st.Error = "the Host stopped after the commit (at step " + at + "): the target runs the moved requests, but their clients' streams ended with that Host"
-			case at == stepCommit:
+			case at == string(stepCommit):
 				st.State = hostapi.StateFailed
 				st.Error = "the Host stopped during the commit: the target may run the moved requests as well as the source; their clients' streams ended with that Host"
 			default:
 				st.State = hostapi.StateAborted
 				st.Error = "the Host stopped during the migration (at step " + at + "); the engines' leases rolled it back"
 			}
-			st.CurrentStep, st.FinishedAt = "done", now
+			st.CurrentStep, st.FinishedAt = string(stepDone), now
 		}
 		list = append(list, st)
 	}

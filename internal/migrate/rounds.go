@@ -2,60 +2,61 @@ package migrate
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"github.com/vllm-hi/vllm-hi/api/hostapi"
-	"time"
 
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 )
 
-// run is the migration after prepare. Everything up to the commit runs
-// under the migration's deadline: a stalled agent or engine aborts it
-// rather than holding both instances (and, later, the source's pause).
-func (m *migration) run() {
-	ctx, cancel := context.WithDeadline(m.o.ctx, m.deadline)
-	defer cancel()
-	m.step(stepRound0)
-	r0, err := m.copyRound(ctx, "full", 0, false, "")
+// Round kinds.
+const (
+	roundFull        = "full"
+	roundIncremental = "incremental"
+	roundFinal       = "final"
+)
+
+// copyRounds runs the full round and then incremental rounds while the
+// source decodes, until they stop shrinking, and returns the cursor the
+// last one copied up to.
+func (m *migration) copyRounds(ctx context.Context) (uint64, error) {
+	if err := m.enter(ctx, stepRound0); err != nil {
+		return 0, err
+	}
+	r0, err := m.copyRound(ctx, roundFull, 0, false, "")
 	if err != nil {
-		m.fail(err)
-		return
+		return 0, err
 	}
 	since := r0.GetCursor()
-
-	// Incremental rounds until the seed's convergence rules say stop.
-	m.step(stepIncremental)
+	if err := m.enter(ctx, stepIncremental); err != nil {
+		return 0, err
+	}
 	best, stall := -1, 0
 	for round := 1; round <= m.o.cfg.MaxIncrRounds; round++ {
-		r, err := m.copyRound(ctx, "incremental", since, false, "")
+		r, err := m.copyRound(ctx, roundIncremental, since, false, "")
 		if err != nil {
-			m.fail(err)
-			return
+			return 0, err
 		}
 		since = r.GetCursor()
-		n := int(r.GetBlockCount())
-		if n <= 1 {
-			break
-		}
-		if best < 0 || n < best {
-			best, stall = n, 0
-		} else if stall++; stall >= m.o.cfg.StallRounds {
+		if !shrinking(int(r.GetBlockCount()), &best, &stall, m.o.cfg.StallRounds) {
 			break
 		}
 	}
-	// The check of what is on the target already, while A decodes (a
-	// second round and pass to shrink what the pause checks measured no
-	// better on an H200: the round in between lets A decode as much again).
-	if m.o.cfg.Verify != hostapi.VerifyOff {
-		m.step(stepCopyCheck)
+	return since, nil
+}
+
+// shrinking is the rounds' convergence rule: go on while a round copies
+// more than one block and the best round so far improved within the last
+// stallRounds rounds.
+func shrinking(blocks int, best, stall *int, stallRounds int) bool {
+	if blocks <= 1 {
+		return false
 	}
-	if err := m.verifyCopied(ctx, since); err != nil {
-		m.o.met.integrity(err)
-		m.fail(err)
-		return
+	if *best < 0 || blocks < *best {
+		*best, *stall = blocks, 0
+		return true
 	}
-	m.final(ctx, since)
+	*stall++
+	return *stall < stallRounds
 }
 
 // copyRound runs one round on the source agent and records it.
@@ -66,19 +67,16 @@ func (m *migration) copyRound(ctx context.Context, kind string, since uint64, sl
 		reqs = append(reqs, rb)
 	}
 	m.mu.Unlock()
-	resp, err := m.srcA.CopyRound(ctx, &v1.CopyRoundRequest{
+	resp, err := m.srcA.RPC.CopyRound(ctx, &v1.CopyRoundRequest{
 		MigrationId: m.st.ID, Kind: kind, SinceCursor: since, Requests: reqs,
 		TargetDataAddress: m.dataAddr, TargetLayout: m.dstLayout, Tn: int32(m.req.TN),
 		SlotGranular: slotGranular, InjectFault: fault, Secret: m.secret, TargetTls: m.dst.TLS,
 	})
 	if err != nil {
-		switch {
-		case errors.Is(ctx.Err(), context.DeadlineExceeded):
-			return nil, fmt.Errorf("%s copy round: the migration's deadline passed (%v after it started)", kind, m.deadline.Sub(m.st.CreatedAt).Round(time.Millisecond))
-		case ctx.Err() != nil:
-			return nil, fmt.Errorf("%s copy round: the Host is shutting down", kind)
+		if ctx.Err() != nil {
+			return nil, m.interrupted(ctx, kind+" copy round")
 		}
-		return nil, fmt.Errorf("%s copy round: %w", kind, rpcError(err))
+		return nil, fmt.Errorf("%s copy round: %w", kind, err)
 	}
 	m.drop(resp.GetDroppedRequestIds()...)
 	m.mu.Lock()

@@ -2,11 +2,12 @@ package migrate
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"math/rand/v2"
 	"time"
+
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
@@ -33,6 +34,16 @@ import (
 // An engine whose blocks are opaque (vLLM CPU: the final round copies
 // whole blocks) is checked in whole blocks on both sides.
 
+// checkCopied is the check before the pause, as a step of its own.
+func (m *migration) checkCopied(ctx context.Context, since uint64) error {
+	if m.o.cfg.Verify != hostapi.VerifyOff {
+		if err := m.enter(ctx, stepCopyCheck); err != nil {
+			return err
+		}
+	}
+	return m.verifyCopied(ctx, since)
+}
+
 // verifyCopied checks the stable tokens (see above) and remembers, per
 // request, where they end. since is the cursor the last round copied up
 // to. A second call would check every token from the first one's
@@ -49,14 +60,14 @@ func (m *migration) verifyCopied(ctx context.Context, since uint64) error {
 	}
 	bs := m.srcLayout.Geometry.BlockSize
 	cctx, cancel := m.call(ctx)
-	list, err := hook[hooks.RequestList](cctx, m.srcA, "requests", nil, 0)
+	list, err := m.srcA.Engine.Requests(cctx)
 	var ch hooks.Changes
 	if err == nil {
-		ch, err = hook[hooks.Changes](cctx, m.srcA, "changes", nil, since)
+		ch, err = m.srcA.Engine.Changes(cctx, since)
 	}
 	cancel()
 	if err != nil {
-		return fmt.Errorf("integrity check: read the source's requests and changes: %w", rpcError(err))
+		return fmt.Errorf("integrity check: read the source's requests and changes: %w", err)
 	}
 	// The boundary: the tokens computed when the list was read, or the
 	// first slot written after the last round's cursor, whichever is
@@ -184,10 +195,6 @@ func (m *migration) setVerification(v hostapi.Verification) {
 	m.mu.Unlock()
 }
 
-// errIntegrity marks a check that found a difference (not one that could
-// not be made).
-var errIntegrity = errors.New("integrity check failed: the target does not hold what the source held")
-
 // blockAt names a checked block: request and index in its block table.
 type blockAt struct {
 	request string
@@ -207,19 +214,19 @@ func (m *migration) compare(ctx context.Context, src, dst []*v1.BlockSlots, at [
 	}
 	srcC, dstC := make(chan answer, 1), make(chan answer, 1)
 	go func() {
-		r, err := m.srcA.HashBlocks(ctx, &v1.HashBlocksRequest{MigrationId: m.st.ID, Blocks: src})
+		r, err := m.srcA.RPC.HashBlocks(ctx, &v1.HashBlocksRequest{MigrationId: m.st.ID, Blocks: src})
 		srcC <- answer{r, err}
 	}()
 	go func() {
-		r, err := m.dstA.HashBlocks(ctx, &v1.HashBlocksRequest{MigrationId: m.st.ID, Blocks: dst})
+		r, err := m.dstA.RPC.HashBlocks(ctx, &v1.HashBlocksRequest{MigrationId: m.st.ID, Blocks: dst})
 		dstC <- answer{r, err}
 	}()
 	a, b := <-srcC, <-dstC
 	switch {
 	case a.err != nil:
-		return v, fmt.Errorf("integrity check: hash the source's blocks: %w", rpcError(a.err))
+		return v, fmt.Errorf("integrity check: hash the source's blocks: %w", a.err)
 	case b.err != nil:
-		return v, fmt.Errorf("integrity check: hash the target's blocks: %w", rpcError(b.err))
+		return v, fmt.Errorf("integrity check: hash the target's blocks: %w", b.err)
 	case len(a.r.GetHashes()) != len(src) || len(b.r.GetHashes()) != len(dst):
 		return v, fmt.Errorf("integrity check: %d and %d hashes for %d blocks", len(a.r.GetHashes()), len(b.r.GetHashes()), len(src))
 	}
@@ -235,8 +242,10 @@ func (m *migration) compare(ctx context.Context, src, dst []*v1.BlockSlots, at [
 	}
 	if bad > 0 {
 		w := at[first]
-		return v, fmt.Errorf("%w (%d of %d blocks checked differ; first: block %d of request %s, source block %d, target block %d)",
-			errIntegrity, bad, len(src), w.index, w.request, src[first].GetBlock(), dst[first].GetBlock())
+		// Only a check that found a difference is data loss (not one that
+		// could not be made): the metric counts these.
+		return v, errdefs.Newf(errdefs.ErrDataLoss, "integrity check failed: the target does not hold what the source held (%d of %d blocks checked differ; first: block %d of request %s, source block %d, target block %d)",
+			bad, len(src), w.index, w.request, src[first].GetBlock(), dst[first].GetBlock())
 	}
 	return v, nil
 }

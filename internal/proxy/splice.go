@@ -8,6 +8,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/vllm-hi/vllm-hi/api/hooks"
 )
 
 // Streams is the table of live client streams by engine request id, so a
@@ -174,7 +176,7 @@ func (s *Stream) SwitchGap() (lastSource, firstTarget time.Time) {
 
 // attachURL is the engine hook that streams a request from token index k.
 func attachURL(base, id string, from int) string {
-	return fmt.Sprintf("%s/vllm_hi/engine/requests/%s/stream?from=%d", strings.TrimRight(base, "/"), id, from)
+	return strings.TrimRight(base, "/") + hooks.AttachPath(id, from)
 }
 
 // openAttach opens the target's stream of the request, trying a few times

@@ -2,6 +2,7 @@ package sim
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"strconv"
 
@@ -10,43 +11,56 @@ import (
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 )
 
-// hookRoutes serves the engine hooks over HTTP (api/hooks has the paths).
-func (s *Server) hookRoutes(r chi.Router) {
-	r.Get(hooks.PathLayout, noBody(s.eng.Layout))
-	r.Get(hooks.PathRequests, noBody(s.eng.Requests))
-	r.Get(hooks.PathStats, noBody(s.eng.Stats))
-	r.Get(hooks.PathChanges, func(w http.ResponseWriter, r *http.Request) {
-		since, err := strconv.ParseUint(r.URL.Query().Get("since"), 10, 64)
-		if err != nil {
-			writeError(w, badRequest("since", "since must be a cursor (a non-negative integer)"))
-			return
-		}
-		c, err := s.eng.Changes(r.Context(), since)
-		reply(w, c, err)
-	})
-	r.Post(hooks.PathPause, withBody(s.eng.Pause))
-	r.Post(hooks.PathResume, withBody(s.eng.Resume))
-	r.Post(hooks.PathExport, withBody(s.eng.Export))
-	r.Post(hooks.PathAllocate, withBody(s.eng.Allocate))
-	r.Post(hooks.PathInstall, withBody(s.eng.Install))
-	r.Post(hooks.PathAbort, withBody(s.eng.Abort))
-	r.Post(hooks.PathRetire, withBody(s.eng.Retire))
-	r.Post(hooks.PathWake, func(w http.ResponseWriter, r *http.Request) {
-		v, err := s.eng.Wake(r.Context())
-		reply(w, v, err)
-	})
-	r.Get(hooks.PathAttach, func(w http.ResponseWriter, r *http.Request) {
-		from := 0
-		if v := r.URL.Query().Get("from"); v != "" {
-			n, err := strconv.Atoi(v)
-			if err != nil || n < 0 {
-				writeError(w, badRequest("from", "from must be a non-negative token index"))
+// hookRoutes serves the engine hooks over HTTP: every route of
+// api/hooks, each with its handler here (a route without one, or a
+// handler without a route, is an error).
+func (s *Server) hookRoutes(r chi.Router) error {
+	handlers := map[string]http.HandlerFunc{
+		hooks.HookLayout:   noBody(s.eng.Layout),
+		hooks.HookRequests: noBody(s.eng.Requests),
+		hooks.HookStats:    noBody(s.eng.Stats),
+		hooks.HookChanges: func(w http.ResponseWriter, r *http.Request) {
+			since, err := strconv.ParseUint(r.URL.Query().Get("since"), 10, 64)
+			if err != nil {
+				writeError(w, badRequest("since", "since must be a cursor (a non-negative integer)"))
 				return
 			}
-			from = n
+			c, err := s.eng.Changes(r.Context(), since)
+			reply(w, c, err)
+		},
+		hooks.HookPause:    withBody(s.eng.Pause),
+		hooks.HookResume:   withBody(s.eng.Resume),
+		hooks.HookExport:   withBody(s.eng.Export),
+		hooks.HookAllocate: withBody(s.eng.Allocate),
+		hooks.HookInstall:  withBody(s.eng.Install),
+		hooks.HookAbort:    withBody(s.eng.Abort),
+		hooks.HookRetire:   withBody(s.eng.Retire),
+		hooks.HookWake:     noBody(s.eng.Wake),
+		hooks.HookAttach: func(w http.ResponseWriter, r *http.Request) {
+			from := 0
+			if v := r.URL.Query().Get("from"); v != "" {
+				n, err := strconv.Atoi(v)
+				if err != nil || n < 0 {
+					writeError(w, badRequest("from", "from must be a non-negative token index"))
+					return
+				}
+				from = n
+			}
+			s.stream(w, r.Context(), chi.URLParam(r, "request_id"), from, r.URL.Query().Get("role") == "1")
+		},
+	}
+	for _, route := range hooks.Routes() {
+		h, ok := handlers[route.Name]
+		if !ok {
+			return fmt.Errorf("the sim has no handler for the %s hook", route.Name)
 		}
-		s.stream(w, r.Context(), chi.URLParam(r, "request_id"), from, r.URL.Query().Get("role") == "1")
-	})
+		r.Method(route.Method, route.Path, h)
+		delete(handlers, route.Name)
+	}
+	for name := range handlers {
+		return fmt.Errorf("the sim serves a %s hook api/hooks does not know", name)
+	}
+	return nil
 }
 
 func reply(w http.ResponseWriter, v any, err error) {

@@ -2,10 +2,12 @@ package registry
 
 import (
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
-	"github.com/vllm-hi/vllm-hi/internal/host/store"
+	"github.com/vllm-hi/vllm-hi/internal/errdefs"
+	"github.com/vllm-hi/vllm-hi/internal/store"
 )
 
 type clock struct{ t time.Time }
@@ -41,7 +43,7 @@ func TestLifecycle(t *testing.T) {
 		t.Fatalf("re-register same session: %+v %v", a2, err)
 	}
 	// Another live session with the same id: refused.
-	if _, err := r.Register(reg("a", "A", "other", "m")); !errors.Is(err, ErrAlreadyExists) {
+	if _, err := r.Register(reg("a", "A", "other", "m")); !errors.Is(err, errdefs.ErrAlreadyExists) {
 		t.Fatalf("duplicate: %v", err)
 	}
 	// Missed heartbeats: unreachable, then a new session may take over.
@@ -62,7 +64,7 @@ func TestLifecycle(t *testing.T) {
 		t.Fatalf("takeover after the old session died: %v", err)
 	}
 	// Heartbeats from the old session are unknown now.
-	if err := r.Heartbeat("a", "s1", Stats{}); !errors.Is(err, ErrNotFound) {
+	if err := r.Heartbeat("a", "s1", Stats{}); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("stale session heartbeat: %v", err)
 	}
 	// A heartbeat brings an unreachable instance back.
@@ -76,10 +78,10 @@ func TestLifecycle(t *testing.T) {
 	if i, _ := r.Get("a"); i.EffectiveState() != StateDraining || i.Role != RoleActive || i.Stats.Running != 4 {
 		t.Fatalf("after heartbeat: %+v", i)
 	}
-	if err := r.Deregister("a", "wrong"); !errors.Is(err, ErrNotFound) {
+	if err := r.Deregister("a", "wrong"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("deregister with another session: %v", err)
 	}
-	if err := r.Deregister("a", ""); !errors.Is(err, ErrNotFound) {
+	if err := r.Deregister("a", ""); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("deregister with an empty session bypassed the session check: %v", err)
 	}
 	if err := r.Deregister("a", "s3"); err != nil {
@@ -94,7 +96,7 @@ func TestLifecycle(t *testing.T) {
 // agent's registration brings the instance back with its role.
 func TestHostRestartForgetsAndRelearns(t *testing.T) {
 	r, _ := newTestRegistry()
-	if err := r.Heartbeat("a", "s1", Stats{}); !errors.Is(err, ErrNotFound) {
+	if err := r.Heartbeat("a", "s1", Stats{}); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("heartbeat to a fresh registry: %v", err)
 	}
 	if i, err := r.Register(reg("a", "A", "s1", "m")); err != nil || i.Role != RoleActive {
@@ -115,7 +117,7 @@ func TestInvalidRegistrations(t *testing.T) {
 	} {
 		g := reg("x", "A", "s", "m")
 		mod(&g)
-		if _, err := r.Register(g); !errors.Is(err, ErrInvalid) {
+		if _, err := r.Register(g); !errors.Is(err, errdefs.ErrInvalidArgument) {
 			t.Errorf("%s: %v", name, err)
 		}
 	}
@@ -160,7 +162,7 @@ func TestRoute(t *testing.T) {
 	if _, known, ok := r.Route("m"); !known || ok {
 		t.Fatal("unreachable instances must not be routed to")
 	}
-	if _, err := r.SetState("a2", StateActive, StateDraining); !errors.Is(err, ErrConflict) {
+	if _, err := r.SetState("a2", StateActive, StateDraining); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("undrain of a non-draining instance: %v", err)
 	}
 	if models := r.Models(); len(models) != 2 || models[0].Engine.ServedModels[0] != "alias" || models[1].Role != RoleActive {
@@ -221,7 +223,7 @@ func TestRolesSurviveRestarts(t *testing.T) {
 	r2.Sweep()
 	other := reg("b", "B", "s5", "m")
 	other.Engine.URL = "http://elsewhere"
-	if _, err := r2.Register(other); !errors.Is(err, ErrAlreadyExists) {
+	if _, err := r2.Register(other); !errors.Is(err, errdefs.ErrAlreadyExists) {
 		t.Fatalf("takeover by another engine: %v", err)
 	}
 	// A clean stop is remembered: b comes back active.
@@ -243,7 +245,7 @@ func TestRolesSurviveRestarts(t *testing.T) {
 		t.Fatalf("role from the agent: %+v", b)
 	}
 	// Forget frees an id once its agent is gone; a live one is refused.
-	if err := r3.Forget("b"); !errors.Is(err, ErrConflict) {
+	if err := r3.Forget("b"); !errors.Is(err, errdefs.ErrConflict) {
 		t.Fatalf("forget a live instance: %v", err)
 	}
 	c.advance(10 * time.Second)
@@ -280,5 +282,57 @@ func TestRoutingSkipsUnhealthyAndRetention(t *testing.T) {
 	r.Sweep()
 	if len(r.List()) != 0 || len(st.m) != 0 {
 		t.Fatalf("not forgotten after the retention: %d listed, %d stored", len(r.List()), len(st.m))
+	}
+}
+
+// The registry is the one source of "busy": a claim is all or nothing,
+// survives the agent registering again, shows as the migrating state
+// (and is counted so), and blocks Forget.
+func TestClaims(t *testing.T) {
+	r := New(Options{})
+	for _, id := range []string{"a", "b", "c"} {
+		if _, err := r.Register(reg(id, "A", "s-"+id, "m")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mig := Operation{Kind: OpMigration, ID: "mig-1"}
+	if err := r.Claim(mig, "a", "b"); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Claim(Operation{Kind: OpWake}, "c", "b"); !errors.Is(err, errdefs.ErrConflict) || !strings.Contains(err.Error(), "migration mig-1") {
+		t.Fatalf("a second claim: %v", err)
+	}
+	if err := r.Claim(Operation{Kind: OpWake}, "c"); err != nil {
+		t.Fatalf("c was claimed by the refused call: %v", err)
+	}
+	if err := r.Claim(Operation{Kind: OpWake}, "nope"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("an unknown id: %v", err)
+	}
+	a, _ := r.Get("a")
+	if a.EffectiveState() != StateMigrating || a.Busy != mig {
+		t.Fatalf("a claimed instance: %s %+v", a.EffectiveState(), a.Busy)
+	}
+	if c, _ := r.Get("c"); c.EffectiveState() != StateActive {
+		t.Fatalf("a wake is not a migration: %s", c.EffectiveState())
+	}
+	if n := r.CountByState()[StateMigrating]; n != 2 {
+		t.Fatalf("%d migrating, want 2", n)
+	}
+	if _, err := r.Register(reg("a", "A", "s-a", "m")); err != nil {
+		t.Fatal(err)
+	}
+	if a, _ := r.Get("a"); a.Busy != mig {
+		t.Fatal("re-registering dropped the claim")
+	}
+	if err := r.Forget("a"); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("forgetting a busy instance: %v", err)
+	}
+	r.Release(Operation{Kind: OpMigration, ID: "other"}, "a")
+	if a, _ := r.Get("a"); a.Busy != mig {
+		t.Fatal("another operation released the claim")
+	}
+	r.Release(mig, "a", "b")
+	if a, _ := r.Get("a"); a.EffectiveState() != StateActive || a.Busy != (Operation{}) {
+		t.Fatalf("released: %s", a.EffectiveState())
 	}
 }

@@ -6,15 +6,14 @@
 package registry
 
 import (
-	"errors"
-	"fmt"
 	"sort"
 	"sync"
 	"time"
 
 	"go.uber.org/zap"
 
-	"github.com/vllm-hi/vllm-hi/internal/host/store"
+	"github.com/vllm-hi/vllm-hi/internal/errdefs"
+	"github.com/vllm-hi/vllm-hi/internal/store"
 )
 
 // Role is what an instance does for its model.
@@ -29,9 +28,10 @@ const (
 // State is an instance's lifecycle state.
 type State string
 
-// States. Active and standby mirror the role while healthy; migrating and
-// draining are set by operations; unreachable is derived from missed
-// heartbeats and wins over everything else when listing.
+// States. Active and standby mirror the role while healthy; draining is
+// set by an operator; migrating is derived from the operation holding the
+// instance, and unreachable from missed heartbeats, which wins over
+// everything else when listing.
 const (
 	StateActive      State = "active"
 	StateStandby     State = "standby"
@@ -54,13 +54,26 @@ const (
 	LifecycleUnhealthy Lifecycle = "unhealthy" // its agent stopped heartbeating, or its engine is not healthy
 )
 
-// Errors the gRPC and REST layers translate to status codes.
-var (
-	ErrNotFound      = errors.New("instance not found")
-	ErrAlreadyExists = errors.New("instance id is held by another live agent")
-	ErrInvalid       = errors.New("invalid registration")
-	ErrConflict      = errors.New("instance is busy or in the wrong role")
+// Operation kinds that hold an instance.
+const (
+	OpMigration = "migration"
+	OpWake      = "wake"
 )
+
+// Operation is what holds an instance busy: a migration, a wake. The
+// registry is the one place that says so; the migrating state is derived
+// from it.
+type Operation struct {
+	Kind string
+	ID   string
+}
+
+func (o Operation) String() string {
+	if o.ID == "" {
+		return o.Kind
+	}
+	return o.Kind + " " + o.ID
+}
 
 // Engine is what an agent reports about its engine.
 type Engine struct {
@@ -115,8 +128,9 @@ type Registration struct {
 type Instance struct {
 	Registration
 	Role          Role
-	State         State // operational state (active/standby/migrating/draining)
-	Retired       bool  // released by a destroy_source migration, not woken since
+	State         State     // operational state (active/standby/draining)
+	Busy          Operation // what holds it (zero: nothing)
+	Retired       bool      // released by a destroy_source migration, not woken since
 	RegisteredAt  time.Time
 	LastHeartbeat time.Time
 	Stats         Stats
@@ -125,8 +139,11 @@ type Instance struct {
 
 // EffectiveState is the state to show and route by.
 func (i Instance) EffectiveState() State {
-	if !i.Reachable {
+	switch {
+	case !i.Reachable:
 		return StateUnreachable
+	case i.Busy.Kind == OpMigration:
+		return StateMigrating
 	}
 	return i.State
 }
@@ -181,6 +198,7 @@ type Registry struct {
 	// listed, remembered so the agent gets its role back when it returns.
 	departed map[string]store.Instance
 	rr       map[string]int // round-robin cursor per model
+	busy     map[string]Operation
 	persist  Persister
 	log      *zap.Logger
 }
@@ -215,7 +233,7 @@ func New(o Options) *Registry {
 		o.Log = zap.NewNop()
 	}
 	return &Registry{now: o.Now, interval: o.HeartbeatInterval, missed: o.MissedHeartbeats, retention: o.Retention,
-		instances: map[string]*Instance{}, departed: map[string]store.Instance{}, rr: map[string]int{}, persist: o.Persist, log: o.Log}
+		instances: map[string]*Instance{}, departed: map[string]store.Instance{}, rr: map[string]int{}, busy: map[string]Operation{}, persist: o.Persist, log: o.Log}
 }
 
 // Restore loads the records a previous Host kept. Instances come back
@@ -273,23 +291,23 @@ func (r *Registry) HeartbeatInterval() time.Duration { return r.interval }
 func validate(reg Registration) error {
 	switch {
 	case reg.ID == "":
-		return fmt.Errorf("%w: vllm_hi_id is required", ErrInvalid)
+		return errdefs.New(errdefs.ErrInvalidArgument, "invalid registration: vllm_hi_id is required")
 	case len(reg.ID) > 128:
-		return fmt.Errorf("%w: vllm_hi_id longer than 128 characters", ErrInvalid)
+		return errdefs.New(errdefs.ErrInvalidArgument, "invalid registration: vllm_hi_id longer than 128 characters")
 	case reg.Type != "A" && reg.Type != "B":
-		return fmt.Errorf("%w: type must be A or B, got %q", ErrInvalid, reg.Type)
+		return errdefs.Newf(errdefs.ErrInvalidArgument, "invalid registration: type must be A or B, got %q", reg.Type)
 	case reg.Session == "":
-		return fmt.Errorf("%w: session is required", ErrInvalid)
+		return errdefs.New(errdefs.ErrInvalidArgument, "invalid registration: session is required")
 	case reg.Engine.URL == "":
-		return fmt.Errorf("%w: engine_url is required", ErrInvalid)
+		return errdefs.New(errdefs.ErrInvalidArgument, "invalid registration: engine_url is required")
 	case len(reg.Engine.ServedModels) == 0:
-		return fmt.Errorf("%w: the engine serves no model", ErrInvalid)
+		return errdefs.New(errdefs.ErrInvalidArgument, "invalid registration: the engine serves no model")
 	case reg.Engine.TP < 1 || reg.Engine.PP < 1:
-		return fmt.Errorf("%w: tp and pp must be ≥ 1", ErrInvalid)
+		return errdefs.New(errdefs.ErrInvalidArgument, "invalid registration: tp and pp must be ≥ 1")
 	}
 	for _, m := range reg.Engine.ServedModels {
 		if m == "" {
-			return fmt.Errorf("%w: empty served model name", ErrInvalid)
+			return errdefs.New(errdefs.ErrInvalidArgument, "invalid registration: empty served model name")
 		}
 	}
 	return nil
@@ -314,23 +332,23 @@ func (r *Registry) Register(reg Registration) (Instance, error) {
 			old.Registration = reg
 			old.LastHeartbeat = now
 			old.Reachable = true
-			return *old, nil
+			return r.view(old), nil
 		}
 		if r.reachable(old, now) && old.Session != "" {
-			return Instance{}, fmt.Errorf("%w: %s (registered from %s)", ErrAlreadyExists, reg.ID, old.AgentAddress)
+			return Instance{}, errdefs.Newf(errdefs.ErrAlreadyExists, "instance id %s is held by another live agent (registered from %s)", reg.ID, old.AgentAddress)
 		}
 		if old.Engine.URL != reg.Engine.URL {
-			return Instance{}, fmt.Errorf("%w: %s belongs to the engine at %s, not %s (DELETE /vllm_hi/instances/%s to free the id)",
-				ErrAlreadyExists, reg.ID, old.Engine.URL, reg.Engine.URL, reg.ID)
+			return Instance{}, errdefs.Newf(errdefs.ErrAlreadyExists, "instance id %s belongs to the engine at %s, not %s (DELETE /vllm_hi/instances/%s to free the id)",
+				reg.ID, old.Engine.URL, reg.Engine.URL, reg.ID)
 		}
 		inst := &Instance{Registration: reg, Role: old.Role, State: old.State, Retired: old.Retired, RegisteredAt: old.RegisteredAt,
 			LastHeartbeat: now, Reachable: true, Stats: Stats{Healthy: true}}
-		if inst.State == StateMigrating || inst.State == "" {
+		if inst.State == "" {
 			inst.State = State(inst.Role)
 		}
 		r.instances[reg.ID] = inst
 		r.save(inst)
-		return *inst, nil
+		return r.view(inst), nil
 	}
 	// The agent checked its engine's health before registering.
 	inst := &Instance{Registration: reg, RegisteredAt: now, LastHeartbeat: now, Reachable: true, Stats: Stats{Healthy: true}}
@@ -352,16 +370,17 @@ func (r *Registry) Register(reg Registration) (Instance, error) {
 	delete(r.departed, reg.ID)
 	r.instances[reg.ID] = inst
 	r.save(inst)
-	return *inst, nil
+	return r.view(inst), nil
 }
 
-// Heartbeat records a heartbeat; ErrNotFound tells the agent to register.
+// Heartbeat records a heartbeat; a not-found error tells the agent to
+// register.
 func (r *Registry) Heartbeat(id, session string, s Stats) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	inst, ok := r.instances[id]
 	if !ok || inst.Session != session {
-		return fmt.Errorf("%w: %s", ErrNotFound, id)
+		return errdefs.Newf(errdefs.ErrNotFound, "unknown instance %s", id)
 	}
 	inst.LastHeartbeat = r.now()
 	inst.Stats = s
@@ -378,7 +397,7 @@ func (r *Registry) Deregister(id, session string) error {
 	defer r.mu.Unlock()
 	inst, ok := r.instances[id]
 	if !ok || session == "" || inst.Session != session {
-		return fmt.Errorf("%w: %s", ErrNotFound, id)
+		return errdefs.Newf(errdefs.ErrNotFound, "unknown instance %s", id)
 	}
 	delete(r.instances, id)
 	rec := record(inst, true, r.now())
@@ -400,9 +419,11 @@ func (r *Registry) Forget(id string) error {
 	_, departed := r.departed[id]
 	switch {
 	case !live && !departed:
-		return fmt.Errorf("%w: %s", ErrNotFound, id)
+		return errdefs.Newf(errdefs.ErrNotFound, "unknown instance %s", id)
+	case r.busy[id] != Operation{}:
+		return errdefs.Newf(errdefs.ErrConflict, "instance %s is busy with %s", id, r.busy[id])
 	case live && inst.Reachable && inst.Session != "":
-		return fmt.Errorf("%w: %s is registered and heartbeating; stop its agent first", ErrConflict, id)
+		return errdefs.Newf(errdefs.ErrConflict, "instance %s is registered and heartbeating; stop its agent first", id)
 	}
 	delete(r.instances, id)
 	delete(r.departed, id)
@@ -444,9 +465,9 @@ func (r *Registry) Get(id string) (Instance, error) {
 	defer r.mu.Unlock()
 	inst, ok := r.instances[id]
 	if !ok {
-		return Instance{}, fmt.Errorf("%w: %s", ErrNotFound, id)
+		return Instance{}, errdefs.Newf(errdefs.ErrNotFound, "unknown instance %s", id)
 	}
-	return *inst, nil
+	return r.view(inst), nil
 }
 
 // List returns every instance, sorted by id.
@@ -455,7 +476,7 @@ func (r *Registry) List() []Instance {
 	defer r.mu.Unlock()
 	out := make([]Instance, 0, len(r.instances))
 	for _, inst := range r.instances {
-		out = append(out, *inst)
+		out = append(out, r.view(inst))
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
 	return out
@@ -468,7 +489,7 @@ func (r *Registry) SetState(id string, to State, from ...State) (Instance, error
 	defer r.mu.Unlock()
 	inst, ok := r.instances[id]
 	if !ok {
-		return Instance{}, fmt.Errorf("%w: %s", ErrNotFound, id)
+		return Instance{}, errdefs.Newf(errdefs.ErrNotFound, "unknown instance %s", id)
 	}
 	if len(from) > 0 {
 		okFrom := false
@@ -476,12 +497,12 @@ func (r *Registry) SetState(id string, to State, from ...State) (Instance, error
 			okFrom = okFrom || inst.State == f
 		}
 		if !okFrom {
-			return *inst, fmt.Errorf("%w: %s is %s", ErrConflict, id, inst.State)
+			return r.view(inst), errdefs.Newf(errdefs.ErrConflict, "instance %s is %s", id, inst.State)
 		}
 	}
 	inst.State = to
 	r.save(inst)
-	return *inst, nil
+	return r.view(inst), nil
 }
 
 // SetRole changes an instance's role and the state that mirrors it.
@@ -490,7 +511,7 @@ func (r *Registry) SetRole(id string, role Role) error {
 	defer r.mu.Unlock()
 	inst, ok := r.instances[id]
 	if !ok {
-		return fmt.Errorf("%w: %s", ErrNotFound, id)
+		return errdefs.Newf(errdefs.ErrNotFound, "unknown instance %s", id)
 	}
 	inst.Role = role
 	inst.State = State(role)
@@ -505,11 +526,11 @@ func (r *Registry) SetRetired(id string, retired bool) (Instance, error) {
 	defer r.mu.Unlock()
 	inst, ok := r.instances[id]
 	if !ok {
-		return Instance{}, fmt.Errorf("%w: %s", ErrNotFound, id)
+		return Instance{}, errdefs.Newf(errdefs.ErrNotFound, "unknown instance %s", id)
 	}
 	inst.Retired = retired
 	r.save(inst)
-	return *inst, nil
+	return r.view(inst), nil
 }
 
 // Woken records that an instance's engine has its KV back: no longer
@@ -519,11 +540,11 @@ func (r *Registry) Woken(id string) (Instance, error) {
 	defer r.mu.Unlock()
 	inst, ok := r.instances[id]
 	if !ok {
-		return Instance{}, fmt.Errorf("%w: %s", ErrNotFound, id)
+		return Instance{}, errdefs.Newf(errdefs.ErrNotFound, "unknown instance %s", id)
 	}
 	inst.Retired, inst.Stats.Sleeping = false, false
 	r.save(inst)
-	return *inst, nil
+	return r.view(inst), nil
 }
 
 // Route picks the instance that serves new requests for model: an active,
@@ -550,7 +571,7 @@ func (r *Registry) Route(model string) (inst Instance, known, ok bool) {
 	sort.Slice(cands, func(a, b int) bool { return cands[a].ID < cands[b].ID })
 	n := r.rr[model]
 	r.rr[model] = n + 1
-	return *cands[n%len(cands)], true, true
+	return r.view(cands[n%len(cands)]), true, true
 }
 
 // Models lists every served model name with one instance serving it (an
@@ -573,7 +594,7 @@ func (r *Registry) Models() []Instance {
 	sort.Strings(names)
 	out := make([]Instance, 0, len(names))
 	for _, m := range names {
-		inst := *best[m]
+		inst := r.view(best[m])
 		inst.Engine.ServedModels = []string{m}
 		out = append(out, inst)
 	}
@@ -586,7 +607,45 @@ func (r *Registry) CountByState() map[State]int {
 	defer r.mu.Unlock()
 	out := map[State]int{}
 	for _, i := range r.instances {
-		out[i.EffectiveState()]++
+		out[r.view(i).EffectiveState()]++
 	}
 	return out
+}
+
+// view is a copy of i as callers see it (with what holds it).
+func (r *Registry) view(i *Instance) Instance {
+	c := *i
+	c.Busy = r.busy[i.ID]
+	return c
+}
+
+// Claim marks every one of ids busy with op, or none: it refuses with a
+// conflict naming the operation that holds one already, and with not
+// found for an id it does not know.
+func (r *Registry) Claim(op Operation, ids ...string) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, id := range ids {
+		if _, ok := r.instances[id]; !ok {
+			return errdefs.Newf(errdefs.ErrNotFound, "unknown instance %s", id)
+		}
+		if held, ok := r.busy[id]; ok {
+			return errdefs.Newf(errdefs.ErrConflict, "instance %s is busy with %s", id, held)
+		}
+	}
+	for _, id := range ids {
+		r.busy[id] = op
+	}
+	return nil
+}
+
+// Release frees the instances op holds among ids.
+func (r *Registry) Release(op Operation, ids ...string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, id := range ids {
+		if r.busy[id] == op {
+			delete(r.busy, id)
+		}
+	}
 }

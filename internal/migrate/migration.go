@@ -1,0 +1,93 @@
+package migrate
+
+import (
+	"context"
+	"sort"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/api/hooks"
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
+	"github.com/vllm-hi/vllm-hi/internal/agentclient"
+	"github.com/vllm-hi/vllm-hi/internal/registry"
+)
+
+// migration is one migration's live state.
+type migration struct {
+	o        *Orchestrator
+	op       registry.Operation // what holds both instances in the registry
+	req      hostapi.MigrateRequest
+	filter   Filter
+	src, dst registry.Instance
+	srcA     agentclient.Agent
+	dstA     agentclient.Agent
+	log      *zap.Logger
+
+	// secret authenticates the migration's data-plane connections; only
+	// the two agents get it.
+	secret []byte
+	// deadline: the commit must happen before it (the target's block
+	// reservation ends a margin later).
+	deadline  time.Time
+	srcLayout hooks.Layout
+	dstLayout []byte
+	dataAddr  string
+	moving    map[string]*v1.RequestBlocks // by request id
+	reserved  map[string]bool              // request ids holding a reservation on the target
+	// stableTokens: per request, the tokens before this index were
+	// checked (or sampled) before the pause; the pause checks the rest.
+	stableTokens map[string]int
+	dstOpaque    bool // the target's blocks are opaque (see hooks.Layout)
+	pausedSrc    bool
+
+	mu sync.Mutex
+	st hostapi.MigrationStatus
+}
+
+func (m *migration) status() hostapi.MigrationStatus {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	s := m.st
+	s.StepHistory = append([]hostapi.Step(nil), s.StepHistory...)
+	s.Rounds = append([]hostapi.Round(nil), s.Rounds...)
+	s.Dropped = append([]string(nil), s.Dropped...)
+	if s.Verification != nil {
+		v := *s.Verification
+		s.Verification = &v
+	}
+	return s
+}
+
+// drop takes requests out of the migration (they finished, their client
+// left, or the engine preempted them): they stay where they are.
+func (m *migration) drop(ids ...string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, id := range ids {
+		if _, ok := m.moving[id]; ok {
+			delete(m.moving, id)
+			m.st.Dropped = append(m.st.Dropped, id)
+		}
+	}
+}
+
+// ids are the requests still moving, sorted.
+func (m *migration) ids() []string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := make([]string, 0, len(m.moving))
+	for id := range m.moving {
+		out = append(out, id)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// call bounds one control call to an agent by the RPC timeout (and the
+// caller's context).
+func (m *migration) call(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, m.o.cfg.RPCTimeout)
+}

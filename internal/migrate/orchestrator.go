@@ -1,0 +1,188 @@
+package migrate
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/internal/agentclient"
+	"github.com/vllm-hi/vllm-hi/internal/errdefs"
+	"github.com/vllm-hi/vllm-hi/internal/proxy"
+	"github.com/vllm-hi/vllm-hi/internal/registry"
+)
+
+// Orchestrator runs migrations.
+type Orchestrator struct {
+	cfg     Config
+	reg     *registry.Registry
+	proxy   *proxy.Proxy
+	streams *proxy.Streams
+	agents  *agentclient.Pool
+	met     *Metrics
+	log     *zap.Logger
+	rec     *recorder
+
+	// ctx ends at Close: background work (a source's retirement) stops.
+	ctx    context.Context
+	cancel context.CancelFunc
+
+	mu    sync.Mutex
+	all   map[string]*migration
+	order []string // migration ids, oldest first
+	wg    sync.WaitGroup
+}
+
+// New returns an orchestrator; met and records may be nil (nothing is
+// then counted, or kept across restarts).
+func New(cfg Config, reg *registry.Registry, px *proxy.Proxy, met *Metrics, records RecordStore, log *zap.Logger) (*Orchestrator, error) {
+	if err := cfg.check(); err != nil {
+		return nil, err
+	}
+	o := &Orchestrator{cfg: cfg, reg: reg, proxy: px, streams: px.Streams(), met: met, log: log,
+		agents: agentclient.NewPool(cfg.AgentToken, cfg.AgentTLS, cfg.AgentDialOptions...), all: map[string]*migration{}}
+	o.ctx, o.cancel = context.WithCancel(context.Background())
+	o.rec = newRecorder(records, o, log)
+	if err := o.restore(); err != nil {
+		return nil, err
+	}
+	return o, nil
+}
+
+// Close stops background work, waits for running migrations, writes the
+// last records and closes agent connections.
+func (o *Orchestrator) Close() {
+	o.cancel()
+	o.wg.Wait()
+	o.rec.close()
+	o.agents.Close()
+}
+
+// Start validates a migrate request, reserves both instances, selects the
+// requests and reserves their blocks on the target — all before answering,
+// so that a bad request or a target that cannot hold the KV is refused
+// with nothing started — and then runs the rest in the background.
+func (o *Orchestrator) Start(req hostapi.MigrateRequest) (string, error) {
+	id, err := o.start(req)
+	if err != nil {
+		o.met.Refused()
+	}
+	return id, err
+}
+
+func (o *Orchestrator) start(req hostapi.MigrateRequest) (string, error) {
+	m, err := o.admit(req)
+	if err != nil {
+		return "", err
+	}
+	if err := m.prepare(); err != nil {
+		m.undo()
+		o.reg.Release(m.op, m.src.ID, m.dst.ID)
+		if errdefs.Kind(err) != errdefs.ErrConflict {
+			// Whatever failed while preparing (an agent, an engine), the
+			// instances cannot take this migration now.
+			err = errdefs.Newf(errdefs.ErrConflict, "%w", err)
+		}
+		return "", err
+	}
+	o.add(m)
+	o.rec.save(m.st.ID)
+	o.wg.Add(2)
+	go func() {
+		defer o.wg.Done()
+		m.run()
+	}()
+	go func() {
+		// Connections to the target for the streams that will move, opened
+		// while the copy rounds run.
+		defer o.wg.Done()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		o.proxy.Warm(ctx, m.dst.Engine.URL, len(m.moving))
+	}()
+	return m.st.ID, nil
+}
+
+// run is the migration after prepare, phase by phase. Everything up to
+// the commit runs under the migration's deadline: a stalled agent or
+// engine aborts it rather than holding both instances (and, later, the
+// source's pause).
+func (m *migration) run() {
+	ctx, cancel := context.WithDeadline(m.o.ctx, m.deadline)
+	defer cancel()
+	since, err := m.copyRounds(ctx)
+	if err == nil {
+		// The check of what is on the target already, while the source
+		// decodes.
+		err = m.checkCopied(ctx, since)
+	}
+	var c committed
+	if err == nil {
+		c, err = m.final(ctx, since)
+	}
+	if err != nil {
+		m.abort(err)
+		return
+	}
+	m.switchOver(c)
+}
+
+// Get returns a migration's status.
+func (o *Orchestrator) Get(id string) (hostapi.MigrationStatus, bool) {
+	o.mu.Lock()
+	m, ok := o.all[id]
+	o.mu.Unlock()
+	if !ok {
+		return hostapi.MigrationStatus{}, false
+	}
+	return m.status(), true
+}
+
+// List returns every migration, newest first.
+func (o *Orchestrator) List() []hostapi.MigrationStatus {
+	o.mu.Lock()
+	ids := append([]string(nil), o.order...)
+	o.mu.Unlock()
+	out := make([]hostapi.MigrationStatus, 0, len(ids))
+	for i := len(ids) - 1; i >= 0; i-- {
+		if s, ok := o.Get(ids[i]); ok {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+// add records a new migration, dropping the oldest finished ones beyond
+// the history bound.
+func (o *Orchestrator) add(m *migration) {
+	o.mu.Lock()
+	o.all[m.st.ID] = m
+	o.order = append(o.order, m.st.ID)
+	var dropped []string
+	for i := 0; len(o.order)-len(dropped) > o.cfg.MaxHistory && i < len(o.order); i++ {
+		id := o.order[i]
+		if o.all[id].status().State != hostapi.StateRunning {
+			dropped = append(dropped, id)
+		}
+	}
+	if len(dropped) > 0 {
+		gone := map[string]bool{}
+		for _, id := range dropped {
+			gone[id] = true
+			delete(o.all, id)
+		}
+		kept := o.order[:0]
+		for _, id := range o.order {
+			if !gone[id] {
+				kept = append(kept, id)
+			}
+		}
+		o.order = kept
+	}
+	o.mu.Unlock()
+	for _, id := range dropped {
+		o.rec.forget(id)
+	}
+}

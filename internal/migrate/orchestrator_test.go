@@ -1,0 +1,357 @@
+package migrate_test
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/vllm-hi/vllm-hi/api/hooks"
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
+	"github.com/vllm-hi/vllm-hi/internal/host"
+	"github.com/vllm-hi/vllm-hi/internal/loadgen"
+	"github.com/vllm-hi/vllm-hi/internal/sim"
+	"github.com/vllm-hi/vllm-hi/internal/stack"
+)
+
+// The orchestrator's tests run the real pieces in one process — the Host,
+// two sims (whose next tokens come from the KV they read back: the
+// oracle) and their agents — and inject faults into the Host's calls to
+// the agents. Every migration either succeeds with every stream equal to
+// its unmigrated run, or rolls back with every stream still exact: the
+// source resumed, the target holds nothing, the roles unchanged.
+
+// fault is one injected failure of the Host's calls to an agent.
+type fault struct {
+	side   string // "src" or "dst"
+	method string // the Agent RPC's name (Hook, CopyRound, PrepareTarget, HashBlocks)
+	hook   string // for Hook: the hook's name; for CopyRound: the round's kind
+	code   codes.Code
+	delay  time.Duration // stall this long first (bounded by the call's deadline)
+	// after: make the call, then lose its answer (the agent did it).
+	after bool
+	times int // how many calls it hits (0: every one)
+}
+
+// faults intercepts the Host's agent calls.
+type faults struct {
+	mu    sync.Mutex
+	addrs map[string]string // agent address → side
+	list  []*fault
+	hits  int
+}
+
+func (f *faults) interceptor() grpc.UnaryClientInterceptor {
+	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoke grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		if ft := f.match(cc.Target(), method, req); ft != nil {
+			if ft.delay > 0 {
+				select {
+				case <-ctx.Done():
+					return status.FromContextError(ctx.Err()).Err()
+				case <-time.After(ft.delay):
+				}
+			}
+			if ft.after {
+				if err := invoke(ctx, method, req, reply, cc, opts...); err != nil {
+					return err
+				}
+			}
+			if ft.code != codes.OK {
+				return status.Errorf(ft.code, "injected: %s %s fails", method, ft.hook)
+			}
+		}
+		return invoke(ctx, method, req, reply, cc, opts...)
+	}
+}
+
+func (f *faults) match(target, method string, req any) *fault {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	name := method[strings.LastIndex(method, "/")+1:]
+	sub := ""
+	switch r := req.(type) {
+	case *v1.HookRequest:
+		sub = r.GetName()
+	case *v1.CopyRoundRequest:
+		sub = r.GetKind()
+	}
+	for _, ft := range f.list {
+		if ft.side == f.addrs[target] && ft.method == name && (ft.hook == "" || ft.hook == sub) && ft.times >= 0 {
+			if ft.times > 0 {
+				if ft.times--; ft.times == 0 {
+					ft.times = -1 // spent
+				}
+			}
+			f.hits++
+			return ft
+		}
+	}
+	return nil
+}
+
+type rig struct {
+	t      *testing.T
+	st     *stack.Stack
+	faults *faults
+	reqs   []loadgen.Request
+	want   []loadgen.Stream
+}
+
+type rigOptions struct {
+	bBlocks int
+	tune    func(*host.Config)
+	wrapB   func(http.Handler) http.Handler
+	streams int
+	tokens  int
+}
+
+func newRig(t *testing.T, o rigOptions) *rig {
+	t.Helper()
+	c := sim.DefaultConfig()
+	c.Profile, c.KVScale, c.NumBlocks, c.MaxModelLen = "tiny", 1, 2048, 512
+	c.Step = sim.StepModel{Fixed: 3 * time.Millisecond}
+	c.ShmDir = t.TempDir()
+	b := c
+	if o.bBlocks > 0 {
+		b.NumBlocks = o.bBlocks
+	}
+	f := &faults{addrs: map[string]string{}}
+	st, err := stack.Start(stack.Options{Model: "m", SimA: c, SimB: b, WrapB: o.wrapB, TuneHost: func(hc *host.Config) {
+		hc.Migration.AgentDialOptions = []grpc.DialOption{grpc.WithChainUnaryInterceptor(f.interceptor())}
+		hc.Migration.AllowFaultInjection = true
+		hc.Migration.PauseLease = 2 * time.Second
+		hc.Migration.RPCTimeout = 2 * time.Second
+		if o.tune != nil {
+			o.tune(hc)
+		}
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(st.Stop)
+	for side, id := range map[string]string{"src": st.AID, "dst": st.BID} {
+		in, err := st.Client().Instance(context.Background(), id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.addrs[in.AgentAddress] = side
+	}
+	if o.streams == 0 {
+		o.streams, o.tokens = 12, 160
+	}
+	r := &rig{t: t, st: st, faults: f}
+	for i := 0; i < o.streams; i++ {
+		seed := int64(i)
+		r.reqs = append(r.reqs, loadgen.Request{Prompt: fmt.Sprintf("orchestrate %d %s", i, strings.Repeat(" word", i%9)),
+			MaxTokens: o.tokens + i%5, Seed: &seed, Temperature: float64(i%3) * 0.4, IgnoreEOS: true})
+	}
+	// The unmigrated truth, from A alone before anything moves.
+	r.want = loadgen.Run(context.Background(), loadgen.Config{BaseURL: st.AURL, Model: "m"}, r.reqs)
+	return r
+}
+
+// migrate streams the load through the Host, migrates mid-stream with the
+// faults set, and checks every stream against its unmigrated run.
+func (r *rig) migrate(req hostapi.MigrateRequest, fs ...*fault) (hostapi.MigrationStatus, error) {
+	r.t.Helper()
+	done := make(chan []loadgen.Stream, 1)
+	go func() {
+		done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: r.st.HostURL, Model: "m"}, r.reqs)
+	}()
+	time.Sleep(150 * time.Millisecond)
+	r.faults.mu.Lock()
+	r.faults.list = fs
+	r.faults.mu.Unlock()
+	if req.Src == "" {
+		req.Src, req.Dst = r.st.AID, r.st.BID
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	st, err := r.st.Client().MigrateAndWait(ctx, req, 10*time.Millisecond)
+	got := <-done
+	for i := range r.reqs {
+		if got[i].Err != nil || got[i].Text != r.want[i].Text || got[i].Done != 1 {
+			r.t.Fatalf("stream %d: %v, equal to its unmigrated run: %v", i, got[i].Err, got[i].Text == r.want[i].Text)
+		}
+	}
+	return st, err
+}
+
+// rolledBack checks a migration that must have rolled back: aborted,
+// saying why, nothing committed, A still active and not paused, B holding
+// nothing, both free for the next migration.
+func (r *rig) rolledBack(st hostapi.MigrationStatus, why string) {
+	r.t.Helper()
+	if st.State != hostapi.StateAborted || st.Committed || st.Migrated != 0 || !strings.Contains(st.Error, why) {
+		r.t.Fatalf("want aborted (%q): %s committed=%v migrated=%d: %s", why, st.State, st.Committed, st.Migrated, st.Error)
+	}
+	r.unchanged()
+}
+
+func (r *rig) unchanged() {
+	r.t.Helper()
+	ctx := context.Background()
+	for id, role := range map[string]string{r.st.AID: "active", r.st.BID: "standby"} {
+		in, err := r.st.Client().Instance(ctx, id)
+		if err != nil || in.Role != role || in.State != role {
+			r.t.Fatalf("%s: role %s state %s, want %s (%v)", id, in.Role, in.State, role, err)
+		}
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		a, _ := r.st.A.Stats(ctx)
+		b, _ := r.st.B.Stats(ctx)
+		if a.NumPaused == 0 && b.FreeBlocks == b.TotalBlocks && b.ReservedBlocks == 0 && b.NumRunning == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			r.t.Fatalf("left behind: A %+v, B %+v", a, b)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func TestMigrationSucceeds(t *testing.T) {
+	for _, typ := range []string{hostapi.DestroySource, hostapi.PreserveSource, hostapi.KeepSourceActive} {
+		t.Run(typ, func(t *testing.T) {
+			r := newRig(t, rigOptions{})
+			st, err := r.migrate(hostapi.MigrateRequest{Type: typ})
+			if err != nil || st.State != hostapi.StateSucceeded || st.Migrated == 0 || !st.Committed {
+				t.Fatalf("%+v %v", st, err)
+			}
+			if st.Verification == nil || st.Verification.Blocks == 0 {
+				t.Fatalf("nothing was checked before the commit: %+v", st.Verification)
+			}
+			var steps []string
+			for _, s := range st.StepHistory {
+				steps = append(steps, s.Step)
+			}
+			want := "reserve prepare_target round_0 incremental_rounds verify_copied pause_source final_round verify install_target switch apply_type"
+			if strings.Join(steps, " ") != want {
+				t.Fatalf("steps %v", steps)
+			}
+			active := map[string]string{hostapi.DestroySource: r.st.BID, hostapi.PreserveSource: r.st.BID, hostapi.KeepSourceActive: r.st.AID}[typ]
+			if st.NewActiveInstance != active {
+				t.Fatalf("new active %s, want %s", st.NewActiveInstance, active)
+			}
+		})
+	}
+}
+
+// Calls that fail once and are retried, as when a request finishes just
+// as the pause or the export names it, do not fail the migration.
+func TestMigrationRetriesVanishedRequests(t *testing.T) {
+	r := newRig(t, rigOptions{})
+	st, err := r.migrate(hostapi.MigrateRequest{Type: hostapi.PreserveSource},
+		&fault{side: "src", method: "Hook", hook: hooks.HookPause, code: codes.NotFound, times: 1},
+		&fault{side: "src", method: "Hook", hook: hooks.HookExport, code: codes.NotFound, times: 1})
+	if err != nil || st.State != hostapi.StateSucceeded || st.Migrated == 0 {
+		t.Fatalf("%+v %v", st, err)
+	}
+	if r.faults.hits != 2 {
+		t.Fatalf("%d faults hit, want 2", r.faults.hits)
+	}
+}
+
+// Each failure before the commit rolls back.
+func TestMigrationRollsBack(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		fault *fault
+		req   hostapi.MigrateRequest
+		why   string
+	}{
+		{"round 0 fails", &fault{side: "src", method: "CopyRound", hook: "full", code: codes.Aborted}, hostapi.MigrateRequest{}, "full copy round"},
+		{"an incremental round fails", &fault{side: "src", method: "CopyRound", hook: "incremental", code: codes.Unavailable}, hostapi.MigrateRequest{}, "incremental copy round"},
+		{"the check before the pause cannot hash", &fault{side: "dst", method: "HashBlocks", code: codes.Internal}, hostapi.MigrateRequest{}, "integrity check"},
+		{"the pause fails", &fault{side: "src", method: "Hook", hook: hooks.HookPause, code: codes.Unavailable}, hostapi.MigrateRequest{}, "pause the source"},
+		{"the pause lands but its answer is lost", &fault{side: "src", method: "Hook", hook: hooks.HookPause, code: codes.Unavailable, after: true}, hostapi.MigrateRequest{}, "pause the source"},
+		{"the export fails", &fault{side: "src", method: "Hook", hook: hooks.HookExport, code: codes.Internal}, hostapi.MigrateRequest{}, "export the source's state"},
+		{"the install fails", &fault{side: "dst", method: "Hook", hook: hooks.HookInstall, code: codes.Internal}, hostapi.MigrateRequest{}, "install on the target"},
+		{"the final round is cut", nil, hostapi.MigrateRequest{InjectFault: "cut"}, "final copy round"},
+		{"the final round arrives corrupt", nil, hostapi.MigrateRequest{InjectFault: "corrupt"}, "final copy round"},
+		{"the target holds other bytes than the source", nil, hostapi.MigrateRequest{InjectFault: "silent_corrupt"}, "integrity check failed"},
+		{"the commit fails", &fault{side: "dst", method: "Hook", hook: hooks.HookResume, code: codes.Unavailable}, hostapi.MigrateRequest{}, "commit on the target"},
+		// The worst case: the target resumed the requests, but the Host
+		// never heard. No client saw a token from it; its copies go.
+		{"the commit lands but its answer is lost", &fault{side: "dst", method: "Hook", hook: hooks.HookResume, code: codes.Unavailable, after: true}, hostapi.MigrateRequest{}, "commit on the target"},
+		{"the pause stalls past its fence", &fault{side: "src", method: "Hook", hook: hooks.HookExport, delay: 3 * time.Second}, hostapi.MigrateRequest{}, "pause lease"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			r := newRig(t, rigOptions{})
+			var fs []*fault
+			if c.fault != nil {
+				fs = append(fs, c.fault)
+			}
+			st, err := r.migrate(c.req, fs...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if c.fault != nil && r.faults.hits == 0 {
+				t.Fatal("the fault was never hit")
+			}
+			r.rolledBack(st, c.why)
+			// The instances are free and whole: the next migration works.
+			r.faults.mu.Lock()
+			r.faults.list = nil
+			r.faults.mu.Unlock()
+			if st, err := r.migrate(hostapi.MigrateRequest{Type: hostapi.PreserveSource}); err != nil || st.State != hostapi.StateSucceeded {
+				t.Fatalf("the migration after the rollback: %+v %v", st, err)
+			}
+		})
+	}
+}
+
+// A target that stops answering holds the migration only until its
+// deadline (the reservation lease less a margin).
+func TestMigrationAbortsAtItsDeadline(t *testing.T) {
+	r := newRig(t, rigOptions{streams: 8, tokens: 400, tune: func(c *host.Config) {
+		c.Migration.ReservationLease = 2 * time.Second
+		c.Migration.RPCTimeout = 5 * time.Second
+	}})
+	started := time.Now()
+	st, err := r.migrate(hostapi.MigrateRequest{}, &fault{side: "src", method: "CopyRound", hook: "full", delay: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if took := time.Since(started); took > 10*time.Second {
+		t.Fatalf("the migration took %v", took)
+	}
+	r.rolledBack(st, "deadline passed")
+}
+
+// Refusals answer before anything starts and change nothing.
+func TestMigrationRefusals(t *testing.T) {
+	r := newRig(t, rigOptions{bBlocks: 40})
+	done := make(chan []loadgen.Stream, 1)
+	go func() { done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: r.st.HostURL, Model: "m"}, r.reqs) }()
+	time.Sleep(150 * time.Millisecond)
+	_, err := r.st.Client().Migrate(context.Background(), hostapi.MigrateRequest{Src: r.st.AID, Dst: r.st.BID})
+	if !hostapi.IsStatus(err, 409) || !strings.Contains(err.Error(), "cannot hold") {
+		t.Fatalf("a target too small: %v", err)
+	}
+	r.faults.mu.Lock()
+	r.faults.list = []*fault{{side: "dst", method: "PrepareTarget", code: codes.Internal}}
+	r.faults.mu.Unlock()
+	_, err = r.st.Client().Migrate(context.Background(), hostapi.MigrateRequest{Src: r.st.AID, Dst: r.st.BID, RequestFilter: "longest:1"})
+	if !hostapi.IsStatus(err, 409) || !strings.Contains(err.Error(), "prepare the target") {
+		t.Fatalf("a target that cannot prepare: %v", err)
+	}
+	for i, s := range <-done {
+		if s.Err != nil || s.Text != r.want[i].Text {
+			t.Fatalf("stream %d: %v", i, s.Err)
+		}
+	}
+	if list, _ := r.st.Client().Migrations(context.Background()); len(list) != 0 {
+		t.Fatalf("refusals were recorded as migrations: %d", len(list))
+	}
+	r.unchanged()
+}

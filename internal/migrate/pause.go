@@ -1,0 +1,112 @@
+package migrate
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/api/hooks"
+	"github.com/vllm-hi/vllm-hi/internal/errdefs"
+)
+
+// pauseSource pauses the moving requests on the source at a step
+// boundary (dropping any that finished meanwhile) and returns how long the
+// engine waited for the step in flight.
+func (m *migration) pauseSource(ctx context.Context) (wait time.Duration, err error) {
+	ids := m.ids()
+	for attempt := 0; len(ids) > 0; attempt++ {
+		cctx, cancel := m.call(ctx)
+		p, err := m.srcA.Engine.Pause(cctx, hooks.PauseRequest{RequestIDs: ids, LeaseMS: int(m.o.cfg.PauseLease / time.Millisecond)})
+		cancel()
+		if err == nil {
+			m.pausedSrc = true
+			return time.Duration(p.StepWaitS * float64(time.Second)), nil
+		}
+		if !errdefs.IsNotFound(err) || attempt > 3 {
+			// A pause that timed out may have landed: rolling back resumes
+			// whatever is paused.
+			m.pausedSrc = true
+			return 0, fmt.Errorf("pause the source: %w", err)
+		}
+		// Some request finished just now: drop it and pause the rest.
+		if ids, err = m.liveOnSource(ctx, ids); err != nil {
+			return 0, fmt.Errorf("pause the source: %w", err)
+		}
+	}
+	return 0, nil
+}
+
+// liveOnSource drops from the migration the ids no longer running on the
+// source and returns the rest.
+func (m *migration) liveOnSource(ctx context.Context, ids []string) ([]string, error) {
+	keep, gone, err := m.splitOnSource(ctx, ids, func(r hooks.RequestInfo) bool { return r.Status == hooks.StatusRunning })
+	if err != nil {
+		return nil, err
+	}
+	m.drop(gone...)
+	return keep, nil
+}
+
+// splitOnSource lists the source's requests and splits ids into those
+// there for which ok holds and the rest.
+func (m *migration) splitOnSource(ctx context.Context, ids []string, ok func(hooks.RequestInfo) bool) (yes, no []string, err error) {
+	cctx, cancel := m.call(ctx)
+	defer cancel()
+	list, err := m.srcA.Engine.Requests(cctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	there := map[string]bool{}
+	for _, r := range list.Requests {
+		there[r.RequestID] = ok(r)
+	}
+	for _, id := range ids {
+		if there[id] {
+			yes = append(yes, id)
+		} else {
+			no = append(no, id)
+		}
+	}
+	return yes, no, nil
+}
+
+// resumeLeftBehind resumes on the source the requests it paused that did
+// not move and still run there (a copy round dropped them), so they do
+// not wait out the pause lease.
+func (m *migration) resumeLeftBehind(ctx context.Context, paused, moved []string) {
+	done := map[string]bool{}
+	for _, id := range moved {
+		done[id] = true
+	}
+	var rest []string
+	for _, id := range paused {
+		if !done[id] {
+			rest = append(rest, id)
+		}
+	}
+	m.resumeOnSource(ctx, rest)
+}
+
+// resumeOnSource resumes those of ids still paused on the source (a client
+// may have left meanwhile, and resume refuses unknown ids). What it cannot
+// resume, the pause lease will.
+func (m *migration) resumeOnSource(ctx context.Context, ids []string) {
+	if len(ids) == 0 {
+		return
+	}
+	resume, _, err := m.splitOnSource(ctx, ids, func(r hooks.RequestInfo) bool { return r.Paused })
+	if err != nil {
+		m.log.Error("resuming the source failed (its pause lease will resume the requests)", zap.Strings("request_ids", ids), zap.Error(err))
+		return
+	}
+	if len(resume) == 0 {
+		return
+	}
+	cctx, cancel := m.call(ctx)
+	defer cancel()
+	if _, err := m.srcA.Engine.Resume(cctx, hooks.ResumeRequest{RequestIDs: resume}); err != nil {
+		m.log.Error("resuming the source failed (its pause lease will resume the requests)", zap.Strings("request_ids", resume), zap.Error(err))
+	}
+}
