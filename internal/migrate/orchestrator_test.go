@@ -332,7 +332,9 @@ func TestMigrationAbortsAtItsDeadline(t *testing.T) {
 func TestMigrationRefusals(t *testing.T) {
 	r := newRig(t, rigOptions{bBlocks: 40})
 	done := make(chan []loadgen.Stream, 1)
-	go func() { done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: r.st.HostURL, Model: "m"}, r.reqs) }()
+	go func() {
+		done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: r.st.HostURL, Model: "m"}, r.reqs)
+	}()
 	time.Sleep(150 * time.Millisecond)
 	_, err := r.st.Client().Migrate(context.Background(), hostapi.MigrateRequest{Src: r.st.AID, Dst: r.st.BID})
 	if !hostapi.IsStatus(err, 409) || !strings.Contains(err.Error(), "cannot hold") {
