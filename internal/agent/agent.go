@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -28,6 +29,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/engine"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/grpcauth"
+	"github.com/vllm-hi/vllm-hi/internal/transfer"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/tcpshm"
 )
 
@@ -70,10 +72,8 @@ func (c *Config) Validate() error {
 	if c.DataPort < 0 || c.DataPort > 65535 {
 		return fmt.Errorf("--data-port %d out of range", c.DataPort)
 	}
-	switch c.TransferBackend {
-	case "", "auto", "tcp_shm", "cuda_ipc", "rdma":
-	default:
-		return fmt.Errorf("transfer backend %q: want auto, tcp_shm, cuda_ipc or rdma", c.TransferBackend)
+	if c.TransferBackend != "" && !slices.Contains(transfer.Names(), c.TransferBackend) {
+		return fmt.Errorf("transfer backend %q: want one of %v", c.TransferBackend, transfer.Names())
 	}
 	if c.TP < 1 || c.PP < 1 {
 		return fmt.Errorf("tp and pp must be ≥ 1")
@@ -267,7 +267,7 @@ func (a *Agent) registerRequest(info engine.Info, agentAddr, dataAddr string) *v
 	}
 	backend := a.cfg.TransferBackend
 	if backend == "" {
-		backend = "auto"
+		backend = transfer.Auto
 	}
 	return &v1.RegisterRequest{VllmHiId: a.cfg.ID, Type: typ, Engine: e, AgentAddress: agentAddr, DataAddress: dataAddr,
 		Session: a.session, Hostname: hostname, TransferBackend: backend, Tls: a.serverTLS != nil}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"sort"
 	"time"
 
 	"go.uber.org/zap"
@@ -13,9 +12,7 @@ import (
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
-	"github.com/vllm-hi/vllm-hi/internal/transfer/cudaipc"
-	"github.com/vllm-hi/vllm-hi/internal/transfer/shm"
-	"github.com/vllm-hi/vllm-hi/internal/transfer/tcpshm"
+	"github.com/vllm-hi/vllm-hi/internal/transfer"
 )
 
 func compatible(a, b kvlayout.Geometry) error {
@@ -26,8 +23,9 @@ func compatible(a, b kvlayout.Geometry) error {
 	return nil
 }
 
-// CopyRound implements the Agent service: decide what to send, plan it
-// against the target's layout and stream it.
+// CopyRound implements the Agent service: read what the engine holds and
+// wrote, plan the round (transfer.PlanRound), and move it through the
+// backend transfer.Pick chooses.
 func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) (*v1.CopyRoundResponse, error) {
 	a := s.a
 	start := time.Now()
@@ -40,20 +38,19 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 		return nil, err
 	}
 	geo := srcLayout.Geometry
-	// An engine whose blocks are opaque (vLLM's CPU kernels tile the
-	// slots inside a block) gets whole changed blocks instead of slots.
-	slotGranular := req.GetSlotGranular() && !srcLayout.OpaqueBlocks && !dstLayout.OpaqueBlocks
 	if err := compatible(geo, dstLayout.Geometry); err != nil {
 		return nil, errdefs.New(errdefs.ErrConflict, err.Error())
 	}
-	bs := geo.BlockSize
+	// An engine whose blocks are opaque (vLLM's CPU kernels tile the
+	// slots inside a block) gets whole changed blocks instead of slots.
+	slotGranular := req.GetSlotGranular() && !srcLayout.OpaqueBlocks && !dstLayout.OpaqueBlocks
 
 	var cursor uint64
 	var changes hooks.Changes
 	// The changes first: a block a step allocates and writes between the
 	// two reads is then in the request list, and copied next round if not
 	// now. The other order could miss it for good.
-	if req.GetKind() != "full" {
+	if req.GetKind() != transfer.KindFull {
 		if changes, err = a.eng.Changes(ctx, req.GetSinceCursor()); err != nil {
 			return nil, err
 		}
@@ -65,120 +62,37 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 		return nil, err
 	}
 	tRequests := time.Now()
-	if req.GetKind() == "full" {
+	if req.GetKind() == transfer.KindFull {
 		cursor = list.Cursor
 	}
-	live := map[string]hooks.RequestInfo{}
-	for _, r := range list.Requests {
-		live[r.RequestID] = r
+	plan := transfer.PlanRound(req.GetKind(), movingFromProto(req.GetRequests()), list.Requests, changes.Written, geo.BlockSize, slotGranular)
+	resp := &v1.CopyRoundResponse{Cursor: cursor, DroppedRequestIds: plan.Dropped, BlockCount: int32(len(plan.Copies)), TokenSlots: int32(plan.TokenSlots)}
+	for _, mv := range plan.Moving {
+		resp.Requests = append(resp.Requests, &v1.RequestBlocks{RequestId: mv.ID, SrcBlockIds: int32s(mv.Src), DstBlockIds: int32s(mv.Dst)})
 	}
-	resp := &v1.CopyRoundResponse{Cursor: cursor}
-	type target struct {
-		table []int
-		dst   []int32
-	}
-	moving := map[string]target{}
-	for _, rb := range req.GetRequests() {
-		info, ok := live[rb.GetRequestId()]
-		dropped := !ok || info.Status != hooks.StatusRunning || len(info.BlockIDs) > len(rb.GetDstBlockIds())
-		for i, b := range rb.GetSrcBlockIds() {
-			if dropped || i >= len(info.BlockIDs) || info.BlockIDs[i] != int(b) {
-				dropped = true // preempted: its blocks were freed and re-allocated
-				break
-			}
-		}
-		if dropped {
-			resp.DroppedRequestIds = append(resp.DroppedRequestIds, rb.GetRequestId())
-			continue
-		}
-		moving[info.RequestID] = target{table: info.BlockIDs, dst: rb.GetDstBlockIds()}
-		cur := &v1.RequestBlocks{RequestId: info.RequestID, DstBlockIds: rb.GetDstBlockIds()}
-		for _, b := range info.BlockIDs {
-			cur.SrcBlockIds = append(cur.SrcBlockIds, int32(b))
-		}
-		resp.Requests = append(resp.Requests, cur)
-	}
-	var copies []kvlayout.BlockCopy
-	if req.GetKind() == "full" {
-		for id, t := range moving {
-			used := (live[id].NumComputedTokens + bs - 1) / bs
-			for i := 0; i < used && i < len(t.table); i++ {
-				copies = append(copies, kvlayout.BlockCopy{Src: t.table[i], Dst: int(t.dst[i]), NumSlots: bs})
-				resp.TokenSlots += int32(bs)
-			}
-		}
-	} else {
-		index := map[int]struct {
-			id string
-			i  int
-		}{}
-		for id, t := range moving {
-			for i, b := range t.table {
-				index[b] = struct {
-					id string
-					i  int
-				}{id, i}
-			}
-		}
-		for _, w := range changes.Written {
-			at, ok := index[w.Block]
-			if !ok || at.id != w.RequestID {
-				continue
-			}
-			c := kvlayout.BlockCopy{Src: w.Block, Dst: int(moving[at.id].dst[at.i]), NumSlots: bs}
-			if slotGranular {
-				c.FirstSlot, c.NumSlots = w.FirstSlot, w.NumSlots
-			}
-			copies = append(copies, c)
-			resp.TokenSlots += int32(c.NumSlots)
-		}
-	}
-	// Copy in block order: consecutive blocks merge into longer runs.
-	sortCopies(copies)
-	resp.BlockCount = int32(len(copies))
 	tSelect := time.Now()
-	fault := tcpshm.NoFault
-	switch req.GetInjectFault() {
-	case "corrupt":
-		fault = tcpshm.CorruptFrame
-	case "cut":
-		fault = tcpshm.CutConn
-	case "silent_corrupt":
-		fault = tcpshm.CorruptSilently
+	name, err := transfer.Pick(a.cfg.TransferBackend, srcLayout, dstLayout)
+	if err != nil {
+		return nil, errdefs.New(errdefs.ErrConflict, err.Error())
 	}
-	dest := tcpshm.Dest{Addr: req.GetTargetDataAddress(), Session: req.GetMigrationId(), Secret: req.GetSecret()}
-	if req.GetTargetTls() {
-		if a.clientTLS == nil {
-			return nil, errdefs.New(errdefs.ErrConflict, "the target's data plane speaks TLS and this agent has no TLS configuration (--tls-ca-file)")
-		}
-		dest.TLS = a.clientTLS
+	backend, err := a.backend(name)
+	if err != nil {
+		return nil, errdefs.New(errdefs.ErrConflict, err.Error())
 	}
 	tn := int(req.GetTn())
 	if tn < 1 {
 		tn = a.cfg.DefaultTN
 	}
-	var st tcpshm.Stats
-	backend, err := a.pickBackend(srcLayout, dstLayout)
-	if err != nil {
-		return nil, errdefs.New(errdefs.ErrConflict, err.Error())
+	round := transfer.Round{
+		Target: transfer.Target{Addr: req.GetTargetDataAddress(), Session: req.GetMigrationId(), Secret: req.GetSecret(), TLS: req.GetTargetTls()},
+		Src:    srcLayout, Dst: dstLayout, Copies: plan.Copies, SlotGranular: slotGranular, TN: tn,
+		Fault: transfer.ParseFault(req.GetInjectFault()),
 	}
-	staged := onGPU(srcLayout) || onGPU(dstLayout) // tcp_shm with GPU KV on a side: runs, through pinned memory
-	if backend == cudaipc.Type {
-		st, err = a.cudaCopy(req.GetMigrationId(), srcLayout, dstLayout, copies, fault)
-	} else if staged {
-		st, err = a.sendStaged(ctx, dest, srcLayout, dstLayout, src, copies, tn, fault)
-	} else if slotGranular {
-		// Token slots: many tiny runs; send them as slot jobs the target
-		// expands with its own layout.
-		st, err = tcpshm.SendSlots(ctx, dest, tn, memory(src, srcLayout), copies, fault)
-	} else {
-		var runs []kvlayout.CopyRun
-		if runs, err = kvlayout.Plan(geo.Layers, geo.KVHeads, int64(geo.HeadSlotBytes()), specs(srcLayout), specs(dstLayout), copies); err != nil {
-			return nil, errdefs.New(errdefs.ErrConflict, err.Error())
-		}
-		st, err = tcpshm.Send(ctx, dest, tn, src.Data, runs, fault)
+	if src != nil {
+		round.SrcMemory = src.Data
 	}
-	a.log.Debug("copy round", zap.String("kind", req.GetKind()), zap.Int("blocks", len(copies)),
+	st, err := backend.Send(ctx, round)
+	a.log.Debug("copy round", zap.String("kind", req.GetKind()), zap.String("backend", name), zap.Int("blocks", len(plan.Copies)),
 		zap.Duration("changes", tChanges.Sub(start)), zap.Duration("requests", tRequests.Sub(tChanges)),
 		zap.Duration("select", tSelect.Sub(tRequests)), zap.Duration("send", time.Since(tSelect)))
 	if err != nil {
@@ -190,30 +104,26 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 	return resp, nil
 }
 
-func sortCopies(c []kvlayout.BlockCopy) {
-	sort.Slice(c, func(i, j int) bool { return c[i].Src < c[j].Src })
+func movingFromProto(rbs []*v1.RequestBlocks) []transfer.Moving {
+	out := make([]transfer.Moving, len(rbs))
+	for i, rb := range rbs {
+		out[i] = transfer.Moving{ID: rb.GetRequestId(), Src: ints(rb.GetSrcBlockIds()), Dst: ints(rb.GetDstBlockIds())}
+	}
+	return out
 }
 
-// sendStaged sends a round over tcp_shm when a side's KV is in GPU
-// memory: always as runs (a GPU target scatters runs, not slot jobs), the
-// source's bytes gathered into pinned host memory first when it is the
-// GPU side.
-func (a *Agent) sendStaged(ctx context.Context, dest tcpshm.Dest, src, dst hooks.Layout, srcMem *shm.Regions, copies []kvlayout.BlockCopy, tn int, fault tcpshm.Fault) (tcpshm.Stats, error) {
-	geo := src.Geometry
-	runs, err := kvlayout.Plan(geo.Layers, geo.KVHeads, int64(geo.HeadSlotBytes()), specs(src), specs(dst), copies)
-	if err != nil {
-		return tcpshm.Stats{}, err
+func ints(v []int32) []int {
+	out := make([]int, len(v))
+	for i, x := range v {
+		out[i] = int(x)
 	}
-	data := [][]byte(nil)
-	if onGPU(src) {
-		host, out, release, err := a.gatherGPU(src, runs)
-		if err != nil {
-			return tcpshm.Stats{}, err
-		}
-		defer release()
-		data, runs = [][]byte{host}, out
-	} else {
-		data = srcMem.Data
+	return out
+}
+
+func int32s(v []int) []int32 {
+	out := make([]int32, len(v))
+	for i, x := range v {
+		out[i] = int32(x)
 	}
-	return tcpshm.Send(ctx, dest, tn, data, runs, fault)
+	return out
 }

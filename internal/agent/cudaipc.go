@@ -14,8 +14,8 @@ import (
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/internal/cuda"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
+	"github.com/vllm-hi/vllm-hi/internal/transfer"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/cudaipc"
-	"github.com/vllm-hi/vllm-hi/internal/transfer/tcpshm"
 )
 
 // gpuPlane is the agent's CUDA state, made on first use: the driver and a
@@ -246,56 +246,6 @@ func (g *gpuPlane) close() {
 	g.drv, g.streams = nil, nil
 }
 
-// sameNode reports whether every GPU region of l was exported on this
-// machine (regions that do not say are taken as local).
-func sameNode(l hooks.Layout) bool {
-	here, _ := os.Hostname()
-	for _, r := range l.Regions {
-		if r.Memory.Kind == hooks.MemoryCUDAIPC && r.Memory.Node != "" && r.Memory.Node != here {
-			return false
-		}
-	}
-	return true
-}
-
-func onGPU(l hooks.Layout) bool {
-	for _, r := range l.Regions {
-		if r.Memory.Kind == hooks.MemoryCUDAIPC {
-			return true
-		}
-	}
-	return false
-}
-
-// pickBackend decides how a round moves bytes: cuda_ipc when both sides'
-// KV is in GPU memory on this node (IPC handles only open there), tcp_shm
-// otherwise (staged through pinned host memory on a GPU side).
-func (a *Agent) pickBackend(src, dst hooks.Layout) (string, error) {
-	want := a.cfg.TransferBackend
-	sg, dg := onGPU(src), onGPU(dst)
-	local := sameNode(src) && sameNode(dst)
-	switch {
-	case want == "rdma":
-		return "", errors.New("the rdma backend is not implemented (no RDMA NIC to build it against)")
-	case want == cudaipc.Type && !(sg && dg):
-		return "", errors.New("cuda_ipc needs both engines' KV in GPU memory")
-	case want == cudaipc.Type && !local:
-		return "", errors.New("cuda_ipc needs both engines on this node (CUDA IPC handles do not cross machines)")
-	case want == cudaipc.Type || (sg && dg && local && (want == "" || want == "auto")):
-		return cudaipc.Type, nil
-	default:
-		// tcp_shm, staged through pinned host memory on a GPU side.
-		return "tcp_shm", nil
-	}
-}
-
-func memKind(l hooks.Layout) string {
-	if onGPU(l) {
-		return "GPU"
-	}
-	return "host"
-}
-
 // openRegions maps a layout's regions into dev's context.
 func openRegions(drv cuda.Driver, dev int, l hooks.Layout) (cudaipc.Regions, func(), error) {
 	var opened []cuda.DevicePtr
@@ -356,32 +306,32 @@ func (a *Agent) withSource(src hooks.Layout, fn func(c *cudaipc.Copier, srcPtrs 
 // source engine's regions to the target's, issued from the source GPU
 // through the session's mappings (closed when a round fails or the Host
 // releases the migration).
-func (a *Agent) cudaCopy(session string, src, dst hooks.Layout, copies []kvlayout.BlockCopy, fault tcpshm.Fault) (tcpshm.Stats, error) {
+func (a *Agent) cudaCopy(session string, src, dst hooks.Layout, copies []kvlayout.BlockCopy, fault transfer.Fault) (transfer.Stats, error) {
 	start := time.Now()
 	geo := src.Geometry
 	runs, err := kvlayout.Plan(geo.Layers, geo.KVHeads, int64(geo.HeadSlotBytes()), specs(src), specs(dst), copies)
 	if err != nil {
-		return tcpshm.Stats{}, err
+		return transfer.Stats{}, err
 	}
 	// The kernel writes wherever a run says: every run must lie in the
 	// regions, and on the target inside the blocks this round copies to.
 	if err := checkRuns(src, dst, copies, runs); err != nil {
-		return tcpshm.Stats{}, err
+		return transfer.Stats{}, err
 	}
 	g := &a.gpu
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	c, err := g.copier(src.Regions[0].Memory.Device)
 	if err != nil {
-		return tcpshm.Stats{}, err
+		return transfer.Stats{}, err
 	}
 	planned := time.Now()
 	p, err := g.pair(session, c.Device, src, dst, planned)
 	if err != nil {
-		return tcpshm.Stats{}, err
+		return transfer.Stats{}, err
 	}
 	if _, err := g.hasher(c.Device); err != nil { // the check after the final round reads through it
-		return tcpshm.Stats{}, err
+		return transfer.Stats{}, err
 	}
 	mapped := time.Now()
 	defer func() {
@@ -389,9 +339,9 @@ func (a *Agent) cudaCopy(session string, src, dst hooks.Layout, copies []kvlayou
 			zap.Duration("map", mapped.Sub(planned)), zap.Duration("copy", time.Since(mapped)))
 	}()
 	switch fault {
-	case tcpshm.NoFault:
+	case transfer.NoFault:
 		err = c.Run(p.src, p.dst, runs)
-	case tcpshm.CorruptSilently:
+	case transfer.CorruptSilently:
 		// Tests of a copy that reports success with wrong bytes: the first
 		// run reads from 16 bytes beside where it should.
 		if len(runs) > 0 {
@@ -414,9 +364,9 @@ func (a *Agent) cudaCopy(session string, src, dst hooks.Layout, copies []kvlayou
 		g.dropPair(session)
 	}
 	if err != nil {
-		return tcpshm.Stats{}, err
+		return transfer.Stats{}, err
 	}
-	return tcpshm.Stats{Runs: len(runs), Bytes: kvlayout.Bytes(runs)}, nil
+	return transfer.Stats{Runs: len(runs), Bytes: kvlayout.Bytes(runs)}, nil
 }
 
 // gatherGPU stages a GPU source's runs in pinned host memory for tcp_shm:

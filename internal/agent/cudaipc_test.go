@@ -4,7 +4,6 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
-	"strings"
 	"testing"
 	"time"
 
@@ -13,38 +12,20 @@ import (
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/internal/cuda"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
-	"github.com/vllm-hi/vllm-hi/internal/transfer/tcpshm"
+	"github.com/vllm-hi/vllm-hi/internal/transfer"
 )
 
-func TestPickBackend(t *testing.T) {
-	host := hooks.Layout{Regions: []hooks.Region{{Memory: hooks.Memory{Kind: hooks.MemoryShm}}}}
-	gpu := hooks.Layout{Regions: []hooks.Region{{Memory: hooks.Memory{Kind: hooks.MemoryCUDAIPC, IPCHandle: "x"}}}}
-	far := hooks.Layout{Regions: []hooks.Region{{Memory: hooks.Memory{Kind: hooks.MemoryCUDAIPC, IPCHandle: "x", Node: "another-node.example"}}}}
-	for _, c := range []struct {
-		want     string
-		src, dst hooks.Layout
-		expect   string // backend, or a piece of the error
-	}{
-		{"auto", host, host, "tcp_shm"},
-		{"", gpu, gpu, "cuda_ipc"},
-		{"auto", gpu, gpu, "cuda_ipc"},
-		{"cuda_ipc", gpu, gpu, "cuda_ipc"},
-		{"tcp_shm", host, host, "tcp_shm"},
-		{"cuda_ipc", host, host, "needs both engines' KV in GPU memory"},
-		{"auto", gpu, host, "tcp_shm"}, // staged through pinned memory
-		{"auto", host, gpu, "tcp_shm"},
-		{"tcp_shm", gpu, gpu, "tcp_shm"},
-		{"rdma", host, host, "not implemented"},
-		{"auto", gpu, far, "tcp_shm"}, // another node: no IPC
-		{"cuda_ipc", gpu, far, "this node"},
-	} {
-		a := &Agent{cfg: Config{TransferBackend: c.want}}
-		got, err := a.pickBackend(c.src, c.dst)
-		if err != nil {
-			got = err.Error()
+// The agent builds exactly the backends transfer.Pick can choose.
+func TestBackends(t *testing.T) {
+	a := &Agent{}
+	for _, name := range []string{transfer.TCPShm, transfer.CUDAIPC} {
+		if b, err := a.backend(name); err != nil || b.Name() != name {
+			t.Errorf("%s: %v", name, err)
 		}
-		if !strings.Contains(got, c.expect) {
-			t.Errorf("%q %s→%s: %q, want %q", c.want, memKind(c.src), memKind(c.dst), got, c.expect)
+	}
+	for _, name := range []string{transfer.RDMA, transfer.Auto, "nope"} {
+		if _, err := a.backend(name); !errors.Is(err, transfer.ErrUnsupported) {
+			t.Errorf("%s: %v", name, err)
 		}
 	}
 }
@@ -119,7 +100,7 @@ func TestCUDAMappingsLiveForAMigration(t *testing.T) {
 	src, dst := gpuLayout(t, 1), gpuLayout(t, 2)
 	copies := []kvlayout.BlockCopy{{Src: 1, Dst: 5, NumSlots: 4}, {Src: 2, Dst: 6, NumSlots: 4}}
 	round := func(session string, s, d hooks.Layout) error {
-		_, err := a.cudaCopy(session, s, d, copies, tcpshm.NoFault)
+		_, err := a.cudaCopy(session, s, d, copies, transfer.NoFault)
 		return err
 	}
 	for i := 0; i < 4; i++ {

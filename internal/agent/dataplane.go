@@ -13,6 +13,7 @@ import (
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
+	"github.com/vllm-hi/vllm-hi/internal/transfer"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/shm"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/tcpshm"
 )
@@ -76,7 +77,7 @@ func (a *Agent) regions(ctx context.Context, writable bool) (*shm.Regions, hooks
 	if len(lay.Regions) == 0 {
 		return nil, lay, errNoKV
 	}
-	if onGPU(lay) {
+	if transfer.OnGPU(lay) {
 		return nil, lay, nil
 	}
 	dp := &a.dp
@@ -130,7 +131,7 @@ func (s *agentService) PrepareTarget(ctx context.Context, req *v1.PrepareTargetR
 	if err != nil {
 		return nil, errdefs.Newf(errdefs.ErrConflict, "the target's layout: %v", err)
 	}
-	if onGPU(lay) {
+	if transfer.OnGPU(lay) {
 		// Map the target's GPU memory now, not inside the migration's
 		// pause: tcp_shm rounds write through it, and the end-to-end check
 		// reads it.
@@ -172,7 +173,7 @@ func (a *Agent) dataSession(id string) (*tcpshm.Session, error) {
 		return nil, fmt.Errorf("no migration %q is expected here", id)
 	}
 	open := func() (*tcpshm.Memory, error) {
-		if onGPU(ts.layout) {
+		if transfer.OnGPU(ts.layout) {
 			sink, err := a.gpu.sink(id, ts.layout)
 			if err != nil {
 				return nil, err
@@ -186,15 +187,15 @@ func (a *Agent) dataSession(id string) (*tcpshm.Session, error) {
 			// prepared: the reserved blocks are gone with the old memory.
 			return nil, fmt.Errorf("the target's KV memory changed since migration %s was prepared", id)
 		}
-		m := memory(a.dp.dst, ts.layout)
+		m := memory(a.dp.dst.Data, ts.layout)
 		m.Guard = ts.guard
 		return m, nil
 	}
 	return &tcpshm.Session{Secret: ts.secret, Expires: ts.expires, Open: open}, nil
 }
 
-func memory(r *shm.Regions, l hooks.Layout) *tcpshm.Memory {
-	return &tcpshm.Memory{Data: r.Data, Specs: specs(l), Layers: l.Geometry.Layers, Heads: l.Geometry.KVHeads,
+func memory(data [][]byte, l hooks.Layout) *tcpshm.Memory {
+	return &tcpshm.Memory{Data: data, Specs: specs(l), Layers: l.Geometry.Layers, Heads: l.Geometry.KVHeads,
 		SlotBytes: int64(l.Geometry.HeadSlotBytes())}
 }
 

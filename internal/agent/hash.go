@@ -14,6 +14,7 @@ import (
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
+	"github.com/vllm-hi/vllm-hi/internal/transfer"
 )
 
 // maxHashBlocks bounds one HashBlocks call (a whole 141 GB engine of
@@ -57,7 +58,7 @@ func (s *agentService) HashBlocks(ctx context.Context, req *v1.HashBlocksRequest
 	}
 	var hashes []uint64
 	var bytes int64
-	if onGPU(lay) {
+	if transfer.OnGPU(lay) {
 		hashes, bytes, err = a.hashGPU(req.GetMigrationId(), lay, blocks)
 	} else {
 		hashes, bytes, err = hashMapped(mem.Data, lay, blocks)

@@ -3,6 +3,7 @@ package migrate_test
 import (
 	"context"
 	"fmt"
+	"io"
 	"net/http"
 	"strings"
 	"sync"
@@ -356,4 +357,58 @@ func TestMigrationRefusals(t *testing.T) {
 		t.Fatalf("refusals were recorded as migrations: %d", len(list))
 	}
 	r.unchanged()
+}
+
+// While a migration runs, both instances are "migrating" — in the
+// instance list and in vhi_instances — from the one place that knows.
+func TestMigratingIsVisible(t *testing.T) {
+	r := newRig(t, rigOptions{streams: 4, tokens: 300})
+	done := make(chan []loadgen.Stream, 1)
+	go func() {
+		done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: r.st.HostURL, Model: "m"}, r.reqs)
+	}()
+	time.Sleep(150 * time.Millisecond)
+	r.faults.mu.Lock()
+	r.faults.list = []*fault{{side: "src", method: "CopyRound", hook: "full", delay: 700 * time.Millisecond}}
+	r.faults.mu.Unlock()
+	ctx := context.Background()
+	id, err := r.st.Client().Migrate(ctx, hostapi.MigrateRequest{Src: r.st.AID, Dst: r.st.BID, Type: hostapi.PreserveSource})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, in := range []string{r.st.AID, r.st.BID} {
+		if v, _ := r.st.Client().Instance(ctx, in); v.State != "migrating" {
+			t.Fatalf("%s is %q during a migration", in, v.State)
+		}
+	}
+	resp, err := http.Get(r.st.HostURL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(string(b), `vhi_instances{state="migrating"} 2`) {
+		t.Fatalf("/metrics does not count the migrating instances:\n%s", grep(string(b), "vhi_instances"))
+	}
+	if _, err := r.st.Client().Migrate(ctx, hostapi.MigrateRequest{Src: r.st.AID, Dst: r.st.BID}); !hostapi.IsStatus(err, 409) || !strings.Contains(err.Error(), id) {
+		t.Fatalf("a second migration of a busy pair: %v", err)
+	}
+	st, err := r.st.Client().WaitMigration(ctx, id, 10*time.Millisecond, nil)
+	if err != nil || st.State != hostapi.StateSucceeded {
+		t.Fatalf("%+v %v", st, err)
+	}
+	<-done
+	if v, _ := r.st.Client().Instance(ctx, r.st.AID); v.State != "standby" {
+		t.Fatalf("after the migration A is %q", v.State)
+	}
+}
+
+func grep(s, sub string) string {
+	var out []string
+	for _, l := range strings.Split(s, "\n") {
+		if strings.Contains(l, sub) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
 }

@@ -22,6 +22,7 @@ import (
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
+	"github.com/vllm-hi/vllm-hi/internal/transfer"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/tcpshm"
 )
 
@@ -148,7 +149,7 @@ func TestEveryPlaneRefusesStrangers(t *testing.T) {
 	id := d.startMigration(t, hostapi.MigrateRequest{Src: "A", Dst: "B"})
 	b := instance(t, d.hostURL, "B")
 	_, err = tcpshm.Send(ctx, tcpshm.Dest{Addr: b.DataAddress, Session: id, Secret: []byte("guessed, not handed out by the Host")}, 1,
-		[][]byte{make([]byte, 64)}, []kvlayout.CopyRun{{Length: 64}}, tcpshm.NoFault)
+		[][]byte{make([]byte, 64)}, []kvlayout.CopyRun{{Length: 64}}, transfer.NoFault)
 	if err == nil {
 		t.Fatal("a stranger wrote into the target's KV")
 	}

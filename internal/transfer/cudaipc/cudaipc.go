@@ -17,10 +17,6 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
 )
 
-// Type is this backend's name in VLLM_HI_TRANSFER_BACKEND and the Host's
-// instance records.
-const Type = "cuda_ipc"
-
 // DefaultMaxBatch bounds one driver call's copies (the driver's batch
 // descriptors live in host memory it walks; 16k keeps a call short).
 const DefaultMaxBatch = 16384

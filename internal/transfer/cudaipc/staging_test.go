@@ -13,6 +13,7 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/internal/cuda"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
+	"github.com/vllm-hi/vllm-hi/internal/transfer"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/tcpshm"
 )
 
@@ -134,7 +135,7 @@ func TestGPUKVOverTCPShm(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer srv.Close()
-	if _, err := tcpshm.Send(context.Background(), tcpshm.Dest{Addr: srv.Addr().String(), Session: "s", Secret: secret}, 1, [][]byte{host}, sendRuns, tcpshm.NoFault); err != nil {
+	if _, err := tcpshm.Send(context.Background(), tcpshm.Dest{Addr: srv.Addr().String(), Session: "s", Secret: secret}, 1, [][]byte{host}, sendRuns, transfer.NoFault); err != nil {
 		t.Fatal(err)
 	}
 	for _, r := range runs {

@@ -15,6 +15,7 @@ import (
 	"github.com/cespare/xxhash/v2"
 
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
+	"github.com/vllm-hi/vllm-hi/internal/transfer"
 )
 
 // Dest is where a source sends one migration's KV: the target's data
@@ -29,7 +30,7 @@ type Dest struct {
 
 // Send copies runs from src (mapped source regions) to the target over tn
 // connections.
-func Send(ctx context.Context, dst Dest, tn int, src [][]byte, runs []kvlayout.CopyRun, fault Fault) (Stats, error) {
+func Send(ctx context.Context, dst Dest, tn int, src [][]byte, runs []kvlayout.CopyRun, fault transfer.Fault) (transfer.Stats, error) {
 	start := time.Now()
 	if tn < 1 {
 		tn = 1
@@ -40,7 +41,7 @@ func Send(ctx context.Context, dst Dest, tn int, src [][]byte, runs []kvlayout.C
 	load := make([]int64, tn)
 	for _, r := range runs {
 		if r.SrcRegion < 0 || r.SrcRegion >= len(src) || r.SrcOffset < 0 || r.Length < 0 || r.SrcOffset > int64(len(src[r.SrcRegion]))-r.Length {
-			return Stats{}, fmt.Errorf("tcp_shm: run %+v outside the source regions", r)
+			return transfer.Stats{}, fmt.Errorf("tcp_shm: run %+v outside the source regions", r)
 		}
 		for off := int64(0); off < r.Length; off += maxFrame {
 			n := min(maxFrame, r.Length-off)
@@ -56,25 +57,25 @@ func Send(ctx context.Context, dst Dest, tn int, src [][]byte, runs []kvlayout.C
 	}
 	// Share 0 goes even when empty: a round with nothing to move still
 	// checks that the target takes the migration.
-	err := eachShare(tn, fault, func(i int) bool { return i == 0 || len(shares[i]) > 0 }, func(i int, f Fault) error {
+	err := eachShare(tn, fault, func(i int) bool { return i == 0 || len(shares[i]) > 0 }, func(i int, f transfer.Fault) error {
 		return sendConn(ctx, dst, src, shares[i], f)
 	})
 	if err != nil {
-		return Stats{}, err
+		return transfer.Stats{}, err
 	}
-	return Stats{Runs: len(runs), Bytes: kvlayout.Bytes(runs), Duration: time.Since(start)}, nil
+	return transfer.Stats{Runs: len(runs), Bytes: kvlayout.Bytes(runs), Duration: time.Since(start)}, nil
 }
 
 // eachShare runs send for every share that goes, each on its own
 // goroutine (its own connection); the fault is injected into share 0.
-func eachShare(n int, fault Fault, goes func(i int) bool, send func(i int, f Fault) error) error {
+func eachShare(n int, fault transfer.Fault, goes func(i int) bool, send func(i int, f transfer.Fault) error) error {
 	var wg sync.WaitGroup
 	errs := make([]error, n)
 	for i := 0; i < n; i++ {
 		if !goes(i) {
 			continue
 		}
-		f := NoFault
+		f := transfer.NoFault
 		if i == 0 {
 			f = fault
 		}
@@ -96,10 +97,10 @@ type frameWriter struct {
 	descs         []byte
 	payload       []byte
 	frames, bytes uint64
-	fault         Fault
+	fault         transfer.Fault
 }
 
-func newFrameWriter(w *bufio.Writer, kind uint32, descSize int, fault Fault) *frameWriter {
+func newFrameWriter(w *bufio.Writer, kind uint32, descSize int, fault transfer.Fault) *frameWriter {
 	return &frameWriter{w: w, kind: kind, descSize: descSize, fault: fault,
 		descs: make([]byte, 0, maxRuns*descSize), payload: make([]byte, 0, maxFrame)}
 }
@@ -120,11 +121,11 @@ func (f *frameWriter) flush() error {
 	if len(f.descs) == 0 {
 		return nil
 	}
-	if f.fault == CorruptSilently && f.frames == 0 {
+	if f.fault == transfer.CorruptSilently && f.frames == 0 {
 		f.payload[0] ^= 0xFF
 	}
 	sum := xxhash.Sum64(f.payload)
-	if f.fault == CorruptFrame && f.frames == 0 {
+	if f.fault == transfer.CorruptFrame && f.frames == 0 {
 		f.payload[0] ^= 0xFF
 	}
 	var hdr [frameHdrSize]byte
@@ -140,11 +141,11 @@ func (f *frameWriter) flush() error {
 	return nil
 }
 
-func sendConn(ctx context.Context, dst Dest, src [][]byte, runs []kvlayout.CopyRun, fault Fault) error {
+func sendConn(ctx context.Context, dst Dest, src [][]byte, runs []kvlayout.CopyRun, fault transfer.Fault) error {
 	return withConn(ctx, dst, func(w *bufio.Writer) (uint64, uint64, error) {
 		fw := newFrameWriter(w, frameRuns, runDescSize, fault)
 		for i, r := range runs {
-			if fault == CutConn && i == len(runs)/2 {
+			if fault == transfer.CutConn && i == len(runs)/2 {
 				return fw.frames, fw.bytes, fmt.Errorf("tcp_shm: injected fault: connection cut after %d of %d runs", i, len(runs))
 			}
 			if err := fw.reserve(int(r.Length)); err != nil {
@@ -163,11 +164,11 @@ func sendConn(ctx context.Context, dst Dest, src [][]byte, runs []kvlayout.CopyR
 // SendSlots copies token slots — slots [FirstSlot, FirstSlot+NumSlots) of
 // each source block into the same slots of its target block — gathering
 // them in canonical order so the target scatters them with its own layout.
-func SendSlots(ctx context.Context, dst Dest, tn int, src *Memory, jobs []kvlayout.BlockCopy, fault Fault) (Stats, error) {
+func SendSlots(ctx context.Context, dst Dest, tn int, src *Memory, jobs []kvlayout.BlockCopy, fault transfer.Fault) (transfer.Stats, error) {
 	start := time.Now()
 	places, err := slotPlaces(src)
 	if err != nil {
-		return Stats{}, err
+		return transfer.Stats{}, err
 	}
 	if tn < 1 {
 		tn = 1
@@ -180,20 +181,20 @@ func SendSlots(ctx context.Context, dst Dest, tn int, src *Memory, jobs []kvlayo
 	for _, j := range jobs {
 		total += int64(j.NumSlots) * src.SlotBytes * int64(len(places))
 	}
-	err = eachShare(tn, fault, func(i int) bool { return len(shares[i]) > 0 }, func(i int, f Fault) error {
+	err = eachShare(tn, fault, func(i int) bool { return len(shares[i]) > 0 }, func(i int, f transfer.Fault) error {
 		return sendSlotsConn(ctx, dst, src, places, shares[i], f)
 	})
 	if err != nil {
-		return Stats{}, err
+		return transfer.Stats{}, err
 	}
-	return Stats{Runs: len(jobs) * len(places), Bytes: total, Duration: time.Since(start)}, nil
+	return transfer.Stats{Runs: len(jobs) * len(places), Bytes: total, Duration: time.Since(start)}, nil
 }
 
-func sendSlotsConn(ctx context.Context, dst Dest, src *Memory, places []slotPlace, jobs []kvlayout.BlockCopy, fault Fault) error {
+func sendSlotsConn(ctx context.Context, dst Dest, src *Memory, places []slotPlace, jobs []kvlayout.BlockCopy, fault transfer.Fault) error {
 	return withConn(ctx, dst, func(w *bufio.Writer) (uint64, uint64, error) {
 		fw := newFrameWriter(w, frameSlots, jobSize, fault)
 		for i, j := range jobs {
-			if fault == CutConn && i == len(jobs)/2 {
+			if fault == transfer.CutConn && i == len(jobs)/2 {
 				return fw.frames, fw.bytes, fmt.Errorf("tcp_shm: injected fault: connection cut after %d of %d slot jobs", i, len(jobs))
 			}
 			n := int64(j.NumSlots) * src.SlotBytes

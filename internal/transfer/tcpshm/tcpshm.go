@@ -17,13 +17,9 @@ package tcpshm
 
 import (
 	"encoding/binary"
-	"time"
 
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
 )
-
-// Type is the backend's name.
-const Type = "tcp_shm"
 
 // maxFrame bounds one frame's payload; longer runs are split so several
 // connections share the work.
@@ -88,27 +84,6 @@ type ack struct {
 	Bytes       uint64 `json:"bytes"`
 	BadChecksum uint64 `json:"bad_checksum"`
 	Error       string `json:"error,omitempty"`
-}
-
-// Fault injects a failure into a send, for tests of the abort paths.
-type Fault int
-
-// Faults.
-const (
-	NoFault      Fault = iota
-	CorruptFrame       // flip a byte after checksumming: the target must notice
-	CutConn            // close a connection mid-round
-	// CorruptSilently flips a byte before checksumming: the frame arrives
-	// "intact" with wrong KV, as a bug or bad memory would make it. Only
-	// the end-to-end check of the moved blocks can notice.
-	CorruptSilently
-)
-
-// Stats describe one send.
-type Stats struct {
-	Runs     int
-	Bytes    int64
-	Duration time.Duration
 }
 
 // Memory is one side's KV as the data plane sees it: mapped regions and

@@ -18,6 +18,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
+	"github.com/vllm-hi/vllm-hi/internal/transfer"
 )
 
 var testSecret = []byte("0123456789abcdef0123456789abcdef")
@@ -102,13 +103,13 @@ func TestSendRunsAndSlots(t *testing.T) {
 				copies := []kvlayout.BlockCopy{{Src: 3, Dst: 5, FirstSlot: 2, NumSlots: 3}, {Src: 4, Dst: 6, NumSlots: 8}, {Src: 9, Dst: 1, FirstSlot: 7, NumSlots: 1}}
 				var err error
 				if slots {
-					_, err = SendSlots(context.Background(), dest(srv), 3, src, copies, NoFault)
+					_, err = SendSlots(context.Background(), dest(srv), 3, src, copies, transfer.NoFault)
 				} else {
 					runs, perr := kvlayout.Plan(g.Layers, g.KVHeads, src.SlotBytes, src.Specs, dst.Specs, copies)
 					if perr != nil {
 						t.Fatal(perr)
 					}
-					_, err = Send(context.Background(), dest(srv), 3, src.Data, runs, NoFault)
+					_, err = Send(context.Background(), dest(srv), 3, src.Data, runs, transfer.NoFault)
 				}
 				if err != nil {
 					t.Fatal(err)
@@ -127,15 +128,15 @@ func TestSendRunsAndSlots(t *testing.T) {
 					}
 				}
 				// Faults are detected, never silently accepted.
-				if _, err := SendSlots(context.Background(), dest(srv), 1, src, copies, CorruptFrame); err == nil {
+				if _, err := SendSlots(context.Background(), dest(srv), 1, src, copies, transfer.CorruptFrame); err == nil {
 					t.Fatal("a corrupted frame was accepted")
 				}
-				if _, err := SendSlots(context.Background(), dest(srv), 1, src, copies, CutConn); err == nil {
+				if _, err := SendSlots(context.Background(), dest(srv), 1, src, copies, transfer.CutConn); err == nil {
 					t.Fatal("a cut connection reported success")
 				}
 				other := dest(srv)
 				other.Session = "other"
-				if _, err := SendSlots(context.Background(), other, 1, src, copies, NoFault); err == nil {
+				if _, err := SendSlots(context.Background(), other, 1, src, copies, transfer.NoFault); err == nil {
 					t.Fatal("an unexpected session was accepted")
 				}
 			})
@@ -167,13 +168,13 @@ func TestTargetRefuses(t *testing.T) {
 		for _, slots := range []bool{false, true} {
 			var err error
 			if slots {
-				_, err = SendSlots(context.Background(), c.d, 1, src, c.copies, NoFault)
+				_, err = SendSlots(context.Background(), c.d, 1, src, c.copies, transfer.NoFault)
 			} else {
 				runs, perr := kvlayout.Plan(g.Layers, g.KVHeads, src.SlotBytes, src.Specs, dst.Specs, c.copies)
 				if perr != nil {
 					t.Fatal(perr)
 				}
-				_, err = Send(context.Background(), c.d, 1, src.Data, runs, NoFault)
+				_, err = Send(context.Background(), c.d, 1, src.Data, runs, transfer.NoFault)
 			}
 			if err == nil || !containsAny(err.Error(), strings.Split(c.want, "|")) {
 				t.Errorf("%s (slots=%v): %v, want %q", c.name, slots, err, c.want)
@@ -186,7 +187,7 @@ func TestTargetRefuses(t *testing.T) {
 		}
 	}
 	expired := serveMemory(t, dst, time.Now().Add(-time.Second), Options{})
-	if _, err := SendSlots(context.Background(), dest(expired), 1, src, ok, NoFault); err == nil || !strings.Contains(err.Error(), "expired") {
+	if _, err := SendSlots(context.Background(), dest(expired), 1, src, ok, transfer.NoFault); err == nil || !strings.Contains(err.Error(), "expired") {
 		t.Fatalf("an expired session: %v", err)
 	}
 }
@@ -215,7 +216,7 @@ func TestSourceRefusesAnImpostor(t *testing.T) {
 	}()
 	src := memoryOf(testGeo, kvlayout.Parallel{TP: 1, PP: 1}, true)
 	_, err = SendSlots(context.Background(), Dest{Addr: ln.Addr().String(), Session: "mig-1", Secret: testSecret}, 1, src,
-		[]kvlayout.BlockCopy{{Src: 1, Dst: 1, NumSlots: 1}}, NoFault)
+		[]kvlayout.BlockCopy{{Src: 1, Dst: 1, NumSlots: 1}}, transfer.NoFault)
 	if err == nil || !strings.Contains(err.Error(), "does not hold") {
 		t.Fatalf("sent KV to an impostor: %v", err)
 	}
@@ -309,7 +310,7 @@ func TestIdleConnectionsAreBounded(t *testing.T) {
 		t.Fatalf("%d of %d idle connections were closed by the target", closed, len(idle))
 	}
 	src := memoryOf(testGeo, kvlayout.Parallel{TP: 1, PP: 1}, true)
-	if _, err := SendSlots(context.Background(), dest(srv), 1, src, []kvlayout.BlockCopy{{Src: 1, Dst: 5, NumSlots: 8}}, NoFault); err != nil {
+	if _, err := SendSlots(context.Background(), dest(srv), 1, src, []kvlayout.BlockCopy{{Src: 1, Dst: 5, NumSlots: 8}}, transfer.NoFault); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -1,0 +1,151 @@
+// Package transfer is what every KV data plane shares: the backends'
+// names, the Backend interface the agent moves a copy round through, one
+// Pick that decides which backend moves a round, the round planner (what
+// a round copies), and the Stats and Fault every backend reports and
+// takes. Each backend is a folder of its own: tcpshm (TCP into shared
+// memory, staged through pinned host memory for GPU KV), cudaipc (GPU to
+// GPU on one node); rdma is a name without a backend yet (no RDMA NIC to
+// build it against).
+package transfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/vllm-hi/vllm-hi/api/hooks"
+	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
+)
+
+// Backend names (VLLM_HI_TRANSFER_BACKEND, --transfer-backend, and the
+// Host's instance records).
+const (
+	Auto    = "auto"
+	TCPShm  = "tcp_shm"
+	CUDAIPC = "cuda_ipc"
+	RDMA    = "rdma"
+)
+
+// Names are the values --transfer-backend accepts.
+func Names() []string { return []string{Auto, TCPShm, CUDAIPC, RDMA} }
+
+// Stats describe one move.
+type Stats struct {
+	Runs     int
+	Bytes    int64
+	Duration time.Duration
+}
+
+// Fault injects a failure into a move, for tests of the abort paths.
+type Fault int
+
+// Faults.
+const (
+	NoFault      Fault = iota
+	CorruptFrame       // damage bytes in flight after checksumming: the target must notice
+	CutConn            // fail the move halfway
+	// CorruptSilently moves wrong bytes that arrive "intact", as a bug or
+	// bad memory would: only the end-to-end check of the moved blocks can
+	// notice.
+	CorruptSilently
+)
+
+// ParseFault reads a migrate request's inject_fault as a data-plane fault
+// ("" and faults that are not the data plane's are NoFault).
+func ParseFault(s string) Fault {
+	switch s {
+	case "corrupt":
+		return CorruptFrame
+	case "cut":
+		return CutConn
+	case "silent_corrupt":
+		return CorruptSilently
+	}
+	return NoFault
+}
+
+// Target is where a round goes: the target agent's data address and the
+// migration's session there, authenticated with its secret.
+type Target struct {
+	Addr    string
+	Session string
+	Secret  []byte
+	TLS     bool // the target's data plane speaks TLS
+}
+
+// Round is one copy round as a backend moves it.
+type Round struct {
+	Target   Target
+	Src, Dst hooks.Layout
+	Copies   []kvlayout.BlockCopy // sorted by source block
+	// SlotGranular: the copies name token slots, not whole blocks.
+	SlotGranular bool
+	TN           int // parallel connections, for backends that use them
+	Fault        Fault
+	// SrcMemory is the source's KV regions mapped, when they are host
+	// memory (nil for GPU KV).
+	SrcMemory [][]byte
+}
+
+// Backend moves rounds of KV from this agent's engine to a target.
+type Backend interface {
+	Name() string
+	Send(ctx context.Context, r Round) (Stats, error)
+}
+
+// ErrUnsupported: the backend asked for cannot move KV between these two
+// engines.
+var ErrUnsupported = errors.New("the transfer backend cannot move this KV")
+
+// Pick decides which backend moves a round between src and dst, given
+// the agent's --transfer-backend (want): cuda_ipc when both sides' KV is
+// in GPU memory on this node (IPC handles only open there), tcp_shm
+// otherwise (staged through pinned host memory on a GPU side).
+func Pick(want string, src, dst hooks.Layout) (string, error) {
+	sg, dg := OnGPU(src), OnGPU(dst)
+	local := SameNode(src) && SameNode(dst)
+	switch want {
+	case "", Auto:
+		if sg && dg && local {
+			return CUDAIPC, nil
+		}
+		return TCPShm, nil
+	case TCPShm:
+		return TCPShm, nil
+	case CUDAIPC:
+		switch {
+		case !(sg && dg):
+			return "", fmt.Errorf("%w: cuda_ipc needs both engines' KV in GPU memory", ErrUnsupported)
+		case !local:
+			return "", fmt.Errorf("%w: cuda_ipc needs both engines on this node (CUDA IPC handles do not cross machines)", ErrUnsupported)
+		}
+		return CUDAIPC, nil
+	case RDMA:
+		return "", fmt.Errorf("%w: the rdma backend is not implemented (no RDMA NIC to build it against)", ErrUnsupported)
+	}
+	return "", fmt.Errorf("%w: unknown transfer backend %q (want one of %v)", ErrUnsupported, want, Names())
+}
+
+// OnGPU reports whether any of l's regions is GPU memory.
+func OnGPU(l hooks.Layout) bool {
+	for _, r := range l.Regions {
+		if r.Memory.Kind == hooks.MemoryCUDAIPC {
+			return true
+		}
+	}
+	return false
+}
+
+// SameNode reports whether every GPU region of l was exported on this
+// machine (regions that do not say are taken as local).
+func SameNode(l hooks.Layout) bool {
+	here, _ := os.Hostname()
+	for _, r := range l.Regions {
+		if r.Memory.Kind == hooks.MemoryCUDAIPC && r.Memory.Node != "" && r.Memory.Node != here {
+			return false
+		}
+	}
+	return true
+}
