@@ -351,49 +351,58 @@ def patch_engine_core() -> None:
     EngineCore.vllm_hi_hook = vllm_hi_hook
 
 
+def _export(core, st, p: dict) -> dict:
+    out = st.export(p.get("request_ids") or [])
+    from . import worker
+
+    gens = core.model_executor.collective_rpc(worker.export_generators, args=([r["request_id"] for r in out["requests"]],))
+    for r in out["requests"]:
+        raw = gens[0].get(r["request_id"]) if gens else None
+        if raw is not None:
+            r["engine_state"]["generator"] = base64.b64encode(raw).decode()
+    return out
+
+
+def _install(core, st, p: dict) -> dict:
+    from . import worker
+
+    staged = {s["request_id"]: base64.b64decode(s["engine_state"]["generator"])
+              for s in p.get("requests") or [] if (s.get("engine_state") or {}).get("generator")}
+    if staged:
+        core.model_executor.collective_rpc(worker.stage_generators, args=(staged,))
+    return st.install(p.get("requests") or [], bool(p.get("resume")), int(p.get("lease_ms") or 0))
+
+
+def _regions(core, st, p: dict):
+    from . import worker
+
+    return core.model_executor.collective_rpc(worker.describe_region)
+
+
+# The engine-core side of each hook: (core, scheduler state, payload) → answer.
+_OPS = {
+    "requests": lambda core, st, p: st.requests(),
+    "changes": lambda core, st, p: st.changes(int(p.get("since", 0))),
+    "pause": lambda core, st, p: st.pause(p.get("request_ids") or [], int(p.get("lease_ms") or 0)),
+    "resume": lambda core, st, p: st.resume(p.get("request_ids") or []),
+    "export": _export,
+    "allocate": lambda core, st, p: st.allocate(p.get("requests") or [], int(p.get("lease_ms") or 0)),
+    "install": _install,
+    "abort": lambda core, st, p: st.abort(p.get("request_ids") or [], bool(p.get("ignore_missing"))),
+    "stats": lambda core, st, p: st.stats(),
+    "regions": _regions,
+    "release": lambda core, st, p: _release(core, st),
+}
+
+
 def _dispatch(core, op: str, p: dict):
+    fn = _OPS.get(op)
+    if fn is None:
+        raise HookError(404, f"unknown hook {op!r}")
     st = _state(core.scheduler)
     if not hasattr(st, "block_hasher"):
         st.block_hasher = getattr(core, "request_block_hasher", None)
-    if op == "requests":
-        return st.requests()
-    if op == "changes":
-        return st.changes(int(p.get("since", 0)))
-    if op == "pause":
-        return st.pause(p.get("request_ids") or [], int(p.get("lease_ms") or 0))
-    if op == "resume":
-        return st.resume(p.get("request_ids") or [])
-    if op == "export":
-        out = st.export(p.get("request_ids") or [])
-        from . import worker
-
-        gens = core.model_executor.collective_rpc(worker.export_generators, args=([r["request_id"] for r in out["requests"]],))
-        for r in out["requests"]:
-            raw = gens[0].get(r["request_id"]) if gens else None
-            if raw is not None:
-                r["engine_state"]["generator"] = base64.b64encode(raw).decode()
-        return out
-    if op == "allocate":
-        return st.allocate(p.get("requests") or [], int(p.get("lease_ms") or 0))
-    if op == "install":
-        from . import worker
-
-        staged = {s["request_id"]: base64.b64decode(s["engine_state"]["generator"])
-                  for s in p.get("requests") or [] if (s.get("engine_state") or {}).get("generator")}
-        if staged:
-            core.model_executor.collective_rpc(worker.stage_generators, args=(staged,))
-        return st.install(p.get("requests") or [], bool(p.get("resume")), int(p.get("lease_ms") or 0))
-    if op == "abort":
-        return st.abort(p.get("request_ids") or [], bool(p.get("ignore_missing")))
-    if op == "stats":
-        return st.stats()
-    if op == "regions":
-        from . import worker
-
-        return core.model_executor.collective_rpc(worker.describe_region)
-    if op == "release":
-        return _release(core, st)
-    raise HookError(404, f"unknown hook {op!r}")
+    return fn(core, st, p)
 
 
 def _release(core, st) -> dict:

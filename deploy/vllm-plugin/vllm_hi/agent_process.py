@@ -1,0 +1,42 @@
+"""The `vhi agent` the plugin starts beside the engine (VLLM_HI_HOST set,
+VLLM_HI_AGENT not "off"), stopped when the API server exits."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import subprocess
+
+log = logging.getLogger("vllm_hi")
+
+_agent: subprocess.Popen | None = None
+
+
+def start(cfg, args) -> None:
+    global _agent
+    if not cfg.host or cfg.agent == "off":
+        return
+    port = getattr(args, "port", 8000)
+    cmd = [cfg.agent, "agent", "--host", cfg.host, "--engine", f"http://127.0.0.1:{port}",
+           "--data-port", str(cfg.data_port), "--transfer-backend", cfg.backend]
+    if cfg.token_file:
+        cmd += ["--token-file", cfg.token_file]
+    if cfg.type:
+        cmd += ["--type", cfg.type]
+    try:
+        _agent = subprocess.Popen(cmd)
+    except OSError as e:
+        raise RuntimeError(f"vllm-hi: cannot start the agent ({' '.join(cmd)}): {e}; "
+                           f"install vhi on PATH, set VLLM_HI_AGENT to its path, or VLLM_HI_AGENT=off "
+                           f"and run `vhi agent` yourself") from e
+    log.info("vllm-hi: started %s (pid %d)", " ".join(cmd), _agent.pid)
+
+    def stop():
+        if _agent is not None and _agent.poll() is None:
+            _agent.terminate()
+            try:
+                _agent.wait(10)
+            except subprocess.TimeoutExpired:
+                _agent.kill()
+
+    atexit.register(stop)

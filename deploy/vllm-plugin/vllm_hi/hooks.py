@@ -1,0 +1,397 @@
+"""The hooks as the API server serves them: the `Hooks` object behind the
+`/vllm_hi/engine/*` routes (router.py builds them from routes.json).
+
+Hooks translate between the ids the Host knows (the response ids its
+clients see, `cmpl-…`/`chatcmpl-…`) and vLLM's internal request ids, call
+the engine core through the `vllm_hi_hook` utility (engine_core.py), and
+keep the state only the API server has: the detokenized text a client
+already got, the response metadata of each stream, and, on a target, the
+output queues of installed requests that `/stream?from=K` serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+
+from . import HOOKS_VERSION
+from .wire import HookError, decode_ints, encode_ints
+
+# Stream metadata by response id, captured from vLLM's own stream
+# generators (model, created, usage options) on the source.
+STREAMS: dict[str, dict] = {}
+# Response ids whose source stream must end without a finish chunk.
+SILENCED: set[str] = set()
+
+
+class _Silenced(Exception):
+    pass
+
+
+class Installed:
+    """A request this engine received by migration."""
+
+    def __init__(self, st: dict, queue, prompt_len: int, meta: dict):
+        self.queue = queue
+        self.output_ids = decode_ints(st["output_token_ids"])
+        self.text = st.get("output_text", "")
+        offs = decode_ints(st.get("text_offsets"))
+        self.offsets = offs if len(offs) == len(self.output_ids) else [len(self.text)] * len(self.output_ids)
+        self.prompt_len = prompt_len
+        self.meta = meta
+
+
+class Hooks:
+    def __init__(self, engine_client, state, args, token: str = ""):
+        self.ec = engine_client
+        self.state = state
+        self.args = args
+        self.token = token
+        self.installed: dict[str, Installed] = {}
+
+    def authorized(self, header: str | None) -> bool:
+        """The hooks need the agent's credential (Authorization: Bearer,
+        the scheme case-insensitive); without a token they are open."""
+        if not self.token:
+            return True
+        scheme, _, tok = (header or "").strip().partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(tok.strip().encode(), self.token.encode())
+
+    @property
+    def op(self):
+        return self.ec.output_processor
+
+    async def core(self, op: str, payload: dict | None = None):
+        raw = await self.ec.engine_core.call_utility_async("vllm_hi_hook", op, json.dumps(payload or {}))
+        out = json.loads(raw)
+        if "error" in out:
+            e = out["error"]
+            raise HookError(e["status"], e["message"], e.get("param"))
+        return out["ok"]
+
+    # ---- ids ------------------------------------------------------------
+
+    def internal(self, hid: str) -> str:
+        if hid in self.installed or hid in self.op.request_states:
+            return hid
+        for ext in (hid, hid + "-0"):
+            ids = self.op.external_req_ids.get(ext)
+            if ids:
+                return ids[0]
+        return hid
+
+    def host_id(self, iid: str) -> str:
+        if iid in self.installed:
+            return iid
+        st = self.op.request_states.get(iid)
+        if st is None:
+            return iid
+        ext = st.external_req_id
+        if ext.startswith("cmpl-") and ext.endswith("-0"):
+            return ext[:-2]
+        return ext
+
+    # ---- hooks ------------------------------------------------------------
+
+    async def layout(self) -> dict:
+        import vllm
+
+        regions = await self.core("regions")
+        geo = dict(regions[0]["_geometry"])
+        pc = self.ec.vllm_config.parallel_config
+        mc = self.ec.vllm_config.model_config
+        out_regions = []
+        for r in regions:
+            r = {k: v for k, v in r.items() if not k.startswith("_")}
+            if r["first_layer"] is None or regions[0]["_base_offset"] != 0:
+                raise HookError(409, "pipeline parallelism is not supported by the vllm-hi plugin yet")
+            out_regions.append(r)
+        names = self.args.served_model_name or [mc.model]
+        return {"engine": "vllm", "engine_version": vllm.__version__, "hooks_version": HOOKS_VERSION,
+                "model": mc.model, "served_model_names": list(names), "geometry": geo,
+                "parallel": {"tp": pc.tensor_parallel_size,
+                             "pp": pc.pipeline_parallel_size},
+                "kv_layout": regions[0].get("_kv_layout", ""),
+                "opaque_blocks": bool(regions[0].get("_opaque")),
+                "regions": out_regions}
+
+    async def requests(self) -> dict:
+        out = await self.core("requests")
+        for r in out["requests"]:
+            hid = self.host_id(r["request_id"])
+            r["request_id"] = hid
+            r["stream"] = hid in STREAMS or hid in self.installed
+        return out
+
+    async def changes(self, since: int) -> dict:
+        out = await self.core("changes", {"since": since})
+        for w in out["written"]:
+            w["request_id"] = self.host_id(w["request_id"])
+        return out
+
+    async def pause(self, body: dict) -> dict:
+        ids = [self.internal(i) for i in body.get("request_ids") or []]
+        called = time.time()
+        out = await self.core("pause", {"request_ids": ids, "lease_ms": body.get("lease_ms", 0)})
+        out["paused"] = [self.host_id(i) for i in out["paused"]]
+        out["step_wait_s"] = max(0.0, out.pop("paused_at", called) - called)
+        return out
+
+    async def resume(self, body: dict) -> dict:
+        ids = [self.internal(i) for i in body.get("request_ids") or []]
+        out = await self.core("resume", {"request_ids": ids})
+        out["resumed"] = [self.host_id(i) for i in out["resumed"]]
+        return out
+
+    async def export(self, body: dict) -> dict:
+        hids = body.get("request_ids") or []
+        out = await self.core("export", {"request_ids": [self.internal(i) for i in hids]})
+        for r, hid in zip(out["requests"], hids):
+            iid = r["request_id"]
+            r["request_id"] = hid
+            inst = self.installed.get(hid)
+            n = len(r["output_token_ids"])
+            base_text, base_n = "", 0
+            if inst is not None:
+                base_text, base_n = inst.text, len(inst.output_ids)
+            # The engine's last outputs may still be on their way to this
+            # process's output processor: wait until it saw them all, so the
+            # text below is what the client gets.
+            text, visible = base_text, len(base_text)
+            st = self.op.request_states.get(iid)
+            if st is not None and st.detokenizer is not None:
+                deadline = time.monotonic() + 2.0
+                while len(st.detokenizer.output_token_ids) < n - base_n and time.monotonic() < deadline:
+                    await asyncio.sleep(0.001)
+                d = st.detokenizer
+                text = base_text + d.output_text
+                visible = len(base_text) + max(0, len(d.output_text) - getattr(d, "stop_buffer_length", 0))
+            meta = STREAMS.get(hid) or (inst.meta if inst else {})
+            r["prompt_token_ids"] = encode_ints(r["prompt_token_ids"])
+            r["output_token_ids"] = encode_ints(r["output_token_ids"])
+            r["block_ids"] = encode_ints(r["block_ids"])
+            r["output_text"] = text
+            # vLLM keeps no per-token text offsets; every token maps to the
+            # visible text so far, which is what a splice compares against.
+            r["text_offsets"] = encode_ints([visible] * n)
+            r["response"] = {"kind": meta.get("kind", "completion"), "response_id": hid,
+                             "model": meta.get("model", ""), "created": meta.get("created", 0),
+                             "stream": True, "include_usage": meta.get("include_usage", False),
+                             "continuous_usage": meta.get("continuous_usage", False)}
+            r["engine_state"]["prompt_len"] = meta.get("prompt_len", len(decode_ints(r["prompt_token_ids"])))
+        return out
+
+    async def allocate(self, body: dict) -> dict:
+        return await self.core("allocate", body)
+
+    async def install(self, body: dict) -> dict:
+        import base64
+
+        import msgspec
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.engine import EngineCoreRequest
+        from vllm.v1.engine.output_processor import RequestOutputCollector
+
+        states = body.get("requests") or []
+        added = []
+        try:
+            for st in states:
+                rid = st["request_id"]
+                prompt, output = decode_ints(st["prompt_token_ids"]), decode_ints(st["output_token_ids"])
+                sp = msgspec.msgpack.decode(base64.b64decode(st["engine_state"]["sampling_params"]), type=SamplingParams)
+                ecr = EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, mm_features=None,
+                                        sampling_params=sp, pooling_params=None,
+                                        arrival_time=st.get("arrival_time") or time.time(), lora_request=None,
+                                        cache_salt=None, data_parallel_rank=None, external_req_id=rid)
+                q = RequestOutputCollector(sp.output_kind, rid)
+                self.op.add_request(ecr, None, None, 0, q)
+                _replay_detokenizer(self.op.request_states[rid], output)
+                resp = st.get("response") or {}
+                meta = {"kind": resp.get("kind", "completion"), "model": resp.get("model", ""),
+                        "created": resp.get("created", 0), "include_usage": resp.get("include_usage", False),
+                        "continuous_usage": resp.get("continuous_usage", False),
+                        "prompt_len": st["engine_state"].get("prompt_len", len(prompt))}
+                self.installed[rid] = Installed(st, q, meta["prompt_len"], meta)
+                added.append(rid)
+                st["prompt_token_ids"], st["output_token_ids"] = prompt, output
+            return await self.core("install", {"requests": states, "resume": bool(body.get("resume")),
+                                               "lease_ms": int(body.get("lease_ms") or 0)})
+        except BaseException:
+            for rid in added:
+                self.op.request_states.pop(rid, None)
+                self.installed.pop(rid, None)
+            raise
+
+    async def abort(self, body: dict) -> dict:
+        hids = body.get("request_ids") or []
+        silent = bool(body.get("silent"))
+        iids = [self.internal(h) for h in hids]
+        for hid, iid in zip(hids, iids):
+            if silent:
+                SILENCED.add(hid)
+            st = self.op.request_states.get(iid)
+            if st is None:
+                continue
+            if silent:
+                # Drop the request from the output processor without a final
+                # output, and wake its generator so its stream just ends.
+                self.op.request_states.pop(iid, None)
+                ext = self.op.external_req_ids.get(st.external_req_id)
+                if ext and iid in ext:
+                    ext.remove(iid)
+                    if not ext:
+                        del self.op.external_req_ids[st.external_req_id]
+                if st.queue is not None:
+                    st.queue.put(_Silenced())
+            else:
+                self.op.abort_requests([iid], internal=True)
+        out = await self.core("abort", {"request_ids": iids, "ignore_missing": bool(body.get("ignore_missing"))})
+        out["aborted"] = [h for h, i in zip(hids, iids) if i in out["aborted"]]
+        for h in out["aborted"]:
+            self.installed.pop(h, None)
+        return out
+
+    async def stats(self) -> dict:
+        out = await self.core("stats")
+        out["sleeping"] = bool(await self.ec.is_sleeping()) if hasattr(self.ec, "is_sleeping") else False
+        return out
+
+    async def retire(self, body: dict) -> dict:
+        """Releases the KV once no request is left (running, waiting or
+        reserved), waiting at most wait_s. On CPU the KV's pages are given
+        back to the tmpfs (the file stays mapped: a later request or a
+        migration into this engine gets fresh zero pages) after the prefix
+        cache is reset, in one engine-core step so that no request can
+        slip in between; a GPU engine started with --enable-sleep-mode
+        sleeps; any other engine keeps its KV and says so."""
+        wait_s = float(body.get("wait_s", 600))
+        if wait_s < 0:
+            raise HookError(400, "wait_s must not be negative", "wait_s")
+        deadline = time.monotonic() + wait_s
+        while True:
+            out = await self.core("release")
+            if out.get("released") or out.get("unsupported"):
+                break
+            if time.monotonic() >= deadline:
+                return {"released": False, "released_bytes": 0,
+                        "note": f"{out.get('busy', 0)} requests still on the engine after {wait_s:.0f} s: the KV stays allocated"}
+            await asyncio.sleep(0.05)
+        if out.get("unsupported"):
+            mc = self.ec.vllm_config.model_config
+            if getattr(mc, "enable_sleep_mode", False) and hasattr(self.ec, "sleep"):
+                await self.ec.sleep(1)
+                return {"released": True, "released_bytes": 0, "note": "slept (vLLM sleep mode level 1)"}
+            return {"released": False, "released_bytes": 0, "note": out.get("note", "")}
+        return {"released": True, "released_bytes": int(out.get("bytes", 0)),
+                "note": "the KV's pages went back to the tmpfs; the prefix cache was reset"}
+
+    async def wake(self) -> dict:
+        if hasattr(self.ec, "is_sleeping") and await self.ec.is_sleeping():
+            await self.ec.wake_up()
+            return {"note": "woken from vLLM sleep mode"}
+        return {"note": "awake: released KV pages come back as they are written"}
+
+    # ---- attach -------------------------------------------------------------
+
+    def chunk(self, inst: Installed, hid: str, text: str, finish, stop_reason, completion_tokens: int) -> str:
+        from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+        m = inst.meta
+        if m["kind"] == "chat":
+            from vllm.entrypoints.openai.chat_completion.protocol import (
+                ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse)
+            from vllm.entrypoints.generate.base.protocol import DeltaMessage
+
+            kw = {"stop_reason": stop_reason} if finish is not None else {}
+            choice = ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(content=text), logprobs=None,
+                                                        finish_reason=finish, **kw)
+            c = ChatCompletionStreamResponse(id=hid, object="chat.completion.chunk", created=m["created"],
+                                             choices=[choice], model=m["model"])
+        else:
+            from vllm.entrypoints.openai.completion.protocol import (
+                CompletionResponseStreamChoice, CompletionStreamResponse)
+
+            choice = CompletionResponseStreamChoice(index=0, text=text, logprobs=None, finish_reason=finish,
+                                                    stop_reason=stop_reason)
+            c = CompletionStreamResponse(id=hid, object="text_completion", created=m["created"],
+                                         model=m["model"], choices=[choice])
+        fp = self._fingerprint(m["kind"])
+        if not m["include_usage"] and fp is not None and finish is not None:
+            c.system_fingerprint = fp
+        if m["continuous_usage"]:
+            c.usage = UsageInfo(prompt_tokens=inst.prompt_len, completion_tokens=completion_tokens,
+                                total_tokens=inst.prompt_len + completion_tokens)
+        return f"data: {c.model_dump_json(exclude_unset=True)}\n\n"
+
+    def usage_chunk(self, inst: Installed, hid: str, completion_tokens: int) -> str:
+        from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+        m = inst.meta
+        u = UsageInfo(prompt_tokens=inst.prompt_len, completion_tokens=completion_tokens,
+                      total_tokens=inst.prompt_len + completion_tokens)
+        fp = self._fingerprint(m["kind"])
+        if m["kind"] == "chat":
+            from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionStreamResponse
+
+            c = ChatCompletionStreamResponse(id=hid, object="chat.completion.chunk", created=m["created"],
+                                             choices=[], model=m["model"], usage=u, system_fingerprint=fp)
+            return f"data: {c.model_dump_json(exclude_unset=True, exclude_none=True)}\n\n"
+        from vllm.entrypoints.openai.completion.protocol import CompletionStreamResponse
+
+        c = CompletionStreamResponse(id=hid, created=m["created"], model=m["model"], choices=[], usage=u,
+                                     system_fingerprint=fp)
+        return f"data: {c.model_dump_json(exclude_unset=False, exclude_none=True)}\n\n"
+
+    def _fingerprint(self, kind: str):
+        s = getattr(self.state, "openai_serving_chat" if kind == "chat" else "openai_serving_completion", None)
+        return getattr(s, "system_fingerprint", None)
+
+    async def attach(self, hid: str, start: int):
+        inst = self.installed.get(hid)
+        if inst is None:
+            raise HookError(404, f"Request {hid} was not installed here.", "request_id")
+        if start < 0 or start > len(inst.output_ids):
+            raise HookError(400, f"from={start} is outside 0..{len(inst.output_ids)}.", "from")
+
+        async def gen():
+            n = len(inst.output_ids)
+            done_tokens = n
+            lo = inst.offsets[start - 1] if start > 0 else 0
+            hi = inst.offsets[n - 1] if n > 0 else 0
+            if inst.text[lo:hi]:
+                yield self.chunk(inst, hid, inst.text[lo:hi], None, None, done_tokens)
+            while True:
+                out = inst.queue.get_nowait() or await inst.queue.get()
+                o = out.outputs[0]
+                done_tokens += len(o.token_ids)
+                if o.text or o.finish_reason is not None:
+                    yield self.chunk(inst, hid, o.text, o.finish_reason, o.stop_reason, done_tokens)
+                if out.finished:
+                    break
+            if inst.meta["include_usage"]:
+                yield self.usage_chunk(inst, hid, done_tokens)
+            yield "data: [DONE]\n\n"
+            self.installed.pop(hid, None)
+
+        return gen()
+
+
+def _replay_detokenizer(req_state, output_ids) -> None:
+    """Brings a new request's incremental detokenizer to the state the
+    source's was in after output_ids, by stepping through them as the
+    source did (its decode stream was primed with the prompt only; priming
+    with prompt + output is not equivalent when tokens end mid-UTF-8
+    sequence). The text these steps produce was already sent."""
+    d = req_state.detokenizer
+    if d is None or not output_ids:
+        return
+    if hasattr(d, "stream"):  # FastIncrementalDetokenizer
+        for tid in output_ids:
+            d.decode_next(tid)
+        return
+    # SlowIncrementalDetokenizer decodes from the token list it keeps.
+    for tid in output_ids:
+        d.token_ids.append(tid)
+        d.decode_next(tid)
