@@ -227,7 +227,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	srv := grpc.NewServer(opts...)
 	v1.RegisterAgentServer(srv, &agentService{a: a})
 	go func() { _ = srv.Serve(ln) }()
-	defer srv.GracefulStop()
+	defer grpcauth.Stop(srv, 5*time.Second)
 	_, port, _ := net.SplitHostPort(ln.Addr().String())
 	agentAddr := net.JoinHostPort(advertise, port)
 

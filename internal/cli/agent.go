@@ -35,7 +35,7 @@ restarts, and deregisters on shutdown. An engine that serves the vllm-hi hooks (
 vLLM with the vllm-hi plugin) is migratable; any other OpenAI-compatible server
 registers as routing-only.
 
-Flags default to the seed's environment variables: VLLM_HI_TYPE, VLLM_HI_HOST,
+Flags default to these environment variables: VLLM_HI_TYPE, VLLM_HI_HOST,
 VLLM_HI_DATA_PORT, VLLM_HI_TRANSFER_BACKEND.
 
 The agent token (--token-file; default: the agent-token a Host on this machine keeps
@@ -58,7 +58,7 @@ VLLM_HI_ENGINE_TOKEN_FILE naming the same file.`,
 			if cfg.AgentToken, err = tokenFromFlag(tokenFile, credentials.AgentTokenFile, "--token-file", true); err != nil {
 				return err
 			}
-			a, err := agent.New(cfg, log)
+			a, err := agent.New(cfg, log.Named("agent"))
 			if err != nil {
 				return err
 			}

@@ -22,7 +22,7 @@ func newDemoCommand(g *globalFlags) *cobra.Command {
 ports, streams a load through the Host, migrates every running stream from A to B while
 it decodes, and checks every client stream against an unmigrated run of the same
 requests on a lone engine, token for token, with exactly one [DONE] and correct usage.
-It prints the seed-style table and exits 0 only if every stream is exact. Everything
+It prints the migration summary table and exits 0 only if every stream is exact. Everything
 runs in this process and is stopped on exit or Ctrl-C.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {

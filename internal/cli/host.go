@@ -52,7 +52,7 @@ across restarts.`,
 					return err
 				}
 			}
-			h, err := host.New(cfg, log)
+			h, err := host.New(cfg, log.Named("host"))
 			if err != nil {
 				return err
 			}
@@ -93,7 +93,7 @@ across restarts.`,
 	return cmd
 }
 
-// migrationEnv reads the seed's tuning variables.
+// migrationEnv reads the migration tuning variables (VLLM_HI_MAX_INCR_ROUNDS…).
 func migrationEnv(c *migrate.Config) error {
 	for _, v := range []struct {
 		key string

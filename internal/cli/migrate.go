@@ -27,7 +27,7 @@ func newMigrateCommand() *cobra.Command {
 		Short: "Move running requests from one instance to another (hot migration)",
 		Long: `vhi migrate asks the Host to move the running requests of --src to --dst while they
 keep streaming. With --wait it shows each copy round (blocks, bytes, rate) as it happens and
-ends with the seed-style summary; it exits non-zero unless the migration succeeded.`,
+ends with a summary table (state, requests moved, downtime, rounds, KV moved); it exits non-zero unless the migration succeeded.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if cmd.Flags().Changed("target-tp") {
@@ -124,7 +124,7 @@ func humanBytes(n int64) string {
 	return fmt.Sprintf("%d B", n)
 }
 
-// printMigration prints the seed-style summary table.
+// printMigration prints the summary table of a migration.
 func printMigration(out io.Writer, st hostapi.MigrationStatus) {
 	var blocks int
 	var bytes int64

@@ -92,7 +92,7 @@ sequences.`,
 // runSim serves one engine until ctx ends, then shuts down in reverse order
 // of start: HTTP server (draining), engine loop, KV memory.
 func runSim(ctx context.Context, cfg sim.Config, addr string, log *zap.Logger) error {
-	eng, err := sim.NewEngine(cfg, log)
+	eng, err := sim.NewEngine(cfg, log.Named("sim"))
 	if err != nil {
 		return fmt.Errorf("sim: %w", err)
 	}

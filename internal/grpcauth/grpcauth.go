@@ -8,6 +8,7 @@ package grpcauth
 import (
 	"context"
 	"crypto/tls"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -98,5 +99,18 @@ func ServerOptions(token string, requireCert bool, refused func(method string)) 
 			}
 			return h(srv, ss)
 		}),
+	}
+}
+
+// Stop stops srv gracefully — in-flight calls finish — but waits at most
+// timeout before cutting what is left (a retire call can wait minutes
+// for an engine's requests).
+func Stop(srv *grpc.Server, timeout time.Duration) {
+	stopped := make(chan struct{})
+	go func() { srv.GracefulStop(); close(stopped) }()
+	select {
+	case <-stopped:
+	case <-time.After(timeout):
+		srv.Stop()
 	}
 }

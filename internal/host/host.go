@@ -125,19 +125,19 @@ func New(cfg Config, log *zap.Logger) (*Host, error) {
 		persist = h.store
 	}
 	h.reg = registry.New(registry.Options{HeartbeatInterval: cfg.HeartbeatInterval, MissedHeartbeats: cfg.MissedHeartbeats,
-		Retention: cfg.InstanceRetention, Persist: persist, Log: log})
+		Retention: cfg.InstanceRetention, Persist: persist, Log: log.Named("registry")})
 	h.reg.Restore(records)
 	h.prom.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	h.m = newMetrics(h.prom, h.reg)
 	h.proxy = proxy.New(proxy.Options{ClientWriteTimeout: cfg.ClientWriteTimeout, UpstreamTimeout: cfg.UpstreamTimeout,
-		StreamIdleTimeout: cfg.StreamIdleTimeout, EngineToken: cfg.AgentToken, TLS: agentTLS}, h.m.proxy, log)
+		StreamIdleTimeout: cfg.StreamIdleTimeout, EngineToken: cfg.AgentToken, TLS: agentTLS}, h.m.proxy, log.Named("proxy"))
 	mcfg := cfg.Migration
 	mcfg.AgentToken, mcfg.AgentTLS = cfg.AgentToken, agentTLS
 	var records2 migrate.RecordStore
 	if h.store != nil {
 		records2 = h.store
 	}
-	if h.mig, err = migrate.New(mcfg, h.reg, h.proxy, h.m.migrations, records2, log); err != nil {
+	if h.mig, err = migrate.New(mcfg, h.reg, h.proxy, h.m.migrations, records2, log.Named("migrate")); err != nil {
 		h.closeStore()
 		return nil, err
 	}
@@ -252,14 +252,10 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 		h.log.Warn("streams still open at the shutdown timeout; closing them", zap.Error(err))
 		_ = srv.Close()
 	}
-	stopped := make(chan struct{})
-	go func() { h.grpc.GracefulStop(); close(stopped) }()
-	select {
-	case <-stopped:
-	case <-time.After(5 * time.Second):
-		h.grpc.Stop()
-	}
-	h.mig.Close()
+	grpcauth.Stop(h.grpc, 5*time.Second)
+	mctx, mcancel := context.WithTimeout(context.Background(), h.cfg.ShutdownTimeout)
+	h.mig.Close(mctx)
+	mcancel()
 	h.proxy.Close()
 	return nil
 }

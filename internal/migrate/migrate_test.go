@@ -1,6 +1,7 @@
 package migrate
 
 import (
+	"context"
 	"encoding/json"
 	"strings"
 	"sync"
@@ -68,6 +69,13 @@ func TestStartRefusals(t *testing.T) {
 	add("B", "B", true, "m")
 	add("B2", "B", true, "other")
 	add("P", "B", false, "m")
+	// A target whose KV geometry differs is refused before anything starts
+	// (it used to be found in round 0, as an abort).
+	if _, err := reg.Register(registry.Registration{ID: "G", Type: "B", Session: "s", AgentAddress: "127.0.0.1:1",
+		Engine: registry.Engine{URL: "http://g", ServedModels: []string{"m"}, TP: 1, PP: 1, Migratable: true,
+			Geometry: registry.Geometry{Layers: 2, KVHeads: 8, HeadDim: 128, DTypeBytes: 2, BlockSize: 16}}}); err != nil {
+		t.Fatal(err)
+	}
 	o, err := New(DefaultConfig(), reg, proxy.New(proxy.Options{}, nil, zap.NewNop()), nil, nil, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
@@ -90,13 +98,14 @@ func TestStartRefusals(t *testing.T) {
 		{hostapi.MigrateRequest{Src: "A", Dst: "P"}, 409},
 		{hostapi.MigrateRequest{Src: "A", Dst: "B2"}, 409},
 		{hostapi.MigrateRequest{Src: "A", Dst: "B", TargetTP: &two}, 409},
+		{hostapi.MigrateRequest{Src: "A", Dst: "G"}, 409},
 	} {
 		_, err := o.Start(c.req)
 		if err == nil || errdefs.HTTPStatus(err) != c.code {
 			t.Errorf("%+v: %v, want %d", c.req, err, c.code)
 		}
 	}
-	for _, id := range []string{"A", "B"} {
+	for _, id := range []string{"A", "B", "G"} {
 		if i, _ := reg.Get(id); i.Busy != (registry.Operation{}) {
 			t.Fatalf("a refused migration left %s claimed by %s", id, i.Busy)
 		}
@@ -170,7 +179,7 @@ func TestRecordsSurviveAndStayBounded(t *testing.T) {
 	if st, _ := o.Get("mig-5"); st.State != hostapi.StateFailed {
 		t.Fatalf("a migration its Host died in after the commit: %+v", st)
 	}
-	o.Close()
+	o.Close(context.Background())
 	if len(store.m) != 3 {
 		t.Fatalf("the store keeps %d records, want 3", len(store.m))
 	}

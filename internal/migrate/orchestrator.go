@@ -51,13 +51,32 @@ func New(cfg Config, reg *registry.Registry, px *proxy.Proxy, met *Metrics, reco
 	return o, nil
 }
 
-// Close stops background work, waits for running migrations, writes the
-// last records and closes agent connections.
-func (o *Orchestrator) Close() {
+// Close stops background work, waits — until ctx ends — for running
+// migrations to roll back or finish, writes the last records and closes
+// the agent connections. A migration still running then ends with its
+// engines' leases (the source resumes, the target frees its blocks).
+func (o *Orchestrator) Close(ctx context.Context) {
 	o.cancel()
-	o.wg.Wait()
+	done := make(chan struct{})
+	go func() { o.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-ctx.Done():
+		o.log.Warn("migrations still running at shutdown; their engines' leases will end them", zap.Int("running", o.running()))
+	}
 	o.rec.close()
 	o.agents.Close()
+}
+
+// running counts the migrations not ended.
+func (o *Orchestrator) running() int {
+	n := 0
+	for _, st := range o.List() {
+		if !st.Ended() {
+			n++
+		}
+	}
+	return n
 }
 
 // Start validates a migrate request, reserves both instances, selects the

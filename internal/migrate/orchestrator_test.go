@@ -412,3 +412,46 @@ func grep(s, sub string) string {
 	}
 	return strings.Join(out, "\n")
 }
+
+// A target that takes the requests but will not stream them (its attach
+// hook fails) is not a success: the migration says "failed", how many
+// streams could not switch, and their clients get an error event rather
+// than a stream that silently stops. The target's copies nobody listens
+// to are dropped.
+func TestStreamsThatCannotSwitchFailTheMigration(t *testing.T) {
+	refuseAttach := func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if strings.HasSuffix(r.URL.Path, "/stream") {
+				http.Error(w, "no", http.StatusBadGateway)
+				return
+			}
+			next.ServeHTTP(w, r)
+		})
+	}
+	r := newRig(t, rigOptions{wrapB: refuseAttach, streams: 4, tokens: 300})
+	done := make(chan []loadgen.Stream, 1)
+	go func() { done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: r.st.HostURL, Model: "m"}, r.reqs) }()
+	time.Sleep(150 * time.Millisecond)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	st, err := r.st.Client().MigrateAndWait(ctx, hostapi.MigrateRequest{Src: r.st.AID, Dst: r.st.BID, Type: hostapi.PreserveSource}, 10*time.Millisecond)
+	if err != nil || st.State != hostapi.StateFailed || !st.Committed || !strings.Contains(st.Error, "could not switch") {
+		t.Fatalf("a migration whose streams could not switch: %+v %v", st, err)
+	}
+	for i, s := range <-done {
+		if s.Err == nil || !strings.Contains(s.Err.Error(), "error event") {
+			t.Fatalf("stream %d ended without telling its client: %v", i, s.Err)
+		}
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		sb, _ := r.st.B.Stats(context.Background())
+		if sb.FreeBlocks == sb.TotalBlocks {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("B keeps the orphaned requests: %+v", sb)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}

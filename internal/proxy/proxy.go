@@ -14,19 +14,10 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/api/openai"
 )
-
-// Metrics are the proxy's instruments; the Host registers them.
-type Metrics struct {
-	AddedLatency    prometheus.Observer    // upstream event read → client write flushed
-	UpstreamErrors  *prometheus.CounterVec // labels: model, kind
-	StreamsInFlight prometheus.Gauge       //
-	StreamTokens    prometheus.Counter     // token events forwarded
-}
 
 // Proxy forwards OpenAI requests to engines.
 type Proxy struct {

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/test/framework"
 
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
 )
@@ -47,13 +48,7 @@ func listInstances(t *testing.T, hostURL string) []hostapi.Instance {
 
 func waitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	framework.WaitFor(t, what, cond)
 }
 
 // vhi host, vhi sim and vhi agent as real processes on loopback: streams

@@ -1,0 +1,36 @@
+package proxy
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// Metrics are the proxy's instruments, named vhi_*; the Host registers
+// them (Collectors).
+type Metrics struct {
+	AddedLatency    prometheus.Histogram   // upstream event read → client write flushed
+	UpstreamErrors  *prometheus.CounterVec // labels: model, kind
+	StreamsInFlight prometheus.Gauge
+	StreamTokens    prometheus.Counter // token events forwarded
+}
+
+// NewMetrics makes the proxy's instruments.
+func NewMetrics() *Metrics {
+	return &Metrics{
+		AddedLatency: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "vhi_proxy_added_latency_seconds", Help: "Time from reading an SSE event from the engine to flushing it to the client.",
+			Buckets: []float64{0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1},
+		}),
+		UpstreamErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "vhi_upstream_errors_total", Help: "Engine failures seen by the proxy, by model and kind (connect, read, eof_without_done).",
+		}, []string{"model", "kind"}),
+		StreamsInFlight: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "vhi_streams_in_flight", Help: "Client SSE streams being relayed now.",
+		}),
+		StreamTokens: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "vhi_stream_tokens_total", Help: "Token events relayed to clients.",
+		}),
+	}
+}
+
+// Collectors lists the instruments for registration.
+func (m *Metrics) Collectors() []prometheus.Collector {
+	return []prometheus.Collector{m.AddedLatency, m.UpstreamErrors, m.StreamsInFlight, m.StreamTokens}
+}

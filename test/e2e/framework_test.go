@@ -1,0 +1,49 @@
+package e2e
+
+import (
+	"context"
+	"testing"
+
+	"github.com/vllm-hi/vllm-hi/api/hooks"
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/internal/engine"
+	"github.com/vllm-hi/vllm-hi/internal/loadgen"
+	"github.com/vllm-hi/vllm-hi/test/framework"
+)
+
+// The migration cases of test/framework against the binaries: the same
+// tests its in-process runner runs (with VHI_E2E_SIM_DEVICES, on GPUs).
+func TestMigrationCases(t *testing.T) {
+	framework.Run(t, func(t *testing.T, o framework.Options) framework.Cluster {
+		blocks := o.BBlocks
+		if blocks == 0 {
+			blocks = 4096
+		}
+		d := deploy(t, blocks)
+		d.client = hostClient(t, d.hostURL, d.tk.admin)
+		return d
+	}, framework.Cases())
+}
+
+var _ framework.Cluster = (*deployment)(nil)
+
+func (d *deployment) Host() *hostapi.Client { return d.client }
+func (d *deployment) HostURL() string       { return d.hostURL }
+func (d *deployment) A() string             { return "A" }
+func (d *deployment) B() string             { return "B" }
+
+func (d *deployment) Engine(id string) hooks.Engine {
+	url := d.aURL
+	if id == "B" {
+		url = d.bURL
+	}
+	e, err := engine.NewClient(url, engine.Options{Token: d.tk.agent})
+	if err != nil {
+		panic(err) // the URLs are the deployment's own
+	}
+	return e
+}
+
+func (d *deployment) Reference(reqs []loadgen.Request) []loadgen.Stream {
+	return loadgen.Run(context.Background(), loadgen.Config{BaseURL: d.refURL, Model: framework.Model}, reqs)
+}

@@ -1,0 +1,179 @@
+package framework
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/internal/loadgen"
+)
+
+// Cases are the migration tests every runner runs.
+func Cases() []Case {
+	return []Case{
+		{Name: "destroy_source moves every stream exactly and releases the source", Run: destroySource},
+		{Name: "preserve_source swaps the roles and keeps the source's KV", Run: preserveSource},
+		{Name: "keep_source_active moves the longest 4", Run: keepSourceActive},
+		{Name: "a target too small is refused with nothing started", Options: Options{BBlocks: 70}, Run: targetTooSmall},
+		{Name: "a cut data connection rolls back", Run: rollsBack("cut")},
+		{Name: "a frame that fails its checksum rolls back", Run: rollsBack("corrupt")},
+		{Name: "silent corruption is caught before the commit", Run: silentCorruption},
+		{Name: "refused requests change nothing", Run: refusals},
+	}
+}
+
+func destroySource(t *testing.T, c Cluster) {
+	reqs := Load(32, 300)
+	want := c.Reference(reqs)
+	st := MigrateLoaded(t, c, reqs, want, hostapi.MigrateRequest{})
+	if st.State != hostapi.StateSucceeded || st.Migrated != len(reqs) || st.NewActiveInstance != c.B() || st.DowntimeS <= 0 {
+		t.Fatalf("%+v", st)
+	}
+	Roles(t, c, "standby", "active")
+	WaitFor(t, "the source's KV to be released", func() bool {
+		s, _ := c.Host().Migration(context.Background(), st.ID)
+		return s.SourceKV == hostapi.SourceKVReleased
+	})
+	if lc := Instance(t, c, c.A()).Lifecycle; lc != "retired" {
+		t.Fatalf("the source is %s after destroy_source", lc)
+	}
+	Metrics(t, c, `vhi_migrations_total{state="succeeded"} 1`, "vhi_migration_downtime_seconds_count 1")
+}
+
+func preserveSource(t *testing.T, c Cluster) {
+	reqs := Load(16, 300)
+	want := c.Reference(reqs)
+	st := MigrateLoaded(t, c, reqs, want, hostapi.MigrateRequest{Type: hostapi.PreserveSource})
+	if st.State != hostapi.StateSucceeded || st.Migrated != len(reqs) || st.NewActiveInstance != c.B() || st.SourceKV != hostapi.SourceKVKept {
+		t.Fatalf("%+v", st)
+	}
+	Roles(t, c, "standby", "active")
+	if s, err := c.Engine(c.A()).Stats(context.Background()); err != nil || s.Sleeping {
+		t.Fatalf("preserve_source must keep A's KV: %+v %v", s, err)
+	}
+	// And back: B → A, exact again.
+	st = MigrateLoaded(t, c, reqs, want, hostapi.MigrateRequest{Src: c.B(), Dst: c.A(), Type: hostapi.PreserveSource})
+	if st.State != hostapi.StateSucceeded || st.Migrated != len(reqs) {
+		t.Fatalf("back: %+v", st)
+	}
+	Roles(t, c, "active", "standby")
+}
+
+func keepSourceActive(t *testing.T, c Cluster) {
+	reqs := Load(16, 300)
+	want := c.Reference(reqs)
+	st := MigrateLoaded(t, c, reqs, want, hostapi.MigrateRequest{Type: hostapi.KeepSourceActive, RequestFilter: "longest:4"})
+	if st.State != hostapi.StateSucceeded || st.Migrated != 4 || st.NewActiveInstance != c.A() || st.RequestFilter != "longest:4" {
+		t.Fatalf("%+v", st)
+	}
+	Roles(t, c, "active", "standby")
+}
+
+func targetTooSmall(t *testing.T, c Cluster) {
+	reqs := Load(32, 300)
+	want := c.Reference(reqs)
+	running := StartLoad(t, c, reqs, c.A())
+	_, err := c.Host().Migrate(context.Background(), hostapi.MigrateRequest{Src: c.A(), Dst: c.B()})
+	if !hostapi.IsStatus(err, 409) || !strings.Contains(err.Error(), "cannot hold") {
+		t.Fatalf("a target that cannot hold the KV: %v", err)
+	}
+	CheckExact(t, <-running, want)
+	Roles(t, c, "active", "standby")
+	TargetHoldsNothing(t, c)
+	if list, _ := c.Host().Migrations(context.Background()); len(list) != 0 {
+		t.Fatalf("a refusal was recorded as a migration: %+v", list)
+	}
+	Metrics(t, c, `vhi_migrations_total{state="refused"} 1`, "vhi_migration_downtime_seconds_count 0")
+}
+
+func rollsBack(fault string) func(*testing.T, Cluster) {
+	return func(t *testing.T, c Cluster) {
+		reqs := Load(32, 300)
+		want := c.Reference(reqs)
+		st := faultyMigration(t, c, reqs, want, fault)
+		if st.State != hostapi.StateAborted || st.Committed || !strings.Contains(st.Error, "final copy round") {
+			t.Fatalf("want a rollback in the final round: %+v", st)
+		}
+		Roles(t, c, "active", "standby")
+		TargetHoldsNothing(t, c)
+		Metrics(t, c, `vhi_migrations_total{state="aborted"} 1`)
+	}
+}
+
+// faultyMigration migrates with a data-plane fault in the final round. A
+// fault acts on what the round sends: when the source wrote nothing
+// since the last incremental round (a starved machine can stall it that
+// long), there is nothing to damage and the migration rightly succeeds —
+// keep_source_active leaves the roles as they were, and it is tried
+// again.
+func faultyMigration(t *testing.T, c Cluster, reqs []loadgen.Request, want []loadgen.Stream, fault string) hostapi.MigrationStatus {
+	t.Helper()
+	for attempt := 1; ; attempt++ {
+		st := MigrateLoaded(t, c, reqs, want, hostapi.MigrateRequest{Type: hostapi.KeepSourceActive, InjectFault: fault})
+		if st.State != hostapi.StateSucceeded || finalBlocks(st) > 0 || attempt == 3 {
+			return st
+		}
+		t.Logf("attempt %d: the final round had nothing to send, so nothing for %q to damage; again", attempt, fault)
+		TargetHoldsNothing(t, c)
+	}
+}
+
+func finalBlocks(st hostapi.MigrationStatus) int {
+	for _, r := range st.Rounds {
+		if r.Kind == "final" {
+			return r.BlockCount
+		}
+	}
+	return 0
+}
+
+// A copy that reports success with wrong bytes (a bug, bad memory) is
+// caught by the check before the commit: the migration aborts and the
+// streams go on from the source, exact.
+func silentCorruption(t *testing.T, c Cluster) {
+	reqs := Load(32, 300)
+	want := c.Reference(reqs)
+	st := faultyMigration(t, c, reqs, want, "silent_corrupt")
+	if st.State != hostapi.StateAborted || !strings.Contains(st.Error, "integrity check failed") {
+		t.Fatalf("a silently corrupted copy: %+v", st)
+	}
+	Metrics(t, c, "vhi_migration_integrity_failures_total 1", `vhi_migrations_total{state="aborted"} 1`)
+	TargetHoldsNothing(t, c)
+	// A clean migration checks the same blocks and passes.
+	st = MigrateLoaded(t, c, reqs, want, hostapi.MigrateRequest{})
+	if st.State != hostapi.StateSucceeded || st.Verification == nil || st.Verification.Mode != hostapi.VerifySample || st.Verification.Blocks < 2*st.Migrated {
+		t.Fatalf("%+v (verification %+v)", st, st.Verification)
+	}
+}
+
+// Requests the Host refuses get the contract's status and change nothing.
+func refusals(t *testing.T, c Cluster) {
+	a, b := c.A(), c.B()
+	two := 2
+	for _, r := range []struct {
+		req    hostapi.MigrateRequest
+		status int
+	}{
+		{hostapi.MigrateRequest{Src: a}, 400},
+		{hostapi.MigrateRequest{Src: a, Dst: a}, 400},
+		{hostapi.MigrateRequest{Src: "nope", Dst: b}, 404},
+		{hostapi.MigrateRequest{Src: a, Dst: "nope"}, 404},
+		{hostapi.MigrateRequest{Src: b, Dst: a}, 409},
+		{hostapi.MigrateRequest{Src: a, Dst: b, Type: "teleport"}, 400},
+		{hostapi.MigrateRequest{Src: a, Dst: b, RequestFilter: "shortest:3"}, 400},
+		{hostapi.MigrateRequest{Src: a, Dst: b, TargetTP: &two}, 409},
+		{hostapi.MigrateRequest{Src: a, Dst: b, TN: 1000}, 400},
+	} {
+		if _, err := c.Host().Migrate(context.Background(), r.req); !hostapi.IsStatus(err, r.status) {
+			t.Errorf("%+v: %v, want %d", r.req, err, r.status)
+		}
+	}
+	Roles(t, c, "active", "standby")
+	if list, _ := c.Host().Migrations(context.Background()); len(list) != 0 {
+		t.Fatalf("refusals were recorded as migrations: %d", len(list))
+	}
+	if _, err := c.Host().Migration(context.Background(), "mig-unknown"); !hostapi.IsStatus(err, 404) {
+		t.Fatalf("an unknown migration: %v", err)
+	}
+}
