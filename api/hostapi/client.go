@@ -1,17 +1,17 @@
 package hostapi
 
 import (
-	"bytes"
 	"context"
 	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"net/url"
 	"strings"
 	"time"
+
+	"github.com/vllm-hi/vllm-hi/internal/httpjson"
 )
 
 // Client talks to one Host's REST API.
@@ -74,35 +74,19 @@ func path(p, id string) string { return strings.Replace(p, "{id}", url.PathEscap
 
 // do sends one request and decodes a 200's JSON body into out.
 func (c *Client) do(ctx context.Context, method, p string, in, out any) error {
-	var body io.Reader
+	var body []byte
 	if in != nil {
-		b, err := json.Marshal(in)
-		if err != nil {
+		var err error
+		if body, err = json.Marshal(in); err != nil {
 			return err
 		}
-		body = bytes.NewReader(b)
 	}
-	req, err := http.NewRequestWithContext(ctx, method, c.base+p, body)
-	if err != nil {
-		return err
-	}
-	if in != nil {
-		req.Header.Set("Content-Type", "application/json")
-	}
-	if c.token != "" {
-		req.Header.Set("Authorization", "Bearer "+c.token)
-	}
-	resp, err := c.http.Do(req)
+	status, b, err := httpjson.Do(ctx, c.http, method, c.base+p, c.token, body, 64<<20)
 	if err != nil {
 		return fmt.Errorf("cannot reach the Host at %s: %w", c.base, err)
 	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
-	if err != nil {
-		return fmt.Errorf("read the Host's answer: %w", err)
-	}
-	if resp.StatusCode != http.StatusOK {
-		e := &Error{Status: resp.StatusCode, Message: strings.TrimSpace(string(b))}
+	if status != http.StatusOK {
+		e := &Error{Status: status, Message: strings.TrimSpace(string(b))}
 		var eb ErrorBody
 		if json.Unmarshal(b, &eb) == nil && eb.Error.Message != "" {
 			e.Type, e.Message = eb.Error.Type, eb.Error.Message

@@ -3,13 +3,11 @@
 package engine
 
 import (
-	"bytes"
 	"context"
 	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -18,6 +16,7 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
+	"github.com/vllm-hi/vllm-hi/internal/httpjson"
 )
 
 // Client talks to one engine.
@@ -74,36 +73,17 @@ func IsStatus(err error, status int) bool {
 
 // Raw sends body (JSON, or nil) and returns the engine's 2xx body as is.
 func (c *Client) Raw(ctx context.Context, method, path string, body []byte) ([]byte, error) {
-	var rd io.Reader
-	if body != nil {
-		rd = bytes.NewReader(body)
-	}
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, defaultTimeout)
 		defer cancel()
 	}
-	req, err := http.NewRequestWithContext(ctx, method, c.base+path, rd)
-	if err != nil {
-		return nil, err
-	}
-	if body != nil {
-		req.Header.Set("Content-Type", "application/json")
-	}
-	if c.token != "" {
-		req.Header.Set("Authorization", "Bearer "+c.token)
-	}
-	resp, err := c.http.Do(req)
+	status, b, err := httpjson.Do(ctx, c.http, method, c.base+path, c.token, body, 256<<20)
 	if err != nil {
 		return nil, fmt.Errorf("%s %s: %w", method, path, err)
 	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(io.LimitReader(resp.Body, 256<<20))
-	if err != nil {
-		return nil, fmt.Errorf("%s %s: read: %w", method, path, err)
-	}
-	if resp.StatusCode/100 != 2 {
-		return nil, &HTTPError{Status: resp.StatusCode, Message: errorMessage(b)}
+	if status/100 != 2 {
+		return nil, &HTTPError{Status: status, Message: errorMessage(b)}
 	}
 	return b, nil
 }

@@ -6,6 +6,7 @@
 package registry
 
 import (
+	"slices"
 	"sort"
 	"sync"
 	"time"
@@ -461,11 +462,24 @@ func (r *Registry) Sweep() {
 
 // Get returns one instance.
 func (r *Registry) Get(id string) (Instance, error) {
+	return r.update(id, nil)
+}
+
+// update applies change (when not nil) to a live instance and saves it,
+// all under the lock, and returns the instance as it is then; a change
+// that fails changes nothing.
+func (r *Registry) update(id string, change func(*Instance) error) (Instance, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	inst, ok := r.instances[id]
 	if !ok {
 		return Instance{}, errdefs.Newf(errdefs.ErrNotFound, "unknown instance %s", id)
+	}
+	if change != nil {
+		if err := change(inst); err != nil {
+			return r.view(inst), err
+		}
+		r.save(inst)
 	}
 	return r.view(inst), nil
 }
@@ -482,69 +496,43 @@ func (r *Registry) List() []Instance {
 	return out
 }
 
-// SetState changes an instance's operational state (drain, undrain,
-// migrating), checking it is currently in one of from.
+// SetState changes an instance's operational state (drain, undrain),
+// checking it is currently in one of from.
 func (r *Registry) SetState(id string, to State, from ...State) (Instance, error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	inst, ok := r.instances[id]
-	if !ok {
-		return Instance{}, errdefs.Newf(errdefs.ErrNotFound, "unknown instance %s", id)
-	}
-	if len(from) > 0 {
-		okFrom := false
-		for _, f := range from {
-			okFrom = okFrom || inst.State == f
+	return r.update(id, func(inst *Instance) error {
+		if len(from) > 0 && !slices.Contains(from, inst.State) {
+			return errdefs.Newf(errdefs.ErrConflict, "instance %s is %s", id, inst.State)
 		}
-		if !okFrom {
-			return r.view(inst), errdefs.Newf(errdefs.ErrConflict, "instance %s is %s", id, inst.State)
-		}
-	}
-	inst.State = to
-	r.save(inst)
-	return r.view(inst), nil
+		inst.State = to
+		return nil
+	})
 }
 
 // SetRole changes an instance's role and the state that mirrors it.
 func (r *Registry) SetRole(id string, role Role) error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	inst, ok := r.instances[id]
-	if !ok {
-		return errdefs.Newf(errdefs.ErrNotFound, "unknown instance %s", id)
-	}
-	inst.Role = role
-	inst.State = State(role)
-	r.save(inst)
-	return nil
+	_, err := r.update(id, func(inst *Instance) error {
+		inst.Role, inst.State = role, State(role)
+		return nil
+	})
+	return err
 }
 
 // SetRetired marks an instance retired (its KV released by a
 // destroy_source migration) or not (woken).
 func (r *Registry) SetRetired(id string, retired bool) (Instance, error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	inst, ok := r.instances[id]
-	if !ok {
-		return Instance{}, errdefs.Newf(errdefs.ErrNotFound, "unknown instance %s", id)
-	}
-	inst.Retired = retired
-	r.save(inst)
-	return r.view(inst), nil
+	return r.update(id, func(inst *Instance) error {
+		inst.Retired = retired
+		return nil
+	})
 }
 
 // Woken records that an instance's engine has its KV back: no longer
 // retired or sleeping (until its agent reports otherwise).
 func (r *Registry) Woken(id string) (Instance, error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	inst, ok := r.instances[id]
-	if !ok {
-		return Instance{}, errdefs.Newf(errdefs.ErrNotFound, "unknown instance %s", id)
-	}
-	inst.Retired, inst.Stats.Sleeping = false, false
-	r.save(inst)
-	return r.view(inst), nil
+	return r.update(id, func(inst *Instance) error {
+		inst.Retired, inst.Stats.Sleeping = false, false
+		return nil
+	})
 }
 
 // Route picks the instance that serves new requests for model: an active,
