@@ -430,7 +430,9 @@ func TestStreamsThatCannotSwitchFailTheMigration(t *testing.T) {
 	}
 	r := newRig(t, rigOptions{wrapB: refuseAttach, streams: 4, tokens: 300})
 	done := make(chan []loadgen.Stream, 1)
-	go func() { done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: r.st.HostURL, Model: "m"}, r.reqs) }()
+	go func() {
+		done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: r.st.HostURL, Model: "m"}, r.reqs)
+	}()
 	time.Sleep(150 * time.Millisecond)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
