@@ -132,24 +132,33 @@ func (m *migration) finalRound(ctx context.Context, since uint64) ([]movedState,
 	}
 	cctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	copied := make(chan error, 1)
+	type copyResult struct {
+		err error
+		// interrupted: the copy failed because its context ended (the
+		// state move failed and cancelled it, or the fence passed).
+		interrupted bool
+	}
+	copied := make(chan copyResult, 1)
 	go func() {
 		_, err := m.copyRound(cctx, roundFinal, since, m.req.FinalGranularity != "block", fault)
-		copied <- err
+		copied <- copyResult{err, err != nil && cctx.Err() != nil}
 	}()
 	states, err := m.moveState(ctx)
 	if err != nil {
 		cancel()
 	}
 	// Never return with the copy still writing into the target: a rollback
-	// frees those blocks. A failed state move cancelled the copy: its
-	// error is the one to report.
-	cerr := <-copied
-	if err != nil {
+	// frees those blocks. The error to report is the one that came first:
+	// a copy that failed by itself, else the state move's (a failed state
+	// move cancels the copy).
+	c := <-copied
+	switch {
+	case c.err != nil && !c.interrupted:
+		return nil, c.err
+	case err != nil:
 		return nil, err
-	}
-	if cerr != nil {
-		return nil, cerr
+	case c.err != nil:
+		return nil, c.err
 	}
 	moving := map[string]bool{}
 	for _, id := range m.ids() {

@@ -284,6 +284,9 @@ func TestMigrationRollsBack(t *testing.T) {
 		// The worst case: the target resumed the requests, but the Host
 		// never heard. No client saw a token from it; its copies go.
 		{"the commit lands but its answer is lost", &fault{side: "dst", method: "Hook", hook: hooks.HookResume, code: codes.Unavailable, after: true}, hostapi.MigrateRequest{}, "commit on the target"},
+		// Both fail: the copy by itself, the state move at the fence. The
+		// report names the first failure (it used to name the second).
+		{"the final round is cut while the state move stalls", &fault{side: "src", method: "Hook", hook: hooks.HookExport, delay: 3 * time.Second}, hostapi.MigrateRequest{InjectFault: "cut"}, "final copy round"},
 		{"the pause stalls past its fence", &fault{side: "src", method: "Hook", hook: hooks.HookExport, delay: 3 * time.Second}, hostapi.MigrateRequest{}, "pause lease"},
 	} {
 		t.Run(c.name, func(t *testing.T) {

@@ -93,7 +93,7 @@ func rollsBack(fault string) func(*testing.T, Cluster) {
 		want := c.Reference(reqs)
 		st := faultyMigration(t, c, reqs, want, fault)
 		if st.State != hostapi.StateAborted || st.Committed || !strings.Contains(st.Error, "final copy round") {
-			t.Fatalf("want a rollback in the final round: %+v", st)
+			t.Fatalf("want a rollback in the final round, got %s at %s: %s (rounds %+v)", st.State, lastStep(st), st.Error, st.Rounds)
 		}
 		Roles(t, c, "active", "standby")
 		TargetHoldsNothing(t, c)
@@ -119,6 +119,16 @@ func faultyMigration(t *testing.T, c Cluster, reqs []loadgen.Request, want []loa
 	}
 }
 
+// lastStep is the step a migration ended in (before done).
+func lastStep(st hostapi.MigrationStatus) string {
+	for i := len(st.StepHistory) - 1; i >= 0; i-- {
+		if s := st.StepHistory[i].Step; s != "done" && s != "rollback" {
+			return s
+		}
+	}
+	return ""
+}
+
 func finalBlocks(st hostapi.MigrationStatus) int {
 	for _, r := range st.Rounds {
 		if r.Kind == "final" {
@@ -136,7 +146,7 @@ func silentCorruption(t *testing.T, c Cluster) {
 	want := c.Reference(reqs)
 	st := faultyMigration(t, c, reqs, want, "silent_corrupt")
 	if st.State != hostapi.StateAborted || !strings.Contains(st.Error, "integrity check failed") {
-		t.Fatalf("a silently corrupted copy: %+v", st)
+		t.Fatalf("a silently corrupted copy: %s at %s: %s (rounds %+v)", st.State, lastStep(st), st.Error, st.Rounds)
 	}
 	Metrics(t, c, "vhi_migration_integrity_failures_total 1", `vhi_migrations_total{state="aborted"} 1`)
 	TargetHoldsNothing(t, c)
