@@ -107,6 +107,25 @@ func (c *Client) Status(ctx context.Context) (out Status, err error) {
 	return out, c.do(ctx, http.MethodGet, PathStatus, nil, &out)
 }
 
+// WaitInstances polls the status until the Host lists n instances or ctx
+// ends.
+func (c *Client) WaitInstances(ctx context.Context, n int) error {
+	for {
+		st, err := c.Status(ctx)
+		if err == nil && st.InstanceCount == n {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			if err == nil {
+				err = fmt.Errorf("the Host lists %d instances", st.InstanceCount)
+			}
+			return fmt.Errorf("waiting for %d instances: %w (%w)", n, ctx.Err(), err)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
 // Instances lists the instances.
 func (c *Client) Instances(ctx context.Context) ([]Instance, error) {
 	var out InstanceList

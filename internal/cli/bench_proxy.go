@@ -16,6 +16,8 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
+
 	"github.com/spf13/cobra"
 
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
@@ -232,13 +234,15 @@ func runBenchProxy(ctx context.Context, out io.Writer, c proxyBenchConfig) error
 	}
 	defer ag.stop()
 	hostURL := "http://" + hostAddr
-	if err := waitHTTP(hostURL+"/vllm_hi/status", func(r *http.Response) bool {
-		var s struct {
-			N int `json:"instance_count"`
-		}
-		return json.NewDecoder(r.Body).Decode(&s) == nil && s.N == 1
-	}); err != nil {
-		return fmt.Errorf("agent did not register: %w", err)
+	hc, err := hostapi.New(hostURL, hostapi.Options{Timeout: 2 * time.Second})
+	if err != nil {
+		return err
+	}
+	wctx, wcancel := context.WithTimeout(ctx, 20*time.Second)
+	err = hc.WaitInstances(wctx, 1)
+	wcancel()
+	if err != nil {
+		return fmt.Errorf("the agent did not register: %w", err)
 	}
 
 	paths := []struct {

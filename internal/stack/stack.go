@@ -108,16 +108,10 @@ func Start(o Options) (*Stack, error) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
-	for {
-		if st, err := s.client.Status(ctx); err == nil && st.InstanceCount == 2 {
-			return s, nil
-		}
-		select {
-		case <-ctx.Done():
-			return fail(fmt.Errorf("agents did not register within 15 s"))
-		case <-time.After(20 * time.Millisecond):
-		}
+	if err := s.client.WaitInstances(ctx, 2); err != nil {
+		return fail(fmt.Errorf("the agents did not register: %w", err))
 	}
+	return s, nil
 }
 
 // Client is the typed client of the stack's Host, with the admin token.

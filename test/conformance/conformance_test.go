@@ -11,6 +11,7 @@ package conformance
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -411,12 +412,12 @@ func TestHostRoutesToVLLM(t *testing.T) {
 	startAgent(t, hostAddr, vllm, "A")
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		a := send(t, "GET", hostURL+"/vllm_hi/instances", "")
-		if strings.Contains(string(a.body), `"migratable":true`) {
+		list, err := hostClient(t, hostURL).Instances(context.Background())
+		if err == nil && len(list) == 1 && list[0].Migratable {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("the agent did not register vLLM: %s", a.body)
+			t.Fatalf("the agent did not register vLLM: %+v %v", list, err)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}

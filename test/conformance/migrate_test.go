@@ -145,8 +145,8 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 		if lc := lifecycle(t, hostURL, src); lc != "retired" {
 			t.Fatalf("the source is %s, want retired", lc)
 		}
-		if r := send(t, "POST", hostURL+"/vllm_hi/instances/"+src+"/wake", "{}"); r.status != 200 {
-			t.Fatalf("wake: %d %s", r.status, r.body)
+		if _, err := hostClient(t, hostURL).Wake(context.Background(), src); err != nil {
+			t.Fatalf("wake: %v", err)
 		}
 		if lc := lifecycle(t, hostURL, src); lc != "standby" {
 			t.Fatalf("the woken source is %s, want standby", lc)

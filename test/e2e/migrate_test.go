@@ -280,11 +280,9 @@ func TestMigrationBadInput(t *testing.T) {
 	if roleOf(t, d.hostURL, "A") != "active" || roleOf(t, d.hostURL, "B") != "standby" || len(listMigrations(t, d.hostURL)) != 0 {
 		t.Fatal("a refused migrate request changed something")
 	}
-	resp, _ := http.Get(d.hostURL + "/vllm_hi/migration/mig-unknown/status")
-	if resp.StatusCode != 404 {
-		t.Fatalf("unknown migration: %d", resp.StatusCode)
+	if _, err := hostClient(t, d.hostURL, "").Migration(context.Background(), "mig-unknown"); !hostapi.IsStatus(err, 404) {
+		t.Fatalf("unknown migration: %v", err)
 	}
-	resp.Body.Close()
 	// Busy: a second migration of the same pair while the first runs.
 	reqs := load(32, 150)
 	running := d.startLoad(reqs)
