@@ -23,6 +23,13 @@ func TestMain(m *testing.M) {
 		panic(err)
 	}
 	vhiBin = filepath.Join(dir, "vhi")
+	// Every process these tests start looks for "the local Host's" tokens
+	// in the state directory (vhi sim protects its hooks with them when it
+	// finds them): give the run its own, empty one, so a Host that once ran
+	// on this machine changes nothing here.
+	if err := os.Setenv("XDG_STATE_HOME", filepath.Join(dir, "state")); err != nil {
+		panic(err)
+	}
 	// No -race here: these tests time real streams against real migrations,
 	// and the race detector's 5-10x slowdown would change what they test.
 	// The in-process tests of every package run with -race.

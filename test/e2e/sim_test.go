@@ -28,12 +28,13 @@ func TestSimProcessesAgree(t *testing.T) {
 		return int64(st.Bavail) * st.Bsize
 	}
 	before := free()
+	tk := newTokens(t)
 	var urls []string
 	var procs []*proc
 	for _, extra := range [][]string{{}, {"--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"}} {
 		port := freePort(t)
 		args := append([]string{"sim", "--port", fmt.Sprint(port), "--served-model-name", "m", "--shm-dir", shm,
-			"--num-gpu-blocks", "2048", "--step-fixed", "2ms", "--log-level", "warn"}, extra...)
+			"--num-gpu-blocks", "2048", "--step-fixed", "2ms", "--log-level", "warn", "--engine-token-file", tk.agentFile}, extra...)
 		procs = append(procs, startVHI(t, args...))
 		url := fmt.Sprintf("http://127.0.0.1:%d", port)
 		waitHealthy(t, url+"/health")
@@ -43,7 +44,15 @@ func TestSimProcessesAgree(t *testing.T) {
 		t.Fatalf("KV files left with a name: %v", files)
 	}
 	for i, u := range urls {
-		resp, err := http.Get(u + "/vllm_hi/engine/layout")
+		open, err := http.Get(u + "/vllm_hi/engine/layout")
+		if err != nil {
+			t.Fatal(err)
+		}
+		open.Body.Close()
+		if open.StatusCode != http.StatusUnauthorized {
+			t.Fatalf("sim %d answers its layout without the agent token: %s", i, open.Status)
+		}
+		resp, err := authGet(u+"/vllm_hi/engine/layout", tk.agent)
 		if err != nil {
 			t.Fatal(err)
 		}
