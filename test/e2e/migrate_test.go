@@ -372,3 +372,29 @@ func listMigrations(t *testing.T, hostURL string) []hostapi.MigrationStatus {
 	}
 	return list
 }
+
+// vhi bench migrate --host runs the benchmark against a running
+// deployment (what hack/gpu-vllm-bench.sh does with real vLLM): it finds
+// the source and target, takes the reference through the Host, migrates
+// under load, wakes the retired source and migrates back for the next run.
+func TestBenchMigrateAgainstADeployment(t *testing.T) {
+	d := deploy(t, 4096)
+	out, err := exec.Command(vhiBin, "bench", "migrate", "--host", d.hostURL, "--admin-token-file", d.tk.adminFile,
+		"--streams", "6", "--max-tokens", "80", "--prompt-words", "20", "--delay", "400ms",
+		"--final-granularity", "slot,block").CombinedOutput()
+	if err != nil {
+		t.Fatalf("vhi bench migrate --host: %v\n%s", err, out)
+	}
+	if n := strings.Count(string(out), "every stream exact"); n != 2 {
+		t.Fatalf("want two exact runs, got %d:\n%s", n, out)
+	}
+	if !strings.Contains(string(out), "through the Host at "+d.hostURL) {
+		t.Fatalf("the report does not name the deployment:\n%s", out)
+	}
+	// Nothing to migrate to: a clear error, non-zero exit.
+	out, err = exec.Command(vhiBin, "bench", "migrate", "--host", d.hostURL, "--admin-token-file", d.tk.adminFile,
+		"--model", "no-such-model").CombinedOutput()
+	if err == nil || !strings.Contains(string(out), "no migratable active and standby instance of no-such-model") {
+		t.Fatalf("an unknown model: %v\n%s", err, out)
+	}
+}

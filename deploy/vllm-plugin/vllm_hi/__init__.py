@@ -10,4 +10,4 @@ __version__ = "0.1.0"
 HOOKS_VERSION = 1
 # vLLM versions whose internals this plugin was written against and tested
 # with; others are refused at start-up with a clear message.
-SUPPORTED_VLLM = ("0.32.",)
+SUPPORTED_VLLM = ("0.26.", "0.32.")

@@ -416,8 +416,8 @@ def _release(core, st) -> dict:
         return {"released": False, "busy": busy}
     freed = core.model_executor.collective_rpc(worker.can_release)
     if not all(freed):
-        return {"unsupported": True, "note": "the KV is not in a shared-memory file this plugin can release "
-                                             "(a GPU engine needs --enable-sleep-mode)"}
+        return {"unsupported": True, "note": "the KV is GPU memory shared through CUDA IPC: it stays allocated "
+                                             "until the engine stops (vllm-hi cannot release it yet)"}
     if not st.sched.reset_prefix_cache():
         return {"released": False, "busy": 1}
     sizes = core.model_executor.collective_rpc(worker.release_kv)

@@ -16,7 +16,7 @@ import hmac
 import json
 import time
 
-from . import HOOKS_VERSION
+from . import HOOKS_VERSION, compat
 from .wire import HookError, decode_ints, encode_ints
 
 # Stream metadata by response id, captured from vLLM's own stream
@@ -115,6 +115,7 @@ class Hooks:
                              "pp": pc.pipeline_parallel_size},
                 "kv_layout": regions[0].get("_kv_layout", ""),
                 "opaque_blocks": bool(regions[0].get("_opaque")),
+                "kv_generation": max(int(r.get("_kv_generation") or 0) for r in regions),
                 "regions": out_regions}
 
     async def requests(self) -> dict:
@@ -296,13 +297,13 @@ class Hooks:
     # ---- attach -------------------------------------------------------------
 
     def chunk(self, inst: Installed, hid: str, text: str, finish, stop_reason, completion_tokens: int) -> str:
-        from vllm.entrypoints.serve.engine.protocol import UsageInfo
-
+        UsageInfo = compat.usage_info()
         m = inst.meta
         if m["kind"] == "chat":
             from vllm.entrypoints.openai.chat_completion.protocol import (
                 ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse)
-            from vllm.entrypoints.generate.base.protocol import DeltaMessage
+
+            DeltaMessage = compat.delta_message()
 
             kw = {"stop_reason": stop_reason} if finish is not None else {}
             choice = ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(content=text), logprobs=None,
@@ -326,8 +327,7 @@ class Hooks:
         return f"data: {c.model_dump_json(exclude_unset=True)}\n\n"
 
     def usage_chunk(self, inst: Installed, hid: str, completion_tokens: int) -> str:
-        from vllm.entrypoints.serve.engine.protocol import UsageInfo
-
+        UsageInfo = compat.usage_info()
         m = inst.meta
         u = UsageInfo(prompt_tokens=inst.prompt_len, completion_tokens=completion_tokens,
                       total_tokens=inst.prompt_len + completion_tokens)

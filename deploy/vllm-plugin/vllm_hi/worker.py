@@ -1,11 +1,13 @@
 """Worker-side pieces: KV cache in memory an agent can map, its layout,
 and per-request random generator state.
 
-vLLM allocates each worker's KV as one flat int8 buffer and views it per
-layer (`allocate_kv_cache`, v1/worker/utils.py). On CPU the plugin backs
-that buffer with a shared-memory file, so a `vhi agent` mmaps the very
-bytes the attention kernels read and write. The layer views' strides give
-the region's five strides, whatever KV layout vLLM resolved.
+Each worker's KV becomes one flat int8 buffer that every layer views
+(vLLM 0.32 allocates it so; on 0.26 the plugin lays the per-layer tensors
+end to end in one). On CPU the buffer is a shared-memory file, so a `vhi
+agent` mmaps the very bytes the attention kernels read and write; on a GPU
+it is one CUDA allocation that the agent opens through its IPC handle and
+copies with the cuda_ipc backend. The layer views' strides give the
+region's five strides, whatever KV layout vLLM resolved.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ import uuid
 
 import torch
 
+from . import compat
+from .kvdesc import cuda_ipc_memory, layer_slices, layer_stride, view_strides
+
 # One worker process holds one KV buffer; the engine core reads these
 # through collective_rpc.
-_state = {"path": None, "buf": None, "fd": None, "size": 0, "pending_generators": {}}
+_state = {"path": None, "buf": None, "fd": None, "size": 0, "generation": 0, "pending_generators": {}}
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
@@ -75,10 +80,48 @@ def release_kv(worker) -> int:
     return size
 
 
+def _backing(size: int, device, shm_dir: str):
+    """The one KV buffer of this worker, on device: a shared-memory file
+    on CPU, one CUDA allocation on a GPU (one IPC handle covers every
+    layer). None for devices the plugin cannot share.
+
+    vLLM may allocate more than once: with CUDA graphs it first builds a
+    minimal KV cache to profile their memory, frees it, then builds the
+    real one. Each allocation replaces the last and moves the generation
+    on, so a mapping made of an older buffer is known to be stale."""
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        return None
+    if _state["fd"] is not None:
+        os.close(_state["fd"])  # the old file goes once vLLM drops its views
+        _state["fd"] = None
+    _state["buf"], _state["path"] = None, None
+    _state["generation"] += 1
+    if dev.type == "cpu":
+        path = os.path.join(shm_dir, f"vhi-vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}.kv")
+        _state["buf"], _state["path"] = _shm_zeros(path, size)
+    else:
+        _state["buf"] = torch.zeros(size, dtype=torch.int8, device=dev)
+    return _state["buf"]
+
+
 def patch_allocation(shm_dir: str) -> None:
-    """Wraps gpu_model_runner.allocate_kv_cache (the CPU runner uses the
-    same path) so a CPU buffer comes from a shared-memory file."""
-    from vllm.v1.worker import gpu_model_runner, utils
+    """Makes each worker's KV one buffer an agent can map, whichever way
+    this vLLM allocates it: 0.32 allocates one backing buffer for all
+    layers (v1/worker/utils.allocate_kv_cache), 0.26 one tensor per layer
+    (GPUModelRunner._allocate_kv_cache_tensors; the CPU runner inherits
+    it). On 0.26 the layers become consecutive slices of one buffer in
+    layer order, so a layer stride describes them all."""
+    from vllm.v1.worker import gpu_model_runner
+
+    if hasattr(gpu_model_runner, "allocate_kv_cache"):
+        _patch_backing_allocation(gpu_model_runner, shm_dir)
+    else:
+        _patch_per_layer_allocation(gpu_model_runner.GPUModelRunner, shm_dir)
+
+
+def _patch_backing_allocation(gpu_model_runner, shm_dir: str) -> None:
+    from vllm.v1.worker import utils
 
     original = gpu_model_runner.allocate_kv_cache
     if getattr(original, "_vllm_hi", False):
@@ -87,17 +130,19 @@ def patch_allocation(shm_dir: str) -> None:
     def allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes=None):
         from .config import enabled
 
-        if not enabled() or torch.device(device).type != "cpu" or not kv_cache_config.kv_cache_tensors:
+        if not enabled() or not kv_cache_config.kv_cache_tensors:
             return original(kv_cache_config, device, layout, kernel_block_sizes)
         size = kv_cache_config.kv_cache_tensors[0].size
-        path = os.path.join(shm_dir, f"vhi-vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}.kv")
         real_zeros = torch.zeros
+        done = []
 
         def zeros(*args, **kw):
             n = args[0] if args else kw.get("size")
-            if kw.get("dtype") == torch.int8 and n == size and _state["buf"] is None:
-                _state["buf"], _state["path"] = _shm_zeros(path, size)
-                return _state["buf"]
+            if kw.get("dtype") == torch.int8 and n == size and not done:
+                done.append(True)
+                buf = _backing(size, kw.get("device", device), shm_dir)
+                if buf is not None:
+                    return buf
             return real_zeros(*args, **kw)
 
         with _patched(utils.torch, "zeros", zeros):
@@ -105,6 +150,34 @@ def patch_allocation(shm_dir: str) -> None:
 
     allocate_kv_cache._vllm_hi = True
     gpu_model_runner.allocate_kv_cache = allocate_kv_cache
+
+
+def _patch_per_layer_allocation(cls, shm_dir: str) -> None:
+    original = cls._allocate_kv_cache_tensors
+    if getattr(original, "_vllm_hi", False):
+        return
+
+    def _allocate_kv_cache_tensors(self, kv_cache_config):
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        from .config import enabled
+
+        tensors = kv_cache_config.kv_cache_tensors
+        if not enabled() or not tensors:
+            return original(self, kv_cache_config)
+        total, slices = layer_slices(tensors, extract_layer_index)
+        buf = _backing(total, self.device, shm_dir)
+        if buf is None:
+            return original(self, kv_cache_config)
+        raw = {}
+        for at, size, names in slices:
+            view = buf[at:at + size]
+            for name in names:
+                raw[name] = view
+        return raw
+
+    _allocate_kv_cache_tensors._vllm_hi = True
+    cls._allocate_kv_cache_tensors = _allocate_kv_cache_tensors
 
 
 @contextlib.contextmanager
@@ -121,32 +194,29 @@ def describe_region(worker) -> dict:
     """The layout hook's region of this worker (collective_rpc target)."""
     mr = worker.model_runner
     caches = [t for t in mr.kv_caches if t is not None]
-    if not caches or _state["buf"] is None:
-        raise RuntimeError("the KV cache is not in shared memory (vllm-hi supports the CPU backend here)")
     base = _state["buf"]
+    if not caches or base is None:
+        raise RuntimeError("vllm-hi: the KV cache is not in memory an agent can map "
+                           "(the plugin shares vLLM's CPU and CUDA KV caches)")
     t0 = caches[0]
     elem = t0.element_size()
     spec = _attention_spec(mr)
     head_dim, heads, block_size = spec.head_size, spec.num_kv_heads, spec.block_size
-    shape, st = tuple(t0.shape), [s * elem for s in t0.stride()]
-    # Known views: [blocks, heads, slots, 2*head_dim] (K and V side by
-    # side per slot: vLLM CPU's LBHNC) or a 5-D view with a K/V dimension.
-    if len(shape) == 4 and shape[3] == 2 * head_dim:
-        # vLLM CPU (LBHNC): the kernels tile K and V inside a block, so
-        # single slots are not addressable. Each layer's block is one
-        # contiguous range; describe it as packed (kv, head, slot) so whole
-        # block copies between same-shaped engines move the right bytes,
-        # and mark the blocks opaque so no one copies single slots.
-        blk = st[0]
-        strides = {"block_stride": blk, "kv_stride": blk // 2, "head_stride": blk // (2 * heads),
-                   "slot_stride": head_dim * elem, "_opaque": True}
-    elif len(shape) == 5 and shape[0] == 2:
-        strides = {"kv_stride": st[0], "block_stride": st[1], "head_stride": st[2], "slot_stride": st[3]}
-    elif len(shape) == 5 and shape[1] == 2:
-        strides = {"block_stride": st[0], "kv_stride": st[1], "head_stride": st[2], "slot_stride": st[3]}
+    on_cpu = base.device.type == "cpu"
+    for t in caches:
+        if t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+            raise RuntimeError("vllm-hi: a layer's KV is outside the shared buffer")
+    strides = view_strides(t0.shape, t0.stride(), elem, head_dim, heads, on_cpu)
+    lstride = layer_stride([t.storage_offset() * t.element_size() for t in caches])
+    first = t0.storage_offset() * elem
+    if on_cpu:
+        memory = {"kind": "shm", "path": _state["path"]}
     else:
-        raise RuntimeError(f"unsupported KV view shape {shape}")
-    layer_stride = (caches[1].storage_offset() - t0.storage_offset()) * elem if len(caches) > 1 else 0
+        if worker.vllm_config.model_config.enable_sleep_mode:
+            raise RuntimeError("vllm-hi: with --enable-sleep-mode vLLM allocates the KV through cuMemCreate, "
+                               "which CUDA IPC cannot share; start the engine without it")
+        memory = cuda_ipc_memory(base.data_ptr() + first, base.device.index or 0)
+        first = 0  # the memory's offset points at layer 0 already
     pc = worker.vllm_config.parallel_config
     tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
     tp_rank = getattr(worker, "rank", 0) % tp
@@ -155,15 +225,15 @@ def describe_region(worker) -> dict:
         "tp_rank": tp_rank, "pp_stage": getattr(worker, "rank", 0) // tp,
         "first_layer": 0 if pp == 1 else None, "num_layers": len(caches),
         "first_head": tp_rank * heads, "num_heads": heads,
-        "size_bytes": base.untyped_storage().nbytes(),
-        "layer_stride": layer_stride, **strides,
-        "memory": {"kind": "shm", "path": _state["path"]},
+        "size_bytes": base.untyped_storage().nbytes() - (0 if on_cpu else t0.storage_offset() * elem),
+        "layer_stride": lstride, **strides,
+        "memory": memory,
         "_geometry": {"num_layers": total_layers, "num_kv_heads": heads * tp, "head_dim": head_dim,
                       "dtype": str(t0.dtype).removeprefix("torch."), "dtype_bytes": elem,
-                      "block_size": block_size, "num_blocks": shape[0]},
-        "_base_offset": t0.storage_offset() * elem,
-        "_kv_layout": str(getattr(mr.cache_config.get_resolved_kv_cache_layout(), "name",
-                                  mr.cache_config.get_resolved_kv_cache_layout())),
+                      "block_size": block_size, "num_blocks": t0.shape[0]},
+        "_base_offset": first,
+        "_kv_generation": _state["generation"],
+        "_kv_layout": compat.kv_cache_layout(mr.cache_config),
     }
 
 

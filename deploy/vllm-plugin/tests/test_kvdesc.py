@@ -1,0 +1,125 @@
+"""The KV description (kvdesc.py) without torch, vLLM or a GPU: layer
+placement, strides from each known view, and the CUDA IPC export against
+a fake driver."""
+
+import base64
+import ctypes
+import os
+import sys
+import unittest
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from vllm_hi.kvdesc import CudaError, cuda_ipc_memory, layer_slices, layer_stride, view_strides  # noqa: E402
+
+
+def layer_index(name):
+    return int(name.split(".")[2])
+
+
+class LayerSlicesTest(unittest.TestCase):
+    def test_layers_end_to_end_in_layer_order(self):
+        # vLLM lists the tensors in any order; the buffer holds them by layer.
+        ts = [SimpleNamespace(size=100, shared_by=[f"model.layers.{i}.attn"], block_stride=0) for i in (2, 0, 1)]
+        total, slices = layer_slices(ts, layer_index)
+        self.assertEqual(total, 300)
+        self.assertEqual(slices, [(0, 100, ["model.layers.0.attn"]), (100, 100, ["model.layers.1.attn"]),
+                                  (200, 100, ["model.layers.2.attn"])])
+
+    def test_packed_tensors_share_one_backing(self):
+        ts = [SimpleNamespace(size=500, shared_by=[f"model.layers.{i}.attn"], block_stride=64) for i in range(3)]
+        total, slices = layer_slices(ts, layer_index)
+        self.assertEqual(total, 500)
+        self.assertTrue(all(at == 0 and size == 500 for at, size, _ in slices))
+        ts[1].size = 400
+        with self.assertRaises(RuntimeError):
+            layer_slices(ts, layer_index)
+
+
+class StridesTest(unittest.TestCase):
+    def test_gpu_packed_kv_in_the_last_dimension(self):
+        # FlashAttention, NHD: logical (B, H, N, 2D) over physical (B, N, H, 2D),
+        # bf16, 8 heads, 16 slots, head_dim 128.
+        B, H, N, D = 10, 8, 16, 128
+        strides = (N * H * 2 * D, 2 * D, H * 2 * D, 1)
+        got = view_strides((B, H, N, 2 * D), strides, 2, D, H, on_cpu=False)
+        self.assertEqual(got, {"block_stride": N * H * 2 * D * 2, "head_stride": 2 * D * 2,
+                               "slot_stride": H * 2 * D * 2, "kv_stride": D * 2})
+        self.assertNotIn("_opaque", got)
+
+    def test_cpu_blocks_are_opaque(self):
+        B, H, N, D = 10, 2, 16, 64
+        strides = (H * N * 2 * D, N * 2 * D, 2 * D, 1)
+        got = view_strides((B, H, N, 2 * D), strides, 2, D, H, on_cpu=True)
+        blk = H * N * 2 * D * 2
+        self.assertEqual(got, {"block_stride": blk, "kv_stride": blk // 2, "head_stride": blk // (2 * H),
+                               "slot_stride": D * 2, "_opaque": True})
+
+    def test_five_dimensional_views(self):
+        B, H, N, D = 4, 2, 16, 64
+        kv_first = view_strides((2, B, H, N, D), (B * H * N * D, H * N * D, N * D, D, 1), 2, D, H, on_cpu=False)
+        self.assertEqual(kv_first["kv_stride"], B * H * N * D * 2)
+        self.assertEqual(kv_first["slot_stride"], D * 2)
+        blocks_first = view_strides((B, 2, H, N, D), (2 * H * N * D, H * N * D, N * D, D, 1), 2, D, H, on_cpu=False)
+        self.assertEqual(blocks_first["block_stride"], 2 * H * N * D * 2)
+        self.assertEqual(blocks_first["kv_stride"], H * N * D * 2)
+        with self.assertRaises(RuntimeError):
+            view_strides((B, H, N, D), (H * N * D, N * D, D, 1), 2, D, H, on_cpu=False)
+
+    def test_layer_stride_needs_even_spacing(self):
+        self.assertEqual(layer_stride([0]), 0)
+        self.assertEqual(layer_stride([0, 4096, 8192]), 4096)
+        with self.assertRaises(RuntimeError):
+            layer_stride([0, 4096, 9000])
+        with self.assertRaises(RuntimeError):
+            layer_stride([4096, 0])
+
+
+class FakeDriver:
+    """libcuda's three calls, over one allocation [base, base+size)."""
+
+    def __init__(self, base, size, ipc_rc=0):
+        self.base, self.size, self.ipc_rc = base, size, ipc_rc
+        self.exported = None
+
+    def cuMemGetAddressRange_v2(self, pbase, psize, ptr):
+        if not self.base <= ptr.value < self.base + self.size:
+            return 1  # CUDA_ERROR_INVALID_VALUE
+        pbase._obj.value, psize._obj.value = self.base, self.size
+        return 0
+
+    def cuIpcGetMemHandle(self, handle, base):
+        if self.ipc_rc:
+            return self.ipc_rc
+        self.exported = base
+        ctypes.memmove(handle, bytes(range(64)), 64)
+        return 0
+
+    def cuGetErrorName(self, rc, pname):
+        pname._obj.value = {1: b"CUDA_ERROR_INVALID_VALUE", 801: b"CUDA_ERROR_NOT_SUPPORTED"}[rc]
+        return 0
+
+
+class CudaIPCTest(unittest.TestCase):
+    def test_handle_of_the_allocation_and_offset_into_it(self):
+        drv = FakeDriver(base=0x7F0000000000, size=1 << 30)
+        mem = cuda_ipc_memory(0x7F0000000000 + 4096, 3, lib=drv)
+        self.assertEqual(drv.exported, 0x7F0000000000)  # the base, not the pointer
+        self.assertEqual(mem["kind"], "cuda_ipc")
+        self.assertEqual(mem["device"], 3)
+        self.assertEqual(mem["offset"], 4096)
+        self.assertEqual(mem["device_pointer"] + mem["offset"], 0x7F0000000000 + 4096)
+        self.assertEqual(base64.b64decode(mem["ipc_handle"]), bytes(range(64)))
+        self.assertEqual(mem["pid"], os.getpid())
+        self.assertTrue(mem["node"])
+
+    def test_driver_errors_are_named(self):
+        with self.assertRaisesRegex(CudaError, "CUDA_ERROR_INVALID_VALUE"):
+            cuda_ipc_memory(5, 0, lib=FakeDriver(base=0x1000, size=0x1000))
+        with self.assertRaisesRegex(CudaError, "sleep-mode pool.*CUDA_ERROR_NOT_SUPPORTED"):
+            cuda_ipc_memory(0x1000, 0, lib=FakeDriver(base=0x1000, size=0x1000, ipc_rc=801))
+
+
+if __name__ == "__main__":
+    unittest.main()

