@@ -380,7 +380,7 @@ func listMigrations(t *testing.T, hostURL string) []hostapi.MigrationStatus {
 func TestBenchMigrateAgainstADeployment(t *testing.T) {
 	d := deploy(t, 4096)
 	out, err := exec.Command(vhiBin, "bench", "migrate", "--host", d.hostURL, "--admin-token-file", d.tk.adminFile,
-		"--streams", "6", "--max-tokens", "80", "--prompt-words", "20", "--delay", "400ms",
+		"--streams", "6", "--max-tokens", "400", "--prompt-words", "20", "--delay", "300ms",
 		"--final-granularity", "slot,block").CombinedOutput()
 	if err != nil {
 		t.Fatalf("vhi bench migrate --host: %v\n%s", err, out)
