@@ -58,14 +58,7 @@ func TestSpliceMovesAStreamAtATokenIndex(t *testing.T) {
 			s := waitStream(t, p, k-inFlight)
 			switched := s.Splice(b.URL, "B", k, -1)
 			close(release)
-			select {
-			case err := <-switched:
-				if err != nil {
-					t.Fatal(err)
-				}
-			case <-time.After(5 * time.Second):
-				t.Fatal("the splice never happened")
-			}
+			waitSplice(t, switched)
 			if body, want := <-got, tokensThenDone(total); body != want {
 				t.Fatalf("client saw:\n%s\nwant:\n%s", body, want)
 			}
@@ -180,6 +173,20 @@ func streamThrough(t *testing.T, p *Proxy, aURL string) <-chan string {
 }
 
 // waitStream waits until the relay of cmpl-x has relayed n tokens.
+// waitSplice fails the test unless the splice answers, without error,
+// within 5 s.
+func waitSplice(t *testing.T, switched <-chan error) {
+	t.Helper()
+	select {
+	case err := <-switched:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the splice never happened")
+	}
+}
+
 func waitStream(t *testing.T, p *Proxy, n int) *Stream {
 	t.Helper()
 	var s *Stream
@@ -240,14 +247,7 @@ func TestSpliceFencesASourceThatGoesOn(t *testing.T) {
 	s := waitStream(t, p, k-1)
 	switched := s.Splice(b.URL, "B", k, -1)
 	close(splice)
-	select {
-	case err := <-switched:
-		if err != nil {
-			t.Fatal(err)
-		}
-	case <-time.After(5 * time.Second):
-		t.Fatal("the splice never happened")
-	}
+	waitSplice(t, switched)
 	if body, want := <-got, tokensThenDone(total); body != want {
 		t.Fatalf("client saw:\n%s\nwant:\n%s", body, want)
 	}
