@@ -114,8 +114,12 @@ func (x externalFlags) resolve(ctx context.Context) (*externalDeployment, error)
 		}
 	}
 	if d.Src == "" || d.Dst == "" {
+		of := ""
+		if x.model != "" {
+			of = " of " + x.model
+		}
 		return nil, fmt.Errorf("the Host at %s has no migratable active and standby instance%s (source %q, target %q)",
-			x.host, map[bool]string{true: " of " + x.model, false: ""}[x.model != ""], d.Src, d.Dst)
+			x.host, of, d.Src, d.Dst)
 	}
 	if d.Model == "" {
 		for _, in := range list {
@@ -208,7 +212,7 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 			runs = append(runs, [2]string{v, gran})
 		}
 	}
-	for _, r := range runs {
+	for i, r := range runs {
 		sc.Verify, sc.FinalGranularity = r[0], r[1]
 		res, err := sc.run(ctx)
 		if err != nil {
@@ -217,9 +221,6 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 		st := res.Status
 		all = append(all, st)
 		if sc.External != nil {
-			if err := sc.External.swap(ctx, sc.Type); err != nil {
-				return err
-			}
 			r[0] = "the Host's"
 		}
 		fmt.Fprintf(out, "\n== final round: %s, check before the commit: %s ==\n", r[1], r[0])
@@ -258,6 +259,11 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 		}
 		if st.State != hostapi.StateSucceeded || len(res.Mismatches) > 0 {
 			return exitError{code: 1, err: fmt.Errorf("migration %s with %d mismatches", st.State, len(res.Mismatches))}
+		}
+		if sc.External != nil && i < len(runs)-1 {
+			if err := sc.External.swap(ctx, sc.Type); err != nil {
+				return err
+			}
 		}
 	}
 	if jsonOut != "" {
