@@ -50,6 +50,15 @@ type BlockCopy struct {
 	FirstSlot, NumSlots int
 }
 
+// place is where one (layer, K/V, head) lives on each side: the regions,
+// the offset of block 0 slot 0, and the block and slot strides.
+type place struct {
+	s, d           int
+	sBase, dBase   int64
+	sBlock, dBlock int64
+	sSlot, dSlot   int64
+}
+
 // Plan builds the copy runs that move the given block slots from a source
 // with regions src to a target with regions dst. Both describe the same
 // model (layers, heads, head size); their TP/PP sharding may differ, which
@@ -59,14 +68,6 @@ type BlockCopy struct {
 // layer and K/V. This sits in the final round's pause: it is written to
 // do a few additions per run.
 func Plan(layers, heads int, headSlotBytes int64, src, dst []RegionSpec, copies []BlockCopy) ([]CopyRun, error) {
-	// Per (layer, K/V, head): which regions, and the offset of block 0
-	// slot 0 on each side.
-	type place struct {
-		s, d           int
-		sBase, dBase   int64
-		sBlock, dBlock int64
-		sSlot, dSlot   int64
-	}
 	places := make([]place, layers*2*heads)
 	for l := 0; l < layers; l++ {
 		for h := 0; h < heads; h++ {
@@ -100,30 +101,92 @@ func Plan(layers, heads int, headSlotBytes int64, src, dst []RegionSpec, copies 
 			n++
 		}
 	}
-	runs := make([]CopyRun, 0, n*layers*2*heads)
+	perGroup := heads // runs per copy and (layer, K/V): one per head, or one
+	if slotsFollowHeads(places[:heads], headSlotBytes) {
+		perGroup = 1
+	}
+	runs := make([]CopyRun, 0, n*layers*2*perGroup)
 	for g := 0; g < layers*2; g++ {
 		pl := places[g*heads : (g+1)*heads]
-		for _, c := range copies {
-			if c.NumSlots <= 0 {
-				continue
-			}
-			for i := range pl {
-				p := &pl[i]
-				so := p.sBase + int64(c.Src)*p.sBlock + int64(c.FirstSlot)*p.sSlot
-				do := p.dBase + int64(c.Dst)*p.dBlock + int64(c.FirstSlot)*p.dSlot
-				if p.sSlot == headSlotBytes && p.dSlot == headSlotBytes {
-					runs = appendRun(runs, p.s, so, p.d, do, int64(c.NumSlots)*headSlotBytes)
+		switch {
+		case slotsFollowHeads(pl, headSlotBytes):
+			// Each slot holds every head side by side, slot after slot, on
+			// both sides (vLLM's GPU layouts): a block's slots are one run.
+			p := &pl[0]
+			for _, c := range copies {
+				if c.NumSlots <= 0 {
 					continue
 				}
-				// Slots are not packed (vLLM's CPU layout interleaves K and V
-				// per slot): one run per slot.
-				for k := int64(0); k < int64(c.NumSlots); k++ {
-					runs = appendRun(runs, p.s, so+k*p.sSlot, p.d, do+k*p.dSlot, headSlotBytes)
+				so := p.sBase + int64(c.Src)*p.sBlock + int64(c.FirstSlot)*p.sSlot
+				do := p.dBase + int64(c.Dst)*p.dBlock + int64(c.FirstSlot)*p.dSlot
+				runs = appendRun(runs, p.s, so, p.d, do, int64(c.NumSlots)*p.sSlot)
+			}
+		case headsHoldSlots(pl, headSlotBytes):
+			// Each head holds its slots side by side: one run per head.
+			for _, c := range copies {
+				if c.NumSlots <= 0 {
+					continue
+				}
+				for i := range pl {
+					p := &pl[i]
+					so := p.sBase + int64(c.Src)*p.sBlock + int64(c.FirstSlot)*p.sSlot
+					do := p.dBase + int64(c.Dst)*p.dBlock + int64(c.FirstSlot)*p.dSlot
+					runs = appendRun(runs, p.s, so, p.d, do, int64(c.NumSlots)*headSlotBytes)
+				}
+			}
+		default:
+			// Anything else (vLLM's CPU layout interleaves K and V per slot;
+			// TP shards split the heads): slot by slot, head by head,
+			// merged wherever bytes follow each other on both sides.
+			for _, c := range copies {
+				if c.NumSlots <= 0 {
+					continue
+				}
+				for k := int64(c.FirstSlot); k < int64(c.FirstSlot+c.NumSlots); k++ {
+					for i := range pl {
+						p := &pl[i]
+						runs = appendRun(runs, p.s, p.sBase+int64(c.Src)*p.sBlock+k*p.sSlot,
+							p.d, p.dBase+int64(c.Dst)*p.dBlock+k*p.dSlot, headSlotBytes)
+					}
 				}
 			}
 		}
 	}
 	return runs, nil
+}
+
+// headsHoldSlots: on both sides each head's slots are packed (slot stride
+// = one head's K or V vector).
+func headsHoldSlots(pl []place, headSlotBytes int64) bool {
+	for i := range pl {
+		if pl[i].sSlot != headSlotBytes || pl[i].dSlot != headSlotBytes {
+			return false
+		}
+	}
+	return true
+}
+
+// slotsFollowHeads: on both sides all heads of a layer's K (or V) sit in
+// one region, head after head within a slot, and slot after slot, so any
+// range of a block's slots is one contiguous stretch.
+func slotsFollowHeads(pl []place, headSlotBytes int64) bool {
+	heads := int64(len(pl))
+	if heads < 2 {
+		return false // one head: headsHoldSlots covers the packed case
+	}
+	p0 := pl[0]
+	if p0.sSlot != heads*headSlotBytes || p0.dSlot != heads*headSlotBytes {
+		return false
+	}
+	for i := range pl {
+		p := pl[i]
+		if p.s != p0.s || p.d != p0.d || p.sBlock != p0.sBlock || p.dBlock != p0.dBlock ||
+			p.sSlot != p0.sSlot || p.dSlot != p0.dSlot ||
+			p.sBase != p0.sBase+int64(i)*headSlotBytes || p.dBase != p0.dBase+int64(i)*headSlotBytes {
+			return false
+		}
+	}
+	return true
 }
 
 // appendRun appends a run, merging it into the last one when it continues

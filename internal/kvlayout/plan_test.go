@@ -159,3 +159,89 @@ func TestPlanHandlesInterleavedKV(t *testing.T) {
 		}
 	}
 }
+
+// vLLM's GPU layout (FlashAttention's [2, blocks, slots, heads, head_dim]
+// per layer, layers end to end): every head of a slot side by side, so a
+// block's slots are one stretch. Between two such engines a plan is one
+// run per copy, layer and K/V, merged over consecutive blocks; to and
+// from the sim's head-major layout it still moves exactly the asked slots.
+func TestPlanSlotMajorLayouts(t *testing.T) {
+	g := Geometry{Layers: 3, KVHeads: 4, HeadDim: 2, DTypeBytes: 2, BlockSize: 4, NumBlocks: 8}
+	hs := int64(g.HeadSlotBytes())
+	slot := hs * int64(g.KVHeads)
+	block := slot * int64(g.BlockSize)
+	plane := block * int64(g.NumBlocks)
+	nhd := RegionSpec{NumLayers: g.Layers, NumHeads: g.KVHeads, Strides: Strides{
+		Layer: 2 * plane, KV: plane, Block: block, Head: hs, Slot: slot}}
+	size := nhd.Strides.Layer * int64(g.Layers)
+
+	whole := []BlockCopy{{Src: 1, Dst: 5, NumSlots: 4}, {Src: 2, Dst: 6, NumSlots: 4}, {Src: 7, Dst: 0, FirstSlot: 1, NumSlots: 2}}
+	runs, err := Plan(g.Layers, g.KVHeads, hs, []RegionSpec{nhd}, []RegionSpec{nhd}, whole)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := 2 * 2 * g.Layers; len(runs) != want {
+		t.Fatalf("%d runs, want %d (blocks 1-2 → 5-6 merged, then the slots of block 7, per layer and K/V)", len(runs), want)
+	}
+
+	hnd := NewRegionLayout(g, Shard{TPSize: 1, PPSize: 1})
+	src, _ := fill(g, Parallel{1, 1})
+	there := make([]byte, size)
+	runs, err = Plan(g.Layers, g.KVHeads, hs, []RegionSpec{hnd.Spec()}, []RegionSpec{nhd}, whole)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range runs {
+		copy(there[r.DstOffset:r.DstOffset+r.Length], src[0][r.SrcOffset:r.SrcOffset+r.Length])
+	}
+	// And on from one slot-major engine to another (other blocks).
+	onward := make([]byte, size)
+	var next []BlockCopy
+	for _, c := range whole {
+		next = append(next, BlockCopy{Src: c.Dst, Dst: c.Dst + 1, FirstSlot: c.FirstSlot, NumSlots: c.NumSlots})
+	}
+	next[1].Dst = 3 // 6 → 7 would be 5 → 6's target: keep the targets apart
+	runs, _ = Plan(g.Layers, g.KVHeads, hs, []RegionSpec{nhd}, []RegionSpec{nhd}, next)
+	for _, r := range runs {
+		copy(onward[r.DstOffset:r.DstOffset+r.Length], there[r.SrcOffset:r.SrcOffset+r.Length])
+	}
+	moved := map[[2]int]bool{}
+	for i, c := range whole {
+		for s := c.FirstSlot; s < c.FirstSlot+c.NumSlots; s++ {
+			moved[[2]int{next[i].Dst, s}] = true
+			for l := 0; l < g.Layers; l++ {
+				for kv := 0; kv < 2; kv++ {
+					for h := 0; h < g.KVHeads; h++ {
+						a, b := nhd.offset(l, kv, c.Dst, h, s), nhd.offset(l, kv, next[i].Dst, h, s)
+						for k := int64(0); k < hs; k++ {
+							want := value(l, kv, h, c.Src, s, int(k))
+							if there[a+k] != want || onward[b+k] != want {
+								t.Fatalf("layer %d kv %d head %d slot %d byte %d: there %d onward %d want %d", l, kv, h, s, k, there[a+k], onward[b+k], want)
+							}
+						}
+					}
+				}
+			}
+		}
+	}
+	// Nothing else was written onward.
+	for l := 0; l < g.Layers; l++ {
+		for kv := 0; kv < 2; kv++ {
+			for b := 0; b < g.NumBlocks; b++ {
+				for h := 0; h < g.KVHeads; h++ {
+					for s := 0; s < g.BlockSize; s++ {
+						if moved[[2]int{b, s}] {
+							continue
+						}
+						off := nhd.offset(l, kv, b, h, s)
+						for k := int64(0); k < hs; k++ {
+							if onward[off+k] != 0 {
+								t.Fatalf("layer %d kv %d block %d head %d slot %d written", l, kv, b, h, s)
+							}
+						}
+					}
+				}
+			}
+		}
+	}
+}
