@@ -45,7 +45,8 @@ class StridesTest(unittest.TestCase):
         strides = (N * H * 2 * D, 2 * D, H * 2 * D, 1)
         got = view_strides((B, H, N, 2 * D), strides, 2, D, H, on_cpu=False)
         self.assertEqual(got, {"block_stride": N * H * 2 * D * 2, "head_stride": 2 * D * 2,
-                               "slot_stride": H * 2 * D * 2, "kv_stride": D * 2})
+                               "slot_stride": H * 2 * D * 2, "kv_stride": D * 2,
+                               "_num_blocks": B, "_block_size": N})
         self.assertNotIn("_opaque", got)
 
     def test_cpu_blocks_are_opaque(self):
@@ -54,18 +55,40 @@ class StridesTest(unittest.TestCase):
         got = view_strides((B, H, N, 2 * D), strides, 2, D, H, on_cpu=True)
         blk = H * N * 2 * D * 2
         self.assertEqual(got, {"block_stride": blk, "kv_stride": blk // 2, "head_stride": blk // (2 * H),
-                               "slot_stride": D * 2, "_opaque": True})
+                               "slot_stride": D * 2, "_opaque": True, "_num_blocks": B, "_block_size": N})
 
     def test_five_dimensional_views(self):
         B, H, N, D = 4, 2, 16, 64
         kv_first = view_strides((2, B, H, N, D), (B * H * N * D, H * N * D, N * D, D, 1), 2, D, H, on_cpu=False)
         self.assertEqual(kv_first["kv_stride"], B * H * N * D * 2)
         self.assertEqual(kv_first["slot_stride"], D * 2)
+        self.assertEqual((kv_first["_num_blocks"], kv_first["_block_size"]), (B, N))
         blocks_first = view_strides((B, 2, H, N, D), (2 * H * N * D, H * N * D, N * D, D, 1), 2, D, H, on_cpu=False)
         self.assertEqual(blocks_first["block_stride"], 2 * H * N * D * 2)
         self.assertEqual(blocks_first["kv_stride"], H * N * D * 2)
         with self.assertRaises(RuntimeError):
             view_strides((B, H, N, D), (H * N * D, N * D, D, 1), 2, D, H, on_cpu=False)
+
+    def test_flash_attention_slots_before_heads(self):
+        # vLLM's FlashAttention: (2, num_blocks, block_size, num_kv_heads, head_size),
+        # contiguous (NHD): a slot is H*D elements, a head D.
+        B, N, H, D = 6, 16, 8, 128
+        got = view_strides((2, B, N, H, D), (B * N * H * D, N * H * D, H * D, D, 1), 2, D, H, on_cpu=False)
+        self.assertEqual(got, {"kv_stride": B * N * H * D * 2, "block_stride": N * H * D * 2,
+                               "head_stride": D * 2, "slot_stride": H * D * 2, "_num_blocks": B, "_block_size": N})
+        # The same with HND strides (heads outermost inside a block).
+        got = view_strides((2, B, N, H, D), (B * N * H * D, N * H * D, D, N * D, 1), 2, D, H, on_cpu=False)
+        self.assertEqual((got["head_stride"], got["slot_stride"]), (N * D * 2, D * 2))
+
+    def test_equal_heads_and_slots_follow_the_backend_order(self):
+        B, N, D = 3, 16, 64
+        H = N
+        five = view_strides((2, B, N, H, D), (B * N * H * D, N * H * D, H * D, D, 1), 2, D, H, on_cpu=False)
+        self.assertEqual((five["slot_stride"], five["head_stride"]), (H * D * 2, D * 2))
+        four = view_strides((B, H, N, 2 * D), (H * N * 2 * D, N * 2 * D, 2 * D, 1), 2, D, H, on_cpu=False)
+        self.assertEqual((four["head_stride"], four["slot_stride"]), (N * 2 * D * 2, 2 * D * 2))
+        with self.assertRaises(RuntimeError):
+            view_strides((2, B, 4, 4, D), (B * 16 * D, 16 * D, 4 * D, D, 1), 2, D, 8, on_cpu=False)
 
     def test_layer_stride_needs_even_spacing(self):
         self.assertEqual(layer_stride([0]), 0)

@@ -32,14 +32,21 @@ def layer_slices(kv_cache_tensors, layer_index) -> tuple[int, list[tuple[int, in
 
 
 def view_strides(shape, strides, elem: int, head_dim: int, heads: int, on_cpu: bool) -> dict:
-    """The region's strides (bytes) from one layer's KV view.
+    """The region's strides (bytes) from one layer's KV view, with the
+    view's block count and slots per block ("_num_blocks", "_block_size").
 
-    Known views: [blocks, heads, slots, 2*head_dim] — K and V side by side
-    in the last dimension, the view vLLM 0.26's FlashAttention and 0.32's
-    per-layer views use (K = [..., :head_dim], V = [..., head_dim:]) — or
-    a 5-D view with a K/V dimension first or second."""
+    Known views: 4-D [blocks, ·, ·, 2*head_dim] — K and V side by side in
+    the last dimension (K = [..., :head_dim], V = [..., head_dim:]) — and
+    5-D views with a K/V dimension of 2 first or second, then the blocks,
+    then slots and heads. Which middle dimension holds the heads and which
+    the slots is read from their sizes; when the two sizes are equal the
+    attention backends' own order decides: heads before slots in the 4-D
+    view, slots before heads in the 5-D ones (vLLM's
+    get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size))."""
     shape, st = tuple(shape), [x * elem for x in strides]
     if len(shape) == 4 and shape[3] == 2 * head_dim:
+        h, n = _heads_and_slots(shape, 1, 2, heads, heads_first=True)
+        sizes = {"_num_blocks": shape[0], "_block_size": shape[n]}
         if on_cpu:
             # vLLM CPU (LBHNC): its kernels tile K and V inside a block, so
             # single slots are not addressable whatever the view's strides
@@ -49,13 +56,28 @@ def view_strides(shape, strides, elem: int, head_dim: int, heads: int, on_cpu: b
             # opaque so no one copies single slots.
             blk = st[0]
             return {"block_stride": blk, "kv_stride": blk // 2, "head_stride": blk // (2 * heads),
-                    "slot_stride": head_dim * elem, "_opaque": True}
-        return {"block_stride": st[0], "head_stride": st[1], "slot_stride": st[2], "kv_stride": head_dim * elem}
-    if len(shape) == 5 and shape[0] == 2:
-        return {"kv_stride": st[0], "block_stride": st[1], "head_stride": st[2], "slot_stride": st[3]}
-    if len(shape) == 5 and shape[1] == 2:
-        return {"block_stride": st[0], "kv_stride": st[1], "head_stride": st[2], "slot_stride": st[3]}
+                    "slot_stride": head_dim * elem, "_opaque": True, **sizes}
+        return {"block_stride": st[0], "head_stride": st[h], "slot_stride": st[n], "kv_stride": head_dim * elem,
+                **sizes}
+    if len(shape) == 5 and shape[4] == head_dim and 2 in shape[:2]:
+        kv, blk = (0, 1) if shape[0] == 2 else (1, 0)
+        h, n = _heads_and_slots(shape, 2, 3, heads, heads_first=False)
+        return {"kv_stride": st[kv], "block_stride": st[blk], "head_stride": st[h], "slot_stride": st[n],
+                "_num_blocks": shape[blk], "_block_size": shape[n]}
     raise RuntimeError(f"vllm-hi: unsupported KV view shape {shape}")
+
+
+def _heads_and_slots(shape, a: int, b: int, heads: int, heads_first: bool) -> tuple[int, int]:
+    """Which of dimensions a and b holds the heads and which the slots."""
+    if shape[a] == shape[b]:
+        if shape[a] != heads:
+            raise RuntimeError(f"vllm-hi: KV view {shape} has no dimension of {heads} heads")
+        return (a, b) if heads_first else (b, a)
+    if shape[a] == heads:
+        return a, b
+    if shape[b] == heads:
+        return b, a
+    raise RuntimeError(f"vllm-hi: KV view {shape} has no dimension of {heads} heads")
 
 
 def layer_stride(offsets) -> int:

