@@ -44,6 +44,15 @@ such a deployment and runs this.`,
 				return err
 			}
 			sc.Log = log
+			for _, n := range []string{"tp-a", "pp-a", "tp-b", "pp-b"} {
+				v, _ := cmd.Flags().GetInt(n)
+				switch {
+				case v < 1:
+					return fmt.Errorf("--%s %d: a TP or PP size is at least 1", n, v)
+				case ext.host != "" && cmd.Flags().Changed(n):
+					return fmt.Errorf("--%s is for the sims: with --host the deployment's engines have their own shapes", n)
+				}
+			}
 			if ext.host != "" {
 				if sc.External, err = ext.resolve(cmd.Context()); err != nil {
 					return err
@@ -71,6 +80,10 @@ such a deployment and runs this.`,
 	_ = f.MarkHidden("trace")
 	f.StringVar(&sc.DeviceA, "device-a", "cpu", "sim A's KV (and the reference run's): cpu or cuda[:N]")
 	f.StringVar(&sc.DeviceB, "device-b", "cpu", "sim B's KV: cpu or cuda[:N]")
+	f.IntVar(&sc.ShapeA.TP, "tp-a", 1, "sim A's TP size")
+	f.IntVar(&sc.ShapeA.PP, "pp-a", 1, "sim A's PP size")
+	f.IntVar(&sc.ShapeB.TP, "tp-b", 1, "sim B's TP size (another shape than A's makes the migration a reshape)")
+	f.IntVar(&sc.ShapeB.PP, "pp-b", 1, "sim B's PP size")
 	f.StringVar(&geo.profile, "profile", "", "KV geometry profile (default: the sim's)")
 	f.IntVar(&geo.kvScale, "kv-scale", 0, "head-dim divisor (default: the sim's; 1 = the model's real size)")
 	f.IntVar(&geo.numBlocks, "num-blocks", 0, "KV blocks per engine (default: the sim's)")
@@ -202,8 +215,9 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 		fmt.Fprintf(out, "vhi bench migrate: %d streams × %d tokens of %s through the Host at %s, %s → %s, delay %v, tn %d\n",
 			sc.Streams, sc.MaxTokens, x.Model, x.Client.Base(), x.Src, x.Dst, sc.Delay, sc.TN)
 	} else {
-		fmt.Fprintf(out, "vhi bench migrate: %d streams × %d tokens, sim %s / kv-scale %d, %d blocks, KV on %s → %s, delay %v, tn %d\n",
-			sc.Streams, sc.MaxTokens, g.Profile, g.KVScale, g.NumBlocks, sc.DeviceA, sc.DeviceB, sc.Delay, sc.TN)
+		fmt.Fprintf(out, "vhi bench migrate: %d streams × %d tokens, sim %s / kv-scale %d, %d blocks, KV on %s TP%d×PP%d → %s TP%d×PP%d, delay %v, tn %d\n",
+			sc.Streams, sc.MaxTokens, g.Profile, g.KVScale, g.NumBlocks, sc.DeviceA, max(sc.ShapeA.TP, 1), max(sc.ShapeA.PP, 1),
+			sc.DeviceB, max(sc.ShapeB.TP, 1), max(sc.ShapeB.PP, 1), sc.Delay, sc.TN)
 	}
 	var all []hostapi.MigrationStatus
 	if jsonOut != "" {

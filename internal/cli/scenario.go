@@ -14,6 +14,7 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/host"
+	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
 
 	"github.com/vllm-hi/vllm-hi/internal/sim"
@@ -28,6 +29,10 @@ type scenario struct {
 	PromptWords      int
 	Sim              sim.Config
 	DeviceA, DeviceB string        // where each engine keeps its KV (sim --device); the reference uses DeviceA
+	// ShapeA, ShapeB are the sims' TP×PP (zero: 1×1); the reference runs
+	// 1×1 (a sim's tokens do not depend on its shape). A B of another
+	// shape than A makes the migration a reshape.
+	ShapeA, ShapeB kvlayout.Parallel
 	Delay            time.Duration // load start → migration
 	Type             string
 	FinalGranularity string
@@ -107,6 +112,8 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 	}
 	simA, simB := sc.Sim, sc.Sim
 	simA.Device, simB.Device = sc.DeviceA, sc.DeviceB
+	simA.TP, simA.PP = max(sc.ShapeA.TP, 1), max(sc.ShapeA.PP, 1)
+	simB.TP, simB.PP = max(sc.ShapeB.TP, 1), max(sc.ShapeB.PP, 1)
 	tune := func(c *host.Config) {
 		if sc.Verify != "" {
 			c.Migration.Verify = sc.Verify
@@ -171,7 +178,12 @@ func (sc scenario) migrateUnderLoad(ctx context.Context, c *hostapi.Client, host
 	}
 	defer stopCapture()
 	res.MigrationStart = time.Now()
-	id, err := c.Migrate(ctx, hostapi.MigrateRequest{Src: src, Dst: dst, Type: sc.Type, FinalGranularity: sc.FinalGranularity, TN: sc.TN})
+	req := hostapi.MigrateRequest{Src: src, Dst: dst, Type: sc.Type, FinalGranularity: sc.FinalGranularity, TN: sc.TN}
+	if sc.ShapeB.TP > 0 || sc.ShapeB.PP > 0 {
+		tp, pp := max(sc.ShapeB.TP, 1), max(sc.ShapeB.PP, 1)
+		req.TargetTP, req.TargetPP = &tp, &pp
+	}
+	id, err := c.Migrate(ctx, req)
 	if err != nil {
 		return res, fmt.Errorf("migrate: %w", err)
 	}

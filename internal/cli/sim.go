@@ -69,6 +69,9 @@ sequences.`,
 	f.IntVar(&cfg.KVScale, "kv-scale", cfg.KVScale, "divide the profile's head dim by this to shrink KV bytes (1 = full size)")
 	f.IntVar(&cfg.TP, "tensor-parallel-size", cfg.TP, "TP size: KV heads are split across this many ranks (one KV region each)")
 	f.IntVar(&cfg.PP, "pipeline-parallel-size", cfg.PP, "PP size: layers are split across this many stages (one KV region each)")
+	// The contract's short names (vLLM spells them -tp and -pp): the same settings.
+	f.IntVar(&cfg.TP, "tp", cfg.TP, "the same as --tensor-parallel-size")
+	f.IntVar(&cfg.PP, "pp", cfg.PP, "the same as --pipeline-parallel-size")
 	f.IntVar(&cfg.BlockSize, "block-size", cfg.BlockSize, "tokens per KV block")
 	f.IntVar(&cfg.NumBlocks, "num-gpu-blocks", cfg.NumBlocks, "KV blocks per region, including the reserved null block 0")
 	f.IntVar(&cfg.MaxNumSeqs, "max-num-seqs", cfg.MaxNumSeqs, "most sequences in one step")

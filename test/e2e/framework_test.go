@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"fmt"
 	"testing"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
@@ -19,10 +20,16 @@ func TestMigrationCases(t *testing.T) {
 		if blocks == 0 {
 			blocks = 4096
 		}
-		d := deploy(t, blocks)
+		d := deployWith(t, deployOptions{bBlocks: blocks, aArgs: shapeArgs(o.A), bArgs: shapeArgs(o.B)})
 		d.client = hostClient(t, d.hostURL, d.tk.admin)
 		return d
 	}, framework.Cases())
+}
+
+// shapeArgs are a sim's flags for shape s.
+func shapeArgs(s framework.Shape) []string {
+	tp, pp := s.Sizes()
+	return []string{"--tp", fmt.Sprint(tp), "--pp", fmt.Sprint(pp)} // the contract's names
 }
 
 var _ framework.Cluster = (*deployment)(nil)

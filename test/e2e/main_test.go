@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -63,8 +64,16 @@ type tokens struct {
 func newTokens(t *testing.T) tokens {
 	t.Helper()
 	dir := t.TempDir()
-	tk := tokens{dir: dir, adminFile: filepath.Join(dir, "admin-token"), admin: "admin-" + t.Name(),
-		agentFile: filepath.Join(dir, "agent-token"), agent: "agent-" + t.Name()}
+	// Tokens travel in HTTP headers: printable ASCII only, whatever the
+	// test's name holds.
+	name := strings.Map(func(r rune) rune {
+		if r > ' ' && r < 0x7f {
+			return r
+		}
+		return '_'
+	}, t.Name())
+	tk := tokens{dir: dir, adminFile: filepath.Join(dir, "admin-token"), admin: "admin-" + name,
+		agentFile: filepath.Join(dir, "agent-token"), agent: "agent-" + name}
 	for _, f := range [][2]string{{tk.adminFile, tk.admin}, {tk.agentFile, tk.agent}} {
 		if err := os.WriteFile(f[0], []byte(f[1]+"\n"), 0o600); err != nil {
 			t.Fatal(err)
@@ -99,23 +108,41 @@ func freePort(t *testing.T) int {
 	return ln.Addr().(*net.TCPAddr).Port
 }
 
+// lockedBuffer is a process's stderr, readable while the process runs.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
 // proc is a vhi process that the test stops at cleanup.
 type proc struct {
 	cmd    *exec.Cmd
-	stderr *bytes.Buffer
+	stderr *lockedBuffer
 	once   sync.Once
 }
 
 func startVHI(t *testing.T, args ...string) *proc {
 	t.Helper()
 	cmd := exec.Command(vhiBin, args...)
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
+	stderr := &lockedBuffer{}
+	cmd.Stderr = stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	p := &proc{cmd: cmd, stderr: &stderr}
+	p := &proc{cmd: cmd, stderr: stderr}
 	t.Cleanup(func() { p.stop(t) })
 	return p
 }

@@ -35,6 +35,8 @@ type deployment struct {
 type deployOptions struct {
 	bBlocks  int
 	simArgs  []string // extra flags of sims A and B
+	aArgs    []string // extra flags of sim A only
+	bArgs    []string // extra flags of sim B only
 	hostArgs []string // extra flags of the Host
 }
 
@@ -76,6 +78,12 @@ func deployWith(t *testing.T, o deployOptions) *deployment {
 		if i < 2 {
 			args = append(args, o.simArgs...)
 		}
+		switch i {
+		case 0:
+			args = append(args, o.aArgs...)
+		case 1:
+			args = append(args, o.bArgs...)
+		}
 		sims = append(sims, startVHI(t, args...))
 		u := fmt.Sprintf("http://127.0.0.1:%d", port)
 		waitHealthy(t, u+"/health")
@@ -91,7 +99,14 @@ func deployWith(t *testing.T, o deployOptions) *deployment {
 	d.host = d.startHost(t)
 	d.agentA = d.startAgent(t, "A", d.aURL)
 	d.agentB = d.startAgent(t, "B", d.bURL)
-	waitUntil(t, "both agents", func() bool { return len(listInstances(t, d.hostURL)) == 2 })
+	deadline := time.Now().Add(20 * time.Second)
+	for len(listInstances(t, d.hostURL)) != 2 && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if len(listInstances(t, d.hostURL)) != 2 {
+		t.Fatalf("the agents did not both register; agent A:\n%s\nagent B:\n%s\nsim A:\n%s\nsim B:\n%s",
+			d.agentA.stderr, d.agentB.stderr, d.simA.stderr, d.simB.stderr)
+	}
 	return d
 }
 

@@ -2,6 +2,7 @@ package framework
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -11,7 +12,7 @@ import (
 
 // Cases are the migration tests every runner runs.
 func Cases() []Case {
-	return []Case{
+	cases := []Case{
 		{Name: "destroy_source moves every stream exactly and releases the source", Run: destroySource},
 		{Name: "preserve_source swaps the roles and keeps the source's KV", Run: preserveSource},
 		{Name: "keep_source_active moves the longest 4", Run: keepSourceActive},
@@ -20,6 +21,38 @@ func Cases() []Case {
 		{Name: "a frame that fails its checksum rolls back", Run: rollsBack("corrupt")},
 		{Name: "silent corruption is caught before the commit", Run: silentCorruption},
 		{Name: "refused requests change nothing", Run: refusals},
+	}
+	// The seed's shape changes: scale out and in over TP and PP, and mixed.
+	for _, sc := range [][2]Shape{
+		{{TP: 1}, {TP: 2}}, {{TP: 2}, {TP: 1}}, {{PP: 1}, {PP: 2}}, {{PP: 2}, {PP: 1}},
+		{{TP: 2}, {PP: 2}}, {{TP: 2, PP: 2}, {TP: 1}},
+	} {
+		cases = append(cases, Case{Name: fmt.Sprintf("%v → %v moves every stream exactly", sc[0], sc[1]),
+			Options: Options{A: sc[0], B: sc[1]}, Run: shapeChange(sc[0], sc[1])})
+	}
+	return cases
+}
+
+// shapeChange migrates A (shape a) → B (shape b) under load: the copy
+// plan remaps heads and layers between the shapes; every stream stays
+// exact and neither engine keeps a block once the streams end.
+func shapeChange(a, b Shape) func(*testing.T, Cluster) {
+	return func(t *testing.T, c Cluster) {
+		for id, s := range map[string]Shape{c.A(): a, c.B(): b} {
+			tp, pp := s.Sizes()
+			if in := Instance(t, c, id); in.TP != tp || in.PP != pp {
+				t.Fatalf("%s registered as TP%d×PP%d, want %v", id, in.TP, in.PP, s)
+			}
+		}
+		tp, pp := b.Sizes()
+		reqs := Load(16, 300)
+		want := c.Reference(reqs)
+		st := MigrateLoaded(t, c, reqs, want, hostapi.MigrateRequest{Type: hostapi.PreserveSource, TargetTP: &tp, TargetPP: &pp})
+		if st.State != hostapi.StateSucceeded || st.Migrated != len(reqs) || st.NewActiveInstance != c.B() {
+			t.Fatalf("%+v", st)
+		}
+		HoldsNothing(t, c, c.B())
+		HoldsNothing(t, c, c.A())
 	}
 }
 

@@ -24,6 +24,20 @@ import (
 type Options struct {
 	// BBlocks is engine B's KV blocks (0: the runner's default, as A).
 	BBlocks int
+	// A and B are the engines' TP×PP shapes (zero: 1×1). The reference
+	// engine is 1×1: a sim's tokens do not depend on its shape.
+	A, B Shape
+}
+
+// Shape is an engine's tensor- and pipeline-parallel size.
+type Shape struct{ TP, PP int }
+
+// Sizes are the shape's sizes, 1 where unset.
+func (s Shape) Sizes() (tp, pp int) { return max(s.TP, 1), max(s.PP, 1) }
+
+func (s Shape) String() string {
+	tp, pp := s.Sizes()
+	return fmt.Sprintf("TP%d×PP%d", tp, pp)
 }
 
 // Cluster is a deployment under test: a Host with fault injection
@@ -197,8 +211,15 @@ func HostMetrics(t *testing.T, hostURL string, want ...string) {
 // TargetHoldsNothing waits until B holds no request and no reservation.
 func TargetHoldsNothing(t *testing.T, c Cluster) {
 	t.Helper()
-	WaitFor(t, "B to hold nothing", func() bool {
-		s, err := c.Engine(c.B()).Stats(context.Background())
+	HoldsNothing(t, c, c.B())
+}
+
+// HoldsNothing waits until engine id has every block free, none
+// reserved and nothing running: no block leaked.
+func HoldsNothing(t *testing.T, c Cluster, id string) {
+	t.Helper()
+	WaitFor(t, id+" to hold nothing", func() bool {
+		s, err := c.Engine(id).Stats(context.Background())
 		return err == nil && s.FreeBlocks == s.TotalBlocks && s.ReservedBlocks == 0 && s.NumRunning == 0
 	})
 }

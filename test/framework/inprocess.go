@@ -30,10 +30,13 @@ func simConfig(t *testing.T) sim.Config {
 func InProcess(t *testing.T, o Options) Cluster {
 	t.Helper()
 	a := simConfig(t)
+	ref := a
 	b := a
 	if o.BBlocks > 0 {
 		b.NumBlocks = o.BBlocks
 	}
+	a.TP, a.PP = o.A.Sizes()
+	b.TP, b.PP = o.B.Sizes()
 	st, err := stack.Start(stack.Options{Model: Model, SimA: a, SimB: b, TuneHost: func(c *host.Config) {
 		c.Migration.AllowFaultInjection = true
 	}})
@@ -41,7 +44,6 @@ func InProcess(t *testing.T, o Options) Cluster {
 		t.Fatal(err)
 	}
 	t.Cleanup(st.Stop)
-	ref := a
 	ref.Model, ref.ServedModelNames, ref.ShmPrefix = Model, []string{Model}, fmt.Sprintf("vhi-ref-%d", os.Getpid())
 	r, err := sim.Start(ref, nil)
 	if err != nil {
