@@ -28,11 +28,11 @@ type scenario struct {
 	MaxTokens        int
 	PromptWords      int
 	Sim              sim.Config
-	DeviceA, DeviceB string        // where each engine keeps its KV (sim --device); the reference uses DeviceA
+	DeviceA, DeviceB string // where each engine keeps its KV (sim --device); the reference uses DeviceA
 	// ShapeA, ShapeB are the sims' TP×PP (zero: 1×1); the reference runs
 	// 1×1 (a sim's tokens do not depend on its shape). A B of another
 	// shape than A makes the migration a reshape.
-	ShapeA, ShapeB kvlayout.Parallel
+	ShapeA, ShapeB   kvlayout.Parallel
 	Delay            time.Duration // load start → migration
 	Type             string
 	FinalGranularity string

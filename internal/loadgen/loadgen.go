@@ -23,6 +23,7 @@ type Request struct {
 	Seed        *int64
 	Temperature float64
 	IgnoreEOS   bool
+	Header      http.Header // this request's own headers (after Config.Header)
 }
 
 // Stream is what one streamed request received.
@@ -102,6 +103,9 @@ func streamOne(ctx context.Context, client *http.Client, cfg Config, r Request) 
 		return s
 	}
 	for k, vs := range cfg.Header {
+		req.Header[k] = vs
+	}
+	for k, vs := range r.Header {
 		req.Header[k] = vs
 	}
 	req.Header.Set("Content-Type", "application/json")

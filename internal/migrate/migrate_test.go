@@ -19,12 +19,12 @@ import (
 )
 
 func TestFilters(t *testing.T) {
-	reqs := []hooks.RequestInfo{
-		{RequestID: "a", NumPromptTokens: 10, NumOutputTokens: 5},
-		{RequestID: "b", NumPromptTokens: 100, NumOutputTokens: 50},
-		{RequestID: "c", NumPromptTokens: 40, NumOutputTokens: 0},
+	reqs := []Candidate{
+		{RequestInfo: hooks.RequestInfo{RequestID: "a", NumPromptTokens: 10, NumOutputTokens: 5, MaxTokens: 100}, Model: "m", Tag: "batch", AgeS: 30},
+		{RequestInfo: hooks.RequestInfo{RequestID: "b", NumPromptTokens: 100, NumOutputTokens: 50, MaxTokens: 60, BlockIDs: []int{1, 2, 3}}, Model: "m", AgeS: 2},
+		{RequestInfo: hooks.RequestInfo{RequestID: "c", NumPromptTokens: 40, NumOutputTokens: 0, MaxTokens: 400}, Model: "other", AgeS: 9.5},
 	}
-	ids := func(rs []hooks.RequestInfo) (out []string) {
+	ids := func(rs []Candidate) (out []string) {
 		for _, r := range rs {
 			out = append(out, r.RequestID)
 		}
@@ -33,12 +33,20 @@ func TestFilters(t *testing.T) {
 	for spec, want := range map[string][]string{
 		"": {"a", "b", "c"}, "all": {"a", "b", "c"}, "longest:2": {"b", "c"}, "longest:9": {"b", "c", "a"},
 		"min_context:40": {"b", "c"}, "ids:c,a,zz": {"a", "c"},
+		"expr:true": {"a", "b", "c"}, "expr: context_tokens >= 40 ": {"b", "c"},
+		`expr:tag == "batch" || (model == "other" && age_s > 9.0)`: {"a", "c"},
+		"expr:remaining_tokens < 20 && blocks == 3":                {"b"}, `expr:id.startsWith("c")`: {"c"},
+		"expr:prompt_tokens + output_tokens == context_tokens && computed_tokens == 0 && max_tokens > 0": {"a", "b", "c"},
 	} {
 		f, err := ParseFilter(spec)
 		if err != nil {
 			t.Fatalf("%q: %v", spec, err)
 		}
-		got := ids(f.Select(reqs))
+		sel, err := f.Select(reqs)
+		if err != nil {
+			t.Fatalf("%q: %v", spec, err)
+		}
+		got := ids(sel)
 		if len(got) != len(want) {
 			t.Fatalf("%q: %v, want %v", spec, got, want)
 		}
@@ -48,10 +56,24 @@ func TestFilters(t *testing.T) {
 			}
 		}
 	}
-	for _, bad := range []string{"longest:0", "longest:x", "min_context:-1", "ids:", "shortest:3"} {
+	for _, bad := range []string{"longest:0", "longest:x", "min_context:-1", "ids:", "shortest:3", "expr:", "expr:context_tokens",
+		"expr:context_tokens > ", `expr:priority > 1`, `expr:tag > 3`} {
 		if _, err := ParseFilter(bad); err == nil {
 			t.Errorf("%q accepted", bad)
 		}
+	}
+	// A compile error says where: line:column and a caret under the spot.
+	_, err := ParseFilter("expr:context_tokens > 10 && nope")
+	if err == nil || !strings.Contains(err.Error(), "1:24") || !strings.Contains(err.Error(), "undeclared reference to 'nope'") {
+		t.Fatalf("want the error's position: %v", err)
+	}
+	// An expression that fails on a request selects nothing and says which.
+	f, err := ParseFilter("expr:context_tokens / (output_tokens - output_tokens) > 1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sel, err := f.Select(reqs); err == nil || sel != nil || !strings.Contains(err.Error(), "request a") {
+		t.Fatalf("a failing expression: %v %v", sel, err)
 	}
 }
 

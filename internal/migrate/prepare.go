@@ -35,16 +35,24 @@ func (m *migration) prepare() error {
 	if err != nil {
 		return fmt.Errorf("list the source's requests: %w", err)
 	}
-	var candidates []hooks.RequestInfo
+	var candidates []Candidate
+	now := time.Now()
 	for _, r := range list.Requests {
 		// Only running streams this Host relays can be spliced; the rest
 		// (non-streaming requests, clients talking to the engine directly,
 		// waiting requests) finish where they are.
-		if r.Status == hooks.StatusRunning && r.Stream && !r.Paused && m.o.streams.Get(r.RequestID) != nil {
-			candidates = append(candidates, r)
+		if r.Status != hooks.StatusRunning || !r.Stream || r.Paused {
+			continue
+		}
+		if s := m.o.streams.Get(r.RequestID); s != nil {
+			candidates = append(candidates, Candidate{RequestInfo: r, Model: s.Model, Tag: s.Tag, AgeS: now.Sub(s.Started).Seconds()})
 		}
 	}
-	items := m.needs(m.filter.Select(candidates))
+	selected, err := m.filter.Select(candidates)
+	if err != nil {
+		return refuse(errdefs.ErrInvalidArgument, "%v", err)
+	}
+	items := m.needs(selected)
 	var blocks []int32
 	if len(items) > 0 {
 		alloc, err := m.dstA.Engine.Allocate(cctx, hooks.AllocateRequest{Requests: items, LeaseMS: int(m.o.cfg.ReservationLease / time.Millisecond)})
@@ -91,7 +99,7 @@ func (m *migration) prepare() error {
 
 // needs is what each selected request reserves on the target: blocks for
 // its whole remaining life (its max_tokens, within the target's context).
-func (m *migration) needs(selected []hooks.RequestInfo) []hooks.AllocateItem {
+func (m *migration) needs(selected []Candidate) []hooks.AllocateItem {
 	g := m.dst.Engine.Geometry
 	maxLen := g.BlockSize * (g.NumBlocks - 1)
 	if m.dst.Engine.MaxModelLen > 0 {

@@ -108,6 +108,22 @@ type Upstream struct {
 	Sent func()
 }
 
+// TagHeader is the request header whose value a client gives its request
+// as a tag, which migration request filters can select on (expr:tag ==
+// "batch"). It stays with the Host: the engine is not sent it.
+const TagHeader = "X-Vhi-Tag"
+
+// maxTagBytes bounds a tag: it is kept with the stream for its life.
+const maxTagBytes = 256
+
+func clientTag(h http.Header) string {
+	t := h.Get(TagHeader)
+	if len(t) > maxTagBytes {
+		t = t[:maxTagBytes]
+	}
+	return t
+}
+
 // Result says how a forwarded request ended.
 type Result struct {
 	Status    int
@@ -137,7 +153,8 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 	}
 	// Register the stream before the engine answers: a migration that
 	// starts while the request is still prefilling must find it.
-	s := &Stream{ID: up.RequestID, Instance: up.InstanceID, cancelA: cancelUp, done: make(chan struct{})}
+	s := &Stream{ID: up.RequestID, Instance: up.InstanceID, Model: up.Model, Tag: clientTag(r.Header),
+		Started: time.Now(), cancelA: cancelUp, done: make(chan struct{})}
 	if up.RequestID != "" {
 		p.streams.add(s)
 		defer p.streams.remove(s)

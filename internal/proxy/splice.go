@@ -26,6 +26,11 @@ func NewStreams() *Streams { return &Streams{m: map[string]*Stream{}} }
 type Stream struct {
 	ID       string // the engine's request id (cmpl-…, chatcmpl-…)
 	Instance string
+	// Set when the stream starts, never changed: what request filters
+	// read (see TagHeader).
+	Model   string
+	Tag     string
+	Started time.Time
 
 	mu     sync.Mutex
 	tokens int // token events relayed

@@ -3,6 +3,7 @@ package framework
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"strings"
 	"testing"
 
@@ -16,6 +17,7 @@ func Cases() []Case {
 		{Name: "destroy_source moves every stream exactly and releases the source", Run: destroySource},
 		{Name: "preserve_source swaps the roles and keeps the source's KV", Run: preserveSource},
 		{Name: "keep_source_active moves the longest 4", Run: keepSourceActive},
+		{Name: "an expression filter moves the tagged streams", Run: exprFilter},
 		{Name: "a target too small is refused with nothing started", Options: Options{BBlocks: 70}, Run: targetTooSmall},
 		{Name: "a cut data connection rolls back", Run: rollsBack("cut")},
 		{Name: "a frame that fails its checksum rolls back", Run: rollsBack("corrupt")},
@@ -98,6 +100,29 @@ func keepSourceActive(t *testing.T, c Cluster) {
 	want := c.Reference(reqs)
 	st := MigrateLoaded(t, c, reqs, want, hostapi.MigrateRequest{Type: hostapi.KeepSourceActive, RequestFilter: "longest:4"})
 	if st.State != hostapi.StateSucceeded || st.Migrated != 4 || st.NewActiveInstance != c.A() || st.RequestFilter != "longest:4" {
+		t.Fatalf("%+v", st)
+	}
+	Roles(t, c, "active", "standby")
+}
+
+// A client tags its requests with the X-Vhi-Tag header; a CEL filter
+// over the tag, the model and the token counts picks them. A bad
+// expression is a 400 that says where it is wrong, and nothing starts.
+func exprFilter(t *testing.T, c Cluster) {
+	reqs := Load(16, 300)
+	for i := range reqs {
+		if i%4 == 1 {
+			reqs[i].Header = http.Header{"X-Vhi-Tag": {"batch"}}
+		}
+	}
+	want := c.Reference(reqs)
+	_, err := c.Host().Migrate(context.Background(), hostapi.MigrateRequest{Src: c.A(), Dst: c.B(), RequestFilter: "expr:tag == batch"})
+	if !hostapi.IsStatus(err, 400) || !strings.Contains(err.Error(), "1:8") {
+		t.Fatalf("a bad expression: %v", err)
+	}
+	filter := fmt.Sprintf(`expr:tag == "batch" && model == %q && context_tokens > 0`, Model)
+	st := MigrateLoaded(t, c, reqs, want, hostapi.MigrateRequest{Type: hostapi.KeepSourceActive, RequestFilter: filter})
+	if st.State != hostapi.StateSucceeded || st.Migrated != 4 || st.RequestFilter != filter {
 		t.Fatalf("%+v", st)
 	}
 	Roles(t, c, "active", "standby")
