@@ -9,6 +9,6 @@ func newBenchCommand(g *globalFlags) *cobra.Command {
 		Use:   "bench",
 		Short: "Benchmarks (results belong in docs/benchmarks.md)",
 	}
-	cmd.AddCommand(newBenchSimCommand(g), newBenchProxyCommand(), newBenchUpstreamCommand(), newBenchMigrateCommand(g), newBenchCUDACopyCommand())
+	cmd.AddCommand(newBenchSimCommand(g), newBenchProxyCommand(), newBenchUpstreamCommand(), newBenchMigrateCommand(g), newBenchSeedCommand(g), newBenchCUDACopyCommand())
 	return cmd
 }

@@ -53,6 +53,7 @@ type scenario struct {
 type scenarioResult struct {
 	Status     hostapi.MigrationStatus
 	Streams    []loadgen.Stream
+	Reference  []loadgen.Stream // the same load without a migration
 	Mismatches []string
 	// Unjudged are streams that differed from their reference before the
 	// migration began: the engine produced them differently on its own
@@ -193,6 +194,7 @@ func (sc scenario) migrateUnderLoad(ctx context.Context, c *hostapi.Client, host
 	stopCapture()
 	res.Streams = <-done
 	res.Wall = time.Since(t0)
+	res.Reference = ref
 	res.judge(ref, sc.External == nil)
 	return res, nil
 }

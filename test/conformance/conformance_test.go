@@ -28,6 +28,7 @@ import (
 	"time"
 
 	"github.com/vllm-hi/vllm-hi/internal/sim"
+	"github.com/vllm-hi/vllm-hi/test/framework"
 )
 
 // shape renders a JSON value's structure: object keys in order with the
@@ -100,29 +101,12 @@ func shape(raw json.RawMessage) string {
 var (
 	vllmURL, vllmBURL string
 	vllmErr           error
-	vllmLogs          lockedBuffer
+	vllmLogs          framework.LockedBuffer
 	// The deployment's credentials: the engines' hooks require the agent
 	// token (VLLM_HI_ENGINE_TOKEN_FILE), the Host's changes the admin one.
 	agentToken, adminToken = "conformance-agent-token", "conformance-admin-token"
 	agentTokenFile         string
 )
-
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 func TestMain(m *testing.M) {
 	var stops []func()

@@ -2,7 +2,6 @@
 package e2e
 
 import (
-	"bytes"
 	"fmt"
 	"net"
 	"net/http"
@@ -14,6 +13,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/vllm-hi/vllm-hi/test/framework"
 )
 
 var vhiBin string
@@ -108,35 +109,17 @@ func freePort(t *testing.T) int {
 	return ln.Addr().(*net.TCPAddr).Port
 }
 
-// lockedBuffer is a process's stderr, readable while the process runs.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
 // proc is a vhi process that the test stops at cleanup.
 type proc struct {
 	cmd    *exec.Cmd
-	stderr *lockedBuffer
+	stderr *framework.LockedBuffer
 	once   sync.Once
 }
 
 func startVHI(t *testing.T, args ...string) *proc {
 	t.Helper()
 	cmd := exec.Command(vhiBin, args...)
-	stderr := &lockedBuffer{}
+	stderr := &framework.LockedBuffer{}
 	cmd.Stderr = stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
