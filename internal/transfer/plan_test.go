@@ -115,8 +115,8 @@ func TestPick(t *testing.T) {
 		{RDMA, host, host, ""},
 		{"carrier-pigeon", host, host, ""},
 	} {
-		got, err := Pick(c.want, c.src, c.dst)
-		if got != c.got || (c.got == "") != errors.Is(err, ErrUnsupported) {
+		got, why, err := Pick(c.want, c.src, c.dst)
+		if got != c.got || (c.got == "") != errors.Is(err, ErrUnsupported) || (c.got != "") == (why == "") {
 			t.Errorf("Pick(%q, %s → %s) = %q, %v; want %q", c.want, kind(c.src), kind(c.dst), got, err, c.got)
 		}
 	}

@@ -102,30 +102,36 @@ var ErrUnsupported = errors.New("the transfer backend cannot move this KV")
 // Pick decides which backend moves a round between src and dst, given
 // the agent's --transfer-backend (want): cuda_ipc when both sides' KV is
 // in GPU memory on this node (IPC handles only open there), tcp_shm
-// otherwise (staged through pinned host memory on a GPU side).
-func Pick(want string, src, dst hooks.Layout) (string, error) {
+// otherwise (staged through pinned host memory on a GPU side). The reason
+// says why, in words an operator reads in the migration's status.
+func Pick(want string, src, dst hooks.Layout) (name, reason string, err error) {
 	sg, dg := OnGPU(src), OnGPU(dst)
 	local := SameNode(src) && SameNode(dst)
 	switch want {
 	case "", Auto:
-		if sg && dg && local {
-			return CUDAIPC, nil
+		switch {
+		case sg && dg && local:
+			return CUDAIPC, "auto: both engines' KV is in GPU memory on this node", nil
+		case sg && dg:
+			return TCPShm, "auto: the engines' GPUs are on different nodes (CUDA IPC does not cross machines): staged through pinned host memory", nil
+		case sg || dg:
+			return TCPShm, "auto: one engine's KV is in host memory: the GPU side staged through pinned host memory", nil
 		}
-		return TCPShm, nil
+		return TCPShm, "auto: both engines' KV is in host memory", nil
 	case TCPShm:
-		return TCPShm, nil
+		return TCPShm, "asked for (--transfer-backend tcp_shm)", nil
 	case CUDAIPC:
 		switch {
 		case !(sg && dg):
-			return "", fmt.Errorf("%w: cuda_ipc needs both engines' KV in GPU memory", ErrUnsupported)
+			return "", "", fmt.Errorf("%w: cuda_ipc needs both engines' KV in GPU memory", ErrUnsupported)
 		case !local:
-			return "", fmt.Errorf("%w: cuda_ipc needs both engines on this node (CUDA IPC handles do not cross machines)", ErrUnsupported)
+			return "", "", fmt.Errorf("%w: cuda_ipc needs both engines on this node (CUDA IPC handles do not cross machines)", ErrUnsupported)
 		}
-		return CUDAIPC, nil
+		return CUDAIPC, "asked for (--transfer-backend cuda_ipc)", nil
 	case RDMA:
-		return "", fmt.Errorf("%w: the rdma backend is not implemented (no RDMA NIC to build it against)", ErrUnsupported)
+		return "", "", fmt.Errorf("%w: the rdma backend is not implemented (no RDMA NIC to build it against)", ErrUnsupported)
 	}
-	return "", fmt.Errorf("%w: unknown transfer backend %q (want one of %v)", ErrUnsupported, want, Names())
+	return "", "", fmt.Errorf("%w: unknown transfer backend %q (want one of %v)", ErrUnsupported, want, Names())
 }
 
 // OnGPU reports whether any of l's regions is GPU memory.

@@ -642,8 +642,12 @@ type CopyRoundResponse struct {
 	// Requests that finished, left or were preempted: no longer migrating.
 	DroppedRequestIds []string `protobuf:"bytes,5,rep,name=dropped_request_ids,json=droppedRequestIds,proto3" json:"dropped_request_ids,omitempty"`
 	// The source block tables now (they grow as requests decode).
-	Requests      []*RequestBlocks `protobuf:"bytes,6,rep,name=requests,proto3" json:"requests,omitempty"`
-	TokenSlots    int32            `protobuf:"varint,7,opt,name=token_slots,json=tokenSlots,proto3" json:"token_slots,omitempty"`
+	Requests   []*RequestBlocks `protobuf:"bytes,6,rep,name=requests,proto3" json:"requests,omitempty"`
+	TokenSlots int32            `protobuf:"varint,7,opt,name=token_slots,json=tokenSlots,proto3" json:"token_slots,omitempty"`
+	// The data plane that moved the round (cuda_ipc, tcp_shm) and why the
+	// agent chose it.
+	Backend       string `protobuf:"bytes,8,opt,name=backend,proto3" json:"backend,omitempty"`
+	BackendReason string `protobuf:"bytes,9,opt,name=backend_reason,json=backendReason,proto3" json:"backend_reason,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -725,6 +729,20 @@ func (x *CopyRoundResponse) GetTokenSlots() int32 {
 		return x.TokenSlots
 	}
 	return 0
+}
+
+func (x *CopyRoundResponse) GetBackend() string {
+	if x != nil {
+		return x.Backend
+	}
+	return ""
+}
+
+func (x *CopyRoundResponse) GetBackendReason() string {
+	if x != nil {
+		return x.BackendReason
+	}
+	return ""
 }
 
 // BlockSlots names slots [first_slot, first_slot + num_slots) of a block.
@@ -1942,7 +1960,7 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\x06secret\x18\n" +
 	" \x01(\fR\x06secret\x12\x1d\n" +
 	"\n" +
-	"target_tls\x18\v \x01(\bR\ttargetTls\"\x88\x02\n" +
+	"target_tls\x18\v \x01(\bR\ttargetTls\"\xc9\x02\n" +
 	"\x11CopyRoundResponse\x12\x16\n" +
 	"\x06cursor\x18\x01 \x01(\x04R\x06cursor\x12\x1f\n" +
 	"\vblock_count\x18\x02 \x01(\x05R\n" +
@@ -1953,7 +1971,9 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\x13dropped_request_ids\x18\x05 \x03(\tR\x11droppedRequestIds\x124\n" +
 	"\brequests\x18\x06 \x03(\v2\x18.vllmhi.v1.RequestBlocksR\brequests\x12\x1f\n" +
 	"\vtoken_slots\x18\a \x01(\x05R\n" +
-	"tokenSlots\"^\n" +
+	"tokenSlots\x12\x18\n" +
+	"\abackend\x18\b \x01(\tR\abackend\x12%\n" +
+	"\x0ebackend_reason\x18\t \x01(\tR\rbackendReason\"^\n" +
 	"\n" +
 	"BlockSlots\x12\x14\n" +
 	"\x05block\x18\x01 \x01(\x05R\x05block\x12\x1b\n" +
