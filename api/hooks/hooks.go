@@ -282,6 +282,13 @@ type AllocateRequest struct {
 type AllocateItem struct {
 	RequestID string `json:"request_id"`
 	NumTokens int    `json:"num_tokens"`
+	// Recompute reserves the request id only, no blocks: its KV does not
+	// move, its install brings the state alone, and the engine recomputes
+	// the KV from the tokens when blocks free up, as it does for a
+	// request it preempted (a target too small for every request's KV).
+	// An engine that cannot do this refuses the item (400); one that can
+	// says so in the answer's item.
+	Recompute bool `json:"recompute,omitempty"`
 }
 
 // AllocateResponse gives the target's block ids per request.
@@ -294,6 +301,8 @@ type AllocateResponse struct {
 type AllocatedItem struct {
 	RequestID string `json:"request_id"`
 	BlockIDs  []int  `json:"block_ids"`
+	// Recompute confirms a recompute reservation (no blocks).
+	Recompute bool `json:"recompute,omitempty"`
 }
 
 // InstallRequest installs requests whose KV is already in the blocks that

@@ -121,7 +121,15 @@ type MigrationStatus struct {
 	Requests          int           `json:"request_count"`
 	Migrated          int           `json:"migrated_request_count"`
 	Dropped           []string      `json:"dropped_request_ids"`
+	// Recomputed are the moved requests whose KV the target could not
+	// hold: their state moved and the target recomputes their KV (the
+	// rest moved with their KV).
+	Recomputed []string `json:"recomputed_request_ids,omitempty"`
 	Verification      *Verification `json:"verification,omitempty"`
+	// TransferBackend is the data plane the source agent moved the KV
+	// with (cuda_ipc, tcp_shm), and TransferBackendReason why it chose it.
+	TransferBackend       string `json:"transfer_backend,omitempty"`
+	TransferBackendReason string `json:"transfer_backend_reason,omitempty"`
 	// Committed: the target took the requests over (ownership flipped).
 	Committed bool `json:"committed"`
 	// SourceKV says what happened to the source's KV (destroy_source).

@@ -143,6 +143,12 @@ func printMigration(out io.Writer, st hostapi.MigrationStatus) {
 	}
 	if len(parts) > 0 {
 		fmt.Fprintf(out, "rounds (blocks / bytes): %s\n", strings.Join(parts, " | "))
+		if n := len(st.Recomputed); n > 0 {
+			fmt.Fprintf(out, "moved as state only (the target had no room for their KV and recomputes it): %d of %d requests\n", n, st.Migrated)
+		}
+		if st.TransferBackend != "" {
+			fmt.Fprintf(out, "data plane: %s (%s)\n", st.TransferBackend, st.TransferBackendReason)
+		}
 	}
 	if v := st.Verification; v != nil && v.Mode != hostapi.VerifyOff {
 		fmt.Fprintf(out, "checked before the commit (%s): %d blocks, %s on each side, %.1f ms\n", v.Mode, v.Blocks, humanBytes(v.Bytes), v.DurationS*1000)

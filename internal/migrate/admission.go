@@ -119,7 +119,8 @@ func (o *Orchestrator) admit(req hostapi.MigrateRequest) (*migration, error) {
 	secret := make([]byte, 32)
 	_, _ = rand.Read(secret)
 	m := &migration{o: o, op: op, req: req, filter: filter, src: src, dst: dst, log: o.log.With(zap.String("migration_id", id)),
-		secret: secret, moving: map[string]*v1.RequestBlocks{}, reserved: map[string]bool{}}
+		secret: secret, moving: map[string]*v1.RequestBlocks{}, reserved: map[string]bool{},
+		recompute: map[string]bool{}}
 	now := time.Now().UTC()
 	m.deadline = now.Add(o.cfg.ReservationLease - margin(o.cfg.ReservationLease))
 	m.st = hostapi.MigrationStatus{ID: id, State: hostapi.StateRunning, Src: src.ID, Dst: dst.ID, Type: req.Type, RequestFilter: filter.String(),

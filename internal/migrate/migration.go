@@ -37,6 +37,10 @@ type migration struct {
 	dataAddr  string
 	moving    map[string]*v1.RequestBlocks // by request id
 	reserved  map[string]bool              // request ids holding a reservation on the target
+	// recompute are moving requests whose KV the target could not hold:
+	// their state moves, their KV does not (the target recomputes it).
+	// They are in moving too, with no blocks.
+	recompute map[string]bool
 	// stableTokens: per request, the tokens before this index were
 	// checked (or sampled) before the pause; the pause checks the rest.
 	stableTokens map[string]int

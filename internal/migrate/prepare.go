@@ -4,7 +4,10 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"sort"
 	"time"
+
+	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
@@ -55,15 +58,18 @@ func (m *migration) prepare() error {
 	items := m.needs(selected)
 	var blocks []int32
 	if len(items) > 0 {
-		alloc, err := m.dstA.Engine.Allocate(cctx, hooks.AllocateRequest{Requests: items, LeaseMS: int(m.o.cfg.ReservationLease / time.Millisecond)})
+		alloc, err := m.reserve(cctx, items)
 		if err != nil {
-			if errdefs.IsResourceExhausted(err) {
-				return refuse(errdefs.ErrConflict, "target %s cannot hold the KV of %d requests: %v", m.dst.ID, len(items), err)
-			}
-			return fmt.Errorf("reserve blocks on the target: %w", err)
+			return err
 		}
 		for _, a := range alloc.Requests {
 			m.reserved[a.RequestID] = true
+			if a.Recompute {
+				// State only: no blocks to copy into, none to verify.
+				m.recompute[a.RequestID] = true
+				m.moving[a.RequestID] = &v1.RequestBlocks{RequestId: a.RequestID}
+				continue
+			}
 			rb := &v1.RequestBlocks{RequestId: a.RequestID}
 			for _, b := range a.BlockIDs {
 				rb.DstBlockIds = append(rb.DstBlockIds, int32(b))
@@ -71,6 +77,9 @@ func (m *migration) prepare() error {
 			}
 			m.moving[a.RequestID] = rb
 		}
+		m.mu.Lock()
+		m.st.Recomputed = sortedKeys(m.recompute)
+		m.mu.Unlock()
 	}
 	m.step(stepPrepare)
 	// The target takes this migration's KV only until its reservation is
@@ -95,6 +104,108 @@ func (m *migration) prepare() error {
 	m.st.Requests = len(items)
 	m.mu.Unlock()
 	return nil
+}
+
+// reserve reserves the items' blocks on the target. When the target
+// cannot hold them all, the requests whose KV fits (the longest first: the
+// most to recompute otherwise) keep theirs and the rest move as state
+// only, for the target to recompute, as it would after preempting them:
+// a scale-in onto a smaller engine neither stalls nor is refused. An
+// engine that cannot recompute (its allocate hook refuses the item) gets
+// the refusal it always got.
+func (m *migration) reserve(ctx context.Context, items []hooks.AllocateItem) (hooks.AllocateResponse, error) {
+	lease := int(m.o.cfg.ReservationLease / time.Millisecond)
+	alloc, err := m.dstA.Engine.Allocate(ctx, hooks.AllocateRequest{Requests: items, LeaseMS: lease})
+	if err == nil {
+		return alloc, nil
+	}
+	if !errdefs.IsResourceExhausted(err) {
+		return alloc, fmt.Errorf("reserve blocks on the target: %w", err)
+	}
+	full := refuse(errdefs.ErrConflict, "target %s cannot hold the KV of %d requests: %v", m.dst.ID, len(items), err)
+	list, lerr := m.dstA.Engine.Requests(ctx)
+	if lerr != nil {
+		return alloc, full
+	}
+	bs := m.dst.Engine.Geometry.BlockSize
+	for _, it := range items {
+		if (it.NumTokens+bs-1)/bs > list.TotalBlocks {
+			// It could never run there, recomputed or not.
+			return alloc, refuse(errdefs.ErrConflict, "target %s cannot hold request %s at all (%d tokens, %d blocks of %d in all)",
+				m.dst.ID, it.RequestID, it.NumTokens, list.TotalBlocks, bs)
+		}
+	}
+	split := fitByBlocks(items, list.FreeBlocks, bs)
+	alloc, err = m.dstA.Engine.Allocate(ctx, hooks.AllocateRequest{Requests: split, LeaseMS: lease})
+	if err != nil {
+		return alloc, full
+	}
+	asked := map[string]bool{}
+	for _, it := range split {
+		asked[it.RequestID] = it.Recompute
+	}
+	for _, a := range alloc.Requests {
+		if want, ok := asked[a.RequestID]; !ok || a.Recompute != want || (a.Recompute && len(a.BlockIDs) > 0) {
+			// An engine that did not take a recompute item as one (it held
+			// blocks for it, or ignored the field): installing state alone
+			// there would run on KV that never came. Refuse instead.
+			m.releaseReservations(ctx, alloc)
+			return hooks.AllocateResponse{}, refuse(errdefs.ErrConflict, "target %s cannot hold the KV of %d requests and did not take the rest as recompute reservations: %v", m.dst.ID, len(items), err)
+		}
+	}
+	m.log.Info("the target holds the KV of some requests only: the rest move as state and recompute there",
+		zap.Int("kv", len(split)-countRecompute(split)), zap.Int("recompute", countRecompute(split)))
+	return alloc, nil
+}
+
+// fitByBlocks marks as recompute every item past what free blocks hold,
+// keeping the KV of the longest requests; the order of items is kept.
+func fitByBlocks(items []hooks.AllocateItem, free, blockSize int) []hooks.AllocateItem {
+	order := make([]int, len(items))
+	for i := range order {
+		order[i] = i
+	}
+	sort.SliceStable(order, func(a, b int) bool { return items[order[a]].NumTokens > items[order[b]].NumTokens })
+	out := append([]hooks.AllocateItem(nil), items...)
+	for _, i := range order {
+		need := (items[i].NumTokens + blockSize - 1) / blockSize
+		if need <= free {
+			free -= need
+			continue
+		}
+		out[i].Recompute = true
+	}
+	return out
+}
+
+func countRecompute(items []hooks.AllocateItem) int {
+	n := 0
+	for _, it := range items {
+		if it.Recompute {
+			n++
+		}
+	}
+	return n
+}
+
+func sortedKeys(m map[string]bool) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// releaseReservations aborts reservations made on the target.
+func (m *migration) releaseReservations(ctx context.Context, alloc hooks.AllocateResponse) {
+	var ids []string
+	for _, a := range alloc.Requests {
+		ids = append(ids, a.RequestID)
+	}
+	if len(ids) > 0 {
+		_, _ = m.dstA.Engine.Abort(ctx, hooks.AbortRequest{RequestIDs: ids, Silent: true, IgnoreMissing: true})
+	}
 }
 
 // needs is what each selected request reserves on the target: blocks for

@@ -63,10 +63,19 @@ func shrinking(blocks int, best, stall *int, stallRounds int) bool {
 func (m *migration) copyRound(ctx context.Context, kind string, since uint64, slotGranular bool, fault string) (*v1.CopyRoundResponse, error) {
 	m.mu.Lock()
 	reqs := make([]*v1.RequestBlocks, 0, len(m.moving))
-	for _, rb := range m.moving {
-		reqs = append(reqs, rb)
+	for id, rb := range m.moving {
+		if !m.recompute[id] { // no KV of theirs moves
+			reqs = append(reqs, rb)
+		}
 	}
 	m.mu.Unlock()
+	if len(reqs) == 0 {
+		// Every moving request recomputes on the target: nothing to copy.
+		m.mu.Lock()
+		m.st.Rounds = append(m.st.Rounds, hostapi.Round{Round: len(m.st.Rounds), Kind: kind})
+		m.mu.Unlock()
+		return &v1.CopyRoundResponse{}, nil
+	}
 	resp, err := m.srcA.RPC.CopyRound(ctx, &v1.CopyRoundRequest{
 		MigrationId: m.st.ID, Kind: kind, SinceCursor: since, Requests: reqs,
 		TargetDataAddress: m.dataAddr, TargetLayout: m.dstLayout, Tn: int32(m.req.TN),
@@ -84,6 +93,9 @@ func (m *migration) copyRound(ctx context.Context, kind string, since uint64, sl
 		if cur, ok := m.moving[rb.GetRequestId()]; ok {
 			cur.SrcBlockIds = rb.GetSrcBlockIds()
 		}
+	}
+	if b := resp.GetBackend(); b != "" {
+		m.st.TransferBackend, m.st.TransferBackendReason = b, resp.GetBackendReason()
 	}
 	m.st.Rounds = append(m.st.Rounds, hostapi.Round{Round: len(m.st.Rounds), Kind: kind, BlockCount: int(resp.GetBlockCount()),
 		TokenSlots: int(resp.GetTokenSlots()), Bytes: resp.GetBytes(), DurationS: resp.GetDurationS()})

@@ -91,6 +91,9 @@ func (m *migration) verifyCopied(ctx context.Context, since uint64) error {
 	var at []blockAt
 	m.mu.Lock()
 	for id, rb := range m.moving {
+		if m.recompute[id] {
+			continue // its KV does not move: the target computes it
+		}
 		b := boundary[id]
 		b = min(b, len(rb.SrcBlockIds)*bs, len(rb.DstBlockIds)*bs)
 		if opaque {
@@ -160,7 +163,7 @@ func (m *migration) verify(ctx context.Context, states []movedState) error {
 	for _, st := range states {
 		rb := m.moving[st.RequestID]
 		nc := st.NumComputedTokens
-		if rb == nil || nc <= 0 {
+		if rb == nil || nc <= 0 || m.recompute[st.RequestID] {
 			continue
 		}
 		k := (nc + bs - 1) / bs

@@ -201,7 +201,9 @@ func (e *Engine) Allocate(_ context.Context, req hooks.AllocateRequest) (hooks.A
 			return hooks.AllocateResponse{}, conflict("Request %s already exists on this engine.", it.RequestID)
 		}
 		seen[it.RequestID] = true
-		need += (it.NumTokens + e.geo.BlockSize - 1) / e.geo.BlockSize
+		if !it.Recompute {
+			need += (it.NumTokens + e.geo.BlockSize - 1) / e.geo.BlockSize
+		}
 	}
 	if need > e.pool.numFree() {
 		return hooks.AllocateResponse{}, insufficient("Need %d KV blocks, %d free.", need, e.pool.numFree())
@@ -209,6 +211,11 @@ func (e *Engine) Allocate(_ context.Context, req hooks.AllocateRequest) (hooks.A
 	until := time.Now().Add(e.lease(req.LeaseMS))
 	out := hooks.AllocateResponse{}
 	for _, it := range req.Requests {
+		if it.Recompute {
+			e.requests[it.RequestID] = &request{id: it.RequestID, state: stateReserved, reserveUntil: until, recompute: true}
+			out.Requests = append(out.Requests, hooks.AllocatedItem{RequestID: it.RequestID, BlockIDs: []int{}, Recompute: true})
+			continue
+		}
 		blocks, _ := e.pool.allocate((it.NumTokens+e.geo.BlockSize-1)/e.geo.BlockSize, it.RequestID)
 		e.requests[it.RequestID] = &request{id: it.RequestID, blocks: blocks, state: stateReserved, reserveUntil: until}
 		out.Requests = append(out.Requests, hooks.AllocatedItem{RequestID: it.RequestID, BlockIDs: append([]int(nil), blocks...)})
@@ -235,7 +242,12 @@ func (e *Engine) Install(_ context.Context, req hooks.InstallRequest) (hooks.Ins
 			return hooks.InstallResponse{}, badRequest("request_id", "Request %s is named twice.", st.RequestID)
 		}
 		seen[st.RequestID] = true
-		if err := e.checkState(st, len(r.blocks)); err != nil {
+		if r.recompute {
+			// No KV came: the engine computes it again, so nothing of the
+			// source's counts as computed, and blocks are found later.
+			st.NumComputedTokens = 0
+		}
+		if err := e.checkState(st, len(r.blocks), r.recompute); err != nil {
 			return hooks.InstallResponse{}, err
 		}
 	}
@@ -248,6 +260,9 @@ func (e *Engine) Install(_ context.Context, req hooks.InstallRequest) (hooks.Ins
 		r.text = st.OutputText
 		r.textOffsets = append([]int(nil), st.TextOffsets...)
 		r.numComputed = st.NumComputedTokens
+		if r.recompute {
+			r.numComputed = 0
+		}
 		r.params = st.Sampling
 		r.meta = st.Response
 		r.arrival = fromUnixSeconds(st.ArrivalTime)
@@ -268,7 +283,14 @@ func (e *Engine) Install(_ context.Context, req hooks.InstallRequest) (hooks.Ins
 		for pos := 0; pos < r.numComputed && pos/e.geo.BlockSize < used; pos++ {
 			e.pool.markWritten(r.blocks[pos/e.geo.BlockSize], pos%e.geo.BlockSize, gen)
 		}
-		e.running = append(e.running, r)
+		if r.recompute {
+			// Queued behind what waits already, as a preempted request:
+			// scheduled (and its KV recomputed) once seats and blocks allow.
+			r.state, r.preempted = stateWaiting, true
+			e.waiting = append(e.waiting, r)
+		} else {
+			e.running = append(e.running, r)
+		}
 		r.publish()
 		e.watchable.Store(r.id, r)
 		out.Installed = append(out.Installed, r.id)
@@ -281,7 +303,7 @@ func (e *Engine) Install(_ context.Context, req hooks.InstallRequest) (hooks.Ins
 // checkState refuses a request state the engine could not run: every
 // field an install reads is bounded here, so a malformed body is a 400,
 // never a panic later in a step or a stream.
-func (e *Engine) checkState(st hooks.RequestState, reservedBlocks int) error {
+func (e *Engine) checkState(st hooks.RequestState, reservedBlocks int, recompute bool) error {
 	bs := e.geo.BlockSize
 	total := len(st.PromptTokenIDs) + len(st.OutputTokenIDs)
 	vocab := e.tok.VocabSize()
@@ -294,7 +316,7 @@ func (e *Engine) checkState(st hooks.RequestState, reservedBlocks int) error {
 		return badRequest("num_computed_tokens", "Request %s: num_computed_tokens %d outside 0..%d.", st.RequestID, st.NumComputedTokens, total)
 	case st.NumComputedTokens > reservedBlocks*bs:
 		return badRequest("num_computed_tokens", "Request %s: %d computed tokens do not fit its %d reserved blocks.", st.RequestID, st.NumComputedTokens, reservedBlocks)
-	case (total+bs-1)/bs > reservedBlocks+e.pool.numFree():
+	case !recompute && (total+bs-1)/bs > reservedBlocks+e.pool.numFree():
 		return insufficient("Request %s needs more blocks than are reserved and free.", st.RequestID)
 	case len(st.TextOffsets) != len(st.OutputTokenIDs):
 		return badRequest("text_offsets", "Request %s: %d text offsets for %d output tokens.", st.RequestID, len(st.TextOffsets), len(st.OutputTokenIDs))

@@ -42,6 +42,9 @@ type request struct {
 	// yet; its lease ending drops it (the source still runs it).
 	uncommitted  bool
 	reserveUntil time.Time
+	// recompute: reserved without blocks; installed, it waits like a
+	// preempted request and recomputes its KV from its tokens.
+	recompute bool
 
 	finishReason string // "length", "stop", "abort"
 	stopReason   any    // nil, a stop string, or a stop token id

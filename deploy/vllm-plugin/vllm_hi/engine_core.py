@@ -158,6 +158,11 @@ class CoreState:
                 raise HookError(409, f"Request {it['request_id']} already exists here.", "request_id")
             if it["num_tokens"] < 1:
                 raise HookError(400, "num_tokens must be positive.", "num_tokens")
+            if it.get("recompute"):
+                # The Host then takes the request's state only and expects
+                # the engine to recompute its KV; not built for vLLM yet.
+                raise HookError(400, "recompute reservations (state-only installs) are not supported by the "
+                                     "vllm-hi plugin yet.", "recompute")
         done, out = [], []
         for it in items:
             rid, n = it["request_id"], int(it["num_tokens"])
