@@ -103,29 +103,29 @@ type Verification struct {
 
 // MigrationStatus is GET /vllm_hi/migration/{id}/status.
 type MigrationStatus struct {
-	ID                string        `json:"migration_id"`
-	State             string        `json:"state"`
-	CurrentStep       string        `json:"current_step"`
-	StepHistory       []Step        `json:"step_history"`
-	Rounds            []Round       `json:"rounds"`
-	DowntimeS         float64       `json:"downtime_s"`
-	ClientDowntimeS   float64       `json:"client_downtime_s"`
-	PauseWaitS        float64       `json:"pause_wait_s"`
-	NewActiveInstance string        `json:"new_active_instance"`
-	Error             string        `json:"error"`
-	Src               string        `json:"src_vllm_hi_id"`
-	Dst               string        `json:"dst_vllm_hi_id"`
-	Type              string        `json:"migration_type"`
-	RequestFilter     string        `json:"request_filter"`
-	TN                int           `json:"tn"`
-	Requests          int           `json:"request_count"`
-	Migrated          int           `json:"migrated_request_count"`
-	Dropped           []string      `json:"dropped_request_ids"`
+	ID                string   `json:"migration_id"`
+	State             string   `json:"state"`
+	CurrentStep       string   `json:"current_step"`
+	StepHistory       []Step   `json:"step_history"`
+	Rounds            []Round  `json:"rounds"`
+	DowntimeS         float64  `json:"downtime_s"`
+	ClientDowntimeS   float64  `json:"client_downtime_s"`
+	PauseWaitS        float64  `json:"pause_wait_s"`
+	NewActiveInstance string   `json:"new_active_instance"`
+	Error             string   `json:"error"`
+	Src               string   `json:"src_vllm_hi_id"`
+	Dst               string   `json:"dst_vllm_hi_id"`
+	Type              string   `json:"migration_type"`
+	RequestFilter     string   `json:"request_filter"`
+	TN                int      `json:"tn"`
+	Requests          int      `json:"request_count"`
+	Migrated          int      `json:"migrated_request_count"`
+	Dropped           []string `json:"dropped_request_ids"`
 	// Recomputed are the moved requests whose KV the target could not
 	// hold: their state moved and the target recomputes their KV (the
 	// rest moved with their KV).
-	Recomputed []string `json:"recomputed_request_ids,omitempty"`
-	Verification      *Verification `json:"verification,omitempty"`
+	Recomputed   []string      `json:"recomputed_request_ids,omitempty"`
+	Verification *Verification `json:"verification,omitempty"`
 	// TransferBackend is the data plane the source agent moved the KV
 	// with (cuda_ipc, tcp_shm), and TransferBackendReason why it chose it.
 	TransferBackend       string `json:"transfer_backend,omitempty"`
