@@ -144,6 +144,15 @@ type MigrationStatus struct {
 	FinishedAt time.Time `json:"finished_at,omitempty"`
 }
 
+// GPU is one GPU of an agent's node.
+type GPU struct {
+	Index       int    `json:"index"`
+	UUID        string `json:"uuid"`
+	Name        string `json:"name"`
+	MemoryBytes uint64 `json:"memory_bytes"`
+	PCIBusID    string `json:"pci_bus_id"`
+}
+
 // Ended reports whether the migration is over.
 func (s MigrationStatus) Ended() bool { return s.State != "" && s.State != StateRunning }
 
@@ -154,30 +163,34 @@ type MigrationList struct {
 
 // Instance is one entry of GET /vllm_hi/instances.
 type Instance struct {
-	ID                 string        `json:"vllm_hi_id"`
-	Type               string        `json:"type"`
-	Role               string        `json:"role"`
-	State              string        `json:"state"`
-	Lifecycle          string        `json:"lifecycle"`
-	ServedModelName    string        `json:"served_model_name"`
-	ServedModelNames   []string      `json:"served_model_names"`
-	Model              string        `json:"model"`
-	EngineURL          string        `json:"engine_url"`
-	EngineKind         string        `json:"engine_kind"`
-	EngineVersion      string        `json:"engine_version"`
-	TP                 int           `json:"tp"`
-	PP                 int           `json:"pp"`
-	MaxModelLen        int           `json:"max_model_len"`
-	Migratable         bool          `json:"migratable"`
-	HooksAuthenticated bool          `json:"hooks_authenticated"`
-	AgentAddress       string        `json:"agent_address"`
-	DataAddress        string        `json:"data_address"`
-	TransferBackend    string        `json:"transfer_backend"`
-	TLS                bool          `json:"tls"`
-	Hostname           string        `json:"hostname"`
-	RegisteredAt       time.Time     `json:"registered_at"`
-	LastHeartbeatAt    time.Time     `json:"last_heartbeat_at"`
-	Stats              InstanceStats `json:"stats"`
+	ID                 string   `json:"vllm_hi_id"`
+	Type               string   `json:"type"`
+	Role               string   `json:"role"`
+	State              string   `json:"state"`
+	Lifecycle          string   `json:"lifecycle"`
+	ServedModelName    string   `json:"served_model_name"`
+	ServedModelNames   []string `json:"served_model_names"`
+	Model              string   `json:"model"`
+	EngineURL          string   `json:"engine_url"`
+	EngineKind         string   `json:"engine_kind"`
+	EngineVersion      string   `json:"engine_version"`
+	TP                 int      `json:"tp"`
+	PP                 int      `json:"pp"`
+	MaxModelLen        int      `json:"max_model_len"`
+	Migratable         bool     `json:"migratable"`
+	HooksAuthenticated bool     `json:"hooks_authenticated"`
+	AgentAddress       string   `json:"agent_address"`
+	DataAddress        string   `json:"data_address"`
+	TransferBackend    string   `json:"transfer_backend"`
+	TLS                bool     `json:"tls"`
+	// GPUs are the GPUs of the agent's node as NVML sees them; GPUNote
+	// says why there are none ("NVML unavailable: …").
+	GPUs            []GPU         `json:"gpus,omitempty"`
+	GPUNote         string        `json:"gpu_note,omitempty"`
+	Hostname        string        `json:"hostname"`
+	RegisteredAt    time.Time     `json:"registered_at"`
+	LastHeartbeatAt time.Time     `json:"last_heartbeat_at"`
+	Stats           InstanceStats `json:"stats"`
 }
 
 // InstanceStats is the load an agent last reported.

@@ -5,6 +5,8 @@
 package agent
 
 import (
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -19,6 +21,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/vllm-hi/vllm-hi/internal/gpu"
 
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
@@ -52,6 +56,9 @@ type Config struct {
 	TP, PP          int           // for engines without hooks
 	EngineWait      time.Duration // how long to wait for the engine to become healthy
 	DefaultTN       int           // data-plane connections when the Host names none
+	// NVML is the GPU library the agent reads its node's GPUs through
+	// (nil: the node's libnvidia-ml, dlopened once; tests pass a mock).
+	NVML nvml.Interface
 }
 
 // Validate checks the configuration.
@@ -105,8 +112,10 @@ type Agent struct {
 	role    v1.Role
 	retired bool
 
-	dp        dataPlane
-	gpu       gpuPlane
+	dp  dataPlane
+	gpu gpuPlane
+	// gpus is the node's GPUs (NVML), read once at start.
+	gpus      *gpu.Inventory
 	dataAddr  string
 	clientTLS *tls.Config // dialing the Host and peers' data planes; nil without TLS
 	serverTLS *tls.Config // this agent's gRPC service and data plane; nil without TLS
@@ -170,6 +179,13 @@ func (a *Agent) Run(ctx context.Context) error {
 			a.log.Warn("the engine serves its hooks to anyone who reaches it (it has no agent token): start it with VLLM_HI_ENGINE_TOKEN_FILE",
 				zap.String("engine_url", info.URL))
 		}
+	}
+	a.gpus = gpu.Discover(a.cfg.NVML)
+	defer a.gpus.Close()
+	if a.gpus.Unavailable != "" {
+		a.log.Info("no GPU inventory", zap.String("reason", a.gpus.Unavailable))
+	} else {
+		a.log.Info("GPUs", zap.Int("count", len(a.gpus.Devices)), zap.String("first", a.gpus.Devices[0].Name))
 	}
 	a.mu.Lock()
 	a.info = info
@@ -269,8 +285,15 @@ func (a *Agent) registerRequest(info engine.Info, agentAddr, dataAddr string) *v
 	if backend == "" {
 		backend = transfer.Auto
 	}
-	return &v1.RegisterRequest{VllmHiId: a.cfg.ID, Type: typ, Engine: e, AgentAddress: agentAddr, DataAddress: dataAddr,
+	req := &v1.RegisterRequest{VllmHiId: a.cfg.ID, Type: typ, Engine: e, AgentAddress: agentAddr, DataAddress: dataAddr,
 		Session: a.session, Hostname: hostname, TransferBackend: backend, Tls: a.serverTLS != nil}
+	if a.gpus != nil {
+		req.GpusNote = a.gpus.Unavailable
+		for _, d := range a.gpus.Devices {
+			req.Gpus = append(req.Gpus, &v1.GPU{Index: int32(d.Index), Uuid: d.UUID, Name: d.Name, MemoryBytes: d.MemoryBytes, PciBusId: d.PCIBusID})
+		}
+	}
+	return req
 }
 
 // takeoverWait is how long an agent retries an id held by another session

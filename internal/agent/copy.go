@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"os"
 	"time"
 
 	"go.uber.org/zap"
@@ -75,6 +76,9 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 	if err != nil {
 		return nil, errdefs.New(errdefs.ErrConflict, err.Error())
 	}
+	if name == transfer.CUDAIPC {
+		why += a.gpuLink(srcLayout, dstLayout)
+	}
 	resp.Backend, resp.BackendReason = name, why
 	backend, err := a.backend(name)
 	if err != nil {
@@ -127,4 +131,20 @@ func int32s(v []int) []int32 {
 		out[i] = int32(x)
 	}
 	return out
+}
+
+// gpuLink names the link between the two engines' GPUs for a round's
+// reason ("; GPU 0 → GPU 1: NVLink"), or "" when it is not known. The
+// layouts give CUDA device ordinals; they are NVML's indices only when
+// CUDA_VISIBLE_DEVICES renumbers nothing (it is the process's own
+// environment, inherited from the engine that started the agent).
+func (a *Agent) gpuLink(src, dst hooks.Layout) string {
+	if a.gpus == nil || len(src.Regions) == 0 || len(dst.Regions) == 0 || os.Getenv("CUDA_VISIBLE_DEVICES") != "" {
+		return ""
+	}
+	s, d := src.Regions[0].Memory.Device, dst.Regions[0].Memory.Device
+	if link := a.gpus.Link(s, d); link != "" {
+		return fmt.Sprintf("; GPU %d → GPU %d: %s", s, d, link)
+	}
+	return ""
 }

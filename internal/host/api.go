@@ -61,6 +61,14 @@ func (h *Host) models(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, out)
 }
 
+func gpusView(gs []registry.GPU) []hostapi.GPU {
+	var out []hostapi.GPU
+	for _, g := range gs {
+		out = append(out, hostapi.GPU{Index: g.Index, UUID: g.UUID, Name: g.Name, MemoryBytes: g.MemoryBytes, PCIBusID: g.PCIBusID})
+	}
+	return out
+}
+
 func view(i registry.Instance) hostapi.Instance {
 	v := hostapi.Instance{
 		ID: i.ID, Type: i.Type, Role: string(i.Role), State: string(i.EffectiveState()), Lifecycle: string(i.Lifecycle()),
@@ -68,7 +76,7 @@ func view(i registry.Instance) hostapi.Instance {
 		EngineKind: i.Engine.Kind, EngineVersion: i.Engine.Version, TP: i.Engine.TP, PP: i.Engine.PP,
 		MaxModelLen: i.Engine.MaxModelLen, Migratable: i.Engine.Migratable, HooksAuthenticated: i.Engine.HooksAuthenticated,
 		AgentAddress: i.AgentAddress, DataAddress: i.DataAddress, TransferBackend: i.TransferBackend, TLS: i.TLS, Hostname: i.Hostname,
-		RegisteredAt: i.RegisteredAt.UTC(), LastHeartbeatAt: i.LastHeartbeat.UTC(),
+		RegisteredAt: i.RegisteredAt.UTC(), LastHeartbeatAt: i.LastHeartbeat.UTC(), GPUNote: i.GPUNote, GPUs: gpusView(i.GPUs),
 		Stats: hostapi.InstanceStats{Healthy: i.Stats.Healthy, NumRunning: i.Stats.Running, NumWaiting: i.Stats.Waiting,
 			FreeBlocks: i.Stats.FreeBlocks, TotalBlocks: i.Stats.TotalBlocks, Sleeping: i.Stats.Sleeping},
 	}

@@ -94,6 +94,7 @@ func registrationFromProto(req *v1.RegisterRequest) registry.Registration {
 		ID: req.GetVllmHiId(), Type: typ, Session: req.GetSession(), Hostname: req.GetHostname(),
 		AgentAddress: req.GetAgentAddress(), DataAddress: req.GetDataAddress(), TransferBackend: req.GetTransferBackend(),
 		TLS: req.GetTls(), Role: roleFromProto(req.GetRole()), Retired: req.GetRetired(),
+		GPUs: gpusFromProto(req.GetGpus()), GPUNote: req.GetGpusNote(),
 		Engine: registry.Engine{
 			URL: e.GetEngineUrl(), ServedModels: e.GetServedModelNames(), Model: e.GetModel(),
 			TP: int(e.GetTp()), PP: int(e.GetPp()), MaxModelLen: int(e.GetMaxModelLen()),
@@ -105,4 +106,13 @@ func registrationFromProto(req *v1.RegisterRequest) registry.Registration {
 			},
 		},
 	}
+}
+
+func gpusFromProto(gs []*v1.GPU) []registry.GPU {
+	var out []registry.GPU
+	for _, g := range gs {
+		out = append(out, registry.GPU{Index: int(g.GetIndex()), UUID: g.GetUuid(), Name: g.GetName(),
+			MemoryBytes: g.GetMemoryBytes(), PCIBusID: g.GetPciBusId()})
+	}
+	return out
 }

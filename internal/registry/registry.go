@@ -122,6 +122,17 @@ type Registration struct {
 	// instance takes them over instead of the start-up type.
 	Role    Role
 	Retired bool
+	// GPUs are the agent's node's GPUs (NVML), GPUNote why there are none.
+	GPUs    []GPU
+	GPUNote string
+}
+
+// GPU is one GPU an agent reported.
+type GPU struct {
+	Index       int
+	UUID, Name  string
+	MemoryBytes uint64
+	PCIBusID    string
 }
 
 // Instance is one registered engine. Values returned by the registry are

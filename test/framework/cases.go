@@ -65,6 +65,10 @@ func destroySource(t *testing.T, c Cluster) {
 	if st.State != hostapi.StateSucceeded || st.Migrated != len(reqs) || st.NewActiveInstance != c.B() || st.DowntimeS <= 0 {
 		t.Fatalf("%+v", st)
 	}
+	// Each agent reported its node's GPUs, or why it has none.
+	if in := Instance(t, c, c.A()); len(in.GPUs) == 0 && in.GPUNote == "" {
+		t.Fatalf("instance %s reports neither GPUs nor why there are none", in.ID)
+	}
 	// The status says which data plane moved the KV, and why.
 	if (st.TransferBackend != "tcp_shm" && st.TransferBackend != "cuda_ipc") || !strings.HasPrefix(st.TransferBackendReason, "auto: ") {
 		t.Fatalf("transfer backend %q (%q)", st.TransferBackend, st.TransferBackendReason)

@@ -1413,6 +1413,83 @@ func (x *EngineStats) GetSleeping() bool {
 	return false
 }
 
+// GPU is one of the agent's node's GPUs (NVML).
+type GPU struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Index         int32                  `protobuf:"varint,1,opt,name=index,proto3" json:"index,omitempty"`
+	Uuid          string                 `protobuf:"bytes,2,opt,name=uuid,proto3" json:"uuid,omitempty"`
+	Name          string                 `protobuf:"bytes,3,opt,name=name,proto3" json:"name,omitempty"`
+	MemoryBytes   uint64                 `protobuf:"varint,4,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
+	PciBusId      string                 `protobuf:"bytes,5,opt,name=pci_bus_id,json=pciBusId,proto3" json:"pci_bus_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GPU) Reset() {
+	*x = GPU{}
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GPU) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GPU) ProtoMessage() {}
+
+func (x *GPU) ProtoReflect() protoreflect.Message {
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GPU.ProtoReflect.Descriptor instead.
+func (*GPU) Descriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *GPU) GetIndex() int32 {
+	if x != nil {
+		return x.Index
+	}
+	return 0
+}
+
+func (x *GPU) GetUuid() string {
+	if x != nil {
+		return x.Uuid
+	}
+	return ""
+}
+
+func (x *GPU) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *GPU) GetMemoryBytes() uint64 {
+	if x != nil {
+		return x.MemoryBytes
+	}
+	return 0
+}
+
+func (x *GPU) GetPciBusId() string {
+	if x != nil {
+		return x.PciBusId
+	}
+	return ""
+}
+
 type RegisterRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Stable id the agent asks for (kept across agent and Host restarts).
@@ -1434,14 +1511,17 @@ type RegisterRequest struct {
 	// requests away) and it has not been woken since.
 	Retired bool `protobuf:"varint,10,opt,name=retired,proto3" json:"retired,omitempty"`
 	// The agent's gRPC service and data plane speak TLS.
-	Tls           bool `protobuf:"varint,11,opt,name=tls,proto3" json:"tls,omitempty"`
+	Tls bool `protobuf:"varint,11,opt,name=tls,proto3" json:"tls,omitempty"`
+	// The node's GPUs as NVML sees them, or why there are none.
+	Gpus          []*GPU `protobuf:"bytes,12,rep,name=gpus,proto3" json:"gpus,omitempty"`
+	GpusNote      string `protobuf:"bytes,13,opt,name=gpus_note,json=gpusNote,proto3" json:"gpus_note,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RegisterRequest) Reset() {
 	*x = RegisterRequest{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[19]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1453,7 +1533,7 @@ func (x *RegisterRequest) String() string {
 func (*RegisterRequest) ProtoMessage() {}
 
 func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[19]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1466,7 +1546,7 @@ func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterRequest.ProtoReflect.Descriptor instead.
 func (*RegisterRequest) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{19}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *RegisterRequest) GetVllmHiId() string {
@@ -1546,6 +1626,20 @@ func (x *RegisterRequest) GetTls() bool {
 	return false
 }
 
+func (x *RegisterRequest) GetGpus() []*GPU {
+	if x != nil {
+		return x.Gpus
+	}
+	return nil
+}
+
+func (x *RegisterRequest) GetGpusNote() string {
+	if x != nil {
+		return x.GpusNote
+	}
+	return ""
+}
+
 type RegisterResponse struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	VllmHiId string                 `protobuf:"bytes,1,opt,name=vllm_hi_id,json=vllmHiId,proto3" json:"vllm_hi_id,omitempty"`
@@ -1560,7 +1654,7 @@ type RegisterResponse struct {
 
 func (x *RegisterResponse) Reset() {
 	*x = RegisterResponse{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[20]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1572,7 +1666,7 @@ func (x *RegisterResponse) String() string {
 func (*RegisterResponse) ProtoMessage() {}
 
 func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[20]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1585,7 +1679,7 @@ func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterResponse.ProtoReflect.Descriptor instead.
 func (*RegisterResponse) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{20}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *RegisterResponse) GetVllmHiId() string {
@@ -1627,7 +1721,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[21]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1639,7 +1733,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[21]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1652,7 +1746,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{21}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *HeartbeatRequest) GetVllmHiId() string {
@@ -1686,7 +1780,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[22]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1698,7 +1792,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[22]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1711,7 +1805,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{22}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *HeartbeatResponse) GetRole() Role {
@@ -1738,7 +1832,7 @@ type DeregisterRequest struct {
 
 func (x *DeregisterRequest) Reset() {
 	*x = DeregisterRequest{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[23]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1750,7 +1844,7 @@ func (x *DeregisterRequest) String() string {
 func (*DeregisterRequest) ProtoMessage() {}
 
 func (x *DeregisterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[23]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1763,7 +1857,7 @@ func (x *DeregisterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterRequest.ProtoReflect.Descriptor instead.
 func (*DeregisterRequest) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{23}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *DeregisterRequest) GetVllmHiId() string {
@@ -1788,7 +1882,7 @@ type DeregisterResponse struct {
 
 func (x *DeregisterResponse) Reset() {
 	*x = DeregisterResponse{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[24]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1800,7 +1894,7 @@ func (x *DeregisterResponse) String() string {
 func (*DeregisterResponse) ProtoMessage() {}
 
 func (x *DeregisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[24]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1813,7 +1907,7 @@ func (x *DeregisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterResponse.ProtoReflect.Descriptor instead.
 func (*DeregisterResponse) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{24}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{25}
 }
 
 type AgentStatusRequest struct {
@@ -1824,7 +1918,7 @@ type AgentStatusRequest struct {
 
 func (x *AgentStatusRequest) Reset() {
 	*x = AgentStatusRequest{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[25]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1836,7 +1930,7 @@ func (x *AgentStatusRequest) String() string {
 func (*AgentStatusRequest) ProtoMessage() {}
 
 func (x *AgentStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[25]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1849,7 +1943,7 @@ func (x *AgentStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AgentStatusRequest.ProtoReflect.Descriptor instead.
 func (*AgentStatusRequest) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{25}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{26}
 }
 
 type AgentStatusResponse struct {
@@ -1864,7 +1958,7 @@ type AgentStatusResponse struct {
 
 func (x *AgentStatusResponse) Reset() {
 	*x = AgentStatusResponse{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[26]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1876,7 +1970,7 @@ func (x *AgentStatusResponse) String() string {
 func (*AgentStatusResponse) ProtoMessage() {}
 
 func (x *AgentStatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[26]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1889,7 +1983,7 @@ func (x *AgentStatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AgentStatusResponse.ProtoReflect.Descriptor instead.
 func (*AgentStatusResponse) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{26}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *AgentStatusResponse) GetVllmHiId() string {
@@ -2038,7 +2132,14 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\vfree_blocks\x18\x04 \x01(\x05R\n" +
 	"freeBlocks\x12!\n" +
 	"\ftotal_blocks\x18\x05 \x01(\x05R\vtotalBlocks\x12\x1a\n" +
-	"\bsleeping\x18\x06 \x01(\bR\bsleeping\"\x85\x03\n" +
+	"\bsleeping\x18\x06 \x01(\bR\bsleeping\"\x84\x01\n" +
+	"\x03GPU\x12\x14\n" +
+	"\x05index\x18\x01 \x01(\x05R\x05index\x12\x12\n" +
+	"\x04uuid\x18\x02 \x01(\tR\x04uuid\x12\x12\n" +
+	"\x04name\x18\x03 \x01(\tR\x04name\x12!\n" +
+	"\fmemory_bytes\x18\x04 \x01(\x04R\vmemoryBytes\x12\x1c\n" +
+	"\n" +
+	"pci_bus_id\x18\x05 \x01(\tR\bpciBusId\"\xc6\x03\n" +
 	"\x0fRegisterRequest\x12\x1c\n" +
 	"\n" +
 	"vllm_hi_id\x18\x01 \x01(\tR\bvllmHiId\x12+\n" +
@@ -2052,7 +2153,9 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\x04role\x18\t \x01(\x0e2\x0f.vllmhi.v1.RoleR\x04role\x12\x18\n" +
 	"\aretired\x18\n" +
 	" \x01(\bR\aretired\x12\x10\n" +
-	"\x03tls\x18\v \x01(\bR\x03tls\"\xa7\x01\n" +
+	"\x03tls\x18\v \x01(\bR\x03tls\x12\"\n" +
+	"\x04gpus\x18\f \x03(\v2\x0e.vllmhi.v1.GPUR\x04gpus\x12\x1b\n" +
+	"\tgpus_note\x18\r \x01(\tR\bgpusNote\"\xa7\x01\n" +
 	"\x10RegisterResponse\x12\x1c\n" +
 	"\n" +
 	"vllm_hi_id\x18\x01 \x01(\tR\bvllmHiId\x122\n" +
@@ -2118,7 +2221,7 @@ func file_vllmhi_v1_vllmhi_proto_rawDescGZIP() []byte {
 }
 
 var file_vllmhi_v1_vllmhi_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_vllmhi_v1_vllmhi_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
+var file_vllmhi_v1_vllmhi_proto_msgTypes = make([]protoimpl.MessageInfo, 28)
 var file_vllmhi_v1_vllmhi_proto_goTypes = []any{
 	(Role)(0),                     // 0: vllmhi.v1.Role
 	(InstanceType)(0),             // 1: vllmhi.v1.InstanceType
@@ -2141,14 +2244,15 @@ var file_vllmhi_v1_vllmhi_proto_goTypes = []any{
 	(*KVGeometry)(nil),            // 18: vllmhi.v1.KVGeometry
 	(*EngineInfo)(nil),            // 19: vllmhi.v1.EngineInfo
 	(*EngineStats)(nil),           // 20: vllmhi.v1.EngineStats
-	(*RegisterRequest)(nil),       // 21: vllmhi.v1.RegisterRequest
-	(*RegisterResponse)(nil),      // 22: vllmhi.v1.RegisterResponse
-	(*HeartbeatRequest)(nil),      // 23: vllmhi.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),     // 24: vllmhi.v1.HeartbeatResponse
-	(*DeregisterRequest)(nil),     // 25: vllmhi.v1.DeregisterRequest
-	(*DeregisterResponse)(nil),    // 26: vllmhi.v1.DeregisterResponse
-	(*AgentStatusRequest)(nil),    // 27: vllmhi.v1.AgentStatusRequest
-	(*AgentStatusResponse)(nil),   // 28: vllmhi.v1.AgentStatusResponse
+	(*GPU)(nil),                   // 21: vllmhi.v1.GPU
+	(*RegisterRequest)(nil),       // 22: vllmhi.v1.RegisterRequest
+	(*RegisterResponse)(nil),      // 23: vllmhi.v1.RegisterResponse
+	(*HeartbeatRequest)(nil),      // 24: vllmhi.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),     // 25: vllmhi.v1.HeartbeatResponse
+	(*DeregisterRequest)(nil),     // 26: vllmhi.v1.DeregisterRequest
+	(*DeregisterResponse)(nil),    // 27: vllmhi.v1.DeregisterResponse
+	(*AgentStatusRequest)(nil),    // 28: vllmhi.v1.AgentStatusRequest
+	(*AgentStatusResponse)(nil),   // 29: vllmhi.v1.AgentStatusResponse
 }
 var file_vllmhi_v1_vllmhi_proto_depIdxs = []int32{
 	8,  // 0: vllmhi.v1.CopyRoundRequest.requests:type_name -> vllmhi.v1.RequestBlocks
@@ -2158,38 +2262,39 @@ var file_vllmhi_v1_vllmhi_proto_depIdxs = []int32{
 	1,  // 4: vllmhi.v1.RegisterRequest.type:type_name -> vllmhi.v1.InstanceType
 	19, // 5: vllmhi.v1.RegisterRequest.engine:type_name -> vllmhi.v1.EngineInfo
 	0,  // 6: vllmhi.v1.RegisterRequest.role:type_name -> vllmhi.v1.Role
-	0,  // 7: vllmhi.v1.RegisterResponse.role:type_name -> vllmhi.v1.Role
-	20, // 8: vllmhi.v1.HeartbeatRequest.stats:type_name -> vllmhi.v1.EngineStats
-	0,  // 9: vllmhi.v1.HeartbeatResponse.role:type_name -> vllmhi.v1.Role
-	19, // 10: vllmhi.v1.AgentStatusResponse.engine:type_name -> vllmhi.v1.EngineInfo
-	20, // 11: vllmhi.v1.AgentStatusResponse.stats:type_name -> vllmhi.v1.EngineStats
-	21, // 12: vllmhi.v1.Registry.Register:input_type -> vllmhi.v1.RegisterRequest
-	23, // 13: vllmhi.v1.Registry.Heartbeat:input_type -> vllmhi.v1.HeartbeatRequest
-	25, // 14: vllmhi.v1.Registry.Deregister:input_type -> vllmhi.v1.DeregisterRequest
-	27, // 15: vllmhi.v1.Agent.Status:input_type -> vllmhi.v1.AgentStatusRequest
-	2,  // 16: vllmhi.v1.Agent.Hook:input_type -> vllmhi.v1.HookRequest
-	4,  // 17: vllmhi.v1.Agent.PrepareTarget:input_type -> vllmhi.v1.PrepareTargetRequest
-	6,  // 18: vllmhi.v1.Agent.ReleaseTarget:input_type -> vllmhi.v1.ReleaseTargetRequest
-	9,  // 19: vllmhi.v1.Agent.CopyRound:input_type -> vllmhi.v1.CopyRoundRequest
-	12, // 20: vllmhi.v1.Agent.HashBlocks:input_type -> vllmhi.v1.HashBlocksRequest
-	14, // 21: vllmhi.v1.Agent.Retire:input_type -> vllmhi.v1.RetireRequest
-	16, // 22: vllmhi.v1.Agent.Wake:input_type -> vllmhi.v1.WakeRequest
-	22, // 23: vllmhi.v1.Registry.Register:output_type -> vllmhi.v1.RegisterResponse
-	24, // 24: vllmhi.v1.Registry.Heartbeat:output_type -> vllmhi.v1.HeartbeatResponse
-	26, // 25: vllmhi.v1.Registry.Deregister:output_type -> vllmhi.v1.DeregisterResponse
-	28, // 26: vllmhi.v1.Agent.Status:output_type -> vllmhi.v1.AgentStatusResponse
-	3,  // 27: vllmhi.v1.Agent.Hook:output_type -> vllmhi.v1.HookResponse
-	5,  // 28: vllmhi.v1.Agent.PrepareTarget:output_type -> vllmhi.v1.PrepareTargetResponse
-	7,  // 29: vllmhi.v1.Agent.ReleaseTarget:output_type -> vllmhi.v1.ReleaseTargetResponse
-	10, // 30: vllmhi.v1.Agent.CopyRound:output_type -> vllmhi.v1.CopyRoundResponse
-	13, // 31: vllmhi.v1.Agent.HashBlocks:output_type -> vllmhi.v1.HashBlocksResponse
-	15, // 32: vllmhi.v1.Agent.Retire:output_type -> vllmhi.v1.RetireResponse
-	17, // 33: vllmhi.v1.Agent.Wake:output_type -> vllmhi.v1.WakeResponse
-	23, // [23:34] is the sub-list for method output_type
-	12, // [12:23] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	21, // 7: vllmhi.v1.RegisterRequest.gpus:type_name -> vllmhi.v1.GPU
+	0,  // 8: vllmhi.v1.RegisterResponse.role:type_name -> vllmhi.v1.Role
+	20, // 9: vllmhi.v1.HeartbeatRequest.stats:type_name -> vllmhi.v1.EngineStats
+	0,  // 10: vllmhi.v1.HeartbeatResponse.role:type_name -> vllmhi.v1.Role
+	19, // 11: vllmhi.v1.AgentStatusResponse.engine:type_name -> vllmhi.v1.EngineInfo
+	20, // 12: vllmhi.v1.AgentStatusResponse.stats:type_name -> vllmhi.v1.EngineStats
+	22, // 13: vllmhi.v1.Registry.Register:input_type -> vllmhi.v1.RegisterRequest
+	24, // 14: vllmhi.v1.Registry.Heartbeat:input_type -> vllmhi.v1.HeartbeatRequest
+	26, // 15: vllmhi.v1.Registry.Deregister:input_type -> vllmhi.v1.DeregisterRequest
+	28, // 16: vllmhi.v1.Agent.Status:input_type -> vllmhi.v1.AgentStatusRequest
+	2,  // 17: vllmhi.v1.Agent.Hook:input_type -> vllmhi.v1.HookRequest
+	4,  // 18: vllmhi.v1.Agent.PrepareTarget:input_type -> vllmhi.v1.PrepareTargetRequest
+	6,  // 19: vllmhi.v1.Agent.ReleaseTarget:input_type -> vllmhi.v1.ReleaseTargetRequest
+	9,  // 20: vllmhi.v1.Agent.CopyRound:input_type -> vllmhi.v1.CopyRoundRequest
+	12, // 21: vllmhi.v1.Agent.HashBlocks:input_type -> vllmhi.v1.HashBlocksRequest
+	14, // 22: vllmhi.v1.Agent.Retire:input_type -> vllmhi.v1.RetireRequest
+	16, // 23: vllmhi.v1.Agent.Wake:input_type -> vllmhi.v1.WakeRequest
+	23, // 24: vllmhi.v1.Registry.Register:output_type -> vllmhi.v1.RegisterResponse
+	25, // 25: vllmhi.v1.Registry.Heartbeat:output_type -> vllmhi.v1.HeartbeatResponse
+	27, // 26: vllmhi.v1.Registry.Deregister:output_type -> vllmhi.v1.DeregisterResponse
+	29, // 27: vllmhi.v1.Agent.Status:output_type -> vllmhi.v1.AgentStatusResponse
+	3,  // 28: vllmhi.v1.Agent.Hook:output_type -> vllmhi.v1.HookResponse
+	5,  // 29: vllmhi.v1.Agent.PrepareTarget:output_type -> vllmhi.v1.PrepareTargetResponse
+	7,  // 30: vllmhi.v1.Agent.ReleaseTarget:output_type -> vllmhi.v1.ReleaseTargetResponse
+	10, // 31: vllmhi.v1.Agent.CopyRound:output_type -> vllmhi.v1.CopyRoundResponse
+	13, // 32: vllmhi.v1.Agent.HashBlocks:output_type -> vllmhi.v1.HashBlocksResponse
+	15, // 33: vllmhi.v1.Agent.Retire:output_type -> vllmhi.v1.RetireResponse
+	17, // 34: vllmhi.v1.Agent.Wake:output_type -> vllmhi.v1.WakeResponse
+	24, // [24:35] is the sub-list for method output_type
+	13, // [13:24] is the sub-list for method input_type
+	13, // [13:13] is the sub-list for extension type_name
+	13, // [13:13] is the sub-list for extension extendee
+	0,  // [0:13] is the sub-list for field type_name
 }
 
 func init() { file_vllmhi_v1_vllmhi_proto_init() }
@@ -2203,7 +2308,7 @@ func file_vllmhi_v1_vllmhi_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_vllmhi_v1_vllmhi_proto_rawDesc), len(file_vllmhi_v1_vllmhi_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   27,
+			NumMessages:   28,
 			NumExtensions: 0,
 			NumServices:   2,
 		},
