@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
@@ -84,11 +85,7 @@ such a deployment and runs this.`,
 	f.IntVar(&sc.ShapeA.PP, "pp-a", 1, "sim A's PP size")
 	f.IntVar(&sc.ShapeB.TP, "tp-b", 1, "sim B's TP size (another shape than A's makes the migration a reshape)")
 	f.IntVar(&sc.ShapeB.PP, "pp-b", 1, "sim B's PP size")
-	f.StringVar(&geo.profile, "profile", "", "KV geometry profile (default: the sim's)")
-	f.IntVar(&geo.kvScale, "kv-scale", 0, "head-dim divisor (default: the sim's; 1 = the model's real size)")
-	f.IntVar(&geo.numBlocks, "num-blocks", 0, "KV blocks per engine (default: the sim's)")
-	f.IntVar(&geo.maxNumSeqs, "max-num-seqs", 0, "engine seats (default: the sim's)")
-	f.IntVar(&geo.maxBatched, "max-num-batched-tokens", 0, "tokens per step, prefill chunks included (default: the sim's)")
+	geo.register(f)
 	f.BoolVar(&sc.Greedy, "greedy", false, "every stream greedy (default: every other stream samples with a seed; with --host: greedy)")
 	f.StringVar(&ext.host, "host", "", "run against this running Host (its URL) instead of starting sims")
 	f.StringVar(&ext.model, "model", "", "with --host: the served model to load (default: the source's)")
@@ -178,6 +175,15 @@ func (d *externalDeployment) swap(ctx context.Context, typ string) error {
 	return nil
 }
 
+// register adds the geometry flags to f.
+func (g *simGeometryFlags) register(f *pflag.FlagSet) {
+	f.StringVar(&g.profile, "profile", "", "KV geometry profile (default: the sim's)")
+	f.IntVar(&g.kvScale, "kv-scale", 0, "head-dim divisor (default: the sim's; 1 = the model's real size)")
+	f.IntVar(&g.numBlocks, "num-blocks", 0, "KV blocks per engine (default: the sim's)")
+	f.IntVar(&g.maxNumSeqs, "max-num-seqs", 0, "engine seats (default: the sim's)")
+	f.IntVar(&g.maxBatched, "max-num-batched-tokens", 0, "tokens per step, prefill chunks included (default: the sim's)")
+}
+
 // simGeometryFlags override the sims' KV geometry (0 / "" keep the default).
 type simGeometryFlags struct {
 	profile                        string
@@ -215,9 +221,10 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 		fmt.Fprintf(out, "vhi bench migrate: %d streams × %d tokens of %s through the Host at %s, %s → %s, delay %v, tn %d\n",
 			sc.Streams, sc.MaxTokens, x.Model, x.Client.Base(), x.Src, x.Dst, sc.Delay, sc.TN)
 	} else {
+		tpA, ppA := sizes(sc.ShapeA)
+		tpB, ppB := sizes(sc.ShapeB)
 		fmt.Fprintf(out, "vhi bench migrate: %d streams × %d tokens, sim %s / kv-scale %d, %d blocks, KV on %s TP%d×PP%d → %s TP%d×PP%d, delay %v, tn %d\n",
-			sc.Streams, sc.MaxTokens, g.Profile, g.KVScale, g.NumBlocks, sc.DeviceA, max(sc.ShapeA.TP, 1), max(sc.ShapeA.PP, 1),
-			sc.DeviceB, max(sc.ShapeB.TP, 1), max(sc.ShapeB.PP, 1), sc.Delay, sc.TN)
+			sc.Streams, sc.MaxTokens, g.Profile, g.KVScale, g.NumBlocks, sc.DeviceA, tpA, ppA, sc.DeviceB, tpB, ppB, sc.Delay, sc.TN)
 	}
 	var all []hostapi.MigrationStatus
 	if jsonOut != "" {

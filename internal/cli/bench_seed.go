@@ -5,8 +5,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -89,11 +91,7 @@ baseline beside it).`,
 	fl.StringVar(&f.deviceA, "device-a", "cpu", "sim A's KV (and the baseline's): cpu or cuda[:N]")
 	fl.StringVar(&f.deviceB, "device-b", "cpu", "sim B's KV: cpu or cuda[:N]")
 	fl.StringVar(&f.granular, "final-granularity", "slot", "final-round granularity: slot or block")
-	fl.StringVar(&geo.profile, "profile", "", "KV geometry profile (default: the sim's)")
-	fl.IntVar(&geo.kvScale, "kv-scale", 0, "head-dim divisor (default: the sim's; 1 = the model's real size)")
-	fl.IntVar(&geo.numBlocks, "num-blocks", 0, "KV blocks per engine (default: the sim's)")
-	fl.IntVar(&geo.maxNumSeqs, "max-num-seqs", 0, "engine seats (default: the sim's)")
-	fl.IntVar(&geo.maxBatched, "max-num-batched-tokens", 0, "tokens per step, prefill chunks included (default: the sim's)")
+	geo.register(fl)
 	return cmd
 }
 
@@ -101,6 +99,8 @@ baseline beside it).`,
 type seedResult struct {
 	Row        string                  `json:"row"`
 	Load       string                  `json:"load"`
+	A          string                  `json:"a"` // the source's shape, tp1pp1
+	B          string                  `json:"b"`
 	Streams    int                     `json:"streams"`
 	MaxTokens  int                     `json:"max_tokens"`
 	Status     hostapi.MigrationStatus `json:"status"`
@@ -139,7 +139,7 @@ func runBenchSeed(ctx context.Context, out io.Writer, log *zap.Logger, f seedFla
 		for _, r := range seedRows {
 			names = append(names, r.load()+"/"+r.Name)
 		}
-		return fmt.Errorf("--rows: unknown %v (the rows: %s)", keys(unknown), strings.Join(names, ", "))
+		return fmt.Errorf("--rows: unknown %v (the rows: %s)", slices.Sorted(maps.Keys(unknown)), strings.Join(names, ", "))
 	}
 	if f.granular != "slot" && f.granular != "block" {
 		return fmt.Errorf("--final-granularity %q: slot or block", f.granular)
@@ -194,17 +194,12 @@ func runBenchSeed(ctx context.Context, out io.Writer, log *zap.Logger, f seedFla
 	return nil
 }
 
-func keys(m map[string]bool) []string {
-	var out []string
-	for k := range m {
-		out = append(out, k)
-	}
-	return out
-}
+// shapeName is the seed's spelling of a shape: tp2pp1.
+func shapeName(p kvlayout.Parallel) string { return fmt.Sprintf("tp%dpp%d", p.TP, p.PP) }
 
 func summarize(r seedRow, sc scenario, res scenarioResult) seedResult {
 	origin := firstStart(res.Streams)
-	sr := seedResult{Row: r.Name, Load: r.load(), Streams: sc.Streams, MaxTokens: sc.MaxTokens, Status: res.Status,
+	sr := seedResult{Row: r.Name, Load: r.load(), A: shapeName(r.A), B: shapeName(r.B), Streams: sc.Streams, MaxTokens: sc.MaxTokens, Status: res.Status,
 		Exact: len(res.Streams) - len(res.Mismatches), Mismatches: res.Mismatches,
 		TaskS: taskTime(res.Streams), BaseTaskS: taskTime(res.Reference),
 		MaxGapS: res.MaxGapDuringMigration.Seconds(), MedianGapS: res.MedianGap.Seconds(),

@@ -176,14 +176,8 @@ func seedTables(results []seedResult, f seedFlags, cfg sim.Config) string {
 			if s, ok := seedPublished[r.Load+"/"+r.Row]; ok {
 				seed = fmt.Sprintf("%.3f, %.0f, %.0f, %.2f", s[0], s[1], s[2], s[3])
 			}
-			row := seedRows[0]
-			for _, sr := range seedRows {
-				if sr.Name == r.Row && sr.load() == r.Load {
-					row = sr
-				}
-			}
-			fmt.Fprintf(&b, "| %s | tp%dpp%d | tp%dpp%d | %.4f | %.4f | %d | %d | %.3f | %s | %d/%d | %+.2f (%.2f vs %.2f) | %s |\n",
-				r.Row, row.A.TP, row.A.PP, row.B.TP, row.B.PP, st.DowntimeS, r.MaxGapS, len(st.Rounds), blocks,
+			fmt.Fprintf(&b, "| %s | %s | %s | %.4f | %.4f | %d | %d | %.3f | %s | %d/%d | %+.2f (%.2f vs %.2f) | %s |\n",
+				r.Row, r.A, r.B, st.DowntimeS, r.MaxGapS, len(st.Rounds), blocks,
 				float64(bytes)/1e9, pct, r.Exact, r.Streams, r.TaskS-r.BaseTaskS, r.TaskS, r.BaseTaskS, seed)
 		}
 		b.WriteString("\nKV blocks / GB per round:\n\n| tag | rounds |\n| --- | --- |\n")

@@ -50,6 +50,9 @@ type scenario struct {
 	External *externalDeployment
 }
 
+// sizes are a sim shape's TP and PP, 1 where unset.
+func sizes(p kvlayout.Parallel) (tp, pp int) { return max(p.TP, 1), max(p.PP, 1) }
+
 type scenarioResult struct {
 	Status     hostapi.MigrationStatus
 	Streams    []loadgen.Stream
@@ -113,8 +116,8 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 	}
 	simA, simB := sc.Sim, sc.Sim
 	simA.Device, simB.Device = sc.DeviceA, sc.DeviceB
-	simA.TP, simA.PP = max(sc.ShapeA.TP, 1), max(sc.ShapeA.PP, 1)
-	simB.TP, simB.PP = max(sc.ShapeB.TP, 1), max(sc.ShapeB.PP, 1)
+	simA.TP, simA.PP = sizes(sc.ShapeA)
+	simB.TP, simB.PP = sizes(sc.ShapeB)
 	tune := func(c *host.Config) {
 		if sc.Verify != "" {
 			c.Migration.Verify = sc.Verify
@@ -180,8 +183,8 @@ func (sc scenario) migrateUnderLoad(ctx context.Context, c *hostapi.Client, host
 	defer stopCapture()
 	res.MigrationStart = time.Now()
 	req := hostapi.MigrateRequest{Src: src, Dst: dst, Type: sc.Type, FinalGranularity: sc.FinalGranularity, TN: sc.TN}
-	if sc.ShapeB.TP > 0 || sc.ShapeB.PP > 0 {
-		tp, pp := max(sc.ShapeB.TP, 1), max(sc.ShapeB.PP, 1)
+	if sc.ShapeB != (kvlayout.Parallel{}) {
+		tp, pp := sizes(sc.ShapeB)
 		req.TargetTP, req.TargetPP = &tp, &pp
 	}
 	id, err := c.Migrate(ctx, req)

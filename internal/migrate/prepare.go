@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
+	"slices"
 	"sort"
 	"time"
 
@@ -78,7 +80,7 @@ func (m *migration) prepare() error {
 			m.moving[a.RequestID] = rb
 		}
 		m.mu.Lock()
-		m.st.Recomputed = sortedKeys(m.recompute)
+		m.st.Recomputed = slices.Sorted(maps.Keys(m.recompute))
 		m.mu.Unlock()
 	}
 	m.step(stepPrepare)
@@ -158,11 +160,13 @@ func (m *migration) reserve(ctx context.Context, items []hooks.AllocateItem) (ho
 			// blocks for it, or ignored the field): installing state alone
 			// there would run on KV that never came. Refuse instead.
 			m.releaseReservations(ctx, alloc)
-			return hooks.AllocateResponse{}, refuse(errdefs.ErrConflict, "target %s cannot hold the KV of %d requests and did not take the rest as recompute reservations: %v", m.dst.ID, len(items), err)
+			return hooks.AllocateResponse{}, refuse(errdefs.ErrConflict, "target %s cannot hold the KV of %d requests and did not take request %s as a recompute reservation",
+				m.dst.ID, len(items), a.RequestID)
 		}
 	}
+	n := countRecompute(split)
 	m.log.Info("the target holds the KV of some requests only: the rest move as state and recompute there",
-		zap.Int("kv", len(split)-countRecompute(split)), zap.Int("recompute", countRecompute(split)))
+		zap.Int("kv", len(split)-n), zap.Int("recompute", n))
 	return alloc, nil
 }
 
@@ -194,15 +198,6 @@ func countRecompute(items []hooks.AllocateItem) int {
 		}
 	}
 	return n
-}
-
-func sortedKeys(m map[string]bool) []string {
-	out := make([]string, 0, len(m))
-	for k := range m {
-		out = append(out, k)
-	}
-	sort.Strings(out)
-	return out
 }
 
 // releaseReservations aborts reservations made on the target.
