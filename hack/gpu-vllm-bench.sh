@@ -8,8 +8,12 @@
 # against an unmigrated run and prints the seed-style report. Everything
 # it started is stopped on exit; logs stay in OUT.
 #
-# Usage: hack/gpu-vllm-bench.sh MODEL_DIR [vhi bench migrate flags…]
+# Usage: hack/gpu-vllm-bench.sh MODEL_DIR [vhi bench migrate flags…] [-- flags of the next run…]…
 #   e.g. hack/gpu-vllm-bench.sh /models/qwen3-8b-shape --streams 256 --max-tokens 1024 --delay 10s
+# Each "--" starts another bench run against the same two engines (they
+# take minutes to start on a GPU); run N writes migrate-N.json and
+# bench-N.txt (one run: migrate.json and bench.txt). A failed run does not
+# stop the next; the exit status says whether any failed.
 #
 # Environment (defaults in brackets):
 #   VHI            the vhi binary [bin/vhi]
@@ -115,6 +119,25 @@ until [ "$("$vhi" instances --host "$host_url" -o json | grep -o '"migratable": 
 done
 "$vhi" instances --host "$host_url"
 
-"$vhi" bench migrate --host "$host_url" --admin-token-file "$out/host/admin-token" --json "$out/migrate.json" "$@" |
-  tee "$out/bench.txt"
-echo "gpu-vllm-bench: logs, statuses (migrate.json) and the report (bench.txt) in $out" >&2
+# Split the flags at each "--" into runs.
+runs=() cur=""
+for a in "$@"; do
+  if [ "$a" = -- ]; then
+    runs+=("$cur") cur=""
+  else
+    cur+="$(printf '%q ' "$a")"
+  fi
+done
+runs+=("$cur")
+
+rc=0
+for i in "${!runs[@]}"; do
+  name=""
+  ((${#runs[@]} > 1)) && name=-$((i + 1))
+  eval "flags=(${runs[i]})"
+  echo "gpu-vllm-bench: run $((i + 1)) of ${#runs[@]}: vhi bench migrate ${flags[*]}" >&2
+  "$vhi" bench migrate --host "$host_url" --admin-token-file "$out/host/admin-token" --json "$out/migrate$name.json" \
+    "${flags[@]}" | tee "$out/bench$name.txt" || rc=1
+done
+echo "gpu-vllm-bench: logs, statuses (migrate*.json) and the reports (bench*.txt) in $out" >&2
+exit $rc

@@ -34,8 +34,9 @@ against the median gap, and each round's blocks and bytes.
 
 With --host it starts nothing and runs against a deployment: a running Host with two
 migratable instances of --model (real vLLM with the vllm-hi plugin, each with its agent).
-The reference is the same load through the Host without a migration; a destroy_source
-run wakes the retired source afterwards, and the next run migrates back. The Host's own
+The reference is the same load through the Host without a migration; after each
+destroy_source migration the retired source is woken, so the next run migrates back and the
+deployment is left with an active and a standby instance, as it was found. The Host's own
 --migration-verify applies (--verify is for the sims). hack/gpu-vllm-bench.sh sets up
 such a deployment and runs this.`,
 		Args: cobra.NoArgs,
@@ -247,7 +248,7 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 			runs = append(runs, [2]string{v, gran})
 		}
 	}
-	for i, r := range runs {
+	for _, r := range runs {
 		sc.Verify, sc.FinalGranularity = r[0], r[1]
 		res, err := sc.run(ctx)
 		if err != nil {
@@ -294,6 +295,14 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 			exact = fmt.Sprintf("%d MISMATCHES: %s", len(res.Mismatches), strings.Join(res.Mismatches[:min(3, len(res.Mismatches))], "; "))
 		}
 		fmt.Fprintf(out, "%s; %s\n", exact, res.StatsA)
+		if sc.External != nil && st.State == hostapi.StateSucceeded {
+			// Whatever the run proved, the deployment is left as it was
+			// found, an active and a standby instance (the retired source
+			// woken): the next run, or the next bench, migrates back.
+			if err := sc.External.swap(ctx, sc.Type); err != nil {
+				return err
+			}
+		}
 		if st.State == hostapi.StateSucceeded && st.Migrated == 0 {
 			return exitError{code: 1, err: fmt.Errorf("the migration moved no request, so it proves nothing: the streams ended before it began (raise --max-tokens or lower --delay)")}
 		}
@@ -302,11 +311,6 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 		}
 		if len(res.Unjudged) == len(res.Streams) {
 			return exitError{code: 1, err: fmt.Errorf("every stream differed from its reference before the migration began: the engine is not deterministic for this load, so nothing was checked")}
-		}
-		if sc.External != nil && i < len(runs)-1 {
-			if err := sc.External.swap(ctx, sc.Type); err != nil {
-				return err
-			}
 		}
 	}
 	return nil

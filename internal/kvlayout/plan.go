@@ -62,11 +62,12 @@ type place struct {
 // Plan builds the copy runs that move the given block slots from a source
 // with regions src to a target with regions dst. Both describe the same
 // model (layers, heads, head size); their TP/PP sharding may differ, which
-// makes TP and PP remapping just another plan. Runs are emitted per layer
-// and K/V plane, block by block, and merged when adjacent on both sides, so
-// same-shape whole-block copies of consecutive blocks become one run per
-// layer and K/V. This sits in the final round's pause: it is written to
-// do a few additions per run.
+// makes TP and PP remapping just another plan. Each layer is walked in the
+// source's memory order and runs are merged when adjacent on both sides,
+// so same-shape whole-block copies of consecutive blocks become one run per
+// layer (per layer and K/V where K and V are planes of their own). This
+// sits in the final round's pause: it is written to do a few additions per
+// run.
 func Plan(layers, heads int, headSlotBytes int64, src, dst []RegionSpec, copies []BlockCopy) ([]CopyRun, error) {
 	places := make([]place, layers*2*heads)
 	for l := 0; l < layers; l++ {
@@ -101,50 +102,22 @@ func Plan(layers, heads int, headSlotBytes int64, src, dst []RegionSpec, copies 
 			n++
 		}
 	}
-	perGroup := heads // runs per copy and (layer, K/V): one per head, or one
-	if slotsFollowHeads(places[:heads], headSlotBytes) {
-		perGroup = 1
-	}
-	runs := make([]CopyRun, 0, n*layers*2*perGroup)
-	for g := 0; g < layers*2; g++ {
-		pl := places[g*heads : (g+1)*heads]
-		switch {
-		case slotsFollowHeads(pl, headSlotBytes):
-			// Each slot holds every head side by side, slot after slot, on
-			// both sides (vLLM's GPU layouts): a block's slots are one run.
-			p := &pl[0]
+	runs := make([]CopyRun, 0, 2*n*layers)
+	for l := 0; l < layers; l++ {
+		pl := places[l*2*heads : (l+1)*2*heads]
+		if lay, ok := regular(pl, heads); ok {
+			runs = lay.plan(runs, copies, headSlotBytes)
+			continue
+		}
+		// Anything else (TP shards split a layer's heads over regions):
+		// slot by slot, head by head, merged wherever bytes follow each
+		// other on both sides.
+		for kv := 0; kv < 2; kv++ {
+			g := pl[kv*heads : (kv+1)*heads]
 			for _, c := range copies {
-				if c.NumSlots <= 0 {
-					continue
-				}
-				so := p.sBase + int64(c.Src)*p.sBlock + int64(c.FirstSlot)*p.sSlot
-				do := p.dBase + int64(c.Dst)*p.dBlock + int64(c.FirstSlot)*p.dSlot
-				runs = appendRun(runs, p.s, so, p.d, do, int64(c.NumSlots)*p.sSlot)
-			}
-		case headsHoldSlots(pl, headSlotBytes):
-			// Each head holds its slots side by side: one run per head.
-			for _, c := range copies {
-				if c.NumSlots <= 0 {
-					continue
-				}
-				for i := range pl {
-					p := &pl[i]
-					so := p.sBase + int64(c.Src)*p.sBlock + int64(c.FirstSlot)*p.sSlot
-					do := p.dBase + int64(c.Dst)*p.dBlock + int64(c.FirstSlot)*p.dSlot
-					runs = appendRun(runs, p.s, so, p.d, do, int64(c.NumSlots)*headSlotBytes)
-				}
-			}
-		default:
-			// Anything else (vLLM's CPU layout interleaves K and V per slot;
-			// TP shards split the heads): slot by slot, head by head,
-			// merged wherever bytes follow each other on both sides.
-			for _, c := range copies {
-				if c.NumSlots <= 0 {
-					continue
-				}
 				for k := int64(c.FirstSlot); k < int64(c.FirstSlot+c.NumSlots); k++ {
-					for i := range pl {
-						p := &pl[i]
+					for i := range g {
+						p := &g[i]
 						runs = appendRun(runs, p.s, p.sBase+int64(c.Src)*p.sBlock+k*p.sSlot,
 							p.d, p.dBase+int64(c.Dst)*p.dBlock+k*p.dSlot, headSlotBytes)
 					}
@@ -155,38 +128,133 @@ func Plan(layers, heads int, headSlotBytes int64, src, dst []RegionSpec, copies 
 	return runs, nil
 }
 
-// headsHoldSlots: on both sides each head's slots are packed (slot stride
-// = one head's K or V vector).
-func headsHoldSlots(pl []place, headSlotBytes int64) bool {
-	for i := range pl {
-		if pl[i].sSlot != headSlotBytes || pl[i].dSlot != headSlotBytes {
-			return false
-		}
-	}
-	return true
+// Dimensions of a layer's KV inside a block.
+const (
+	dimKV = iota
+	dimHead
+	dimSlot
+)
+
+// dim is one dimension of a layer's KV in a block: its size (slots: the
+// copy's) and its stride on each side.
+type dim struct {
+	kind  int
+	count int64
+	s, d  int64
 }
 
-// slotsFollowHeads: on both sides all heads of a layer's K (or V) sit in
-// one region, head after head within a slot, and slot after slot, so any
-// range of a block's slots is one contiguous stretch.
-func slotsFollowHeads(pl []place, headSlotBytes int64) bool {
-	heads := int64(len(pl))
-	if heads < 2 {
-		return false // one head: headsHoldSlots covers the packed case
-	}
+// layerLayout is one layer's KV when each side holds it in one region at
+// regular strides: the head vector of (kv, block, head, slot) starts at
+// base + kv·KV + block·Block + head·Head + slot·Slot on that side.
+type layerLayout struct {
+	s, d           int
+	sBase, dBase   int64
+	sBlock, dBlock int64
+	dims           [3]dim // K/V, head, slot
+}
+
+// regular reads a layer's places (K then V, each head in turn) as one
+// layerLayout, or says it is not one.
+func regular(pl []place, heads int) (layerLayout, bool) {
 	p0 := pl[0]
-	if p0.sSlot != heads*headSlotBytes || p0.dSlot != heads*headSlotBytes {
-		return false
+	lay := layerLayout{s: p0.s, d: p0.d, sBase: p0.sBase, dBase: p0.dBase, sBlock: p0.sBlock, dBlock: p0.dBlock}
+	kv := dim{kind: dimKV, count: 2, s: pl[heads].sBase - p0.sBase, d: pl[heads].dBase - p0.dBase}
+	hd := dim{kind: dimHead, count: int64(heads)}
+	if heads > 1 {
+		hd.s, hd.d = pl[1].sBase-p0.sBase, pl[1].dBase-p0.dBase
 	}
-	for i := range pl {
-		p := pl[i]
-		if p.s != p0.s || p.d != p0.d || p.sBlock != p0.sBlock || p.dBlock != p0.dBlock ||
-			p.sSlot != p0.sSlot || p.dSlot != p0.dSlot ||
-			p.sBase != p0.sBase+int64(i)*headSlotBytes || p.dBase != p0.dBase+int64(i)*headSlotBytes {
-			return false
+	lay.dims = [3]dim{kv, hd, {kind: dimSlot, s: p0.sSlot, d: p0.dSlot}}
+	for k := 0; k < 2; k++ {
+		for h := 0; h < heads; h++ {
+			p := pl[k*heads+h]
+			if p.s != lay.s || p.d != lay.d || p.sBlock != lay.sBlock || p.dBlock != lay.dBlock ||
+				p.sSlot != p0.sSlot || p.dSlot != p0.dSlot ||
+				p.sBase != p0.sBase+int64(k)*kv.s+int64(h)*hd.s || p.dBase != p0.dBase+int64(k)*kv.d+int64(h)*hd.d {
+				return layerLayout{}, false
+			}
 		}
 	}
-	return true
+	return lay, true
+}
+
+// plan appends the runs of one layer. It walks the layer's bytes in the
+// source's memory order — K/V outside the blocks when K and V are planes
+// of their own ([2, blocks, …]), the dimensions inside a block from the
+// largest source stride to the smallest — so that whatever the layout
+// (slot-major, head-major, K and V side by side per head or per slot),
+// bytes that follow each other on both sides come out as one run: a
+// whole block of a layer between same-shaped engines is one run, merged
+// over consecutive blocks.
+func (lay layerLayout) plan(runs []CopyRun, copies []BlockCopy, headSlotBytes int64) []CopyRun {
+	kvOuter := abs(lay.dims[dimKV].s) > abs(lay.sBlock)
+	inner := make([]dim, 0, 3)
+	for _, d := range lay.dims {
+		if !kvOuter || d.kind != dimKV {
+			inner = append(inner, d)
+		}
+	}
+	// Largest source stride first (a stable insertion sort of ≤ 3).
+	for i := 1; i < len(inner); i++ {
+		for j := i; j > 0 && abs(inner[j].s) > abs(inner[j-1].s); j-- {
+			inner[j], inner[j-1] = inner[j-1], inner[j]
+		}
+	}
+	kvs := []int64{0}
+	if kvOuter {
+		kvs = []int64{0, 1}
+	}
+	loops := make([]dim, len(inner))
+	idx := make([]int64, len(inner))
+	for _, kv := range kvs {
+		for _, c := range copies {
+			if c.NumSlots <= 0 {
+				continue
+			}
+			so := lay.sBase + int64(c.Src)*lay.sBlock + int64(c.FirstSlot)*lay.dims[dimSlot].s + kv*lay.dims[dimKV].s
+			do := lay.dBase + int64(c.Dst)*lay.dBlock + int64(c.FirstSlot)*lay.dims[dimSlot].d + kv*lay.dims[dimKV].d
+			copy(loops, inner)
+			for i := range loops {
+				if loops[i].kind == dimSlot {
+					loops[i].count = int64(c.NumSlots)
+				}
+			}
+			// Fold the innermost dimensions that continue the run on both
+			// sides into its length.
+			length, n := headSlotBytes, len(loops)
+			for n > 0 && (loops[n-1].count == 1 || (loops[n-1].s == length && loops[n-1].d == length)) {
+				length *= loops[n-1].count
+				n--
+			}
+			// Walk the rest like an odometer, innermost fastest.
+			clear(idx)
+			for {
+				s, d := so, do
+				for i := 0; i < n; i++ {
+					s += idx[i] * loops[i].s
+					d += idx[i] * loops[i].d
+				}
+				runs = appendRun(runs, lay.s, s, lay.d, d, length)
+				i := n - 1
+				for ; i >= 0; i-- {
+					if idx[i]++; idx[i] < loops[i].count {
+						break
+					}
+					idx[i] = 0
+				}
+				if i < 0 {
+					break
+				}
+			}
+		}
+	}
+	return runs
+}
+
+func abs(x int64) int64 {
+	if x < 0 {
+		return -x
+	}
+	return x
 }
 
 // appendRun appends a run, merging it into the last one when it continues

@@ -160,8 +160,8 @@ func TestPlanHandlesInterleavedKV(t *testing.T) {
 	}
 }
 
-// vLLM's GPU layout (FlashAttention's [2, blocks, slots, heads, head_dim]
-// per layer, layers end to end): every head of a slot side by side, so a
+// A slot-major layout (FlashAttention's logical [2, blocks, slots, heads,
+// head_dim] per layer, layers end to end): every head of a slot side by side, so a
 // block's slots are one stretch. Between two such engines a plan is one
 // run per copy, layer and K/V, merged over consecutive blocks; to and
 // from the sim's head-major layout it still moves exactly the asked slots.
@@ -243,5 +243,127 @@ func TestPlanSlotMajorLayouts(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// layouts are the per-layer KV views vLLM's backends use, layers end to
+// end in one buffer: K/V planes first or inside a block, slot-major or
+// head-major, and K and V side by side per head (a last dimension of
+// 2×head_dim), which vLLM 0.26 uses on the GPU. The plan walks each in its
+// memory order, so a layer's whole block between same-shaped engines is
+// one run (two where K and V are planes), merged over consecutive blocks.
+func layouts(g Geometry) map[string]RegionSpec {
+	hs := int64(g.HeadSlotBytes())
+	h, n, b := int64(g.KVHeads), int64(g.BlockSize), int64(g.NumBlocks)
+	blk := 2 * h * n * hs // one layer's block, K and V
+	spec := func(layer, kv, block, head, slot int64) RegionSpec {
+		return RegionSpec{NumLayers: g.Layers, NumHeads: g.KVHeads, Strides: Strides{Layer: layer, KV: kv, Block: block, Head: head, Slot: slot}}
+	}
+	return map[string]RegionSpec{
+		"[2,B,N,H,D]":  spec(blk*b, blk/2*b, blk/2, hs, h*hs),
+		"[2,B,H,N,D]":  spec(blk*b, blk/2*b, blk/2, n*hs, hs),
+		"[B,2,N,H,D]":  spec(blk*b, blk/2, blk, hs, h*hs),
+		"[B,H,N,2D]":   spec(blk*b, hs, blk, 2*n*hs, 2*hs),
+		"[B,N,H,2D]":   spec(blk*b, hs, blk, 2*hs, 2*h*hs),
+		"[B,H,2,N,D]":  spec(blk*b, n*hs, blk, 2*n*hs, hs),
+		"sim (HND×KV)": NewRegionLayout(g, Shard{TPSize: 1, PPSize: 1}).Spec(),
+	}
+}
+
+func TestPlanEveryVLLMLayout(t *testing.T) {
+	g := Geometry{Layers: 3, KVHeads: 4, HeadDim: 2, DTypeBytes: 2, BlockSize: 4, NumBlocks: 10}
+	hs := int64(g.HeadSlotBytes())
+	size := int64(g.Layers) * 2 * int64(g.KVHeads*g.BlockSize*g.NumBlocks) * hs
+	// Three consecutive whole blocks, then slots of two others.
+	copies := []BlockCopy{{Src: 1, Dst: 5, NumSlots: 4}, {Src: 2, Dst: 6, NumSlots: 4}, {Src: 3, Dst: 7, NumSlots: 4},
+		{Src: 9, Dst: 0, FirstSlot: 1, NumSlots: 2}, {Src: 4, Dst: 8, FirstSlot: 3, NumSlots: 1}}
+	moved := map[[2]int][2]int{} // target (block, slot) → source (block, slot)
+	for _, c := range copies {
+		for s := c.FirstSlot; s < c.FirstSlot+c.NumSlots; s++ {
+			moved[[2]int{c.Dst, s}] = [2]int{c.Src, s}
+		}
+	}
+	all := layouts(g)
+	for sn, src := range all {
+		mem := make([]byte, size)
+		for l := 0; l < g.Layers; l++ {
+			for kv := 0; kv < 2; kv++ {
+				for b := 0; b < g.NumBlocks; b++ {
+					for h := 0; h < g.KVHeads; h++ {
+						for s := 0; s < g.BlockSize; s++ {
+							off := src.offset(l, kv, b, h, s)
+							for i := int64(0); i < hs; i++ {
+								mem[off+i] = value(l, kv, h, b, s, int(i))
+							}
+						}
+					}
+				}
+			}
+		}
+		for dn, dst := range all {
+			runs, err := Plan(g.Layers, g.KVHeads, hs, []RegionSpec{src}, []RegionSpec{dst}, copies[:3])
+			if err != nil {
+				t.Fatal(err)
+			}
+			if sn == dn {
+				want := g.Layers // a layer's three blocks are one stretch
+				if src.Strides.KV > src.Strides.Block {
+					want = 2 * g.Layers // K and V planes
+				}
+				if len(runs) != want {
+					t.Errorf("%s: three consecutive whole blocks took %d runs, want %d", sn, len(runs), want)
+				}
+			}
+			runs, err = Plan(g.Layers, g.KVHeads, hs, []RegionSpec{src}, []RegionSpec{dst}, copies)
+			if err != nil {
+				t.Fatal(err)
+			}
+			out := make([]byte, size)
+			for _, r := range runs {
+				copy(out[r.DstOffset:r.DstOffset+r.Length], mem[r.SrcOffset:r.SrcOffset+r.Length])
+			}
+			for l := 0; l < g.Layers; l++ {
+				for kv := 0; kv < 2; kv++ {
+					for b := 0; b < g.NumBlocks; b++ {
+						for h := 0; h < g.KVHeads; h++ {
+							for s := 0; s < g.BlockSize; s++ {
+								from, ok := moved[[2]int{b, s}]
+								off := dst.offset(l, kv, b, h, s)
+								for i := int64(0); i < hs; i++ {
+									var want byte
+									if ok {
+										want = value(l, kv, h, from[0], from[1], int(i))
+									}
+									if out[off+i] != want {
+										t.Fatalf("%s → %s: layer %d kv %d block %d head %d slot %d byte %d = %d, want %d",
+											sn, dn, l, kv, b, h, s, i, out[off+i], want)
+									}
+								}
+							}
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
+// Round 0 of the seed's full load on real vLLM: 256 requests' 11,000
+// blocks of Qwen3-8B (36 layers, 8 KV heads × 128, bf16, 16 slots), in
+// each of vLLM's layouts.
+func BenchmarkPlanQwen3_8B(b *testing.B) {
+	g := Geometry{Layers: 36, KVHeads: 8, HeadDim: 128, DTypeBytes: 2, BlockSize: 16, NumBlocks: 20000}
+	var copies []BlockCopy
+	for i := 0; i < 11000; i++ {
+		copies = append(copies, BlockCopy{Src: i + i/43, Dst: 19999 - i, NumSlots: 16}) // 256 requests' runs, reversed on B
+	}
+	for name, l := range layouts(g) {
+		b.Run(name, func(b *testing.B) {
+			var runs []CopyRun
+			for b.Loop() {
+				runs, _ = Plan(g.Layers, g.KVHeads, int64(g.HeadSlotBytes()), []RegionSpec{l}, []RegionSpec{l}, copies)
+			}
+			b.ReportMetric(float64(len(runs)), "runs")
+		})
 	}
 }
