@@ -221,13 +221,19 @@ func (s *Server) serve(raw net.Conn) error {
 		return err
 	}
 	defer func() { <-s.conns }()
+	// The handshake's deadline ends with it: a round may stream for longer
+	// (each frame read has its own deadline below, the answer its own).
+	_ = c.SetDeadline(time.Time{})
 	if cl, ok := mem.Sink.(io.Closer); ok {
 		defer cl.Close()
 	}
 	bufs := s.buffers.Get().(*frameBuffers)
 	defer s.buffers.Put(bufs)
 	r := bufio.NewReaderSize(c, 1<<20)
-	reply := func(a ack) error { return json.NewEncoder(c).Encode(a) }
+	reply := func(a ack) error {
+		_ = c.SetWriteDeadline(time.Now().Add(s.opt.IdleTimeout))
+		return json.NewEncoder(c).Encode(a)
+	}
 	fail := func(format string, args ...any) error {
 		msg := fmt.Sprintf(format, args...)
 		_ = reply(ack{Error: msg})

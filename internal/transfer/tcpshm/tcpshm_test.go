@@ -364,3 +364,43 @@ func containsAny(s string, subs []string) bool {
 	}
 	return false
 }
+
+// slowSink takes its writes into memory and takes its time to flush, as a
+// GPU target on a busy machine may.
+type slowSink struct {
+	mem   *Memory
+	delay time.Duration
+}
+
+func (s slowSink) Write(region int, at uint64, b []byte) error {
+	copy(s.mem.Data[region][at:], b)
+	return nil
+}
+
+func (s slowSink) Flush() error {
+	time.Sleep(s.delay)
+	return nil
+}
+
+// A round that outlasts the handshake's deadline is still acknowledged:
+// the handshake's deadline must not bound the round (a full round 0 of a
+// busy engine took longer than it, and the answer's write timed out).
+func TestRoundsOutlastTheHandshakeDeadline(t *testing.T) {
+	g := testGeo
+	src := memoryOf(g, kvlayout.Parallel{TP: 1, PP: 1}, true)
+	dst := memoryOf(g, kvlayout.Parallel{TP: 1, PP: 1}, false)
+	dst.Guard = guard(t, g, dst, 2)
+	dst.Sink = slowSink{mem: dst, delay: 600 * time.Millisecond}
+	srv := serveMemory(t, dst, time.Now().Add(time.Minute), Options{HandshakeTimeout: 200 * time.Millisecond})
+	copies := []kvlayout.BlockCopy{{Src: 3, Dst: 2, NumSlots: g.BlockSize}}
+	runs, err := kvlayout.Plan(g.Layers, g.KVHeads, src.SlotBytes, src.Specs, dst.Specs, copies)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Send(context.Background(), dest(srv), 1, src.Data, runs, transfer.NoFault); err != nil {
+		t.Fatalf("a round slower than the handshake deadline failed: %v", err)
+	}
+	if !bytes.Equal(readSlot(dst, 1, 1, 2, 2, 3), readSlot(src, 1, 1, 2, 3, 3)) {
+		t.Fatal("the round's bytes did not land")
+	}
+}
