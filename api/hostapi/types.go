@@ -69,6 +69,14 @@ type MigrateRequest struct {
 	InjectFault string `json:"inject_fault,omitempty"`
 }
 
+// LaunchedTarget is the target a migration launched for itself (a
+// migrate request without dst_vllm_hi_id).
+type LaunchedTarget struct {
+	ID      string `json:"vllm_hi_id"`
+	PID     int    `json:"pid,omitempty"`
+	LogFile string `json:"log_file"`
+}
+
 // MigrateAnswer is POST /vllm_hi/migrate's answer.
 type MigrateAnswer struct {
 	ID string `json:"migration_id"`
@@ -135,9 +143,12 @@ type MigrationStatus struct {
 	// Committed: the target took the requests over (ownership flipped).
 	Committed bool `json:"committed"`
 	// SourceKV says what happened to the source's KV (destroy_source).
-	SourceKV     string    `json:"source_kv,omitempty"`
-	SourceKVNote string    `json:"source_kv_note,omitempty"`
-	CreatedAt    time.Time `json:"created_at"`
+	SourceKV     string `json:"source_kv,omitempty"`
+	SourceKVNote string `json:"source_kv_note,omitempty"`
+	// Launched is the target the Host started for this migration (it
+	// named none); the first step, launch_target, is the wait for it.
+	Launched  *LaunchedTarget `json:"launched_target,omitempty"`
+	CreatedAt time.Time       `json:"created_at"`
 	// Deadline is when the migration aborts if it has not committed (the
 	// target's block reservation ends soon after).
 	Deadline   time.Time `json:"deadline"`

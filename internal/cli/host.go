@@ -4,18 +4,20 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"path/filepath"
 	"strconv"
 
 	"github.com/spf13/cobra"
 
 	"github.com/vllm-hi/vllm-hi/internal/credentials"
 	"github.com/vllm-hi/vllm-hi/internal/host"
+	"github.com/vllm-hi/vllm-hi/internal/hostconfig"
 	"github.com/vllm-hi/vllm-hi/internal/migrate"
 )
 
 func newHostCommand(g *globalFlags) *cobra.Command {
 	cfg := host.DefaultConfig()
-	var adminFile, agentFile, debugAddr string
+	var adminFile, agentFile, debugAddr, configFile string
 	cmd := &cobra.Command{
 		Use:   "host",
 		Short: "Run the Host: registry, OpenAI routing and SSE proxy, REST API, metrics, agents' gRPC",
@@ -44,6 +46,15 @@ across restarts.`,
 			if err := migrationEnv(&cfg.Migration); err != nil {
 				return err
 			}
+			if configFile != "" {
+				file, err := hostconfig.Load(configFile)
+				if err != nil {
+					return err
+				}
+				cfg.Migration.Launchers = file.Targets
+			}
+			cfg.Migration.HostAddr = agentFacing(cfg.Listen)
+			cfg.Migration.LaunchLogDir = filepath.Join(cfg.DataDir, "launched")
 			if cfg.HeartbeatInterval <= 0 || cfg.MissedHeartbeats < 1 {
 				return fmt.Errorf("--heartbeat-interval must be > 0 and --missed-heartbeats ≥ 1")
 			}
@@ -65,6 +76,7 @@ across restarts.`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&cfg.Listen, "listen", cfg.Listen, "address for HTTP, metrics and the agents' gRPC")
+	f.StringVar(&configFile, "config", "", "YAML configuration: targets (how to launch a migration target on demand, by served model)")
 	f.StringVar(&cfg.DataDir, "data-dir", credentials.DefaultDataDir(), "the Host's state: roles, lifecycle, migration records, generated tokens")
 	f.StringVar(&adminFile, "admin-token-file", "", "file holding the admin token (default: <data-dir>/admin-token, created on first start)")
 	f.StringVar(&agentFile, "agent-token-file", "", "file holding the agent token (default: the admin token when --admin-token-file is set, else <data-dir>/agent-token)")
@@ -91,6 +103,19 @@ across restarts.`,
 	f.StringVar(&debugAddr, "debug-addr", "", "serve Go's pprof profiles on this separate address (e.g. 127.0.0.1:6060)")
 	f.DurationVar(&cfg.ClientWriteTimeout, "client-write-timeout", cfg.ClientWriteTimeout, "cut a streaming client whose socket accepts nothing for this long")
 	return cmd
+}
+
+// agentFacing is the address an agent on this machine registers with for
+// a Host listening on listen (an unspecified IP becomes loopback).
+func agentFacing(listen string) string {
+	h, p, err := net.SplitHostPort(listen)
+	if err != nil {
+		return listen
+	}
+	if ip := net.ParseIP(h); h == "" || (ip != nil && ip.IsUnspecified()) {
+		h = "127.0.0.1"
+	}
+	return net.JoinHostPort(h, p)
 }
 
 // migrationEnv reads the migration tuning variables (VLLM_HI_MAX_INCR_ROUNDS…).

@@ -19,6 +19,7 @@ func newMigrateCommand() *cobra.Command {
 		hf      hostClientFlags
 		req     hostapi.MigrateRequest
 		tp, pp  int
+		util    float64
 		wait    bool
 		timeout time.Duration
 	)
@@ -26,7 +27,10 @@ func newMigrateCommand() *cobra.Command {
 		Use:   "migrate",
 		Short: "Move running requests from one instance to another (hot migration)",
 		Long: `vhi migrate asks the Host to move the running requests of --src to --dst while they
-keep streaming. With --wait it shows each copy round (blocks, bytes, rate) as it happens and
+keep streaming. Without --dst the Host launches the target from the launch command configured
+for the source's model (vhi host --config: targets) with the asked shape — --target-tp,
+--target-pp, --target-gpu-memory-utilization — waits for it to register and migrates to it
+(the migration's first step, launch_target). With --wait it shows each copy round (blocks, bytes, rate) as it happens and
 ends with a summary table (state, requests moved, downtime, rounds, KV moved); it exits non-zero unless the migration succeeded.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -35,6 +39,9 @@ ends with a summary table (state, requests moved, downtime, rounds, KV moved); i
 			}
 			if cmd.Flags().Changed("target-pp") {
 				req.TargetPP = &pp
+			}
+			if cmd.Flags().Changed("target-gpu-memory-utilization") {
+				req.TargetGPUMemUtil = &util
 			}
 			c, err := hf.client(true, time.Minute)
 			if err != nil {
@@ -80,9 +87,10 @@ ends with a summary table (state, requests moved, downtime, rounds, KV moved); i
 	hf.add(cmd)
 	f := cmd.Flags()
 	f.StringVar(&req.Src, "src", "", "source instance (vllm_hi_id)")
-	f.StringVar(&req.Dst, "dst", "", "target instance (vllm_hi_id)")
-	f.IntVar(&tp, "target-tp", 0, "expected TP of the target")
-	f.IntVar(&pp, "target-pp", 0, "expected PP of the target")
+	f.StringVar(&req.Dst, "dst", "", "target instance (vllm_hi_id); without it the Host launches one (see above)")
+	f.IntVar(&tp, "target-tp", 0, "TP of the target (checked against --dst, or the shape to launch)")
+	f.IntVar(&pp, "target-pp", 0, "PP of the target (likewise)")
+	f.Float64Var(&util, "target-gpu-memory-utilization", 0, "GPU memory share of a launched target")
 	f.StringVar(&req.Type, "type", "destroy_source", "destroy_source, preserve_source or keep_source_active")
 	f.IntVar(&req.TN, "tn", 0, "parallel data-plane connections (default: the Host's)")
 	f.StringVar(&req.RequestFilter, "filter", "", "requests to move: all, longest:N, min_context:T, ids:A,B, expr:CEL (default: VLLM_HI_REQUEST_FILTER or all)")

@@ -21,8 +21,8 @@ func refuse(kind error, format string, a ...any) error {
 // validate checks a request's own fields and fills in defaults.
 func (o *Orchestrator) validate(req *hostapi.MigrateRequest) (Filter, error) {
 	bad := errdefs.ErrInvalidArgument
-	if req.Src == "" || req.Dst == "" {
-		return nil, refuse(bad, "src_vllm_hi_id and dst_vllm_hi_id are required")
+	if req.Src == "" || (req.Dst == "" && len(o.cfg.Launchers) == 0) {
+		return nil, refuse(bad, "src_vllm_hi_id and dst_vllm_hi_id are required (a target is launched on demand only for models with a launch command: targets in vhi host --config)")
 	}
 	if req.Src == req.Dst {
 		return nil, refuse(bad, "source and target are the same instance %s", req.Src)
@@ -77,7 +77,7 @@ func (o *Orchestrator) validate(req *hostapi.MigrateRequest) (Filter, error) {
 // admit checks the request and both instances as the registry knows them
 // — roles, health, models, shapes, KV geometries — and claims both
 // instances for the new migration. A refusal changes nothing.
-func (o *Orchestrator) admit(req hostapi.MigrateRequest) (*migration, error) {
+func (o *Orchestrator) admit(req hostapi.MigrateRequest, id string) (*migration, error) {
 	filter, err := o.validate(&req)
 	if err != nil {
 		return nil, err
@@ -111,7 +111,9 @@ func (o *Orchestrator) admit(req hostapi.MigrateRequest) (*migration, error) {
 		return nil, refuse(conflict, "the KV geometries differ: %s has %d layers × %d KV heads × %d × %d B in blocks of %d, %s %d × %d × %d × %d B in blocks of %d",
 			src.ID, sg.Layers, sg.KVHeads, sg.HeadDim, sg.DTypeBytes, sg.BlockSize, dst.ID, dg.Layers, dg.KVHeads, dg.HeadDim, dg.DTypeBytes, dg.BlockSize)
 	}
-	id := newID()
+	if id == "" {
+		id = newID()
+	}
 	op := registry.Operation{Kind: registry.OpMigration, ID: id}
 	if err := o.reg.Claim(op, src.ID, dst.ID); err != nil {
 		return nil, err

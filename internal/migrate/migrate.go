@@ -19,6 +19,7 @@ import (
 	"crypto/tls"
 	"encoding/hex"
 	"fmt"
+	"github.com/vllm-hi/vllm-hi/internal/launch"
 	"time"
 
 	"google.golang.org/grpc"
@@ -54,6 +55,12 @@ type Config struct {
 	AgentDialOptions []grpc.DialOption
 	// AllowFaultInjection accepts the inject_fault field (tests only).
 	AllowFaultInjection bool
+	// Launchers start a migration's target on demand, by served model
+	// name (vhi host --config: targets); HostAddr fills their {host}, and
+	// their output goes to LaunchLogDir.
+	Launchers    map[string]launch.Spec
+	HostAddr     string
+	LaunchLogDir string
 }
 
 // DefaultConfig returns the defaults.

@@ -2,6 +2,7 @@ package migrate
 
 import (
 	"context"
+	"github.com/vllm-hi/vllm-hi/internal/launch"
 	"sort"
 	"sync"
 	"time"
@@ -17,7 +18,10 @@ import (
 
 // migration is one migration's live state.
 type migration struct {
-	o        *Orchestrator
+	o *Orchestrator
+	// launched is the target process the Host started for this migration
+	// (nil when it named one): stopped if the migration aborts.
+	launched *launch.Process
 	op       registry.Operation // what holds both instances in the registry
 	req      hostapi.MigrateRequest
 	filter   Filter

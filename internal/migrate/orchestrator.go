@@ -29,10 +29,13 @@ type Orchestrator struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 
-	mu    sync.Mutex
-	all   map[string]*migration
-	order []string // migration ids, oldest first
-	wg    sync.WaitGroup
+	mu  sync.Mutex
+	all map[string]*migration
+	// launching are the migrations whose target is being launched, not
+	// yet admitted (launch.go).
+	launching map[string]*hostapi.MigrationStatus
+	order     []string // migration ids, oldest first
+	wg        sync.WaitGroup
 }
 
 // New returns an orchestrator; met and records may be nil (nothing is
@@ -42,7 +45,7 @@ func New(cfg Config, reg *registry.Registry, px *proxy.Proxy, met *Metrics, reco
 		return nil, err
 	}
 	o := &Orchestrator{cfg: cfg, reg: reg, proxy: px, streams: px.Streams(), met: met, log: log,
-		agents: agentclient.NewPool(cfg.AgentToken, cfg.AgentTLS, cfg.AgentDialOptions...), all: map[string]*migration{}}
+		agents: agentclient.NewPool(cfg.AgentToken, cfg.AgentTLS, cfg.AgentDialOptions...), all: map[string]*migration{}, launching: map[string]*hostapi.MigrationStatus{}}
 	o.ctx, o.cancel = context.WithCancel(context.Background())
 	o.rec = newRecorder(records, o, log)
 	if err := o.restore(); err != nil {
@@ -84,7 +87,11 @@ func (o *Orchestrator) running() int {
 // so that a bad request or a target that cannot hold the KV is refused
 // with nothing started — and then runs the rest in the background.
 func (o *Orchestrator) Start(req hostapi.MigrateRequest) (string, error) {
-	id, err := o.start(req)
+	start := o.start
+	if req.Dst == "" && req.Src != "" {
+		start = o.startLaunched
+	}
+	id, err := start(req)
 	if err != nil {
 		o.met.Refused()
 	}
@@ -92,10 +99,15 @@ func (o *Orchestrator) Start(req hostapi.MigrateRequest) (string, error) {
 }
 
 func (o *Orchestrator) start(req hostapi.MigrateRequest) (string, error) {
-	m, err := o.admit(req)
+	m, err := o.admit(req, "")
 	if err != nil {
 		return "", err
 	}
+	return o.begin(m)
+}
+
+// begin prepares an admitted migration and runs it in the background.
+func (o *Orchestrator) begin(m *migration) (string, error) {
 	if err := m.prepare(); err != nil {
 		m.undo()
 		o.reg.Release(m.op, m.src.ID, m.dst.ID)
@@ -152,7 +164,20 @@ func (m *migration) run() {
 func (o *Orchestrator) Get(id string) (hostapi.MigrationStatus, bool) {
 	o.mu.Lock()
 	m, ok := o.all[id]
+	l := o.launching[id]
+	var ls hostapi.MigrationStatus
+	if l != nil {
+		ls = *l
+		ls.StepHistory = append([]hostapi.Step(nil), l.StepHistory...)
+		if l.Launched != nil {
+			t := *l.Launched
+			ls.Launched = &t
+		}
+	}
 	o.mu.Unlock()
+	if l != nil {
+		return ls, true
+	}
 	if !ok {
 		return hostapi.MigrationStatus{}, false
 	}
@@ -178,11 +203,17 @@ func (o *Orchestrator) List() []hostapi.MigrationStatus {
 func (o *Orchestrator) add(m *migration) {
 	o.mu.Lock()
 	o.all[m.st.ID] = m
-	o.order = append(o.order, m.st.ID)
+	if o.launching[m.st.ID] != nil {
+		delete(o.launching, m.st.ID) // in the order since its launch began
+	} else {
+		o.order = append(o.order, m.st.ID)
+	}
 	var dropped []string
 	for i := 0; len(o.order)-len(dropped) > o.cfg.MaxHistory && i < len(o.order); i++ {
 		id := o.order[i]
-		if o.all[id].status().State != hostapi.StateRunning {
+		if m := o.all[id]; m != nil && m.status().State != hostapi.StateRunning {
+			dropped = append(dropped, id)
+		} else if l := o.launching[id]; l != nil && l.State != hostapi.StateRunning {
 			dropped = append(dropped, id)
 		}
 	}
@@ -191,6 +222,7 @@ func (o *Orchestrator) add(m *migration) {
 		for _, id := range dropped {
 			gone[id] = true
 			delete(o.all, id)
+			delete(o.launching, id)
 		}
 		kept := o.order[:0]
 		for _, id := range o.order {

@@ -24,6 +24,10 @@ func (m *migration) abort(err error) {
 	m.undoSource()
 	m.finish(hostapi.StateAborted, err.Error())
 	m.closeTarget()
+	if m.launched != nil {
+		// Started for this migration only: the rollback stops it.
+		m.launched.Stop(launchStopGrace)
+	}
 }
 
 // undo undoes everything (a refusal after prepare began).

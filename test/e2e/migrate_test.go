@@ -23,7 +23,7 @@ import (
 // as it is by default.
 type deployment struct {
 	hostURL, aURL, bURL, refURL string
-	hostAddr, dataDir           string
+	hostAddr, dataDir, shm      string
 	host, agentA, agentB        *proc
 	simA, simB                  *proc
 	tk                          tokens
@@ -47,7 +47,7 @@ func deploy(t *testing.T, bBlocks int) *deployment {
 func deployWith(t *testing.T, o deployOptions) *deployment {
 	t.Helper()
 	shm := t.TempDir()
-	d := &deployment{tk: newTokens(t), dataDir: t.TempDir()}
+	d := &deployment{tk: newTokens(t), dataDir: t.TempDir(), shm: shm}
 	bBlocks := o.bBlocks
 	// VHI_E2E_SIM_DEVICES=cuda:0,cuda:1,cuda:0 puts the KV of A, B and the
 	// reference on GPUs (the GPU machines run these tests that way; the

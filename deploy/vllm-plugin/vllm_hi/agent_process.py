@@ -23,6 +23,8 @@ def start(cfg, args) -> None:
         cmd += ["--token-file", cfg.token_file]
     if cfg.type:
         cmd += ["--type", cfg.type]
+    if cfg.id:
+        cmd += ["--id", cfg.id]
     try:
         _agent = subprocess.Popen(cmd)
     except OSError as e:

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 ENV_TYPE = "VLLM_HI_TYPE"
+ENV_ID = "VLLM_HI_ID"                # the vllm_hi_id the agent registers as ("" = derived)
 ENV_HOST = "VLLM_HI_HOST"
 ENV_DATA_PORT = "VLLM_HI_DATA_PORT"
 ENV_BACKEND = "VLLM_HI_TRANSFER_BACKEND"
@@ -41,6 +42,7 @@ class Config:
     hook_lease_s: float
     token: str = ""       # the agent token the hooks require ("" = open)
     token_file: str = ""  # where it came from
+    id: str = ""          # the vllm_hi_id to register as (a Host-launched target's {id})
 
     @property
     def enabled(self) -> bool:
@@ -84,7 +86,8 @@ def load(env=None) -> Config:
     return Config(type=typ, host=host,
                   data_port=_port(env.get(ENV_DATA_PORT, "0") or "0", f"--vllm-hi-data-port / {ENV_DATA_PORT}"),
                   backend=backend, agent=env.get(ENV_AGENT, "vhi"),
-                  shm_dir=env.get(ENV_SHM_DIR, "/dev/shm"), hook_lease_s=lease, token=token, token_file=token_file)
+                  shm_dir=env.get(ENV_SHM_DIR, "/dev/shm"), hook_lease_s=lease, token=token, token_file=token_file,
+                  id=env.get(ENV_ID, "").strip())
 
 
 def default_data_dir(env) -> str:

@@ -378,38 +378,22 @@ class Hooks:
         return gen()
 
 
-# How many of the last output tokens a migrated request's decode stream
-# steps through (see _replay_detokenizer), and how many tokens before them
-# prime it.
-REPLAY_TAIL = 16
-REPLAY_PRIME = 64
-
-
 def _replay_detokenizer(req_state, prompt_ids, output_ids) -> None:
     """Brings a new request's incremental detokenizer to the state the
-    source's was in after output_ids; the text these steps produce was
-    already sent.
+    source's was in after output_ids, by stepping through them as the
+    source did (its decode stream was primed with the prompt only). The
+    text these steps produce was already sent.
 
-    A fast (tokenizers) decode stream holds only the tokens since its last
-    complete characters, so it is primed with the tokens before the last
-    REPLAY_TAIL, as vLLM primes a new request with its prompt, and steps
-    through those last ones as the source did: the same state as stepping
-    through every output token (which cost ~11 µs a token, a second for
-    256 requests of 330 tokens, inside the pause), once a character ends
-    within the tail — tokens of one character are at most 4 bytes. Where
-    the stream cannot be primed (an older tokenizers), every token is
-    stepped."""
+    Every output token is stepped (~3-11 µs each, inside the pause): a
+    decode stream holds every token since its last complete character,
+    and a model can emit any number of tokens that complete none (bytes of
+    invalid UTF-8), so stepping only the last few is not the same state
+    (tests/test_detok_replay.py shows it)."""
     d = req_state.detokenizer
     if d is None or not output_ids:
         return
     if hasattr(d, "stream"):  # FastIncrementalDetokenizer
-        tail = output_ids[-REPLAY_TAIL:]
-        head = (list(prompt_ids) + list(output_ids[:len(output_ids) - len(tail)]))[-REPLAY_PRIME:]
-        try:
-            d.stream = type(d.stream)(ids=head, skip_special_tokens=d.skip_special_tokens)
-        except TypeError:
-            tail = output_ids
-        for tid in tail:
+        for tid in output_ids:
             d.decode_next(tid)
         return
     # SlowIncrementalDetokenizer decodes from the token list it keeps.

@@ -1,0 +1,50 @@
+// Package hostconfig reads the Host's configuration file (vhi host
+// --config FILE): YAML, every field known — a misspelt one is an error
+// naming its line, not a setting silently ignored.
+package hostconfig
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+
+	"go.yaml.in/yaml/v3"
+
+	"github.com/vllm-hi/vllm-hi/internal/launch"
+)
+
+// File is the configuration file.
+type File struct {
+	// Targets are how to start a migration target on demand, by served
+	// model name: a migrate request without dst_vllm_hi_id launches one
+	// with the shape it asks for (target_tp, target_pp,
+	// target_gpu_memory_utilization) and migrates to it.
+	Targets map[string]launch.Spec `yaml:"targets"`
+}
+
+// Load reads and checks the file at path.
+func Load(path string) (File, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return File{}, err
+	}
+	return Parse(b, path)
+}
+
+// Parse reads and checks a configuration; name is for messages.
+func Parse(b []byte, name string) (File, error) {
+	var f File
+	dec := yaml.NewDecoder(bytes.NewReader(b))
+	dec.KnownFields(true)
+	if err := dec.Decode(&f); err != nil && !errors.Is(err, io.EOF) {
+		return File{}, fmt.Errorf("%s: %w", name, err)
+	}
+	for model, s := range f.Targets {
+		if err := s.Check(model); err != nil {
+			return File{}, fmt.Errorf("%s: %w", name, err)
+		}
+	}
+	return f, nil
+}

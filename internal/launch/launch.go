@@ -1,0 +1,219 @@
+// Package launch starts the engines the Host brings up on demand — a
+// migration's target, asked for with a shape no running instance has —
+// from a configured command. The command's argv and environment carry
+// placeholders the Host fills ({id}, {tp}, …); the process runs in its own
+// process group, its output goes to a log file, and it is stopped as a
+// group (SIGTERM, then SIGKILL after a grace period).
+package launch
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// Spec is how to start an engine with its agent for one served model.
+type Spec struct {
+	// Command is the argv; placeholders in it and in Env are filled in.
+	Command []string          `yaml:"launch_command"`
+	Env     map[string]string `yaml:"env"`
+	Cwd     string            `yaml:"cwd"`
+	// ReadyTimeoutS bounds the wait from start until the new instance
+	// is registered, healthy and migratable (default 900: vLLM compiles
+	// for minutes on a fresh machine).
+	ReadyTimeoutS float64 `yaml:"ready_timeout_s"`
+	// GPUMemoryUtilization fills {gpu_memory_utilization} when a
+	// migration does not ask for a share (default 0.9).
+	GPUMemoryUtilization float64 `yaml:"gpu_memory_utilization"`
+}
+
+// Placeholders are the names a Spec may use, as {name}:
+//   - id: the vllm_hi_id the new instance must register as (its agent's
+//     --id, or VLLM_HI_ID for the vLLM plugin);
+//   - model: the served model name;
+//   - tp, pp, gpu_memory_utilization: the shape asked for;
+//   - port: a free TCP port on this machine for the engine;
+//   - data_port: another, for the agent's data plane;
+//   - host: the address agents register with (the Host's --listen).
+var Placeholders = []string{"id", "model", "tp", "pp", "gpu_memory_utilization", "port", "data_port", "host"}
+
+var placeholder = regexp.MustCompile(`\{([a-z_]+)\}`)
+
+// Check reports what is wrong with s, naming the model it is for.
+func (s Spec) Check(model string) error {
+	if len(s.Command) == 0 || s.Command[0] == "" {
+		return fmt.Errorf("targets.%s: launch_command is empty", model)
+	}
+	if s.ReadyTimeoutS < 0 || (s.GPUMemoryUtilization != 0 && (s.GPUMemoryUtilization <= 0 || s.GPUMemoryUtilization > 1)) {
+		return fmt.Errorf("targets.%s: ready_timeout_s must be ≥ 0 and gpu_memory_utilization in (0, 1]", model)
+	}
+	for _, v := range s.texts() {
+		for _, m := range placeholder.FindAllStringSubmatch(v, -1) {
+			if !slices.Contains(Placeholders, m[1]) {
+				return fmt.Errorf("targets.%s: unknown placeholder {%s} in %q (known: %s)", model, m[1], v, strings.Join(Placeholders, ", "))
+			}
+		}
+	}
+	return nil
+}
+
+// Uses reports whether the command or its environment has {name}.
+func (s Spec) Uses(name string) bool {
+	for _, v := range s.texts() {
+		if strings.Contains(v, "{"+name+"}") {
+			return true
+		}
+	}
+	return false
+}
+
+// ReadyTimeout is ReadyTimeoutS as a duration, with its default.
+func (s Spec) ReadyTimeout() time.Duration {
+	if s.ReadyTimeoutS == 0 {
+		return 15 * time.Minute
+	}
+	return time.Duration(s.ReadyTimeoutS * float64(time.Second))
+}
+
+func (s Spec) texts() []string {
+	out := slices.Clone(s.Command)
+	for _, v := range s.Env {
+		out = append(out, v)
+	}
+	return append(out, s.Cwd)
+}
+
+func fill(s string, vars map[string]string) string {
+	return placeholder.ReplaceAllStringFunc(s, func(m string) string {
+		if v, ok := vars[m[1:len(m)-1]]; ok {
+			return v
+		}
+		return m
+	})
+}
+
+// Process is a started engine.
+type Process struct {
+	cmd  *exec.Cmd
+	log  string
+	tail *tail
+	done chan struct{}
+	err  error // after done
+	once sync.Once
+}
+
+// Start runs s with vars filled in, its output appended to logFile.
+func Start(s Spec, vars map[string]string, logFile string) (*Process, error) {
+	argv := make([]string, len(s.Command))
+	for i, a := range s.Command {
+		argv[i] = fill(a, vars)
+	}
+	cmd := exec.Command(argv[0], argv[1:]...)
+	cmd.Dir = fill(s.Cwd, vars)
+	cmd.Env = os.Environ()
+	keys := make([]string, 0, len(s.Env))
+	for k := range s.Env {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		cmd.Env = append(cmd.Env, k+"="+fill(s.Env[k], vars))
+	}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := os.MkdirAll(filepath.Dir(logFile), 0o755); err != nil {
+		return nil, err
+	}
+	f, err := os.OpenFile(logFile, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	p := &Process{cmd: cmd, log: logFile, tail: &tail{max: 2048}, done: make(chan struct{})}
+	out := io.MultiWriter(f, p.tail)
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := cmd.Start(); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("start %s: %w", argv[0], err)
+	}
+	go func() {
+		p.err = cmd.Wait()
+		f.Close()
+		close(p.done)
+	}()
+	return p, nil
+}
+
+// Exited is closed when the process has ended.
+func (p *Process) Exited() <-chan struct{} { return p.done }
+
+// Why says how the process ended, with the end of its output.
+func (p *Process) Why() error {
+	select {
+	case <-p.done:
+	default:
+		return nil
+	}
+	what := "exited"
+	if p.err != nil {
+		what = p.err.Error()
+	}
+	return fmt.Errorf("the launched target %s (log %s); its last output: %s", what, p.log, strings.TrimSpace(p.tail.String()))
+}
+
+// Stop ends the process group: SIGTERM, then SIGKILL after grace. It
+// returns when the process has exited (or after grace more).
+func (p *Process) Stop(grace time.Duration) {
+	p.once.Do(func() {
+		pg := -p.cmd.Process.Pid
+		_ = syscall.Kill(pg, syscall.SIGTERM)
+		select {
+		case <-p.done:
+		case <-time.After(grace):
+			_ = syscall.Kill(pg, syscall.SIGKILL)
+			select {
+			case <-p.done:
+			case <-time.After(grace):
+			}
+		}
+	})
+}
+
+// Pid is the process's id.
+func (p *Process) Pid() int { return p.cmd.Process.Pid }
+
+// tail keeps the last max bytes written.
+type tail struct {
+	mu  sync.Mutex
+	max int
+	b   []byte
+}
+
+func (t *tail) Write(b []byte) (int, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.b = append(t.b, b...)
+	if len(t.b) > t.max {
+		t.b = bytes.Clone(t.b[len(t.b)-t.max:])
+	}
+	return len(b), nil
+}
+
+func (t *tail) String() string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return string(t.b)
+}
+
+// ErrNoLauncher is returned where no launch command is configured for a
+// model.
+var ErrNoLauncher = errors.New("no launch command")
