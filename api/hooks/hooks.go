@@ -24,8 +24,13 @@ const (
 	PathExport   = "/vllm_hi/engine/export"
 	PathAllocate = "/vllm_hi/engine/install/allocate"
 	PathInstall  = "/vllm_hi/engine/install/commit"
-	PathAbort    = "/vllm_hi/engine/abort"
-	PathStats    = "/vllm_hi/engine/stats"
+	// PathStage hands a target, before the pause, the state of requests it
+	// is about to install (a snapshot the source exported while running):
+	// whatever the target derives from a request's tokens alone (vLLM's
+	// detokenizer replay) is done then, outside the pause.
+	PathStage = "/vllm_hi/engine/install/stage"
+	PathAbort = "/vllm_hi/engine/abort"
+	PathStats = "/vllm_hi/engine/stats"
 	// PathRetire releases the engine's KV memory once its requests
 	// finished (the end of a destroy_source migration); PathWake brings
 	// it back.
@@ -74,6 +79,11 @@ type Layout struct {
 	// way the strides describe only as a whole: copy whole blocks, never
 	// single token slots (vLLM's CPU attention tiles slots inside a block).
 	OpaqueBlocks bool `json:"opaque_blocks,omitempty"`
+	// StagesState says the engine prepares installs from a snapshot
+	// handed to the stage hook before the pause, and exports snapshots of
+	// running requests (export with snapshot): the Host stages the moving
+	// requests on such a target while the source still decodes.
+	StagesState bool `json:"stages_state,omitempty"`
 	// KVGeneration changes whenever the engine re-creates its KV memory
 	// (sleep and wake-up): a mapping made for another generation maps
 	// memory the engine no longer uses. 0 when the engine does not say.
@@ -263,6 +273,20 @@ type RequestState struct {
 // ExportRequest asks for the state of paused requests.
 type ExportRequest struct {
 	RequestIDs []string `json:"request_ids"`
+	// Snapshot exports running (not paused) requests as they are now:
+	// token ids and sampling state only, for the target's stage hook.
+	Snapshot bool `json:"snapshot,omitempty"`
+}
+
+// StageRequest is the stage hook's body: the requests' state as a
+// snapshot export gave it (the Host passes it on as it came).
+type StageRequest struct {
+	Requests []json.RawMessage `json:"requests"`
+}
+
+// StageResponse names the requests the target prepared.
+type StageResponse struct {
+	Staged []string `json:"staged"`
 }
 
 // ExportResponse carries their state and the cursor it was read at.

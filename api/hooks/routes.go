@@ -18,6 +18,7 @@ const (
 	HookExport   = "export"
 	HookAllocate = "allocate"
 	HookInstall  = "install"
+	HookStage    = "stage"
 	HookAbort    = "abort"
 	HookStats    = "stats"
 	HookRetire   = "retire"
@@ -49,6 +50,7 @@ func Routes() []Route {
 		{HookExport, http.MethodPost, PathExport, true},
 		{HookAllocate, http.MethodPost, PathAllocate, true},
 		{HookInstall, http.MethodPost, PathInstall, true},
+		{HookStage, http.MethodPost, PathStage, true},
 		{HookAbort, http.MethodPost, PathAbort, true},
 		{HookStats, http.MethodGet, PathStats, true},
 		{HookRetire, http.MethodPost, PathRetire, false},

@@ -134,7 +134,10 @@ type MigrationStatus struct {
 	// Recomputed are the moved requests whose KV the target could not
 	// hold: their state moved and the target recomputes their KV (the
 	// rest moved with their KV).
-	Recomputed   []string      `json:"recomputed_request_ids,omitempty"`
+	Recomputed []string `json:"recomputed_request_ids,omitempty"`
+	// Staged is how many moving requests the target prepared from a
+	// snapshot before the pause (its layout's stages_state; 0 otherwise).
+	Staged       int           `json:"staged_request_count,omitempty"`
 	Verification *Verification `json:"verification,omitempty"`
 	// TransferBackend is the data plane the source agent moved the KV
 	// with (cuda_ipc, tcp_shm), and TransferBackendReason why it chose it.

@@ -110,16 +110,25 @@ func Plan(layers, heads int, headSlotBytes int64, src, dst []RegionSpec, copies 
 			continue
 		}
 		// Anything else (TP shards split a layer's heads over regions):
-		// slot by slot, head by head, merged wherever bytes follow each
-		// other on both sides.
+		// head by head — a head's slots in one run where they are packed
+		// on both sides, else slot by slot — merged wherever bytes follow
+		// each other on both sides.
 		for kv := 0; kv < 2; kv++ {
 			g := pl[kv*heads : (kv+1)*heads]
 			for _, c := range copies {
-				for k := int64(c.FirstSlot); k < int64(c.FirstSlot+c.NumSlots); k++ {
-					for i := range g {
-						p := &g[i]
-						runs = appendRun(runs, p.s, p.sBase+int64(c.Src)*p.sBlock+k*p.sSlot,
-							p.d, p.dBase+int64(c.Dst)*p.dBlock+k*p.dSlot, headSlotBytes)
+				if c.NumSlots <= 0 {
+					continue
+				}
+				for i := range g {
+					p := &g[i]
+					so := p.sBase + int64(c.Src)*p.sBlock + int64(c.FirstSlot)*p.sSlot
+					do := p.dBase + int64(c.Dst)*p.dBlock + int64(c.FirstSlot)*p.dSlot
+					if p.sSlot == headSlotBytes && p.dSlot == headSlotBytes {
+						runs = appendRun(runs, p.s, so, p.d, do, int64(c.NumSlots)*headSlotBytes)
+						continue
+					}
+					for k := int64(0); k < int64(c.NumSlots); k++ {
+						runs = appendRun(runs, p.s, so+k*p.sSlot, p.d, do+k*p.dSlot, headSlotBytes)
 					}
 				}
 			}

@@ -367,3 +367,22 @@ func BenchmarkPlanQwen3_8B(b *testing.B) {
 		})
 	}
 }
+
+// Between TP shapes (a layer's heads in two regions on one side) a plan
+// moves each head's packed slots as one run, never slot by slot: the
+// in-process shape tests' round 0 took 4 s when it did.
+func TestPlanAcrossTPMovesHeadsWhole(t *testing.T) {
+	g := Geometry{Layers: 2, KVHeads: 4, HeadDim: 4, DTypeBytes: 2, BlockSize: 16, NumBlocks: 8}
+	_, one := fill(g, Parallel{1, 1})
+	_, two := fill(g, Parallel{2, 1})
+	copies := []BlockCopy{{Src: 1, Dst: 4, NumSlots: 16}, {Src: 6, Dst: 2, FirstSlot: 3, NumSlots: 5}}
+	for _, dir := range [][2][]RegionSpec{{one, two}, {two, one}} {
+		runs, err := Plan(g.Layers, g.KVHeads, int64(g.HeadSlotBytes()), dir[0], dir[1], copies)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if max := g.Layers * 2 * g.KVHeads * len(copies); len(runs) > max {
+			t.Fatalf("%d runs, want at most one per layer, K/V, head and copy (%d)", len(runs), max)
+		}
+	}
+}

@@ -49,6 +49,7 @@ type migration struct {
 	// checked (or sampled) before the pause; the pause checks the rest.
 	stableTokens map[string]int
 	dstOpaque    bool // the target's blocks are opaque (see hooks.Layout)
+	dstStages    bool // the target prepares installs ahead (see hooks.Layout)
 	pausedSrc    bool
 
 	mu sync.Mutex

@@ -144,10 +144,16 @@ func (m *migration) run() {
 	ctx, cancel := context.WithDeadline(m.o.ctx, m.deadline)
 	defer cancel()
 	since, err := m.copyRounds(ctx)
+	var staged <-chan struct{}
 	if err == nil {
-		// The check of what is on the target already, while the source
-		// decodes.
+		// The state the target can prepare from a snapshot goes over
+		// while the check of what is on the target already runs, both
+		// while the source decodes.
+		staged = m.stageState(ctx)
 		err = m.checkCopied(ctx, since)
+	}
+	if staged != nil {
+		<-staged
 	}
 	var c committed
 	if err == nil {

@@ -99,6 +99,7 @@ func (m *migration) prepare() error {
 		return fmt.Errorf("the target's layout: %w", err)
 	}
 	m.dstOpaque = dstLayout.OpaqueBlocks
+	m.dstStages = dstLayout.StagesState
 	if dstLayout.Geometry.BlockSize != m.srcLayout.Geometry.BlockSize {
 		return refuse(errdefs.ErrConflict, "the engines' block sizes differ (%d, %d)", m.srcLayout.Geometry.BlockSize, dstLayout.Geometry.BlockSize)
 	}

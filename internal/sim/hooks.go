@@ -168,11 +168,20 @@ func (e *Engine) Export(_ context.Context, req hooks.ExportRequest) (hooks.Expor
 	if len(req.RequestIDs) == 0 {
 		return hooks.ExportResponse{}, badRequest("request_ids", "request_ids must name at least one request.")
 	}
+	out := hooks.ExportResponse{Cursor: e.cursor}
+	if req.Snapshot {
+		// Running requests as they are now; those that ended are left out.
+		for _, id := range req.RequestIDs {
+			if r := e.requests[id]; r != nil && r.state != stateReserved {
+				out.Requests = append(out.Requests, r.exportState())
+			}
+		}
+		return out, nil
+	}
 	rs, err := e.lookup(req.RequestIDs, false)
 	if err != nil {
 		return hooks.ExportResponse{}, err
 	}
-	out := hooks.ExportResponse{Cursor: e.cursor}
 	for _, r := range rs {
 		if !r.paused {
 			return hooks.ExportResponse{}, conflict("Request %s is not paused; pause it before exporting.", r.id)

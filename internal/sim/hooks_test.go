@@ -3,6 +3,7 @@ package sim
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"net/http"
@@ -125,6 +126,16 @@ func TestHooksMoveARequest(t *testing.T) {
 		time.Sleep(2 * time.Millisecond)
 	}
 	freeB0, _ := b.Stats(ctx)
+	// A running request exports only as a snapshot; an unknown one is left
+	// out of it.
+	var se *Error
+	if _, err := a.Export(ctx, hooks.ExportRequest{RequestIDs: []string{id}}); !errors.As(err, &se) || se.Status != http.StatusConflict {
+		t.Fatalf("export of a running request: %v", err)
+	}
+	if snap, err := a.Export(ctx, hooks.ExportRequest{RequestIDs: []string{id, "gone"}, Snapshot: true}); err != nil ||
+		len(snap.Requests) != 1 || snap.Requests[0].RequestID != id || len(snap.Requests[0].OutputTokenIDs) < 25 {
+		t.Fatalf("snapshot: %v %+v", err, snap)
+	}
 
 	if _, err := a.Pause(ctx, hooks.PauseRequest{RequestIDs: []string{id}, LeaseMS: 5000}); err != nil {
 		t.Fatal(err)

@@ -33,9 +33,14 @@ func (s *Server) hookRoutes(r chi.Router) error {
 		hooks.HookExport:   withBody(s.eng.Export),
 		hooks.HookAllocate: withBody(s.eng.Allocate),
 		hooks.HookInstall:  withBody(s.eng.Install),
-		hooks.HookAbort:    withBody(s.eng.Abort),
-		hooks.HookRetire:   withBody(s.eng.Retire),
-		hooks.HookWake:     noBody(s.eng.Wake),
+		// The sim derives nothing from a request's tokens ahead of its
+		// install (its layout does not say stages_state): none staged.
+		hooks.HookStage: withBody(func(_ context.Context, req hooks.StageRequest) (hooks.StageResponse, error) {
+			return hooks.StageResponse{Staged: []string{}}, nil
+		}),
+		hooks.HookAbort:  withBody(s.eng.Abort),
+		hooks.HookRetire: withBody(s.eng.Retire),
+		hooks.HookWake:   noBody(s.eng.Wake),
 		hooks.HookAttach: func(w http.ResponseWriter, r *http.Request) {
 			from := 0
 			if v := r.URL.Query().Get("from"); v != "" {

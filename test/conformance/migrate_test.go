@@ -109,6 +109,9 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 		if st.Verification == nil || st.Verification.Blocks == 0 {
 			t.Fatalf("no check before the commit: %+v", st.Verification)
 		}
+		if st.Staged == 0 {
+			t.Fatalf("the target staged none of the %d requests before the pause", n)
+		}
 		sameStreams(t, baseline, got)
 	})
 	src, dst = dst, src

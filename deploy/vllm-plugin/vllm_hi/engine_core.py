@@ -119,11 +119,16 @@ class CoreState:
             raise HookError(404, f"Request {missing[0]} is not running here.", "request_ids")
         return list(ids)
 
-    def export(self, ids) -> dict:
-        ids = self._known(ids)
-        not_paused = [i for i in ids if i not in self.leases]
-        if not_paused:
-            raise HookError(409, f"Request {not_paused[0]} is not paused.", "request_ids")
+    def export(self, ids, snapshot: bool = False) -> dict:
+        if snapshot:
+            # Running requests as they are now, for the target's stage hook:
+            # those that ended meanwhile are left out.
+            ids = [i for i in ids if i in self.sched.requests and not self.sched.requests[i].is_finished()]
+        else:
+            ids = self._known(ids)
+            not_paused = [i for i in ids if i not in self.leases]
+            if not_paused:
+                raise HookError(409, f"Request {not_paused[0]} is not paused.", "request_ids")
         out = []
         for rid in ids:
             req = self.sched.requests[rid]
@@ -364,6 +369,8 @@ def patch_engine_core() -> None:
 
 
 def _export(core, st, p: dict) -> dict:
+    if p.get("snapshot"):
+        return st.export(p.get("request_ids") or [], snapshot=True)
     out = st.export(p.get("request_ids") or [])
     from . import worker
 

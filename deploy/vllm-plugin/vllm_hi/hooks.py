@@ -50,6 +50,9 @@ class Hooks:
         self.args = args
         self.token = token
         self.installed: dict[str, Installed] = {}
+        # Detokenizers prepared by the stage hook, by request id:
+        # (detokenizer, prompt ids, output ids it stepped through, when).
+        self.staged: dict[str, tuple] = {}
 
     def authorized(self, header: str | None) -> bool:
         """The hooks need the agent's credential (Authorization: Bearer,
@@ -115,6 +118,7 @@ class Hooks:
                              "pp": pc.pipeline_parallel_size},
                 "kv_layout": regions[0].get("_kv_layout", ""),
                 "opaque_blocks": bool(regions[0].get("_opaque")),
+                "stages_state": True,
                 "kv_generation": max(int(r.get("_kv_generation") or 0) for r in regions),
                 "regions": out_regions}
 
@@ -148,6 +152,16 @@ class Hooks:
 
     async def export(self, body: dict) -> dict:
         hids = body.get("request_ids") or []
+        if body.get("snapshot"):
+            # Token ids and sampling state only, for a target's stage hook.
+            iids = {self.internal(i): i for i in hids}
+            out = await self.core("export", {"request_ids": list(iids), "snapshot": True})
+            for r in out["requests"]:
+                r["request_id"] = iids.get(r["request_id"], r["request_id"])
+                r["prompt_token_ids"] = encode_ints(r["prompt_token_ids"])
+                r["output_token_ids"] = encode_ints(r["output_token_ids"])
+                r["block_ids"] = encode_ints(r["block_ids"])
+            return out
         out = await self.core("export", {"request_ids": [self.internal(i) for i in hids]})
         for r, hid in zip(out["requests"], hids):
             iid = r["request_id"]
@@ -187,6 +201,39 @@ class Hooks:
     async def allocate(self, body: dict) -> dict:
         return await self.core("allocate", body)
 
+    async def stage(self, body: dict) -> dict:
+        """Prepares, before the pause, what an install derives from a
+        request's tokens alone: its detokenizer, stepped through the output
+        of a snapshot of the running source. The install then steps only
+        through the tokens generated since (or everything, when the
+        snapshot does not lead to the state it installs)."""
+        import base64
+
+        import msgspec
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.engine import EngineCoreRequest
+        from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+
+        now = time.monotonic()
+        for rid in [r for r, s in self.staged.items() if now - s[3] > STAGED_TTL_S]:
+            del self.staged[rid]
+        staged = []
+        for st in body.get("requests") or []:
+            rid = st["request_id"]
+            prompt, output = decode_ints(st["prompt_token_ids"]), decode_ints(st["output_token_ids"])
+            sp = msgspec.msgpack.decode(base64.b64decode(st["engine_state"]["sampling_params"]), type=SamplingParams)
+            tok = self.op.tokenizer if sp.detokenize else None
+            if tok is None or rid in self.installed:
+                continue
+            ecr = EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, mm_features=None,
+                                    sampling_params=sp, pooling_params=None, arrival_time=time.time(),
+                                    lora_request=None, cache_salt=None, data_parallel_rank=None, external_req_id=rid)
+            d = IncrementalDetokenizer.from_new_request(tokenizer=tok, request=ecr)
+            _replay_detokenizer(_Detok(d), prompt, output)
+            self.staged[rid] = (d, prompt, output, now)
+            staged.append(rid)
+        return {"staged": staged}
+
     async def install(self, body: dict) -> dict:
         import base64
 
@@ -208,7 +255,15 @@ class Hooks:
                                         cache_salt=None, data_parallel_rank=None, external_req_id=rid)
                 q = RequestOutputCollector(sp.output_kind, rid)
                 self.op.add_request(ecr, None, None, 0, q)
-                _replay_detokenizer(self.op.request_states[rid], prompt, output)
+                state = self.op.request_states[rid]
+                ahead = self.staged.pop(rid, None)
+                if ahead is not None and state.detokenizer is not None and ahead[1] == prompt \
+                        and output[:len(ahead[2])] == ahead[2]:
+                    # Staged before the pause: only the tokens since.
+                    state.detokenizer = ahead[0]
+                    _replay_detokenizer(state, prompt, output[len(ahead[2]):])
+                else:
+                    _replay_detokenizer(state, prompt, output)
                 resp = st.get("response") or {}
                 meta = {"kind": resp.get("kind", "completion"), "model": resp.get("model", ""),
                         "created": resp.get("created", 0), "include_usage": resp.get("include_usage", False),
@@ -230,6 +285,7 @@ class Hooks:
         silent = bool(body.get("silent"))
         iids = [self.internal(h) for h in hids]
         for hid, iid in zip(hids, iids):
+            self.staged.pop(hid, None)
             if silent:
                 SILENCED.add(hid)
             st = self.op.request_states.get(iid)
@@ -376,6 +432,18 @@ class Hooks:
             self.installed.pop(hid, None)
 
         return gen()
+
+
+# How long a staged detokenizer waits for its install (a migration that
+# never paused leaves it behind).
+STAGED_TTL_S = 300.0
+
+
+class _Detok:
+    """A detokenizer where _replay_detokenizer expects a request state."""
+
+    def __init__(self, d):
+        self.detokenizer = d
 
 
 def _replay_detokenizer(req_state, prompt_ids, output_ids) -> None:

@@ -69,6 +69,7 @@ HANDLERS = {
     "export": _with_body("export"),
     "allocate": _with_body("allocate"),
     "install": _with_body("install"),
+    "stage": _with_body("stage"),
     "abort": _with_body("abort"),
     "stats": _plain("stats"),
     "retire": _with_body("retire"),

@@ -1,0 +1,86 @@
+package migrate
+
+import (
+	"context"
+	"encoding/json"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/api/hooks"
+)
+
+// stageState hands a target that prepares installs ahead (hooks.Layout
+// StagesState: vLLM, whose detokenizer replays every moved output token)
+// a snapshot of the moving requests, exported from the running source in
+// chunks side by side, so that inside the pause only the tokens generated
+// since are replayed. It is an optimisation: a failure is logged and the
+// install does the whole work. The channel closes when it is done (nil:
+// nothing to stage).
+func (m *migration) stageState(ctx context.Context) <-chan struct{} {
+	ids := m.ids()
+	if !m.dstStages || len(ids) == 0 {
+		return nil
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		start := time.Now()
+		n := min(maxStateChunks, (len(ids)+minStateChunk-1)/minStateChunk)
+		var wg sync.WaitGroup
+		var mu sync.Mutex
+		staged, failed := 0, error(nil)
+		for i := range n {
+			chunk := ids[i*len(ids)/n : (i+1)*len(ids)/n]
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				k, err := m.stageChunk(ctx, chunk)
+				mu.Lock()
+				defer mu.Unlock()
+				staged += k
+				if err != nil && failed == nil {
+					failed = err
+				}
+			}()
+		}
+		wg.Wait()
+		m.mu.Lock()
+		m.st.Staged = staged
+		m.mu.Unlock()
+		if failed != nil {
+			m.log.Warn("staging the requests' state on the target failed; the install does it in the pause", zap.Error(failed))
+		}
+		m.log.Debug("staged the requests' state on the target", zap.Int("requests", len(ids)), zap.Int("staged", staged),
+			zap.Duration("took", time.Since(start)))
+	}()
+	return done
+}
+
+// stageChunk exports a snapshot of some running requests and stages it
+// on the target; it returns how many the target staged.
+func (m *migration) stageChunk(ctx context.Context, ids []string) (int, error) {
+	cctx, cancel := m.call(ctx)
+	defer cancel()
+	b, _ := json.Marshal(hooks.ExportRequest{RequestIDs: ids, Snapshot: true})
+	raw, err := m.srcA.Engine.Raw(cctx, hooks.HookExport, b)
+	if err != nil {
+		return 0, err
+	}
+	var exp struct {
+		Requests json.RawMessage `json:"requests"`
+	}
+	if err := json.Unmarshal(raw, &exp); err != nil || len(exp.Requests) == 0 {
+		return 0, err
+	}
+	out, err := m.dstA.Engine.Raw(cctx, hooks.HookStage, append(append([]byte(`{"requests":`), exp.Requests...), '}'))
+	if err != nil {
+		return 0, err
+	}
+	var st hooks.StageResponse
+	if err := json.Unmarshal(out, &st); err != nil {
+		return 0, err
+	}
+	return len(st.Staged), nil
+}
