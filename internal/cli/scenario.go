@@ -183,7 +183,7 @@ func (sc scenario) migrateUnderLoad(ctx context.Context, c *hostapi.Client, host
 	defer stopCapture()
 	res.MigrationStart = time.Now()
 	req := hostapi.MigrateRequest{Src: src, Dst: dst, Type: sc.Type, FinalGranularity: sc.FinalGranularity, TN: sc.TN}
-	if sc.ShapeB != (kvlayout.Parallel{}) {
+	if sc.ShapeB != (kvlayout.Parallel{}) && sc.External == nil { // a deployment's engines have their own shapes
 		tp, pp := sizes(sc.ShapeB)
 		req.TargetTP, req.TargetPP = &tp, &pp
 	}

