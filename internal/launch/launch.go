@@ -8,7 +8,6 @@ package launch
 
 import (
 	"bytes"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -213,7 +212,3 @@ func (t *tail) String() string {
 	defer t.mu.Unlock()
 	return string(t.b)
 }
-
-// ErrNoLauncher is returned where no launch command is configured for a
-// model.
-var ErrNoLauncher = errors.New("no launch command")

@@ -187,25 +187,12 @@ func (m *migration) finalRound(ctx context.Context, since uint64) ([]movedState,
 // decoding 256 requests' token ids and text is the longest part of the
 // final round, and engines handle hook calls concurrently.
 func (m *migration) moveState(ctx context.Context) ([]movedState, error) {
-	ids := m.ids()
-	n := min(maxStateChunks, (len(ids)+minStateChunk-1)/minStateChunk)
-	if n <= 1 {
-		return m.moveChunk(ctx, ids)
-	}
-	out := make([][]movedState, n)
-	errs := make([]error, n)
-	var wg sync.WaitGroup
-	for i := range n {
-		chunk := ids[i*len(ids)/n : (i+1)*len(ids)/n]
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			out[i], errs[i] = m.moveChunk(ctx, chunk)
-		}()
-	}
-	wg.Wait()
+	chunks := stateChunks(m.ids())
+	out := make([][]movedState, len(chunks))
+	errs := make([]error, len(chunks))
+	sideBySide(len(chunks), func(i int) { out[i], errs[i] = m.moveChunk(ctx, chunks[i]) })
 	var all []movedState
-	for i := range n {
+	for i := range chunks {
 		if errs[i] != nil {
 			return nil, errs[i]
 		}
@@ -220,6 +207,34 @@ const (
 	maxStateChunks = 8
 	minStateChunk  = 16
 )
+
+// stateChunks splits ids into the chunks their state moves in.
+func stateChunks(ids []string) [][]string {
+	n := max(1, min(maxStateChunks, (len(ids)+minStateChunk-1)/minStateChunk))
+	out := make([][]string, n)
+	for i := range n {
+		out[i] = ids[i*len(ids)/n : (i+1)*len(ids)/n]
+	}
+	return out
+}
+
+// sideBySide runs fn(0) … fn(n-1) concurrently and waits for them all
+// (one runs on the caller's goroutine).
+func sideBySide(n int, fn func(i int)) {
+	if n == 1 {
+		fn(0)
+		return
+	}
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			fn(i)
+		}()
+	}
+	wg.Wait()
+}
 
 // moveChunk exports some paused requests and installs them on the target.
 // The export goes on as it came: the target installs into the blocks it

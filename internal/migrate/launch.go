@@ -115,8 +115,7 @@ func (o *Orchestrator) launchAndMigrate(req hostapi.MigrateRequest, st *hostapi.
 		o.mu.Lock()
 		defer o.mu.Unlock()
 		now := time.Now().UTC()
-		h := &st.StepHistory[len(st.StepHistory)-1]
-		h.EndedAt, h.DurationS = now, now.Sub(h.StartedAt).Seconds()
+		endStep(st, now)
 		st.State, st.CurrentStep, st.Error, st.FinishedAt = hostapi.StateFailed, "done", err.Error(), now
 	}
 	p, err := launch.Start(spec, vars, st.Launched.LogFile)
@@ -152,9 +151,8 @@ func (o *Orchestrator) launchAndMigrate(req hostapi.MigrateRequest, st *hostapi.
 		return
 	}
 	o.mu.Lock()
+	endStep(st, time.Now().UTC())
 	launched := st.StepHistory[0]
-	launched.EndedAt = time.Now().UTC()
-	launched.DurationS = launched.EndedAt.Sub(launched.StartedAt).Seconds()
 	o.mu.Unlock()
 	m.launched = p
 	m.st.CreatedAt, m.st.Launched = st.CreatedAt, st.Launched

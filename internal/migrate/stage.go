@@ -3,7 +3,7 @@ package migrate
 import (
 	"context"
 	"encoding/json"
-	"sync"
+	"errors"
 	"time"
 
 	"go.uber.org/zap"
@@ -27,25 +27,14 @@ func (m *migration) stageState(ctx context.Context) <-chan struct{} {
 	go func() {
 		defer close(done)
 		start := time.Now()
-		n := min(maxStateChunks, (len(ids)+minStateChunk-1)/minStateChunk)
-		var wg sync.WaitGroup
-		var mu sync.Mutex
-		staged, failed := 0, error(nil)
-		for i := range n {
-			chunk := ids[i*len(ids)/n : (i+1)*len(ids)/n]
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				k, err := m.stageChunk(ctx, chunk)
-				mu.Lock()
-				defer mu.Unlock()
-				staged += k
-				if err != nil && failed == nil {
-					failed = err
-				}
-			}()
+		chunks := stateChunks(ids)
+		counts := make([]int, len(chunks))
+		errs := make([]error, len(chunks))
+		sideBySide(len(chunks), func(i int) { counts[i], errs[i] = m.stageChunk(ctx, chunks[i]) })
+		staged, failed := 0, errors.Join(errs...)
+		for _, k := range counts {
+			staged += k
 		}
-		wg.Wait()
 		m.mu.Lock()
 		m.st.Staged = staged
 		m.mu.Unlock()

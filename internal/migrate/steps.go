@@ -61,9 +61,12 @@ func (m *migration) step(s step) {
 	m.o.rec.save(m.st.ID)
 }
 
-func (m *migration) endStepLocked(now time.Time) {
-	if n := len(m.st.StepHistory); n > 0 && m.st.StepHistory[n-1].EndedAt.IsZero() {
-		h := &m.st.StepHistory[n-1]
+func (m *migration) endStepLocked(now time.Time) { endStep(&m.st, now) }
+
+// endStep ends a status's last step at now, unless it ended already.
+func endStep(st *hostapi.MigrationStatus, now time.Time) {
+	if n := len(st.StepHistory); n > 0 && st.StepHistory[n-1].EndedAt.IsZero() {
+		h := &st.StepHistory[n-1]
 		h.EndedAt = now
 		h.DurationS = now.Sub(h.StartedAt).Seconds()
 	}

@@ -207,11 +207,6 @@ class Hooks:
         of a snapshot of the running source. The install then steps only
         through the tokens generated since (or everything, when the
         snapshot does not lead to the state it installs)."""
-        import base64
-
-        import msgspec
-        from vllm.sampling_params import SamplingParams
-        from vllm.v1.engine import EngineCoreRequest
         from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
         now = time.monotonic()
@@ -219,15 +214,10 @@ class Hooks:
             del self.staged[rid]
         staged = []
         for st in body.get("requests") or []:
-            rid = st["request_id"]
-            prompt, output = decode_ints(st["prompt_token_ids"]), decode_ints(st["output_token_ids"])
-            sp = msgspec.msgpack.decode(base64.b64decode(st["engine_state"]["sampling_params"]), type=SamplingParams)
-            tok = self.op.tokenizer if sp.detokenize else None
+            rid, prompt, output, ecr = _core_request(st)
+            tok = self.op.tokenizer if ecr.sampling_params.detokenize else None
             if tok is None or rid in self.installed:
                 continue
-            ecr = EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, mm_features=None,
-                                    sampling_params=sp, pooling_params=None, arrival_time=time.time(),
-                                    lora_request=None, cache_salt=None, data_parallel_rank=None, external_req_id=rid)
             d = IncrementalDetokenizer.from_new_request(tokenizer=tok, request=ecr)
             _replay_detokenizer(_Detok(d), prompt, output)
             self.staged[rid] = (d, prompt, output, now)
@@ -235,25 +225,14 @@ class Hooks:
         return {"staged": staged}
 
     async def install(self, body: dict) -> dict:
-        import base64
-
-        import msgspec
-        from vllm.sampling_params import SamplingParams
-        from vllm.v1.engine import EngineCoreRequest
         from vllm.v1.engine.output_processor import RequestOutputCollector
 
         states = body.get("requests") or []
         added = []
         try:
             for st in states:
-                rid = st["request_id"]
-                prompt, output = decode_ints(st["prompt_token_ids"]), decode_ints(st["output_token_ids"])
-                sp = msgspec.msgpack.decode(base64.b64decode(st["engine_state"]["sampling_params"]), type=SamplingParams)
-                ecr = EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, mm_features=None,
-                                        sampling_params=sp, pooling_params=None,
-                                        arrival_time=st.get("arrival_time") or time.time(), lora_request=None,
-                                        cache_salt=None, data_parallel_rank=None, external_req_id=rid)
-                q = RequestOutputCollector(sp.output_kind, rid)
+                rid, prompt, output, ecr = _core_request(st)
+                q = RequestOutputCollector(ecr.sampling_params.output_kind, rid)
                 self.op.add_request(ecr, None, None, 0, q)
                 state = self.op.request_states[rid]
                 ahead = self.staged.pop(rid, None)
@@ -432,6 +411,24 @@ class Hooks:
             self.installed.pop(hid, None)
 
         return gen()
+
+
+def _core_request(st: dict):
+    """An exported request state as (id, prompt ids, output ids, the
+    EngineCoreRequest the API server registers for it)."""
+    import base64
+
+    import msgspec
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+
+    rid = st["request_id"]
+    prompt, output = decode_ints(st["prompt_token_ids"]), decode_ints(st["output_token_ids"])
+    sp = msgspec.msgpack.decode(base64.b64decode(st["engine_state"]["sampling_params"]), type=SamplingParams)
+    ecr = EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, mm_features=None, sampling_params=sp,
+                            pooling_params=None, arrival_time=st.get("arrival_time") or time.time(),
+                            lora_request=None, cache_salt=None, data_parallel_rank=None, external_req_id=rid)
+    return rid, prompt, output, ecr
 
 
 # How long a staged detokenizer waits for its install (a migration that
