@@ -7,7 +7,7 @@ import atexit
 import logging
 import subprocess
 
-log = logging.getLogger("vllm_hi")
+log = logging.getLogger("vllm.vllm_hi")
 
 _agent: subprocess.Popen | None = None
 

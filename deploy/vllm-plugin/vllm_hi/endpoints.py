@@ -18,7 +18,7 @@ from .config import load
 from .hooks import Hooks
 from .router import build_router
 
-log = logging.getLogger("vllm_hi")
+log = logging.getLogger("vllm.vllm_hi")
 
 
 class VhiEndpoints:

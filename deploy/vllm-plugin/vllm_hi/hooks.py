@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 
 from . import HOOKS_VERSION, compat
@@ -24,10 +25,43 @@ from .wire import HookError, decode_ints, encode_ints
 STREAMS: dict[str, dict] = {}
 # Response ids whose source stream must end without a finish chunk.
 SILENCED: set[str] = set()
+# Under "vllm": vLLM configures that logger's handler and level.
+LOG = logging.getLogger("vllm.vllm_hi")
 
 
 class _Silenced(Exception):
     pass
+
+
+# A hook call in a migration's pause that takes longer than this logs
+# where its time went.
+SLOW_HOOK_MS = 50.0
+
+
+class Phases:
+    """Where one hook call's time went, logged when the call was slow: the
+    Host sees only the call's length, and the pause is made of these."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.parts: dict[str, float] = {}
+
+    def add(self, name: str, ms: float) -> None:
+        self.parts[name] = self.parts.get(name, 0.0) + ms
+
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def since_start(self) -> float:
+        return (time.perf_counter() - self.t0) * 1e3
+
+    def line(self, op: str, n: int) -> str:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in self.parts.items())
+        return f"vllm_hi {op} of {n} requests took {self.since_start():.1f} ms ({parts} ms)"
+
+    def log_if_slow(self, op: str, n: int) -> None:
+        if self.since_start() >= SLOW_HOOK_MS:
+            LOG.info("%s", self.line(op, n))
 
 
 class Installed:
@@ -66,9 +100,15 @@ class Hooks:
     def op(self):
         return self.ec.output_processor
 
-    async def core(self, op: str, payload: dict | None = None):
+    async def core(self, op: str, payload: dict | None = None, phases: Phases | None = None):
+        t0 = time.perf_counter()
         raw = await self.ec.engine_core.call_utility_async("vllm_hi_hook", op, json.dumps(payload or {}))
         out = json.loads(raw)
+        if phases is not None:
+            took = (time.perf_counter() - t0) * 1e3
+            core_ms = float(out.get("core_ms") or 0.0)
+            phases.add("engine core", core_ms)
+            phases.add("waiting for the engine core", max(0.0, took - core_ms))
         if "error" in out:
             e = out["error"]
             raise HookError(e["status"], e["message"], e.get("param"))
@@ -162,7 +202,9 @@ class Hooks:
                 r["output_token_ids"] = encode_ints(r["output_token_ids"])
                 r["block_ids"] = encode_ints(r["block_ids"])
             return out
-        out = await self.core("export", {"request_ids": [self.internal(i) for i in hids]})
+        ph = Phases()
+        out = await self.core("export", {"request_ids": [self.internal(i) for i in hids]}, ph)
+        waited = 0.0
         for r, hid in zip(out["requests"], hids):
             iid = r["request_id"]
             r["request_id"] = hid
@@ -177,9 +219,11 @@ class Hooks:
             text, visible = base_text, len(base_text)
             st = self.op.request_states.get(iid)
             if st is not None and st.detokenizer is not None:
+                w0 = time.perf_counter()
                 deadline = time.monotonic() + 2.0
                 while len(st.detokenizer.output_token_ids) < n - base_n and time.monotonic() < deadline:
                     await asyncio.sleep(0.001)
+                waited += time.perf_counter() - w0
                 d = st.detokenizer
                 text = base_text + d.output_text
                 visible = len(base_text) + max(0, len(d.output_text) - getattr(d, "stop_buffer_length", 0))
@@ -196,6 +240,9 @@ class Hooks:
                              "stream": True, "include_usage": meta.get("include_usage", False),
                              "continuous_usage": meta.get("continuous_usage", False)}
             r["engine_state"]["prompt_len"] = meta.get("prompt_len", len(decode_ints(r["prompt_token_ids"])))
+        ph.add("waiting for the API server's outputs", waited * 1e3)
+        ph.add("encoding", ph.since_start() - ph.total())
+        ph.log_if_slow("export", len(hids))
         return out
 
     async def allocate(self, body: dict) -> dict:
@@ -229,6 +276,7 @@ class Hooks:
 
         states = body.get("requests") or []
         added = []
+        ph = Phases()
         try:
             for st in states:
                 rid, prompt, output, ecr = _core_request(st)
@@ -251,8 +299,11 @@ class Hooks:
                 self.installed[rid] = Installed(st, q, meta["prompt_len"], meta)
                 added.append(rid)
                 st["prompt_token_ids"], st["output_token_ids"] = prompt, output
-            return await self.core("install", {"requests": states, "resume": bool(body.get("resume")),
-                                               "lease_ms": int(body.get("lease_ms") or 0)})
+            ph.add("registering and replaying the detokenizers", ph.since_start())
+            out = await self.core("install", {"requests": states, "resume": bool(body.get("resume")),
+                                              "lease_ms": int(body.get("lease_ms") or 0)}, ph)
+            ph.log_if_slow("install", len(states))
+            return out
         except BaseException:
             for rid in added:
                 self.op.request_states.pop(rid, None)

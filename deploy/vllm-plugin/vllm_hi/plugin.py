@@ -9,7 +9,7 @@ import sys
 from . import SUPPORTED_VLLM
 from .config import ConfigError, add_cli_args, load
 
-log = logging.getLogger("vllm_hi")
+log = logging.getLogger("vllm.vllm_hi")
 
 
 def _serve_parser():
