@@ -143,9 +143,53 @@ func (c *Client) Wake(ctx context.Context, id string) (out Instance, err error) 
 	return out, c.do(ctx, http.MethodPost, path(PathWake, id), struct{}{}, &out)
 }
 
-// Drain stops routing new requests to an instance.
-func (c *Client) Drain(ctx context.Context, id string) (out Instance, err error) {
-	return out, c.do(ctx, http.MethodPost, path(PathDrain, id), struct{}{}, &out)
+// Drain moves every request off an instance by migration and retires it;
+// it returns the drain's id at once.
+func (c *Client) Drain(ctx context.Context, id string, req DrainRequest) (string, error) {
+	var out DrainAnswer
+	if err := c.do(ctx, http.MethodPost, path(PathDrain, id), req, &out); err != nil {
+		return "", err
+	}
+	return out.ID, nil
+}
+
+// DrainStatus returns a drain's status.
+func (c *Client) DrainStatus(ctx context.Context, id string) (out DrainStatus, err error) {
+	return out, c.do(ctx, http.MethodGet, path(PathDrainStatus, id), nil, &out)
+}
+
+// Drains lists every drain, newest first.
+func (c *Client) Drains(ctx context.Context) ([]DrainStatus, error) {
+	var out DrainList
+	err := c.do(ctx, http.MethodGet, PathDrains, nil, &out)
+	return out.Drains, err
+}
+
+// WaitDrain polls a drain every interval (default 100 ms) until it ends
+// or ctx does, calling progress (when not nil) with every status it reads.
+func (c *Client) WaitDrain(ctx context.Context, id string, every time.Duration, progress func(DrainStatus)) (DrainStatus, error) {
+	if every <= 0 {
+		every = 100 * time.Millisecond
+	}
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		st, err := c.DrainStatus(ctx, id)
+		if err != nil {
+			return st, err
+		}
+		if progress != nil {
+			progress(st)
+		}
+		if st.Ended() {
+			return st, nil
+		}
+		select {
+		case <-ctx.Done():
+			return st, fmt.Errorf("drain %s still %s: %w", id, st.State, ctx.Err())
+		case <-t.C:
+		}
+	}
 }
 
 // Undrain routes to a drained instance again.

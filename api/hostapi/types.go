@@ -18,6 +18,8 @@ const (
 	PathMigrate         = "/vllm_hi/migrate"
 	PathMigrationStatus = "/vllm_hi/migration/{id}/status"
 	PathMigrations      = "/vllm_hi/migrations"
+	PathDrainStatus     = "/vllm_hi/drains/{id}/status"
+	PathDrains          = "/vllm_hi/drains"
 )
 
 // Migration types.
@@ -244,4 +246,49 @@ type ErrorDetail struct {
 	Type    string `json:"type"`
 	Param   any    `json:"param"`
 	Code    int    `json:"code"`
+}
+
+// DrainRequest is the body of POST /vllm_hi/instances/{id}/drain: the
+// instances to move the requests to (default: every other active instance
+// serving the drained one's models).
+type DrainRequest struct {
+	To []string `json:"to,omitempty"`
+}
+
+// DrainAnswer is the answer to a drain: its id, for the status.
+type DrainAnswer struct {
+	ID string `json:"drain_id"`
+}
+
+// DrainStatus is GET /vllm_hi/drains/{id}/status. State is running,
+// succeeded (every request moved or finished, the instance retired) or
+// failed (Error says why; the instance stays draining, its remaining
+// requests finish where they are).
+type DrainStatus struct {
+	ID       string   `json:"drain_id"`
+	Instance string   `json:"vllm_hi_id"`
+	State    string   `json:"state"`
+	Targets  []string `json:"targets"`
+	// Moved counts the requests moved by migration; Finished those that
+	// ended on the instance meanwhile (non-streaming, or done before their
+	// turn); Remaining those still on it.
+	Moved     int      `json:"moved"`
+	Finished  int      `json:"finished"`
+	Remaining int      `json:"remaining"`
+	Migration []string `json:"migrations"`
+	// SourceKV: what came of the instance's KV at the end (the migration
+	// status's source_kv values), with its note.
+	SourceKV     string    `json:"source_kv,omitempty"`
+	SourceKVNote string    `json:"source_kv_note,omitempty"`
+	Error        string    `json:"error,omitempty"`
+	CreatedAt    time.Time `json:"created_at"`
+	FinishedAt   time.Time `json:"finished_at,omitempty"`
+}
+
+// Ended reports whether the drain is over.
+func (s DrainStatus) Ended() bool { return s.State != StateRunning }
+
+// DrainList is GET /vllm_hi/drains, newest first.
+type DrainList struct {
+	Drains []DrainStatus `json:"drains"`
 }

@@ -92,6 +92,7 @@ across restarts.`,
 	f.StringVar(&cfg.Migration.Verify, "migration-verify", cfg.Migration.Verify, "check before the commit that the target holds the source's KV: sample, full or off")
 	f.IntVar(&cfg.Migration.MaxHistory, "migration-history", cfg.Migration.MaxHistory, "migrations kept in the history")
 	f.DurationVar(&cfg.Migration.RetireWait, "migration-retire-wait", cfg.Migration.RetireWait, "how long a destroy_source source waits for its remaining requests before releasing its KV")
+	f.DurationVar(&cfg.Migration.DrainTimeout, "drain-timeout", cfg.Migration.DrainTimeout, "how long a drain may take to move its instance's requests and wait for those that cannot move")
 	f.DurationVar(&cfg.HeartbeatInterval, "heartbeat-interval", cfg.HeartbeatInterval, "how often agents heartbeat")
 	f.IntVar(&cfg.MissedHeartbeats, "missed-heartbeats", cfg.MissedHeartbeats, "missed heartbeats before an instance is unreachable")
 	f.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", cfg.ShutdownTimeout, "on SIGTERM, how long open streams may finish")

@@ -35,7 +35,8 @@ func NewRootCommand() *cobra.Command {
 	root.PersistentFlags().StringVar(&g.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	root.PersistentFlags().StringVar(&g.logFormat, "log-format", "console", "log format: console or json")
 	root.AddCommand(newVersionCommand(), newHostCommand(g), newAgentCommand(g), newSimCommand(g), newDemoCommand(g),
-		newBenchCommand(g), newInstancesCommand(), newMigrateCommand(), newMigrationCommand(), newWakeCommand())
+		newBenchCommand(g), newInstancesCommand(), newMigrateCommand(), newMigrationCommand(), newWakeCommand(),
+		newDrainCommand(), newUndrainCommand())
 	return root
 }
 

@@ -1,6 +1,7 @@
 package host
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -124,16 +125,42 @@ func (h *Host) instance(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, view(i))
 }
 
-// drain stops routing new requests to an active instance; streams in
-// flight continue.
+// drain empties an active instance by migration (its requests move to
+// the other active instances of its models) and retires it; the answer
+// comes at once with the drain's id. An empty body drains onto every
+// eligible instance.
 func (h *Host) drain(w http.ResponseWriter, r *http.Request) {
-	i, err := h.reg.SetState(chi.URLParam(r, "id"), registry.StateDraining, registry.StateActive)
+	var req hostapi.DrainRequest
+	body, err := io.ReadAll(io.LimitReader(r.Body, 1<<20))
+	if err == nil && len(bytes.TrimSpace(body)) > 0 {
+		err = decodeStrict(bytes.NewReader(body), &req)
+	}
+	if err != nil {
+		proxy.WriteError(w, http.StatusBadRequest, "BadRequestError", "malformed drain body: "+err.Error())
+		return
+	}
+	id, err := h.mig.StartDrain(chi.URLParam(r, "id"), req)
 	if err != nil {
 		fail(w, err)
 		return
 	}
-	h.logInstance("draining", i)
-	writeJSON(w, http.StatusOK, view(i))
+	if i, err := h.reg.Get(chi.URLParam(r, "id")); err == nil {
+		h.logInstance("draining", i)
+	}
+	writeJSON(w, http.StatusOK, hostapi.DrainAnswer{ID: id})
+}
+
+func (h *Host) drainStatus(w http.ResponseWriter, r *http.Request) {
+	s, ok := h.mig.Drain(chi.URLParam(r, "id"))
+	if !ok {
+		proxy.WriteError(w, http.StatusNotFound, "NotFoundError", "unknown drain "+chi.URLParam(r, "id"))
+		return
+	}
+	writeJSON(w, http.StatusOK, s)
+}
+
+func (h *Host) drains(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, hostapi.DrainList{Drains: h.mig.Drains()})
 }
 
 func (h *Host) undrain(w http.ResponseWriter, r *http.Request) {

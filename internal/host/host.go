@@ -175,6 +175,8 @@ func (h *Host) Handler() http.Handler {
 	r.Get(hostapi.PathInstance, h.instance)
 	r.Get(hostapi.PathMigrationStatus, h.migrationStatus)
 	r.Get(hostapi.PathMigrations, h.migrations)
+	r.Get(hostapi.PathDrainStatus, h.drainStatus)
+	r.Get(hostapi.PathDrains, h.drains)
 	r.Group(func(r chi.Router) {
 		r.Use(h.requireAdmin)
 		r.Post(hostapi.PathDrain, h.drain)

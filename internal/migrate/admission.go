@@ -99,8 +99,12 @@ func (o *Orchestrator) admit(req hostapi.MigrateRequest, id string) (*migration,
 		return nil, refuse(conflict, "both engines must serve the vllm-hi hooks (migratable); %s: %v, %s: %v", src.ID, src.Engine.Migratable, dst.ID, dst.Engine.Migratable)
 	case src.Role != registry.RoleActive:
 		return nil, refuse(conflict, "source %s is %s, not active", src.ID, src.Role)
-	case dst.Role != registry.RoleStandby:
-		return nil, refuse(conflict, "target %s is %s, not standby", dst.ID, dst.Role)
+	case dst.Role == registry.RoleActive && req.Type != hostapi.KeepSourceActive:
+		// Both engines serve afterwards only when the source stays active:
+		// the other types hand the source's role to the target.
+		return nil, refuse(conflict, "target %s is active: an active target takes requests with migration_type keep_source_active only (a drain, a rebalance)", dst.ID)
+	case dst.Role == registry.RoleActive && dst.State != registry.StateActive:
+		return nil, refuse(conflict, "target %s is %s: it takes no new requests", dst.ID, dst.Lifecycle())
 	case dst.Retired || dst.Stats.Sleeping:
 		return nil, refuse(conflict, "target %s is %s: wake it first (vhi wake %s)", dst.ID, dst.Lifecycle(), dst.ID)
 	case !sameModels(src, dst):

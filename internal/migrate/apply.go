@@ -43,20 +43,30 @@ func (m *migration) applyType() {
 	o.wg.Add(1)
 	go func() {
 		defer o.wg.Done()
-		ctx, cancel := context.WithTimeout(o.ctx, o.cfg.RetireWait+time.Minute)
-		defer cancel()
-		resp, err := m.srcA.Engine.Retire(ctx, hooks.RetireRequest{WaitS: o.cfg.RetireWait.Seconds()})
-		switch {
-		case err != nil && o.ctx.Err() != nil:
-			m.setSourceKV(hostapi.SourceKVNotReleased, "the Host stopped before the source's remaining requests finished")
-		case err != nil:
-			m.setSourceKV(hostapi.SourceKVNotReleased, "retiring the source failed: "+err.Error())
-		case resp.Released:
-			m.setSourceKV(hostapi.SourceKVReleased, resp.Note)
-		default:
-			m.setSourceKV(hostapi.SourceKVNotReleased, resp.Note)
-		}
+		m.setSourceKV(o.retireEngine(o.ctx, m.src))
 	}()
+}
+
+// retireEngine asks an instance's engine to release its KV once the
+// requests left on it finish (at most RetireWait), and says what came of
+// it: a source_kv state and its note.
+func (o *Orchestrator) retireEngine(ctx context.Context, inst registry.Instance) (state, note string) {
+	a, err := o.agents.Get(inst.AgentAddress, inst.TLS)
+	if err != nil {
+		return hostapi.SourceKVNotReleased, "reaching its agent failed: " + err.Error()
+	}
+	ctx, cancel := context.WithTimeout(ctx, o.cfg.RetireWait+time.Minute)
+	defer cancel()
+	resp, err := a.Engine.Retire(ctx, hooks.RetireRequest{WaitS: o.cfg.RetireWait.Seconds()})
+	switch {
+	case err != nil && o.ctx.Err() != nil:
+		return hostapi.SourceKVNotReleased, "the Host stopped before the source's remaining requests finished"
+	case err != nil:
+		return hostapi.SourceKVNotReleased, "retiring the source failed: " + err.Error()
+	case resp.Released:
+		return hostapi.SourceKVReleased, resp.Note
+	}
+	return hostapi.SourceKVNotReleased, resp.Note
 }
 
 func (m *migration) setSourceKV(state, note string) {

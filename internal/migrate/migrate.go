@@ -46,6 +46,9 @@ type Config struct {
 	// RetireWait bounds how long a destroy_source source waits for the
 	// requests left on it before its KV is released.
 	RetireWait time.Duration
+	// DrainTimeout bounds a drain: moving its requests and waiting for
+	// those that cannot move (non-streaming ones) to finish.
+	DrainTimeout time.Duration
 	// MaxHistory bounds the migrations kept (oldest finished ones go).
 	MaxHistory int
 	AgentToken string
@@ -67,7 +70,7 @@ type Config struct {
 func DefaultConfig() Config {
 	return Config{MaxIncrRounds: 8, StallRounds: 2, DefaultTN: 2, PauseLease: 10 * time.Second, ReservationLease: 60 * time.Second,
 		SpliceTimeout: 5 * time.Second, RPCTimeout: 10 * time.Second, Verify: hostapi.VerifySample, VerifySamples: 2,
-		RetireWait: 10 * time.Minute, MaxHistory: 1000}
+		RetireWait: 10 * time.Minute, DrainTimeout: 10 * time.Minute, MaxHistory: 1000}
 }
 
 // margin is how long before a lease ends the Host stops relying on it: a
@@ -82,7 +85,7 @@ func (c Config) check() error {
 		return fmt.Errorf("the migration pause lease %v is too short (at least 2s)", c.PauseLease)
 	case c.ReservationLease < 2*time.Second:
 		return fmt.Errorf("the migration reservation lease %v is too short (at least 2s)", c.ReservationLease)
-	case c.RPCTimeout <= 0 || c.SpliceTimeout <= 0:
+	case c.RPCTimeout <= 0 || c.SpliceTimeout <= 0 || c.DrainTimeout <= 0:
 		return fmt.Errorf("migration timeouts must be positive")
 	case c.Verify != hostapi.VerifySample && c.Verify != hostapi.VerifyFull && c.Verify != hostapi.VerifyOff:
 		return fmt.Errorf("migration verify %q: want sample, full or off", c.Verify)

@@ -35,7 +35,10 @@ type Orchestrator struct {
 	// yet admitted (launch.go).
 	launching map[string]*hostapi.MigrationStatus
 	order     []string // migration ids, oldest first
-	wg        sync.WaitGroup
+	// drains by id, and their ids oldest first (drain.go).
+	drains     map[string]*drain
+	drainOrder []string
+	wg         sync.WaitGroup
 }
 
 // New returns an orchestrator; met and records may be nil (nothing is
@@ -45,7 +48,7 @@ func New(cfg Config, reg *registry.Registry, px *proxy.Proxy, met *Metrics, reco
 		return nil, err
 	}
 	o := &Orchestrator{cfg: cfg, reg: reg, proxy: px, streams: px.Streams(), met: met, log: log,
-		agents: agentclient.NewPool(cfg.AgentToken, cfg.AgentTLS, cfg.AgentDialOptions...), all: map[string]*migration{}, launching: map[string]*hostapi.MigrationStatus{}}
+		agents: agentclient.NewPool(cfg.AgentToken, cfg.AgentTLS, cfg.AgentDialOptions...), all: map[string]*migration{}, launching: map[string]*hostapi.MigrationStatus{}, drains: map[string]*drain{}}
 	o.ctx, o.cancel = context.WithCancel(context.Background())
 	o.rec = newRecorder(records, o, log)
 	if err := o.restore(); err != nil {

@@ -114,6 +114,7 @@ type rigOptions struct {
 	wrapB   func(http.Handler) http.Handler
 	streams int
 	tokens  int
+	bActive bool // B registers active beside A
 }
 
 func newRig(t *testing.T, o rigOptions) *rig {
@@ -127,7 +128,7 @@ func newRig(t *testing.T, o rigOptions) *rig {
 		b.NumBlocks = o.bBlocks
 	}
 	f := &faults{addrs: map[string]string{}}
-	st, err := stack.Start(stack.Options{Model: "m", SimA: c, SimB: b, WrapB: o.wrapB, TuneHost: func(hc *host.Config) {
+	st, err := stack.Start(stack.Options{Model: "m", SimA: c, SimB: b, WrapB: o.wrapB, BActive: o.bActive, TuneHost: func(hc *host.Config) {
 		hc.Migration.AgentDialOptions = []grpc.DialOption{grpc.WithChainUnaryInterceptor(f.interceptor())}
 		hc.Migration.AllowFaultInjection = true
 		hc.Migration.PauseLease = 2 * time.Second

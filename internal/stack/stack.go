@@ -30,6 +30,9 @@ type Options struct {
 	HostCfg host.Config
 	// TuneHost adjusts the Host's configuration (after the defaults).
 	TuneHost func(*host.Config)
+	// BActive registers B as active too (type A): two instances serving
+	// the model, as a drain or a rebalance needs.
+	BActive bool
 	// WrapB wraps engine B's HTTP handler (tests of a misbehaving target).
 	WrapB func(http.Handler) http.Handler
 }
@@ -91,7 +94,11 @@ func Start(o Options) (*Stack, error) {
 	go func() { defer close(hdone); _ = s.Host.Serve(hctx, ln) }()
 	s.stops = append(s.stops, func() { hcancel(); <-hdone })
 	s.HostURL = "http://" + ln.Addr().String()
-	for _, a := range []struct{ typ, id, url string }{{"A", s.AID, s.AURL}, {"B", s.BID, s.BURL}} {
+	bType := "B"
+	if o.BActive {
+		bType = "A"
+	}
+	for _, a := range []struct{ typ, id, url string }{{"A", s.AID, s.AURL}, {bType, s.BID, s.BURL}} {
 		ag, err := agent.New(agent.Config{Type: a.typ, HostAddr: ln.Addr().String(), EngineURL: a.url, ID: a.id,
 			Listen: "127.0.0.1:0", AdvertiseHost: "127.0.0.1", TP: 1, PP: 1, EngineWait: 10 * time.Second, AgentToken: s.AgentToken},
 			o.Log.Named("agent-"+a.id))

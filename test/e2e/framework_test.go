@@ -20,7 +20,7 @@ func TestMigrationCases(t *testing.T) {
 		if blocks == 0 {
 			blocks = 4096
 		}
-		d := deployWith(t, deployOptions{bBlocks: blocks, aArgs: shapeArgs(o.A), bArgs: shapeArgs(o.B)})
+		d := deployWith(t, deployOptions{bBlocks: blocks, aArgs: shapeArgs(o.A), bArgs: shapeArgs(o.B), bActive: o.BActive})
 		d.client = hostClient(t, d.hostURL, d.tk.admin)
 		return d
 	}, framework.Cases())

@@ -38,6 +38,7 @@ type deployOptions struct {
 	aArgs    []string // extra flags of sim A only
 	bArgs    []string // extra flags of sim B only
 	hostArgs []string // extra flags of the Host
+	bActive  bool     // B's agent registers type A (active beside A)
 }
 
 func deploy(t *testing.T, bBlocks int) *deployment {
@@ -97,8 +98,12 @@ func deployWith(t *testing.T, o deployOptions) *deployment {
 		"--migration-pause-lease", "2s", "--migration-reservation-lease", "10s", "--log-level", "warn", "--data-dir", d.dataDir},
 		d.tk.hostArgs()...), o.hostArgs...)
 	d.host = d.startHost(t)
-	d.agentA = d.startAgent(t, "A", d.aURL)
-	d.agentB = d.startAgent(t, "B", d.bURL)
+	d.agentA = d.startAgent(t, "A", "A", d.aURL)
+	bType := "B"
+	if o.bActive {
+		bType = "A"
+	}
+	d.agentB = d.startAgent(t, "B", bType, d.bURL)
 	deadline := time.Now().Add(20 * time.Second)
 	for len(listInstances(t, d.hostURL)) != 2 && time.Now().Before(deadline) {
 		time.Sleep(50 * time.Millisecond)
@@ -118,10 +123,10 @@ func (d *deployment) startHost(t *testing.T) *proc {
 	return p
 }
 
-// startAgent starts agent typ ("A" or "B", also its id) beside engine.
-func (d *deployment) startAgent(t *testing.T, typ, engine string) *proc {
+// startAgent starts agent id of type typ ("A" or "B") beside engine.
+func (d *deployment) startAgent(t *testing.T, id, typ, engine string) *proc {
 	t.Helper()
-	return startVHI(t, "agent", "--type", typ, "--id", typ, "--host", d.hostAddr, "--engine", engine, "--log-level", "warn",
+	return startVHI(t, "agent", "--type", typ, "--id", id, "--host", d.hostAddr, "--engine", engine, "--log-level", "warn",
 		"--token-file", d.tk.agentFile)
 }
 
@@ -412,4 +417,34 @@ func TestBenchMigrateAgainstADeployment(t *testing.T) {
 	if err == nil || !strings.Contains(string(out), "no migratable active and standby instance of no-such-model") {
 		t.Fatalf("an unknown model: %v\n%s", err, out)
 	}
+}
+
+// `vhi drain B --wait` while A and B (both active) stream a load: B's
+// streams move to A by migration, each exact; the CLI shows each
+// migration and a summary, and exits non-zero for a drain it cannot make.
+func TestDrainByCLI(t *testing.T) {
+	d := deployWith(t, deployOptions{bBlocks: 4096, bActive: true})
+	reqs := load(32, 400)
+	want := d.reference(reqs)
+	running := d.startLoad(reqs)
+	time.Sleep(900 * time.Millisecond)
+	if out, err := exec.Command(vhiBin, "drain", "nope", "--host", d.hostURL, "--admin-token-file", d.tk.adminFile).CombinedOutput(); err == nil ||
+		!strings.Contains(string(out), "nope") {
+		t.Fatalf("vhi drain of an unknown instance: %v\n%s", err, out)
+	}
+	out, err := exec.Command(vhiBin, "drain", "B", "--wait", "--host", d.hostURL, "--admin-token-file", d.tk.adminFile).CombinedOutput()
+	if err != nil {
+		t.Fatalf("vhi drain --wait: %v\n%s", err, out)
+	}
+	for _, w := range []string{"B → A: succeeded", "succeeded", "released"} {
+		if !strings.Contains(string(out), w) {
+			t.Fatalf("vhi drain --wait output lacks %q:\n%s", w, out)
+		}
+	}
+	t.Logf("vhi drain B --wait:\n%s", out)
+	checkExact(t, <-running, want)
+	if in := instance(t, d.hostURL, "B"); in.Lifecycle != "retired" {
+		t.Fatalf("B is %s after its drain", in.Lifecycle)
+	}
+	hostMetrics(t, d.hostURL, `vhi_drains_total{state="succeeded"} 1`, `vhi_drains_total{state="refused"} 1`)
 }

@@ -264,9 +264,9 @@ func TestRestartsKeepRoles(t *testing.T) {
 		t.Fatalf("the migration record after the Host restart: %+v", got)
 	}
 	d.agentB.kill()
-	d.agentB = d.startAgent(t, "B", d.bURL)
+	d.agentB = d.startAgent(t, "B", "B", d.bURL)
 	d.agentA.kill()
-	d.agentA = d.startAgent(t, "A", d.aURL)
+	d.agentA = d.startAgent(t, "A", "A", d.aURL)
 	check("both agents killed by SIGKILL and restarted")
 }
 

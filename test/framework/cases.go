@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
@@ -23,6 +24,7 @@ func Cases() []Case {
 		{Name: "a frame that fails its checksum rolls back", Run: rollsBack("corrupt")},
 		{Name: "silent corruption is caught before the commit", Run: silentCorruption},
 		{Name: "refused requests change nothing", Run: refusals},
+		{Name: "a drain moves every stream off A onto the active B and retires A", Options: Options{BActive: true}, Run: drainOnto},
 	}
 	// The seed's shape changes: scale out and in over TP and PP, and mixed.
 	for _, sc := range [][2]Shape{
@@ -252,4 +254,81 @@ func refusals(t *testing.T, c Cluster) {
 	if _, err := c.Host().Migration(context.Background(), "mig-unknown"); !hostapi.IsStatus(err, 404) {
 		t.Fatalf("an unknown migration: %v", err)
 	}
+}
+
+// drainOnto drains A while A and B (both active) stream a load the Host
+// spread over them: A's streams move to B by migration and go on from
+// there exactly, A is retired, and new requests go to B alone. Bad drains
+// before it change nothing.
+func drainOnto(t *testing.T, c Cluster) {
+	ctx := context.Background()
+	a, b := c.A(), c.B()
+	Roles(t, c, "active", "active")
+	for _, r := range []struct {
+		id     string
+		req    hostapi.DrainRequest
+		status int
+	}{
+		{"nope", hostapi.DrainRequest{}, 404},
+		{a, hostapi.DrainRequest{To: []string{"nope"}}, 404},
+		{a, hostapi.DrainRequest{To: []string{a}}, 409},
+	} {
+		if _, err := c.Host().Drain(ctx, r.id, r.req); !hostapi.IsStatus(err, r.status) {
+			t.Errorf("drain %s %+v: %v, want %d", r.id, r.req, err, r.status)
+		}
+	}
+	if lc := Instance(t, c, a).Lifecycle; lc != "active" {
+		t.Fatalf("a refused drain left A %s", lc)
+	}
+	reqs := Load(24, 300)
+	want := c.Reference(reqs)
+	running := make(chan []loadgen.Stream, 1)
+	go func() {
+		running <- loadgen.Run(ctx, loadgen.Config{BaseURL: c.HostURL(), Model: Model}, reqs)
+	}()
+	WaitFor(t, "the load to run on A and B", func() bool {
+		sa, err1 := c.Engine(a).Stats(ctx)
+		sb, err2 := c.Engine(b).Stats(ctx)
+		return err1 == nil && err2 == nil && sa.NumRunning > 0 && sb.NumRunning > 0 && sa.NumRunning+sb.NumRunning >= len(reqs)
+	})
+	onA, _ := c.Engine(a).Stats(ctx)
+	wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	id, err := c.Host().Drain(wctx, a, hostapi.DrainRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Host().Drain(wctx, a, hostapi.DrainRequest{}); !hostapi.IsStatus(err, 409) {
+		t.Errorf("a second drain of A: %v, want 409", err)
+	}
+	st, err := c.Host().WaitDrain(wctx, id, 20*time.Millisecond, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	CheckExact(t, <-running, want)
+	if st.State != hostapi.StateSucceeded || st.Remaining != 0 || st.Moved == 0 || st.Moved+st.Finished < onA.NumRunning ||
+		len(st.Migration) == 0 || len(st.Targets) != 1 || st.Targets[0] != b {
+		t.Fatalf("drain %+v (A ran %d)", st, onA.NumRunning)
+	}
+	t.Logf("drain: %d moved, %d finished on A, %d migrations", st.Moved, st.Finished, len(st.Migration))
+	for _, mid := range st.Migration {
+		m, err := c.Host().Migration(ctx, mid)
+		if err != nil || m.Type != hostapi.KeepSourceActive || m.Dst != b {
+			t.Fatalf("drain migration %s: %+v %v", mid, m, err)
+		}
+	}
+	if in := Instance(t, c, a); in.Lifecycle != "retired" {
+		t.Fatalf("A is %s after its drain", in.Lifecycle)
+	}
+	if in := Instance(t, c, b); in.Lifecycle != "active" {
+		t.Fatalf("B is %s after the drain", in.Lifecycle)
+	}
+	// New requests go to B alone.
+	more := Load(4, 20)
+	CheckExact(t, loadgen.Run(ctx, loadgen.Config{BaseURL: c.HostURL(), Model: Model}, more), c.Reference(more))
+	HoldsNothing(t, c, b)
+	if list, err := c.Host().Drains(ctx); err != nil || len(list) != 1 || list[0].ID != id {
+		t.Fatalf("drains: %+v %v", list, err)
+	}
+	Metrics(t, c, `vhi_drains_total{state="succeeded"} 1`, `vhi_drains_total{state="refused"} 4`)
 }

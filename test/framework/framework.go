@@ -27,6 +27,9 @@ type Options struct {
 	// A and B are the engines' TP×PP shapes (zero: 1×1). The reference
 	// engine is 1×1: a sim's tokens do not depend on its shape.
 	A, B Shape
+	// BActive starts B active beside A (both serve the model) instead of
+	// standby.
+	BActive bool
 }
 
 // Shape is an engine's tensor- and pipeline-parallel size.
@@ -41,8 +44,9 @@ func (s Shape) String() string {
 }
 
 // Cluster is a deployment under test: a Host with fault injection
-// allowed, an active engine A and a standby B with their agents, and a
-// lone reference engine configured like A.
+// allowed, an active engine A and a standby B (or a second active one,
+// Options.BActive) with their agents, and a lone reference engine
+// configured like A.
 type Cluster interface {
 	// Host is the typed client of the Host, with the admin token.
 	Host() *hostapi.Client

@@ -37,7 +37,7 @@ func InProcess(t *testing.T, o Options) Cluster {
 	}
 	a.TP, a.PP = o.A.Sizes()
 	b.TP, b.PP = o.B.Sizes()
-	st, err := stack.Start(stack.Options{Model: Model, SimA: a, SimB: b, TuneHost: func(c *host.Config) {
+	st, err := stack.Start(stack.Options{Model: Model, SimA: a, SimB: b, BActive: o.BActive, TuneHost: func(c *host.Config) {
 		c.Migration.AllowFaultInjection = true
 	}})
 	if err != nil {

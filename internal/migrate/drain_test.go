@@ -1,0 +1,112 @@
+package migrate_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/internal/loadgen"
+)
+
+// loadThroughHost streams the rig's load through the Host in the
+// background, started when this returns.
+func (r *rig) loadThroughHost() <-chan []loadgen.Stream {
+	done := make(chan []loadgen.Stream, 1)
+	go func() {
+		done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: r.st.HostURL, Model: "m"}, r.reqs)
+	}()
+	time.Sleep(150 * time.Millisecond)
+	return done
+}
+
+func (r *rig) exact(got []loadgen.Stream) {
+	r.t.Helper()
+	for i := range r.reqs {
+		if got[i].Err != nil || got[i].Text != r.want[i].Text || got[i].Done != 1 {
+			r.t.Fatalf("stream %d: %v, equal to its unmigrated run: %v", i, got[i].Err, got[i].Text == r.want[i].Text)
+		}
+	}
+}
+
+// A drain of an instance whose requests nothing can take (the only other
+// instance is a standby) is a 409 that says so, and changes nothing.
+func TestDrainWithNowhereToGoIsRefused(t *testing.T) {
+	r := newRig(t, rigOptions{})
+	done := r.loadThroughHost()
+	_, err := r.st.Client().Drain(context.Background(), r.st.AID, hostapi.DrainRequest{})
+	if !hostapi.IsStatus(err, 409) || !strings.Contains(err.Error(), "no instance can take them") {
+		t.Fatalf("drain with no target: %v", err)
+	}
+	if _, err := r.st.Client().Drain(context.Background(), r.st.AID, hostapi.DrainRequest{To: []string{r.st.BID}}); !hostapi.IsStatus(err, 409) ||
+		!strings.Contains(err.Error(), "not active") {
+		t.Fatalf("drain onto a standby: %v", err)
+	}
+	r.exact(<-done)
+	if in, _ := r.st.Client().Instance(context.Background(), r.st.AID); in.Lifecycle != "active" {
+		t.Fatalf("a refused drain left A %s", in.Lifecycle)
+	}
+	if list, _ := r.st.Client().Drains(context.Background()); len(list) != 0 {
+		t.Fatalf("refused drains were recorded: %+v", list)
+	}
+	r.unchanged()
+}
+
+// A drain whose migrations keep failing ends failed after three in a row:
+// every migration rolled back (streams exact), the instance stays
+// draining — no new requests, its own finish there — until undrained.
+func TestAFailingDrainLeavesTheInstanceDraining(t *testing.T) {
+	r := newRig(t, rigOptions{bActive: true})
+	done := r.loadThroughHost()
+	r.faults.mu.Lock()
+	r.faults.list = []*fault{{side: "src", method: "CopyRound", code: codes.Internal}}
+	r.faults.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	id, err := r.st.Client().Drain(ctx, r.st.AID, hostapi.DrainRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := r.st.Client().WaitDrain(ctx, id, 10*time.Millisecond, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.exact(<-done)
+	if st.State != hostapi.StateFailed || !strings.Contains(st.Error, "migrations in a row failed") || len(st.Migration) != 3 || st.Moved != 0 {
+		t.Fatalf("drain %+v", st)
+	}
+	for _, mid := range st.Migration {
+		if m, _ := r.st.Client().Migration(ctx, mid); m.State != hostapi.StateAborted {
+			t.Fatalf("migration %s %s", mid, m.State)
+		}
+	}
+	if in, _ := r.st.Client().Instance(ctx, r.st.AID); in.Lifecycle != "draining" {
+		t.Fatalf("after a failed drain A is %s", in.Lifecycle)
+	}
+	if in, err := r.st.Client().Undrain(ctx, r.st.AID); err != nil || in.Lifecycle != "active" {
+		t.Fatalf("undrain: %+v %v", in, err)
+	}
+}
+
+// An active instance takes requests by keep_source_active (a rebalance
+// between two serving instances); the types that hand the source's role
+// over are refused for it.
+func TestActiveTargetsTakeKeepSourceActiveOnly(t *testing.T) {
+	r := newRig(t, rigOptions{bActive: true})
+	_, err := r.st.Client().Migrate(context.Background(), hostapi.MigrateRequest{Src: r.st.AID, Dst: r.st.BID})
+	if !hostapi.IsStatus(err, 409) || !strings.Contains(err.Error(), "keep_source_active only") {
+		t.Fatalf("destroy_source onto an active target: %v", err)
+	}
+	st, err := r.migrate(hostapi.MigrateRequest{Type: hostapi.KeepSourceActive, RequestFilter: "longest:2"})
+	if err != nil || st.State != hostapi.StateSucceeded || st.Migrated != 2 {
+		t.Fatalf("keep_source_active onto an active target: %+v %v", st, err)
+	}
+	for _, id := range []string{r.st.AID, r.st.BID} {
+		if in, _ := r.st.Client().Instance(context.Background(), id); in.Lifecycle != "active" {
+			t.Fatalf("%s is %s", id, in.Lifecycle)
+		}
+	}
+}
