@@ -265,10 +265,14 @@ type DrainAnswer struct {
 // failed (Error says why; the instance stays draining, its remaining
 // requests finish where they are).
 type DrainStatus struct {
-	ID       string   `json:"drain_id"`
-	Instance string   `json:"vllm_hi_id"`
-	State    string   `json:"state"`
-	Targets  []string `json:"targets"`
+	ID       string `json:"drain_id"`
+	Instance string `json:"vllm_hi_id"`
+	// Cause is drain (an operator's: the instance is retired at the end)
+	// or stop (its agent is being stopped: the instance is not retired and
+	// comes back active when it registers again).
+	Cause   string   `json:"cause"`
+	State   string   `json:"state"`
+	Targets []string `json:"targets"`
 	// Moved counts the requests moved by migration; Finished those that
 	// ended on the instance meanwhile (non-streaming, or done before their
 	// turn); Remaining those still on it.
@@ -284,6 +288,12 @@ type DrainStatus struct {
 	CreatedAt    time.Time `json:"created_at"`
 	FinishedAt   time.Time `json:"finished_at,omitempty"`
 }
+
+// Drain causes.
+const (
+	DrainCauseOperator = "drain"
+	DrainCauseStop     = "stop"
+)
 
 // Ended reports whether the drain is over.
 func (s DrainStatus) Ended() bool { return s.State != StateRunning }

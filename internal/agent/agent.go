@@ -55,6 +55,13 @@ type Config struct {
 	TransferBackend string
 	TP, PP          int           // for engines without hooks
 	EngineWait      time.Duration // how long to wait for the engine to become healthy
+	// DrainGrace bounds the drain an active instance's agent asks the Host
+	// for when it is stopped (SIGTERM), before it deregisters; 0: none.
+	DrainGrace time.Duration
+	// DrainedFile, when set, is created once that drain is over (whatever
+	// came of it), so that an engine's Kubernetes preStop hook can wait
+	// for it before the engine is stopped.
+	DrainedFile string
 	DefaultTN       int           // data-plane connections when the Host names none
 	// NVML is the GPU library the agent reads its node's GPUs through
 	// (nil: the node's libnvidia-ml, dlopened once; tests pass a mock).
@@ -161,6 +168,11 @@ func (a *Agent) ID() string { return a.cfg.ID }
 // engine never becomes healthy or the Host refuses the registration for
 // good (bad token, invalid data, id held by another live agent).
 func (a *Agent) Run(ctx context.Context) error {
+	if a.cfg.DrainedFile != "" {
+		// A file left by an earlier run would let a preStop hook through
+		// before this run's drain.
+		_ = os.Remove(a.cfg.DrainedFile)
+	}
 	wctx, cancel := context.WithTimeout(ctx, a.cfg.EngineWait)
 	err := a.eng.WaitHealthy(wctx, 500*time.Millisecond)
 	cancel()
@@ -255,6 +267,14 @@ func (a *Agent) Run(ctx context.Context) error {
 	reg := v1.NewRegistryClient(conn)
 	req := a.registerRequest(info, agentAddr, dataAddr)
 	err = a.loop(ctx, reg, req)
+	if err == nil {
+		a.drainOnStop(reg, req)
+		if a.cfg.DrainedFile != "" {
+			if werr := os.WriteFile(a.cfg.DrainedFile, []byte(time.Now().UTC().Format(time.RFC3339)+"\n"), 0o644); werr != nil {
+				a.log.Warn("writing the drained file failed", zap.String("path", a.cfg.DrainedFile), zap.Error(werr))
+			}
+		}
+	}
 	// Deregister with a fresh context: ctx is already done.
 	dctx, dcancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer dcancel()
@@ -376,6 +396,51 @@ func (a *Agent) loop(ctx context.Context, reg v1.RegistryClient, req *v1.Registe
 		}
 	}
 	return nil
+}
+
+// drainOnStop, for an agent being stopped whose instance is active, asks
+// the Host to drain it — its streams move to the other instances of its
+// models — and waits for the end, at most DrainGrace, heartbeating
+// meanwhile (a Host that missed the heartbeats would take the instance
+// for gone and refuse to migrate from it). Whatever the outcome the agent
+// then exits: the grace bounds a stop.
+func (a *Agent) drainOnStop(reg v1.RegistryClient, req *v1.RegisterRequest) {
+	a.mu.Lock()
+	active := a.registered && a.role == v1.Role_ROLE_ACTIVE && !a.retired
+	a.mu.Unlock()
+	if a.cfg.DrainGrace <= 0 || !active {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), a.cfg.DrainGrace)
+	heartbeats := make(chan struct{})
+	go func() {
+		defer close(heartbeats)
+		_ = a.loop(ctx, reg, req)
+	}()
+	defer func() { cancel(); <-heartbeats }()
+	a.log.Info("stopping: asking the Host to drain this instance first", zap.Duration("grace", a.cfg.DrainGrace))
+	for {
+		cctx, ccancel := context.WithTimeout(ctx, 5*time.Second)
+		resp, err := reg.Drain(cctx, &v1.DrainSelfRequest{VllmHiId: a.cfg.ID, Session: a.session})
+		ccancel()
+		switch {
+		case err != nil:
+			a.log.Warn("the Host did not drain this instance; stopping with its requests on it", zap.Error(err))
+			return
+		case resp.GetState() == "succeeded":
+			a.log.Info("drained", zap.String("drain_id", resp.GetDrainId()), zap.Int32("moved", resp.GetMoved()))
+			return
+		case resp.GetState() != "running":
+			a.log.Warn("the drain failed; stopping with its requests on it", zap.String("drain_id", resp.GetDrainId()),
+				zap.String("error", resp.GetError()), zap.Int32("remaining", resp.GetRemaining()))
+			return
+		}
+		if !sleep(ctx, 200*time.Millisecond) {
+			a.log.Warn("the drain grace ended; stopping with requests on this instance", zap.String("drain_id", resp.GetDrainId()),
+				zap.Int32("moved", resp.GetMoved()), zap.Int32("remaining", resp.GetRemaining()))
+			return
+		}
+	}
 }
 
 // learn keeps what the Host says about this instance.

@@ -80,6 +80,19 @@ func (s *registryService) Deregister(_ context.Context, req *v1.DeregisterReques
 	return &v1.DeregisterResponse{}, nil
 }
 
+// Drain drains the calling agent's own instance (its session proves it),
+// or reports the drain under way.
+func (s *registryService) Drain(_ context.Context, req *v1.DrainSelfRequest) (*v1.DrainSelfResponse, error) {
+	if err := s.h.reg.Owned(req.GetVllmHiId(), req.GetSession()); err != nil {
+		return nil, err
+	}
+	st, err := s.h.mig.DrainInstance(req.GetVllmHiId())
+	if err != nil {
+		return nil, err
+	}
+	return &v1.DrainSelfResponse{DrainId: st.ID, State: st.State, Moved: int32(st.Moved), Remaining: int32(st.Remaining), Error: st.Error}, nil
+}
+
 func registrationFromProto(req *v1.RegisterRequest) registry.Registration {
 	e := req.GetEngine()
 	g := e.GetGeometry()

@@ -32,6 +32,9 @@ type drain struct {
 	// to are the targets the operator named (nil: every eligible one,
 	// looked up again on every pass).
 	to []string
+	// retire: an operator's drain retires the emptied instance; an agent
+	// that is stopping only has its requests moved (it comes back).
+	retire bool
 
 	mu sync.Mutex
 	st hostapi.DrainStatus
@@ -48,14 +51,18 @@ const (
 // every other active instance of its models), marks it draining, and
 // drains it in the background. A refusal changes nothing.
 func (o *Orchestrator) StartDrain(id string, req hostapi.DrainRequest) (string, error) {
-	did, err := o.startDrain(id, req)
+	return o.startDrainFor(id, req, hostapi.DrainCauseOperator)
+}
+
+func (o *Orchestrator) startDrainFor(id string, req hostapi.DrainRequest, cause string) (string, error) {
+	did, err := o.startDrain(id, req, cause)
 	if err != nil {
 		o.met.drainEnded("refused")
 	}
 	return did, err
 }
 
-func (o *Orchestrator) startDrain(id string, req hostapi.DrainRequest) (string, error) {
+func (o *Orchestrator) startDrain(id string, req hostapi.DrainRequest, cause string) (string, error) {
 	src, err := o.reg.Get(id)
 	if err != nil {
 		return "", err
@@ -89,8 +96,11 @@ func (o *Orchestrator) startDrain(id string, req hostapi.DrainRequest) (string, 
 	if _, err := o.reg.SetState(id, registry.StateDraining, registry.StateActive); err != nil {
 		return "", err
 	}
-	d := &drain{o: o, src: src, to: req.To}
-	d.st = hostapi.DrainStatus{ID: newDrainID(), Instance: id, State: hostapi.StateRunning, Targets: ids(targets),
+	if cause == hostapi.DrainCauseStop {
+		_ = o.reg.SetStopping(id)
+	}
+	d := &drain{o: o, src: src, to: req.To, retire: cause == hostapi.DrainCauseOperator}
+	d.st = hostapi.DrainStatus{ID: newDrainID(), Instance: id, Cause: cause, State: hostapi.StateRunning, Targets: ids(targets),
 		Migration: []string{}, CreatedAt: time.Now().UTC()}
 	d.log = o.log.With(zap.String("drain_id", d.st.ID), zap.String("vllm_hi_id", id))
 	o.mu.Lock()
@@ -104,6 +114,25 @@ func (o *Orchestrator) startDrain(id string, req hostapi.DrainRequest) (string, 
 		d.run()
 	}()
 	return d.st.ID, nil
+}
+
+// DrainInstance starts a drain of instance id, or, while the instance is
+// draining already, returns its latest drain's status: the call of an
+// agent being stopped, which repeats it to follow the drain.
+func (o *Orchestrator) DrainInstance(id string) (hostapi.DrainStatus, error) {
+	if inst, err := o.reg.Get(id); err == nil && inst.State == registry.StateDraining {
+		for _, s := range o.Drains() {
+			if s.Instance == id {
+				return s, nil
+			}
+		}
+	}
+	did, err := o.startDrainFor(id, hostapi.DrainRequest{}, hostapi.DrainCauseStop)
+	if err != nil {
+		return hostapi.DrainStatus{}, err
+	}
+	s, _ := o.Drain(did)
+	return s, nil
 }
 
 // Drain returns a drain's status.
@@ -233,7 +262,7 @@ func (d *drain) run() {
 		}
 		d.update(func(s *hostapi.DrainStatus) { s.Remaining, s.Finished = len(list.Requests), finished })
 		if len(list.Requests) == 0 {
-			d.retire(ctx)
+			d.finish(ctx)
 			return
 		}
 		movable := d.movable(list.Requests)
@@ -405,23 +434,28 @@ func spread(reqs []hooks.RequestInfo, targets []registry.Instance) []share {
 	return out
 }
 
-// retire takes the emptied source out of service: no role, its KV
-// released through its engine's retire hook (as destroy_source does).
-func (d *drain) retire(ctx context.Context) {
+// finish ends a drain whose instance holds nothing any more. An
+// operator's drain retires it: no role, its KV released through its
+// engine's retire hook (as destroy_source does). A stopping agent's
+// instance stays as it is, draining, until its agent deregisters.
+func (d *drain) finish(ctx context.Context) {
 	o := d.o
-	state, note := hostapi.SourceKVNotReleased, "the engine has no vllm-hi hooks"
-	if d.src.Engine.Migratable {
-		state, note = o.retireEngine(ctx, d.src)
+	state, note := "", ""
+	if d.retire {
+		state, note = hostapi.SourceKVNotReleased, "the engine has no vllm-hi hooks"
+		if d.src.Engine.Migratable {
+			state, note = o.retireEngine(ctx, d.src)
+		}
+		_ = o.reg.SetRole(d.src.ID, registry.RoleStandby)
+		_, _ = o.reg.SetRetired(d.src.ID, true)
 	}
-	_ = o.reg.SetRole(d.src.ID, registry.RoleStandby)
-	_, _ = o.reg.SetRetired(d.src.ID, true)
 	d.update(func(s *hostapi.DrainStatus) {
 		s.State, s.SourceKV, s.SourceKVNote, s.FinishedAt = hostapi.StateSucceeded, state, note, time.Now().UTC()
 	})
 	o.met.drainEnded(hostapi.StateSucceeded)
 	st := d.status()
-	d.log.Info("drained", zap.Int("moved", st.Moved), zap.Int("finished", st.Finished), zap.Strings("migrations", st.Migration),
-		zap.String("source_kv", state))
+	d.log.Info("drained", zap.String("cause", st.Cause), zap.Int("moved", st.Moved), zap.Int("finished", st.Finished),
+		zap.Strings("migrations", st.Migration), zap.String("source_kv", state))
 }
 
 // fail ends the drain; the instance stays draining (no new requests),

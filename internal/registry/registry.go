@@ -139,10 +139,13 @@ type GPU struct {
 // copies.
 type Instance struct {
 	Registration
-	Role          Role
-	State         State     // operational state (active/standby/draining)
-	Busy          Operation // what holds it (zero: nothing)
-	Retired       bool      // released by a destroy_source migration, not woken since
+	Role    Role
+	State   State     // operational state (active/standby/draining)
+	Busy    Operation // what holds it (zero: nothing)
+	Retired bool      // released by a destroy_source migration, not woken since
+	// Stopping: its agent is being stopped and had the Host drain it; it
+	// comes back active, not draining, when it registers again.
+	Stopping      bool
 	RegisteredAt  time.Time
 	LastHeartbeat time.Time
 	Stats         Stats
@@ -273,7 +276,7 @@ func (r *Registry) Restore(records []store.Instance) {
 }
 
 func record(i *Instance, departed bool, now time.Time) store.Instance {
-	return store.Instance{ID: i.ID, Type: i.Type, Role: string(i.Role), Retired: i.Retired, Draining: i.State == StateDraining,
+	return store.Instance{ID: i.ID, Type: i.Type, Role: string(i.Role), Retired: i.Retired, Draining: i.State == StateDraining && !i.Stopping,
 		EngineURL: i.Engine.URL, ServedModels: i.Engine.ServedModels, RegisteredAt: i.RegisteredAt, Departed: departed, LastSeen: now}
 }
 
@@ -398,6 +401,28 @@ func (r *Registry) Heartbeat(id, session string, s Stats) error {
 	inst.Stats = s
 	if !inst.Reachable {
 		inst.Reachable = true
+	}
+	return nil
+}
+
+// SetStopping marks an instance whose agent is being stopped (see
+// Instance.Stopping).
+func (r *Registry) SetStopping(id string) error {
+	_, err := r.update(id, func(inst *Instance) error {
+		inst.Stopping = true
+		return nil
+	})
+	return err
+}
+
+// Owned checks that session is the one registered as id: what an agent
+// asks about its own instance only.
+func (r *Registry) Owned(id, session string) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	inst, ok := r.instances[id]
+	if !ok || session == "" || inst.Session != session {
+		return errdefs.Newf(errdefs.ErrNotFound, "unknown instance %s", id)
 	}
 	return nil
 }

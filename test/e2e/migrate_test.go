@@ -26,6 +26,7 @@ type deployment struct {
 	hostAddr, dataDir, shm      string
 	host, agentA, agentB        *proc
 	simA, simB                  *proc
+	simArgs                     [2][]string // sims A and B's command lines, for restarts
 	tk                          tokens
 	hostArgs                    []string
 	client                      *hostapi.Client // with the admin token (the framework's runner sets it)
@@ -84,6 +85,9 @@ func deployWith(t *testing.T, o deployOptions) *deployment {
 			args = append(args, o.aArgs...)
 		case 1:
 			args = append(args, o.bArgs...)
+		}
+		if i < 2 {
+			d.simArgs[i] = args
 		}
 		sims = append(sims, startVHI(t, args...))
 		u := fmt.Sprintf("http://127.0.0.1:%d", port)

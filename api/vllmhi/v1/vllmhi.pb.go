@@ -1910,6 +1910,135 @@ func (*DeregisterResponse) Descriptor() ([]byte, []int) {
 	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{25}
 }
 
+type DrainSelfRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	VllmHiId      string                 `protobuf:"bytes,1,opt,name=vllm_hi_id,json=vllmHiId,proto3" json:"vllm_hi_id,omitempty"`
+	Session       string                 `protobuf:"bytes,2,opt,name=session,proto3" json:"session,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DrainSelfRequest) Reset() {
+	*x = DrainSelfRequest{}
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DrainSelfRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DrainSelfRequest) ProtoMessage() {}
+
+func (x *DrainSelfRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DrainSelfRequest.ProtoReflect.Descriptor instead.
+func (*DrainSelfRequest) Descriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *DrainSelfRequest) GetVllmHiId() string {
+	if x != nil {
+		return x.VllmHiId
+	}
+	return ""
+}
+
+func (x *DrainSelfRequest) GetSession() string {
+	if x != nil {
+		return x.Session
+	}
+	return ""
+}
+
+type DrainSelfResponse struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	DrainId string                 `protobuf:"bytes,1,opt,name=drain_id,json=drainId,proto3" json:"drain_id,omitempty"`
+	// running, succeeded or failed (the Host's drain status).
+	State         string `protobuf:"bytes,2,opt,name=state,proto3" json:"state,omitempty"`
+	Moved         int32  `protobuf:"varint,3,opt,name=moved,proto3" json:"moved,omitempty"`
+	Remaining     int32  `protobuf:"varint,4,opt,name=remaining,proto3" json:"remaining,omitempty"`
+	Error         string `protobuf:"bytes,5,opt,name=error,proto3" json:"error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DrainSelfResponse) Reset() {
+	*x = DrainSelfResponse{}
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[27]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DrainSelfResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DrainSelfResponse) ProtoMessage() {}
+
+func (x *DrainSelfResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[27]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DrainSelfResponse.ProtoReflect.Descriptor instead.
+func (*DrainSelfResponse) Descriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{27}
+}
+
+func (x *DrainSelfResponse) GetDrainId() string {
+	if x != nil {
+		return x.DrainId
+	}
+	return ""
+}
+
+func (x *DrainSelfResponse) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+func (x *DrainSelfResponse) GetMoved() int32 {
+	if x != nil {
+		return x.Moved
+	}
+	return 0
+}
+
+func (x *DrainSelfResponse) GetRemaining() int32 {
+	if x != nil {
+		return x.Remaining
+	}
+	return 0
+}
+
+func (x *DrainSelfResponse) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
 type AgentStatusRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -1918,7 +2047,7 @@ type AgentStatusRequest struct {
 
 func (x *AgentStatusRequest) Reset() {
 	*x = AgentStatusRequest{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[26]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1930,7 +2059,7 @@ func (x *AgentStatusRequest) String() string {
 func (*AgentStatusRequest) ProtoMessage() {}
 
 func (x *AgentStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[26]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1943,7 +2072,7 @@ func (x *AgentStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AgentStatusRequest.ProtoReflect.Descriptor instead.
 func (*AgentStatusRequest) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{26}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{28}
 }
 
 type AgentStatusResponse struct {
@@ -1958,7 +2087,7 @@ type AgentStatusResponse struct {
 
 func (x *AgentStatusResponse) Reset() {
 	*x = AgentStatusResponse{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[27]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1970,7 +2099,7 @@ func (x *AgentStatusResponse) String() string {
 func (*AgentStatusResponse) ProtoMessage() {}
 
 func (x *AgentStatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[27]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1983,7 +2112,7 @@ func (x *AgentStatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AgentStatusResponse.ProtoReflect.Descriptor instead.
 func (*AgentStatusResponse) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{27}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *AgentStatusResponse) GetVllmHiId() string {
@@ -2174,7 +2303,17 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\n" +
 	"vllm_hi_id\x18\x01 \x01(\tR\bvllmHiId\x12\x18\n" +
 	"\asession\x18\x02 \x01(\tR\asession\"\x14\n" +
-	"\x12DeregisterResponse\"\x14\n" +
+	"\x12DeregisterResponse\"J\n" +
+	"\x10DrainSelfRequest\x12\x1c\n" +
+	"\n" +
+	"vllm_hi_id\x18\x01 \x01(\tR\bvllmHiId\x12\x18\n" +
+	"\asession\x18\x02 \x01(\tR\asession\"\x8e\x01\n" +
+	"\x11DrainSelfResponse\x12\x19\n" +
+	"\bdrain_id\x18\x01 \x01(\tR\adrainId\x12\x14\n" +
+	"\x05state\x18\x02 \x01(\tR\x05state\x12\x14\n" +
+	"\x05moved\x18\x03 \x01(\x05R\x05moved\x12\x1c\n" +
+	"\tremaining\x18\x04 \x01(\x05R\tremaining\x12\x14\n" +
+	"\x05error\x18\x05 \x01(\tR\x05error\"\x14\n" +
 	"\x12AgentStatusRequest\"\xb0\x01\n" +
 	"\x13AgentStatusResponse\x12\x1c\n" +
 	"\n" +
@@ -2191,12 +2330,13 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\fInstanceType\x12\x1d\n" +
 	"\x19INSTANCE_TYPE_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fINSTANCE_TYPE_A\x10\x01\x12\x13\n" +
-	"\x0fINSTANCE_TYPE_B\x10\x022\xe2\x01\n" +
+	"\x0fINSTANCE_TYPE_B\x10\x022\xa6\x02\n" +
 	"\bRegistry\x12C\n" +
 	"\bRegister\x12\x1a.vllmhi.v1.RegisterRequest\x1a\x1b.vllmhi.v1.RegisterResponse\x12F\n" +
 	"\tHeartbeat\x12\x1b.vllmhi.v1.HeartbeatRequest\x1a\x1c.vllmhi.v1.HeartbeatResponse\x12I\n" +
 	"\n" +
-	"Deregister\x12\x1c.vllmhi.v1.DeregisterRequest\x1a\x1d.vllmhi.v1.DeregisterResponse2\xbc\x04\n" +
+	"Deregister\x12\x1c.vllmhi.v1.DeregisterRequest\x1a\x1d.vllmhi.v1.DeregisterResponse\x12B\n" +
+	"\x05Drain\x12\x1b.vllmhi.v1.DrainSelfRequest\x1a\x1c.vllmhi.v1.DrainSelfResponse2\xbc\x04\n" +
 	"\x05Agent\x12G\n" +
 	"\x06Status\x12\x1d.vllmhi.v1.AgentStatusRequest\x1a\x1e.vllmhi.v1.AgentStatusResponse\x127\n" +
 	"\x04Hook\x12\x16.vllmhi.v1.HookRequest\x1a\x17.vllmhi.v1.HookResponse\x12R\n" +
@@ -2221,7 +2361,7 @@ func file_vllmhi_v1_vllmhi_proto_rawDescGZIP() []byte {
 }
 
 var file_vllmhi_v1_vllmhi_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_vllmhi_v1_vllmhi_proto_msgTypes = make([]protoimpl.MessageInfo, 28)
+var file_vllmhi_v1_vllmhi_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
 var file_vllmhi_v1_vllmhi_proto_goTypes = []any{
 	(Role)(0),                     // 0: vllmhi.v1.Role
 	(InstanceType)(0),             // 1: vllmhi.v1.InstanceType
@@ -2251,8 +2391,10 @@ var file_vllmhi_v1_vllmhi_proto_goTypes = []any{
 	(*HeartbeatResponse)(nil),     // 25: vllmhi.v1.HeartbeatResponse
 	(*DeregisterRequest)(nil),     // 26: vllmhi.v1.DeregisterRequest
 	(*DeregisterResponse)(nil),    // 27: vllmhi.v1.DeregisterResponse
-	(*AgentStatusRequest)(nil),    // 28: vllmhi.v1.AgentStatusRequest
-	(*AgentStatusResponse)(nil),   // 29: vllmhi.v1.AgentStatusResponse
+	(*DrainSelfRequest)(nil),      // 28: vllmhi.v1.DrainSelfRequest
+	(*DrainSelfResponse)(nil),     // 29: vllmhi.v1.DrainSelfResponse
+	(*AgentStatusRequest)(nil),    // 30: vllmhi.v1.AgentStatusRequest
+	(*AgentStatusResponse)(nil),   // 31: vllmhi.v1.AgentStatusResponse
 }
 var file_vllmhi_v1_vllmhi_proto_depIdxs = []int32{
 	8,  // 0: vllmhi.v1.CopyRoundRequest.requests:type_name -> vllmhi.v1.RequestBlocks
@@ -2271,27 +2413,29 @@ var file_vllmhi_v1_vllmhi_proto_depIdxs = []int32{
 	22, // 13: vllmhi.v1.Registry.Register:input_type -> vllmhi.v1.RegisterRequest
 	24, // 14: vllmhi.v1.Registry.Heartbeat:input_type -> vllmhi.v1.HeartbeatRequest
 	26, // 15: vllmhi.v1.Registry.Deregister:input_type -> vllmhi.v1.DeregisterRequest
-	28, // 16: vllmhi.v1.Agent.Status:input_type -> vllmhi.v1.AgentStatusRequest
-	2,  // 17: vllmhi.v1.Agent.Hook:input_type -> vllmhi.v1.HookRequest
-	4,  // 18: vllmhi.v1.Agent.PrepareTarget:input_type -> vllmhi.v1.PrepareTargetRequest
-	6,  // 19: vllmhi.v1.Agent.ReleaseTarget:input_type -> vllmhi.v1.ReleaseTargetRequest
-	9,  // 20: vllmhi.v1.Agent.CopyRound:input_type -> vllmhi.v1.CopyRoundRequest
-	12, // 21: vllmhi.v1.Agent.HashBlocks:input_type -> vllmhi.v1.HashBlocksRequest
-	14, // 22: vllmhi.v1.Agent.Retire:input_type -> vllmhi.v1.RetireRequest
-	16, // 23: vllmhi.v1.Agent.Wake:input_type -> vllmhi.v1.WakeRequest
-	23, // 24: vllmhi.v1.Registry.Register:output_type -> vllmhi.v1.RegisterResponse
-	25, // 25: vllmhi.v1.Registry.Heartbeat:output_type -> vllmhi.v1.HeartbeatResponse
-	27, // 26: vllmhi.v1.Registry.Deregister:output_type -> vllmhi.v1.DeregisterResponse
-	29, // 27: vllmhi.v1.Agent.Status:output_type -> vllmhi.v1.AgentStatusResponse
-	3,  // 28: vllmhi.v1.Agent.Hook:output_type -> vllmhi.v1.HookResponse
-	5,  // 29: vllmhi.v1.Agent.PrepareTarget:output_type -> vllmhi.v1.PrepareTargetResponse
-	7,  // 30: vllmhi.v1.Agent.ReleaseTarget:output_type -> vllmhi.v1.ReleaseTargetResponse
-	10, // 31: vllmhi.v1.Agent.CopyRound:output_type -> vllmhi.v1.CopyRoundResponse
-	13, // 32: vllmhi.v1.Agent.HashBlocks:output_type -> vllmhi.v1.HashBlocksResponse
-	15, // 33: vllmhi.v1.Agent.Retire:output_type -> vllmhi.v1.RetireResponse
-	17, // 34: vllmhi.v1.Agent.Wake:output_type -> vllmhi.v1.WakeResponse
-	24, // [24:35] is the sub-list for method output_type
-	13, // [13:24] is the sub-list for method input_type
+	28, // 16: vllmhi.v1.Registry.Drain:input_type -> vllmhi.v1.DrainSelfRequest
+	30, // 17: vllmhi.v1.Agent.Status:input_type -> vllmhi.v1.AgentStatusRequest
+	2,  // 18: vllmhi.v1.Agent.Hook:input_type -> vllmhi.v1.HookRequest
+	4,  // 19: vllmhi.v1.Agent.PrepareTarget:input_type -> vllmhi.v1.PrepareTargetRequest
+	6,  // 20: vllmhi.v1.Agent.ReleaseTarget:input_type -> vllmhi.v1.ReleaseTargetRequest
+	9,  // 21: vllmhi.v1.Agent.CopyRound:input_type -> vllmhi.v1.CopyRoundRequest
+	12, // 22: vllmhi.v1.Agent.HashBlocks:input_type -> vllmhi.v1.HashBlocksRequest
+	14, // 23: vllmhi.v1.Agent.Retire:input_type -> vllmhi.v1.RetireRequest
+	16, // 24: vllmhi.v1.Agent.Wake:input_type -> vllmhi.v1.WakeRequest
+	23, // 25: vllmhi.v1.Registry.Register:output_type -> vllmhi.v1.RegisterResponse
+	25, // 26: vllmhi.v1.Registry.Heartbeat:output_type -> vllmhi.v1.HeartbeatResponse
+	27, // 27: vllmhi.v1.Registry.Deregister:output_type -> vllmhi.v1.DeregisterResponse
+	29, // 28: vllmhi.v1.Registry.Drain:output_type -> vllmhi.v1.DrainSelfResponse
+	31, // 29: vllmhi.v1.Agent.Status:output_type -> vllmhi.v1.AgentStatusResponse
+	3,  // 30: vllmhi.v1.Agent.Hook:output_type -> vllmhi.v1.HookResponse
+	5,  // 31: vllmhi.v1.Agent.PrepareTarget:output_type -> vllmhi.v1.PrepareTargetResponse
+	7,  // 32: vllmhi.v1.Agent.ReleaseTarget:output_type -> vllmhi.v1.ReleaseTargetResponse
+	10, // 33: vllmhi.v1.Agent.CopyRound:output_type -> vllmhi.v1.CopyRoundResponse
+	13, // 34: vllmhi.v1.Agent.HashBlocks:output_type -> vllmhi.v1.HashBlocksResponse
+	15, // 35: vllmhi.v1.Agent.Retire:output_type -> vllmhi.v1.RetireResponse
+	17, // 36: vllmhi.v1.Agent.Wake:output_type -> vllmhi.v1.WakeResponse
+	25, // [25:37] is the sub-list for method output_type
+	13, // [13:25] is the sub-list for method input_type
 	13, // [13:13] is the sub-list for extension type_name
 	13, // [13:13] is the sub-list for extension extendee
 	0,  // [0:13] is the sub-list for field type_name
@@ -2308,7 +2452,7 @@ func file_vllmhi_v1_vllmhi_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_vllmhi_v1_vllmhi_proto_rawDesc), len(file_vllmhi_v1_vllmhi_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   28,
+			NumMessages:   30,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

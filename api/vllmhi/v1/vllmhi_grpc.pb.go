@@ -28,6 +28,7 @@ const (
 	Registry_Register_FullMethodName   = "/vllmhi.v1.Registry/Register"
 	Registry_Heartbeat_FullMethodName  = "/vllmhi.v1.Registry/Heartbeat"
 	Registry_Deregister_FullMethodName = "/vllmhi.v1.Registry/Deregister"
+	Registry_Drain_FullMethodName      = "/vllmhi.v1.Registry/Drain"
 )
 
 // RegistryClient is the client API for Registry service.
@@ -45,6 +46,11 @@ type RegistryClient interface {
 	Heartbeat(ctx context.Context, in *HeartbeatRequest, opts ...grpc.CallOption) (*HeartbeatResponse, error)
 	// Deregister removes the registration (agent shutdown).
 	Deregister(ctx context.Context, in *DeregisterRequest, opts ...grpc.CallOption) (*DeregisterResponse, error)
+	// Drain asks the Host to move this instance's requests onto the other
+	// active instances of its models and retire it: an agent that is being
+	// stopped (systemd stop, a Kubernetes pod's termination) calls it before
+	// it exits. Called again, it reports the same drain's progress.
+	Drain(ctx context.Context, in *DrainSelfRequest, opts ...grpc.CallOption) (*DrainSelfResponse, error)
 }
 
 type registryClient struct {
@@ -85,6 +91,16 @@ func (c *registryClient) Deregister(ctx context.Context, in *DeregisterRequest, 
 	return out, nil
 }
 
+func (c *registryClient) Drain(ctx context.Context, in *DrainSelfRequest, opts ...grpc.CallOption) (*DrainSelfResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(DrainSelfResponse)
+	err := c.cc.Invoke(ctx, Registry_Drain_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // RegistryServer is the server API for Registry service.
 // All implementations must embed UnimplementedRegistryServer
 // for forward compatibility.
@@ -100,6 +116,11 @@ type RegistryServer interface {
 	Heartbeat(context.Context, *HeartbeatRequest) (*HeartbeatResponse, error)
 	// Deregister removes the registration (agent shutdown).
 	Deregister(context.Context, *DeregisterRequest) (*DeregisterResponse, error)
+	// Drain asks the Host to move this instance's requests onto the other
+	// active instances of its models and retire it: an agent that is being
+	// stopped (systemd stop, a Kubernetes pod's termination) calls it before
+	// it exits. Called again, it reports the same drain's progress.
+	Drain(context.Context, *DrainSelfRequest) (*DrainSelfResponse, error)
 	mustEmbedUnimplementedRegistryServer()
 }
 
@@ -118,6 +139,9 @@ func (UnimplementedRegistryServer) Heartbeat(context.Context, *HeartbeatRequest)
 }
 func (UnimplementedRegistryServer) Deregister(context.Context, *DeregisterRequest) (*DeregisterResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Deregister not implemented")
+}
+func (UnimplementedRegistryServer) Drain(context.Context, *DrainSelfRequest) (*DrainSelfResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Drain not implemented")
 }
 func (UnimplementedRegistryServer) mustEmbedUnimplementedRegistryServer() {}
 func (UnimplementedRegistryServer) testEmbeddedByValue()                  {}
@@ -194,6 +218,24 @@ func _Registry_Deregister_Handler(srv interface{}, ctx context.Context, dec func
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Registry_Drain_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(DrainSelfRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(RegistryServer).Drain(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Registry_Drain_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(RegistryServer).Drain(ctx, req.(*DrainSelfRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Registry_ServiceDesc is the grpc.ServiceDesc for Registry service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -212,6 +254,10 @@ var Registry_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Deregister",
 			Handler:    _Registry_Deregister_Handler,
+		},
+		{
+			MethodName: "Drain",
+			Handler:    _Registry_Drain_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

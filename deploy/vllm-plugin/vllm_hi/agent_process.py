@@ -18,7 +18,11 @@ def start(cfg, args) -> None:
         return
     port = getattr(args, "port", 8000)
     cmd = [cfg.agent, "agent", "--host", cfg.host, "--engine", f"http://127.0.0.1:{port}",
-           "--data-port", str(cfg.data_port), "--transfer-backend", cfg.backend]
+           "--data-port", str(cfg.data_port), "--transfer-backend", cfg.backend,
+           # Stopped only once the API server exits: its engine is gone by
+           # then and nothing is left to drain (a separate agent can drain
+           # on SIGTERM: docs/operations.md).
+           "--drain-grace", "0"]
     if cfg.token_file:
         cmd += ["--token-file", cfg.token_file]
     if cfg.type:
