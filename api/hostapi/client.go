@@ -165,6 +165,11 @@ func (c *Client) Drains(ctx context.Context) ([]DrainStatus, error) {
 	return out.Drains, err
 }
 
+// Rebalance returns the balancer's settings and latest decisions.
+func (c *Client) Rebalance(ctx context.Context) (out RebalanceStatus, err error) {
+	return out, c.do(ctx, http.MethodGet, PathRebalance, nil, &out)
+}
+
 // WaitDrain polls a drain every interval (default 100 ms) until it ends
 // or ctx does, calling progress (when not nil) with every status it reads.
 func (c *Client) WaitDrain(ctx context.Context, id string, every time.Duration, progress func(DrainStatus)) (DrainStatus, error) {

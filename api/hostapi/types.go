@@ -20,6 +20,7 @@ const (
 	PathMigrations      = "/vllm_hi/migrations"
 	PathDrainStatus     = "/vllm_hi/drains/{id}/status"
 	PathDrains          = "/vllm_hi/drains"
+	PathRebalance       = "/vllm_hi/rebalance"
 )
 
 // Migration types.
@@ -301,4 +302,35 @@ func (s DrainStatus) Ended() bool { return s.State != StateRunning }
 // DrainList is GET /vllm_hi/drains, newest first.
 type DrainList struct {
 	Drains []DrainStatus `json:"drains"`
+}
+
+// RebalanceDecision is one move the Host's balancer chose: the longest
+// running sequences (Filter) of Src go to Dst by a keep_source_active
+// migration, for Reason (waiting_queue, kv_high, kv_spread; Detail has
+// the figures).
+type RebalanceDecision struct {
+	At        time.Time `json:"at"`
+	Model     string    `json:"model"`
+	Src       string    `json:"src_vllm_hi_id"`
+	Dst       string    `json:"dst_vllm_hi_id"`
+	Reason    string    `json:"reason"`
+	Detail    string    `json:"detail"`
+	Filter    string    `json:"request_filter"`
+	DryRun    bool      `json:"dry_run,omitempty"`
+	Migration string    `json:"migration_id,omitempty"`
+	Error     string    `json:"error,omitempty"`
+}
+
+// RebalanceStatus is GET /vllm_hi/rebalance: the balancer's settings and
+// its latest decisions, newest first.
+type RebalanceStatus struct {
+	Enabled     bool                `json:"enabled"`
+	DryRun      bool                `json:"dry_run"`
+	IntervalS   float64             `json:"interval_s"`
+	KVHigh      float64             `json:"kv_high"`
+	WaitingHigh int                 `json:"waiting_high"`
+	KVSpread    float64             `json:"kv_spread"`
+	MaxRequests int                 `json:"max_requests"`
+	CooldownS   float64             `json:"cooldown_s"`
+	Decisions   []RebalanceDecision `json:"decisions"`
 }

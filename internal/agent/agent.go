@@ -62,7 +62,7 @@ type Config struct {
 	// came of it), so that an engine's Kubernetes preStop hook can wait
 	// for it before the engine is stopped.
 	DrainedFile string
-	DefaultTN       int           // data-plane connections when the Host names none
+	DefaultTN   int // data-plane connections when the Host names none
 	// NVML is the GPU library the agent reads its node's GPUs through
 	// (nil: the node's libnvidia-ml, dlopened once; tests pass a mock).
 	NVML nvml.Interface

@@ -163,6 +163,15 @@ func (h *Host) drains(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, hostapi.DrainList{Drains: h.mig.Drains()})
 }
 
+// rebalanceDecisions lists the balancer's latest decisions, newest first
+// (empty while it is off), with its settings.
+func (h *Host) rebalanceDecisions(w http.ResponseWriter, _ *http.Request) {
+	c := h.cfg.Rebalance
+	writeJSON(w, http.StatusOK, hostapi.RebalanceStatus{Enabled: c.Interval > 0, DryRun: c.DryRun, IntervalS: c.Interval.Seconds(),
+		KVHigh: c.KVHigh, WaitingHigh: c.WaitingHigh, KVSpread: c.Spread, MaxRequests: c.MaxRequests, CooldownS: c.Cooldown.Seconds(),
+		Decisions: h.balancer.Decisions()})
+}
+
 func (h *Host) undrain(w http.ResponseWriter, r *http.Request) {
 	i, err := h.reg.SetState(chi.URLParam(r, "id"), registry.StateActive, registry.StateDraining)
 	if err != nil {

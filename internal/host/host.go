@@ -27,6 +27,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/grpcauth"
 	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
+	"github.com/vllm-hi/vllm-hi/internal/rebalance"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
 	"github.com/vllm-hi/vllm-hi/internal/store"
 )
@@ -62,6 +63,9 @@ type Config struct {
 	// remembered.
 	InstanceRetention time.Duration
 	Migration         migrate.Config
+	// Rebalance is the automatic rebalancing (off unless its Interval is
+	// set).
+	Rebalance rebalance.Config
 }
 
 // DefaultConfig returns the documented defaults.
@@ -73,6 +77,7 @@ func DefaultConfig() Config {
 		UpstreamTimeout: proxy.DefaultUpstreamTimeout, StreamIdleTimeout: proxy.DefaultStreamIdleTimeout,
 		InstanceRetention: 24 * time.Hour,
 		Migration:         migrate.DefaultConfig(),
+		Rebalance:         rebalance.DefaultConfig(),
 	}
 }
 
@@ -86,6 +91,7 @@ type Host struct {
 	m         *metrics
 	proxy     *proxy.Proxy
 	mig       *migrate.Orchestrator
+	balancer  *rebalance.Balancer
 	grpc      *grpc.Server
 	bodies    *budget
 	serverTLS *tls.Config
@@ -141,6 +147,11 @@ func New(cfg Config, log *zap.Logger) (*Host, error) {
 		h.closeStore()
 		return nil, err
 	}
+	if err := cfg.Rebalance.Check(); err != nil {
+		h.closeStore()
+		return nil, err
+	}
+	h.balancer = rebalance.New(cfg.Rebalance, h.reg, h.mig, h.proxy.Streams().On, h.m.rebalance, log.Named("rebalance"))
 	// With a client CA, agents (the gRPC side of the one address) must
 	// present a certificate it signed; OpenAI and REST clients need none.
 	h.grpc = grpc.NewServer(grpcauth.ServerOptions(cfg.AgentToken, cfg.TLS.ClientCAFile != "", func(string) {
@@ -177,6 +188,7 @@ func (h *Host) Handler() http.Handler {
 	r.Get(hostapi.PathMigrations, h.migrations)
 	r.Get(hostapi.PathDrainStatus, h.drainStatus)
 	r.Get(hostapi.PathDrains, h.drains)
+	r.Get(hostapi.PathRebalance, h.rebalanceDecisions)
 	r.Group(func(r chi.Router) {
 		r.Use(h.requireAdmin)
 		r.Post(hostapi.PathDrain, h.drain)
@@ -229,6 +241,10 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 	sweepCtx, stopSweep := context.WithCancel(context.Background())
 	defer stopSweep()
 	go h.sweep(sweepCtx)
+	balanceCtx, stopBalancing := context.WithCancel(context.Background())
+	balancing := make(chan struct{})
+	go func() { defer close(balancing); h.balancer.Run(balanceCtx) }()
+	defer func() { stopBalancing(); <-balancing }()
 
 	errc := make(chan error, 1)
 	go func() {
@@ -255,6 +271,8 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 		_ = srv.Close()
 	}
 	grpcauth.Stop(h.grpc, 5*time.Second)
+	stopBalancing() // no new migrations from here
+	<-balancing
 	mctx, mcancel := context.WithTimeout(context.Background(), h.cfg.ShutdownTimeout)
 	h.mig.Close(mctx)
 	mcancel()

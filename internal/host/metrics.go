@@ -5,6 +5,7 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
+	"github.com/vllm-hi/vllm-hi/internal/rebalance"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
 )
 
@@ -15,6 +16,7 @@ type metrics struct {
 	registrations *prometheus.CounterVec
 	proxy         *proxy.Metrics
 	migrations    *migrate.Metrics
+	rebalance     *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer, instances *registry.Registry) *metrics {
@@ -30,11 +32,12 @@ func newMetrics(reg prometheus.Registerer, instances *registry.Registry) *metric
 		}, []string{"result"}),
 		proxy:      proxy.NewMetrics(),
 		migrations: migrate.NewMetrics(),
+		rebalance:  rebalance.NewMetric(),
 	}
 	instancesByState := prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "vhi_instances", Help: "Registered instances by state.",
 	}, []string{"state"})
-	reg.MustRegister(m.requests, m.heartbeats, m.registrations, &stateCollector{vec: instancesByState, reg: instances})
+	reg.MustRegister(m.requests, m.heartbeats, m.registrations, m.rebalance, &stateCollector{vec: instancesByState, reg: instances})
 	reg.MustRegister(m.proxy.Collectors()...)
 	reg.MustRegister(m.migrations.Collectors()...)
 	return m

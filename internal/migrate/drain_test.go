@@ -9,7 +9,9 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/internal/host"
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
+	"github.com/vllm-hi/vllm-hi/internal/registry"
 )
 
 // loadThroughHost streams the rig's load through the Host in the
@@ -109,4 +111,47 @@ func TestActiveTargetsTakeKeepSourceActiveOnly(t *testing.T) {
 			t.Fatalf("%s is %s", id, in.Lifecycle)
 		}
 	}
+}
+
+// The Host's balancer, turned on, moves the longest sequences off an
+// instance that carries the whole load onto an idle one of the same model
+// (a kv_spread decision), by a migration whose streams stay exact; it
+// shows the decision at GET /vllm_hi/rebalance.
+func TestTheBalancerEvensOutTwoInstances(t *testing.T) {
+	r := newRig(t, rigOptions{bActive: true, streams: 12, tokens: 450, tune: func(hc *host.Config) {
+		hc.Rebalance.Interval, hc.Rebalance.Spread, hc.Rebalance.Cooldown = 100*time.Millisecond, 0.02, time.Hour
+	}})
+	ctx := context.Background()
+	// B takes no new requests while the load starts: it all lands on A.
+	if _, err := r.st.Host.Registry().SetState(r.st.BID, registry.StateDraining, registry.StateActive); err != nil {
+		t.Fatal(err)
+	}
+	done := r.loadThroughHost()
+	if _, err := r.st.Client().Undrain(ctx, r.st.BID); err != nil {
+		t.Fatal(err)
+	}
+	var d hostapi.RebalanceDecision
+	deadline := time.Now().Add(10 * time.Second)
+	for d.Migration == "" {
+		if time.Now().After(deadline) {
+			t.Fatal("the balancer decided nothing")
+		}
+		time.Sleep(20 * time.Millisecond)
+		st, err := r.st.Client().Rebalance(ctx)
+		if err != nil || !st.Enabled {
+			t.Fatalf("rebalance status: %+v %v", st, err)
+		}
+		if len(st.Decisions) > 0 {
+			d = st.Decisions[0]
+		}
+	}
+	t.Logf("decision %+v", d)
+	if d.Src != r.st.AID || d.Dst != r.st.BID || d.Reason != "kv_spread" || d.Filter != "longest:4" {
+		t.Fatalf("decision %+v", d)
+	}
+	st, err := r.st.Client().WaitMigration(ctx, d.Migration, 10*time.Millisecond, nil)
+	if err != nil || st.State != hostapi.StateSucceeded || st.Migrated == 0 || st.Type != hostapi.KeepSourceActive {
+		t.Fatalf("the balancer's migration: %+v %v", st, err)
+	}
+	r.exact(<-done)
 }

@@ -73,6 +73,21 @@ func (t *Streams) Get(id string) *Stream {
 	return t.m[id]
 }
 
+// On counts the live streams relayed from instance.
+func (t *Streams) On(instance string) int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	n := 0
+	for _, s := range t.m {
+		s.mu.Lock()
+		if s.Instance == instance {
+			n++
+		}
+		s.mu.Unlock()
+	}
+	return n
+}
+
 // Len is the number of live streams.
 func (t *Streams) Len() int {
 	t.mu.Lock()
