@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -92,6 +93,8 @@ across restarts.`,
 	f.StringVar(&cfg.Migration.Verify, "migration-verify", cfg.Migration.Verify, "check before the commit that the target holds the source's KV: sample, full or off")
 	f.IntVar(&cfg.Migration.MaxHistory, "migration-history", cfg.Migration.MaxHistory, "migrations kept in the history")
 	f.DurationVar(&cfg.Migration.RetireWait, "migration-retire-wait", cfg.Migration.RetireWait, "how long a destroy_source source waits for its remaining requests before releasing its KV")
+	f.DurationVar(&cfg.Failover.SnapshotInterval, "failover-snapshot-interval", defaultFailoverSnapshot, "engine-crash failover: how often the Host snapshots the state of the streams it relays, to go on with them on another instance if their engine dies (0: off)")
+	f.IntVar(&cfg.Failover.MaxPerModel, "failover-max-per-model", cfg.Failover.MaxPerModel, "engine-crash failover: streams of one model recovered at once")
 	f.DurationVar(&cfg.Rebalance.Interval, "rebalance-interval", 0, "automatic rebalancing between the active instances of a model: how often it decides (0: off)")
 	f.Float64Var(&cfg.Rebalance.KVHigh, "rebalance-kv-high", cfg.Rebalance.KVHigh, "rebalancing: KV use (0..1) at which an instance sheds its longest sequences")
 	f.IntVar(&cfg.Rebalance.WaitingHigh, "rebalance-waiting", cfg.Rebalance.WaitingHigh, "rebalancing: more waiting requests than this on an instance shed its longest sequences")
@@ -148,3 +151,8 @@ func migrationEnv(c *migrate.Config) error {
 	}
 	return nil
 }
+
+// defaultFailoverSnapshot is how often a Host snapshots its streams for
+// failover unless told otherwise (the library default is off, for the
+// in-process stacks of tests).
+const defaultFailoverSnapshot = time.Second

@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/http"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/go-chi/chi/v5"
@@ -24,6 +25,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 	"github.com/vllm-hi/vllm-hi/internal/credentials"
+	"github.com/vllm-hi/vllm-hi/internal/failover"
 	"github.com/vllm-hi/vllm-hi/internal/grpcauth"
 	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
@@ -66,6 +68,9 @@ type Config struct {
 	// Rebalance is the automatic rebalancing (off unless its Interval is
 	// set).
 	Rebalance rebalance.Config
+	// Failover continues streams whose engine died on another instance
+	// (off when its SnapshotInterval is 0).
+	Failover failover.Config
 }
 
 // DefaultConfig returns the documented defaults.
@@ -78,6 +83,7 @@ func DefaultConfig() Config {
 		InstanceRetention: 24 * time.Hour,
 		Migration:         migrate.DefaultConfig(),
 		Rebalance:         rebalance.DefaultConfig(),
+		Failover:          failover.DefaultConfig(),
 	}
 }
 
@@ -92,6 +98,7 @@ type Host struct {
 	proxy     *proxy.Proxy
 	mig       *migrate.Orchestrator
 	balancer  *rebalance.Balancer
+	failover  *failover.Manager
 	grpc      *grpc.Server
 	bodies    *budget
 	serverTLS *tls.Config
@@ -152,6 +159,14 @@ func New(cfg Config, log *zap.Logger) (*Host, error) {
 		return nil, err
 	}
 	h.balancer = rebalance.New(cfg.Rebalance, h.reg, h.mig, h.proxy.Streams().On, h.m.rebalance, log.Named("rebalance"))
+	if err := cfg.Failover.Check(); err != nil {
+		h.closeStore()
+		return nil, err
+	}
+	h.failover = failover.New(cfg.Failover, h.reg, h.mig.Agents(), h.proxy.Streams(), h.m.failover, log.Named("failover"))
+	if h.failover.Enabled() {
+		h.proxy.SetRecover(h.failover.Recover)
+	}
 	// With a client CA, agents (the gRPC side of the one address) must
 	// present a certificate it signed; OpenAI and REST clients need none.
 	h.grpc = grpc.NewServer(grpcauth.ServerOptions(cfg.AgentToken, cfg.TLS.ClientCAFile != "", func(string) {
@@ -241,10 +256,13 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 	sweepCtx, stopSweep := context.WithCancel(context.Background())
 	defer stopSweep()
 	go h.sweep(sweepCtx)
-	balanceCtx, stopBalancing := context.WithCancel(context.Background())
-	balancing := make(chan struct{})
-	go func() { defer close(balancing); h.balancer.Run(balanceCtx) }()
-	defer func() { stopBalancing(); <-balancing }()
+	// The balancer and failover's snapshots start new work on engines:
+	// they stop before the migrations are waited for.
+	bgCtx, stopBackground := context.WithCancel(context.Background())
+	var background sync.WaitGroup
+	background.Go(func() { h.balancer.Run(bgCtx) })
+	background.Go(func() { h.failover.Run(bgCtx) })
+	defer func() { stopBackground(); background.Wait() }()
 
 	errc := make(chan error, 1)
 	go func() {
@@ -271,8 +289,8 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 		_ = srv.Close()
 	}
 	grpcauth.Stop(h.grpc, 5*time.Second)
-	stopBalancing() // no new migrations from here
-	<-balancing
+	stopBackground() // no new migrations from here
+	background.Wait()
 	mctx, mcancel := context.WithTimeout(context.Background(), h.cfg.ShutdownTimeout)
 	h.mig.Close(mctx)
 	mcancel()

@@ -3,6 +3,7 @@ package host
 import (
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/vllm-hi/vllm-hi/internal/failover"
 	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
 	"github.com/vllm-hi/vllm-hi/internal/rebalance"
@@ -17,6 +18,7 @@ type metrics struct {
 	proxy         *proxy.Metrics
 	migrations    *migrate.Metrics
 	rebalance     *prometheus.CounterVec
+	failover      *failover.Metrics
 }
 
 func newMetrics(reg prometheus.Registerer, instances *registry.Registry) *metrics {
@@ -33,6 +35,7 @@ func newMetrics(reg prometheus.Registerer, instances *registry.Registry) *metric
 		proxy:      proxy.NewMetrics(),
 		migrations: migrate.NewMetrics(),
 		rebalance:  rebalance.NewMetric(),
+		failover:   failover.NewMetrics(),
 	}
 	instancesByState := prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "vhi_instances", Help: "Registered instances by state.",
@@ -40,6 +43,7 @@ func newMetrics(reg prometheus.Registerer, instances *registry.Registry) *metric
 	reg.MustRegister(m.requests, m.heartbeats, m.registrations, m.rebalance, &stateCollector{vec: instancesByState, reg: instances})
 	reg.MustRegister(m.proxy.Collectors()...)
 	reg.MustRegister(m.migrations.Collectors()...)
+	reg.MustRegister(m.failover.Collectors()...)
 	return m
 }
 

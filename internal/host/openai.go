@@ -165,6 +165,10 @@ func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 	res := h.proxy.Forward(w, r, proxy.Upstream{
 		BaseURL: inst.Engine.URL, Path: r.URL.Path, Body: body, Header: hdr, Model: head.Model, InstanceID: inst.ID,
 		RequestID: prefix + rid, Sent: release,
+		Reroute: func(tried []string) (string, string, bool) {
+			i, ok := h.reg.RouteAvoiding(head.Model, tried)
+			return i.Engine.URL, i.ID, ok
+		},
 	})
 	h.count(head.Model, res.Status)
 }

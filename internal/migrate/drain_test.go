@@ -2,6 +2,9 @@ package migrate_test
 
 import (
 	"context"
+	"fmt"
+	"io"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -154,4 +157,26 @@ func TestTheBalancerEvensOutTwoInstances(t *testing.T) {
 		t.Fatalf("the balancer's migration: %+v %v", st, err)
 	}
 	r.exact(<-done)
+}
+
+// Failover, in process: engine A stops at once mid-stream (its
+// connections cut); every stream it carried goes on from B exactly.
+func TestFailoverInProcess(t *testing.T) {
+	r := newRig(t, rigOptions{bActive: true, streams: 16, tokens: 400, tune: func(hc *host.Config) {
+		hc.Failover.SnapshotInterval = 100 * time.Millisecond
+	}})
+	done := r.loadThroughHost()
+	time.Sleep(400 * time.Millisecond)
+	onA, _ := r.st.A.Stats(context.Background())
+	r.st.KillEngine(r.st.AID)
+	r.exact(<-done)
+	resp, err := http.Get(r.st.HostURL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if want := fmt.Sprintf(`vhi_failovers_total{outcome="recovered"} %d`, onA.NumRunning); onA.NumRunning == 0 || !strings.Contains(string(b), want) {
+		t.Fatalf("A ran %d streams; the metrics lack %q", onA.NumRunning, want)
+	}
 }

@@ -57,6 +57,10 @@ func New(cfg Config, reg *registry.Registry, px *proxy.Proxy, met *Metrics, reco
 	return o, nil
 }
 
+// Agents is the orchestrator's pool of agent connections (shared with
+// the Host's other users of the agents).
+func (o *Orchestrator) Agents() *agentclient.Pool { return o.agents }
+
 // Close stops background work, waits — until ctx ends — for running
 // migrations to roll back or finish, writes the last records and closes
 // the agent connections. A migration still running then ends with its

@@ -9,6 +9,7 @@ type Metrics struct {
 	UpstreamErrors  *prometheus.CounterVec // labels: model, kind
 	StreamsInFlight prometheus.Gauge
 	StreamTokens    prometheus.Counter // token events forwarded
+	Rerouted        prometheus.Counter // requests sent to another engine because theirs was unreachable
 }
 
 // NewMetrics makes the proxy's instruments.
@@ -27,10 +28,13 @@ func NewMetrics() *Metrics {
 		StreamTokens: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "vhi_stream_tokens_total", Help: "Token events relayed to clients.",
 		}),
+		Rerouted: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "vhi_requests_rerouted_total", Help: "Requests sent to another instance because the engine chosen first could not be reached.",
+		}),
 	}
 }
 
 // Collectors lists the instruments for registration.
 func (m *Metrics) Collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.AddedLatency, m.UpstreamErrors, m.StreamsInFlight, m.StreamTokens}
+	return []prometheus.Collector{m.AddedLatency, m.UpstreamErrors, m.StreamsInFlight, m.StreamTokens, m.Rerouted}
 }

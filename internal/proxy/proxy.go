@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"go.uber.org/zap"
@@ -28,6 +29,7 @@ type Proxy struct {
 	idleTimeout  time.Duration
 	engineToken  string
 	streams      *Streams
+	recover      RecoverFunc // nil: a broken stream ends with an error
 }
 
 // Options configure a Proxy.
@@ -106,6 +108,21 @@ type Upstream struct {
 	// Sent, when set, is called once the engine answered (or could not be
 	// reached): the body is no longer needed.
 	Sent func()
+	// Reroute, when set, names another instance for a request whose engine
+	// could not be reached (refused, or the connection dropped before it
+	// answered: a dead engine the registry still lists); ok false: none.
+	Reroute func(tried []string) (baseURL, instanceID string, ok bool)
+}
+
+// maxReroutes bounds how many other engines an unreachable one's request
+// tries.
+const maxReroutes = 2
+
+// unreachable reports whether err says the engine never took the request:
+// nothing listened, or the connection dropped before any answer.
+func unreachable(err error) bool {
+	return errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, io.EOF) ||
+		errors.Is(err, io.ErrUnexpectedEOF)
 }
 
 // TagHeader is the request header whose value a client gives its request
@@ -169,6 +186,28 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 		s.mu.Unlock()
 	}()
 	resp, err := p.client.Do(req)
+	tried := []string{up.InstanceID}
+	for n := 0; err != nil && unreachable(err) && up.Reroute != nil && ctx.Err() == nil && n < maxReroutes; n++ {
+		url, id, ok := up.Reroute(tried)
+		if !ok {
+			break
+		}
+		p.log.Warn("engine unreachable; sending the request to another instance", zap.String("instance", up.InstanceID),
+			zap.String("to", id), zap.Error(err))
+		p.m.Rerouted.Inc()
+		tried = append(tried, id)
+		up.BaseURL, up.InstanceID = url, id
+		s.mu.Lock()
+		s.Instance = id
+		s.mu.Unlock()
+		if req, err = http.NewRequestWithContext(upCtx, http.MethodPost, strings.TrimRight(url, "/")+up.Path, bytes.NewReader(up.Body)); err != nil {
+			break
+		}
+		for k, vs := range up.Header {
+			req.Header[k] = vs
+		}
+		resp, err = p.client.Do(req)
+	}
 	if up.Sent != nil {
 		up.Sent()
 	}
@@ -252,6 +291,13 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 				onTarget = true
 				continue
 			}
+			if next := p.failover(ctx, s); next != nil {
+				// The engine died: the stream goes on from another one.
+				defer next.Close()
+				er = NewEventReader(next)
+				onTarget = true
+				continue
+			}
 			kind := "read"
 			if err == io.EOF {
 				kind = "eof_without_done"
@@ -309,7 +355,8 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 			pending = pending[:0]
 			if onTarget {
 				s.mu.Lock()
-				if s.splice.at.IsZero() {
+				// A stream recovered by failover has no splice record.
+				if s.splice != nil && s.splice.at.IsZero() {
 					s.splice.at = now
 				}
 				s.mu.Unlock()
@@ -349,6 +396,43 @@ func (p *Proxy) trySwitch(ctx context.Context, s *Stream) (next io.ReadCloser, o
 	sp.switched <- nil
 	sp.switched = nil
 	return resp.Body, true
+}
+
+// RecoverFunc installs a stream whose engine died — after the client got
+// sent token events and text code points — on another instance and
+// returns that instance's base URL and id (internal/failover).
+type RecoverFunc func(ctx context.Context, s *Stream, sent, text int) (baseURL, instance string, err error)
+
+// SetRecover turns on failover: a stream whose upstream breaks goes on
+// from where recover installs it. Set before serving.
+func (p *Proxy) SetRecover(recover RecoverFunc) { p.recover = recover }
+
+// failover moves a stream whose upstream broke to another engine and
+// returns that engine's stream from the client's next token; nil when
+// there is no failover or it failed (the caller ends the stream with an
+// error).
+func (p *Proxy) failover(ctx context.Context, s *Stream) io.ReadCloser {
+	if p.recover == nil {
+		return nil
+	}
+	s.mu.Lock()
+	sent, text := s.tokens, s.text
+	s.mu.Unlock()
+	url, instance, err := p.recover(ctx, s, sent, text)
+	if err != nil {
+		return nil
+	}
+	actx, cancel := context.WithCancel(ctx)
+	resp, err := p.openAttach(actx, &spliceTarget{url: url, instance: instance, from: sent, text: -1}, s.ID)
+	if err != nil {
+		cancel()
+		p.log.Warn("opening the recovered stream failed", zap.String("request_id", s.ID), zap.String("instance", instance), zap.Error(err))
+		return nil
+	}
+	s.mu.Lock()
+	s.cancelA, s.Instance = cancel, instance
+	s.mu.Unlock()
+	return resp.Body
 }
 
 // writeStreamError ends a stream whose upstream died with an OpenAI-style

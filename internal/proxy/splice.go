@@ -88,6 +88,20 @@ func (t *Streams) On(instance string) int {
 	return n
 }
 
+// IDsByInstance lists the live streams' ids by the instance each is
+// relayed from.
+func (t *Streams) IDsByInstance() map[string][]string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := map[string][]string{}
+	for id, s := range t.m {
+		s.mu.Lock()
+		out[s.Instance] = append(out[s.Instance], id)
+		s.mu.Unlock()
+	}
+	return out
+}
+
 // Len is the number of live streams.
 func (t *Streams) Len() int {
 	t.mu.Lock()

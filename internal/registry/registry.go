@@ -598,6 +598,26 @@ func (r *Registry) Route(model string) (inst Instance, known, ok bool) {
 	return r.view(cands[n%len(cands)]), true, true
 }
 
+// RouteAvoiding is Route among the instances not in avoid: another
+// engine for a request whose first one could not be reached.
+func (r *Registry) RouteAvoiding(model string, avoid []string) (Instance, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var cands []*Instance
+	for _, i := range r.instances {
+		if i.Serves(model) && i.routable() && !slices.Contains(avoid, i.ID) {
+			cands = append(cands, i)
+		}
+	}
+	if len(cands) == 0 {
+		return Instance{}, false
+	}
+	sort.Slice(cands, func(a, b int) bool { return cands[a].ID < cands[b].ID })
+	n := r.rr[model]
+	r.rr[model] = n + 1
+	return r.view(cands[n%len(cands)]), true
+}
+
 // Models lists every served model name with one instance serving it (an
 // active one when there is one), sorted.
 func (r *Registry) Models() []Instance {

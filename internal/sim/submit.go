@@ -99,8 +99,10 @@ func (w *Watcher) Next(ctx context.Context, from int) (Output, error) {
 	v := &w.r.pub
 	for {
 		v.mu.Lock()
-		from = min(from, len(v.output))
+		// From beyond what exists waits for it (a stream recovered from an
+		// older snapshot skips what the engine regenerates first).
 		if from < len(v.output) || v.finished {
+			from = min(from, len(v.output))
 			o := Output{
 				Tokens:      append([]int(nil), v.output[from:]...),
 				TextOffsets: append([]int(nil), v.textOffsets[from:]...),

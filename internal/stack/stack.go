@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -50,6 +51,7 @@ type Stack struct {
 	AgentToken string
 	client     *hostapi.Client
 	stops      []func()
+	kills      []func() // stop sim A, sim B at once (their connections cut)
 }
 
 // Start brings everything up and waits until both agents registered.
@@ -130,8 +132,22 @@ func (s *Stack) startSim(c sim.Config, model, prefix string, log *zap.Logger, wr
 	if err != nil {
 		return nil, "", err
 	}
-	s.stops = append(s.stops, r.Stop)
+	var once sync.Once
+	stop := func() { once.Do(r.Stop) }
+	s.stops = append(s.stops, stop)
+	s.kills = append(s.kills, stop)
 	return r.Engine, r.URL, nil
+}
+
+// KillEngine stops engine id (AID or BID) at once, cutting its
+// connections mid-stream as a crashed process's are; its agent stays.
+func (s *Stack) KillEngine(id string) {
+	switch id {
+	case s.AID:
+		s.kills[0]()
+	case s.BID:
+		s.kills[1]()
+	}
 }
 
 // Stop shuts everything down in reverse order of start.

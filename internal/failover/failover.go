@@ -1,0 +1,327 @@
+// Package failover continues a client's stream on another instance when
+// its engine dies mid-stream. The Host snapshots, on an interval, the
+// state of every stream it relays from a migratable engine (prompt and
+// output token ids, sampling parameters: the export hook's snapshot, the
+// same the stage hook uses). When a stream's upstream breaks (the
+// process was killed, its connection reset) the relay asks Recover: the
+// latest snapshot, cut to the tokens the client already has, is installed
+// on a healthy instance of the model as a request to recompute — vLLM's
+// preempted-request path, the prefill of prompt plus output — and the
+// client's stream goes on from that instance's next token. A request the
+// engine samples deterministically (greedy, or seeded: the sim draws from
+// its seed and position) goes on exactly as it would have; nothing is
+// repeated or lost, and where that cannot be made sure the stream ends
+// with an error as before.
+package failover
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/api/hooks"
+	"github.com/vllm-hi/vllm-hi/internal/agentclient"
+	"github.com/vllm-hi/vllm-hi/internal/proxy"
+	"github.com/vllm-hi/vllm-hi/internal/registry"
+)
+
+// Config tunes failover. SnapshotInterval 0 turns it off.
+type Config struct {
+	SnapshotInterval time.Duration
+	// MaxPerModel bounds the recoveries of one model at once (a dead
+	// engine's streams all arrive together; the rest end with an error).
+	MaxPerModel int
+	// Timeout bounds one recovery (install on the target and attach).
+	Timeout time.Duration
+}
+
+// DefaultConfig is off, with the limits a user turning it on starts from.
+func DefaultConfig() Config {
+	return Config{MaxPerModel: 256, Timeout: 10 * time.Second}
+}
+
+// Check says what is wrong with c.
+func (c Config) Check() error {
+	if c.SnapshotInterval < 0 || c.MaxPerModel < 1 || c.Timeout <= 0 {
+		return fmt.Errorf("failover: snapshot interval ≥ 0, max per model ≥ 1, timeout > 0")
+	}
+	return nil
+}
+
+// Outcomes of a recovery (the vhi_failovers_total label).
+const (
+	OutcomeRecovered = "recovered"
+	OutcomeNoState   = "no_state"  // no snapshot of the stream (too young, or failover off)
+	OutcomeNoTarget  = "no_target" // no healthy instance of the model could take it
+	OutcomeLimited   = "limited"   // MaxPerModel recoveries of the model ran already
+	OutcomeFailed    = "failed"    // the target refused, or the client's place was uncertain
+)
+
+// Metrics are failover's instruments.
+type Metrics struct {
+	Failovers *prometheus.CounterVec
+	Seconds   prometheus.Histogram
+}
+
+// NewMetrics makes them, named vhi_failover*.
+func NewMetrics() *Metrics {
+	return &Metrics{
+		Failovers: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "vhi_failovers_total", Help: "Streams whose engine died mid-stream, by outcome (recovered on another instance, no_state, no_target, limited, failed).",
+		}, []string{"outcome"}),
+		Seconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "vhi_failover_seconds", Help: "Recovered streams: from the broken read to the target's stream opened (its first token comes after the recompute).",
+			Buckets: []float64{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5},
+		}),
+	}
+}
+
+// Collectors lists the instruments for registration.
+func (m *Metrics) Collectors() []prometheus.Collector { return []prometheus.Collector{m.Failovers, m.Seconds} }
+
+// Manager keeps the snapshots and recovers streams.
+type Manager struct {
+	cfg     Config
+	reg     *registry.Registry
+	agents  *agentclient.Pool
+	streams *proxy.Streams
+	met     *Metrics
+	log     *zap.Logger
+
+	mu       sync.Mutex
+	states   map[string]hooks.RequestState // by request id: the latest snapshot
+	inflight map[string]int                // recoveries running, by model
+}
+
+// New returns a manager (met may be nil).
+func New(cfg Config, reg *registry.Registry, agents *agentclient.Pool, streams *proxy.Streams, met *Metrics, log *zap.Logger) *Manager {
+	return &Manager{cfg: cfg, reg: reg, agents: agents, streams: streams, met: met, log: log,
+		states: map[string]hooks.RequestState{}, inflight: map[string]int{}}
+}
+
+// Enabled reports whether failover is on.
+func (m *Manager) Enabled() bool { return m.cfg.SnapshotInterval > 0 }
+
+// Run snapshots every interval until ctx ends (nothing when off).
+func (m *Manager) Run(ctx context.Context) {
+	if !m.Enabled() {
+		return
+	}
+	m.log.Info("failover on", zap.Duration("snapshot_interval", m.cfg.SnapshotInterval), zap.Int("max_per_model", m.cfg.MaxPerModel))
+	t := time.NewTicker(m.cfg.SnapshotInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			m.snapshot(ctx)
+		}
+	}
+}
+
+// snapshot reads the state of every relayed stream from its engine, and
+// forgets the streams that ended.
+func (m *Manager) snapshot(ctx context.Context) {
+	byInstance := m.streams.IDsByInstance()
+	fresh := map[string]hooks.RequestState{}
+	for _, in := range m.reg.List() {
+		ids := byInstance[in.ID]
+		if len(ids) == 0 || !in.Engine.Migratable || !in.Reachable {
+			continue
+		}
+		a, err := m.agents.Get(in.AgentAddress, in.TLS)
+		if err != nil {
+			continue
+		}
+		cctx, cancel := context.WithTimeout(ctx, m.cfg.SnapshotInterval+time.Second)
+		out, err := a.Engine.Export(cctx, hooks.ExportRequest{RequestIDs: ids, Snapshot: true})
+		cancel()
+		if err != nil {
+			m.log.Debug("snapshot failed", zap.String("vllm_hi_id", in.ID), zap.Error(err))
+			continue
+		}
+		for _, st := range out.Requests {
+			fresh[st.RequestID] = st
+		}
+	}
+	live := map[string]bool{}
+	for _, ids := range byInstance {
+		for _, id := range ids {
+			live[id] = true
+		}
+	}
+	m.mu.Lock()
+	for id := range m.states {
+		if !live[id] {
+			delete(m.states, id)
+		}
+	}
+	for id, st := range fresh {
+		m.states[id] = st
+	}
+	m.mu.Unlock()
+}
+
+// Recover installs stream s — whose engine's stream broke after the
+// client got `sent` token events and `text` code points — on another
+// healthy instance of its model, to go on from the next token, and
+// returns that instance's base URL and id.
+func (m *Manager) Recover(ctx context.Context, s *proxy.Stream, sent, text int) (string, string, error) {
+	start := time.Now()
+	url, id, outcome, err := m.recover(ctx, s, sent, text)
+	if m.met != nil {
+		m.met.Failovers.WithLabelValues(outcome).Inc()
+		if outcome == OutcomeRecovered {
+			m.met.Seconds.Observe(time.Since(start).Seconds())
+		}
+	}
+	if err != nil {
+		m.log.Warn("failover failed", zap.String("request_id", s.ID), zap.String("from", s.Instance), zap.String("outcome", outcome), zap.Error(err))
+		return "", "", err
+	}
+	m.log.Info("stream recovered on another instance", zap.String("request_id", s.ID), zap.String("from", s.Instance), zap.String("to", id),
+		zap.Int("tokens_sent", sent), zap.Duration("took", time.Since(start)))
+	return url, id, nil
+}
+
+var errOff = errors.New("failover is off (vhi host --failover-snapshot-interval)")
+
+func (m *Manager) recover(ctx context.Context, s *proxy.Stream, sent, text int) (url, id, outcome string, err error) {
+	if !m.Enabled() {
+		return "", "", OutcomeNoState, errOff
+	}
+	m.mu.Lock()
+	st, ok := m.states[s.ID]
+	m.mu.Unlock()
+	if !ok {
+		return "", "", OutcomeNoState, fmt.Errorf("no snapshot of stream %s yet", s.ID)
+	}
+	state, err := cut(st, sent, text)
+	if err != nil {
+		return "", "", OutcomeFailed, err
+	}
+	if !m.enter(s.Model) {
+		return "", "", OutcomeLimited, fmt.Errorf("%d streams of %s are being recovered already", m.cfg.MaxPerModel, s.Model)
+	}
+	defer m.leave(s.Model)
+	targets := m.targets(s)
+	if len(targets) == 0 {
+		return "", "", OutcomeNoTarget, fmt.Errorf("no healthy instance of %s besides %s can take the stream", s.Model, s.Instance)
+	}
+	ctx, cancel := context.WithTimeout(ctx, m.cfg.Timeout)
+	defer cancel()
+	var last error
+	for _, t := range targets {
+		if err := m.install(ctx, t, state); err != nil {
+			last = fmt.Errorf("%s: %w", t.ID, err)
+			continue
+		}
+		m.abortOn(s)
+		return t.Engine.URL, t.ID, OutcomeRecovered, nil
+	}
+	return "", "", OutcomeFailed, last
+}
+
+// cut is the snapshot as of the client's place: its first k output
+// tokens, where k is the tokens the client got — when the snapshot is
+// older, everything it has (the target regenerates the rest, and the
+// stream skips them). A client whose text does not end where the
+// snapshot says its k-th token ends is refused: its engine merged tokens
+// into one event, and going on from a guess could repeat or drop one.
+func cut(st hooks.RequestState, sent, text int) (hooks.RequestState, error) {
+	n := len(st.OutputTokenIDs)
+	k := min(sent, n)
+	if k > 0 && len(st.TextOffsets) >= k && text >= 0 && sent <= n && st.TextOffsets[k-1] != text {
+		return st, fmt.Errorf("the client's text (%d characters after %d events) does not end at a token of the snapshot (%d after token %d)",
+			text, sent, st.TextOffsets[k-1], k)
+	}
+	out := st
+	out.OutputTokenIDs = append(hooks.IntList(nil), st.OutputTokenIDs[:k]...)
+	if len(st.TextOffsets) >= k {
+		out.TextOffsets = append(hooks.IntList(nil), st.TextOffsets[:k]...)
+	}
+	visible := 0
+	if k > 0 && len(out.TextOffsets) == k {
+		visible = out.TextOffsets[k-1]
+	}
+	r := []rune(st.OutputText)
+	out.OutputText = string(r[:min(visible, len(r))])
+	out.RNGPosition = k
+	out.NumComputedTokens = 0
+	return out, nil
+}
+
+// targets are the instances that can take s: active, healthy, migratable,
+// serving its model, not the one that died; the most free KV first.
+func (m *Manager) targets(s *proxy.Stream) []registry.Instance {
+	var out []registry.Instance
+	for _, in := range m.reg.List() {
+		if in.ID == s.Instance || in.Lifecycle() != registry.LifecycleActive || !in.Engine.Migratable || !in.Serves(s.Model) {
+			continue
+		}
+		out = append(out, in)
+	}
+	sort.SliceStable(out, func(i, j int) bool { return out[i].Stats.FreeBlocks > out[j].Stats.FreeBlocks })
+	return out
+}
+
+// install reserves the request on t as one to recompute (no KV moves:
+// the dead engine's is gone) and installs its state, running.
+func (m *Manager) install(ctx context.Context, t registry.Instance, st hooks.RequestState) error {
+	a, err := m.agents.Get(t.AgentAddress, t.TLS)
+	if err != nil {
+		return err
+	}
+	need := len(st.PromptTokenIDs) + max(st.Sampling.MaxTokens, len(st.OutputTokenIDs)+1)
+	if _, err := a.Engine.Allocate(ctx, hooks.AllocateRequest{Requests: []hooks.AllocateItem{{RequestID: st.RequestID, NumTokens: need, Recompute: true}}}); err != nil {
+		return fmt.Errorf("reserve: %w", err)
+	}
+	if _, err := a.Engine.Install(ctx, hooks.InstallRequest{Requests: []hooks.RequestState{st}, Resume: true}); err != nil {
+		// The reservation's lease frees it; say so at once where we can.
+		_, _ = a.Engine.Abort(context.WithoutCancel(ctx), hooks.AbortRequest{RequestIDs: []string{st.RequestID}, Silent: true, IgnoreMissing: true})
+		return fmt.Errorf("install: %w", err)
+	}
+	return nil
+}
+
+// abortOn drops the request from the instance whose stream broke, in
+// case only the connection died and the engine still runs it: the client
+// reads the target now, and the old copy would only take seats.
+func (m *Manager) abortOn(s *proxy.Stream) {
+	old, err := m.reg.Get(s.Instance)
+	if err != nil || !old.Reachable {
+		return
+	}
+	go func() {
+		a, err := m.agents.Get(old.AgentAddress, old.TLS)
+		if err != nil {
+			return
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), m.cfg.Timeout)
+		defer cancel()
+		_, _ = a.Engine.Abort(ctx, hooks.AbortRequest{RequestIDs: []string{s.ID}, Silent: true, IgnoreMissing: true})
+	}()
+}
+
+func (m *Manager) enter(model string) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.inflight[model] >= m.cfg.MaxPerModel {
+		return false
+	}
+	m.inflight[model]++
+	return true
+}
+
+func (m *Manager) leave(model string) {
+	m.mu.Lock()
+	m.inflight[model]--
+	m.mu.Unlock()
+}
