@@ -57,6 +57,7 @@ func (c Config) Check() error {
 // Outcomes of a recovery (the vhi_failovers_total label).
 const (
 	OutcomeRecovered = "recovered"
+	OutcomeReplayed  = "replayed"  // no snapshot: the request was sent again, what the client had skipped
 	OutcomeNoState   = "no_state"  // no snapshot of the stream (too young, or failover off)
 	OutcomeNoTarget  = "no_target" // no healthy instance of the model could take it
 	OutcomeLimited   = "limited"   // MaxPerModel recoveries of the model ran already
@@ -73,7 +74,7 @@ type Metrics struct {
 func NewMetrics() *Metrics {
 	return &Metrics{
 		Failovers: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "vhi_failovers_total", Help: "Streams whose engine died mid-stream, by outcome (recovered on another instance, no_state, no_target, limited, failed).",
+			Name: "vhi_failovers_total", Help: "Streams whose engine died mid-stream, by outcome (recovered on another instance from a snapshot, replayed there, no_state, no_target, limited, failed).",
 		}, []string{"outcome"}),
 		Seconds: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: "vhi_failover_seconds", Help: "Recovered streams: from the broken read to the target's stream opened (its first token comes after the recompute).",
@@ -83,7 +84,9 @@ func NewMetrics() *Metrics {
 }
 
 // Collectors lists the instruments for registration.
-func (m *Metrics) Collectors() []prometheus.Collector { return []prometheus.Collector{m.Failovers, m.Seconds} }
+func (m *Metrics) Collectors() []prometheus.Collector {
+	return []prometheus.Collector{m.Failovers, m.Seconds}
+}
 
 // Manager keeps the snapshots and recovers streams.
 type Manager struct {
@@ -173,36 +176,68 @@ func (m *Manager) snapshot(ctx context.Context) {
 // client got `sent` token events and `text` code points — on another
 // healthy instance of its model, to go on from the next token, and
 // returns that instance's base URL and id.
-func (m *Manager) Recover(ctx context.Context, s *proxy.Stream, sent, text int) (string, string, error) {
+func (m *Manager) Recover(ctx context.Context, s *proxy.Stream, sent, text int) (proxy.Recovery, error) {
 	start := time.Now()
-	url, id, outcome, err := m.recover(ctx, s, sent, text)
+	rec, outcome, err := m.recover(ctx, s, sent, text)
 	if m.met != nil {
 		m.met.Failovers.WithLabelValues(outcome).Inc()
-		if outcome == OutcomeRecovered {
+		if err == nil {
 			m.met.Seconds.Observe(time.Since(start).Seconds())
 		}
 	}
 	if err != nil {
 		m.log.Warn("failover failed", zap.String("request_id", s.ID), zap.String("from", s.Instance), zap.String("outcome", outcome), zap.Error(err))
-		return "", "", err
+		return rec, err
 	}
-	m.log.Info("stream recovered on another instance", zap.String("request_id", s.ID), zap.String("from", s.Instance), zap.String("to", id),
-		zap.Int("tokens_sent", sent), zap.Duration("took", time.Since(start)))
-	return url, id, nil
+	m.log.Info("stream recovered on another instance", zap.String("request_id", s.ID), zap.String("from", s.Instance), zap.String("to", rec.Instance),
+		zap.String("outcome", outcome), zap.Int("tokens_sent", sent), zap.Duration("took", time.Since(start)))
+	return rec, nil
 }
 
 var errOff = errors.New("failover is off (vhi host --failover-snapshot-interval)")
 
-func (m *Manager) recover(ctx context.Context, s *proxy.Stream, sent, text int) (url, id, outcome string, err error) {
+// deterministicEngine is the engine kind whose replay of a request gives
+// the same tokens whatever the batch (vhi sim derives each token from its
+// seed, position and KV); vLLM's numerics follow its batches.
+const deterministicEngine = "vhi-sim"
+
+func (m *Manager) recover(ctx context.Context, s *proxy.Stream, sent, text int) (proxy.Recovery, string, error) {
 	if !m.Enabled() {
-		return "", "", OutcomeNoState, errOff
+		return proxy.Recovery{}, OutcomeNoState, errOff
 	}
 	m.mu.Lock()
 	st, ok := m.states[s.ID]
 	m.mu.Unlock()
 	if !ok {
-		return "", "", OutcomeNoState, fmt.Errorf("no snapshot of stream %s yet", s.ID)
+		return m.replay(s, sent)
 	}
+	url, id, outcome, err := m.reinstall(ctx, s, st, sent, text)
+	return proxy.Recovery{BaseURL: url, Instance: id}, outcome, err
+}
+
+// replay is the way on for a stream without a snapshot (younger than an
+// interval, or from an engine without hooks): its request is sent again to
+// another instance and what the client has is skipped — when the client
+// has nothing yet, or its engine replays exactly.
+func (m *Manager) replay(s *proxy.Stream, sent int) (proxy.Recovery, string, error) {
+	old, _ := m.reg.Get(s.Instance)
+	switch {
+	case !s.CanReplay():
+		return proxy.Recovery{}, OutcomeNoState, fmt.Errorf("no snapshot of stream %s, and its request was too large to keep", s.ID)
+	case sent > 0 && old.Engine.Kind != deterministicEngine:
+		return proxy.Recovery{}, OutcomeNoState, fmt.Errorf("no snapshot of stream %s yet, and a replay on %s engines may not repeat its %d tokens", s.ID, old.Engine.Kind, sent)
+	}
+	for _, in := range m.reg.List() {
+		if in.ID != s.Instance && in.Lifecycle() == registry.LifecycleActive && in.Serves(s.Model) {
+			return proxy.Recovery{BaseURL: in.Engine.URL, Instance: in.ID, Replay: true}, OutcomeReplayed, nil
+		}
+	}
+	return proxy.Recovery{}, OutcomeNoTarget, fmt.Errorf("no healthy instance of %s besides %s can take the stream", s.Model, s.Instance)
+}
+
+// reinstall installs the snapshot, cut to the client's place, on another
+// instance.
+func (m *Manager) reinstall(ctx context.Context, s *proxy.Stream, st hooks.RequestState, sent, text int) (url, id, outcome string, err error) {
 	state, err := cut(st, sent, text)
 	if err != nil {
 		return "", "", OutcomeFailed, err

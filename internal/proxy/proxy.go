@@ -172,6 +172,9 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 	// starts while the request is still prefilling must find it.
 	s := &Stream{ID: up.RequestID, Instance: up.InstanceID, Model: up.Model, Tag: clientTag(r.Header),
 		Started: time.Now(), cancelA: cancelUp, done: make(chan struct{})}
+	if p.recover != nil && len(up.Body) <= maxReplayBody {
+		s.request = &Upstream{Path: up.Path, Body: up.Body, Header: up.Header}
+	}
 	if up.RequestID != "" {
 		p.streams.add(s)
 		defer p.streams.remove(s)
@@ -311,6 +314,14 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 		read := time.Now()
 		watchdog.Reset(p.idleTimeout)
 		kind, textLen, _ := ClassifyText(ev.Data)
+		if onTarget && (kind == KindToken || kind == KindRole) && s.skipReplayed(kind) {
+			continue
+		}
+		if kind == KindRole {
+			s.mu.Lock()
+			s.sawRole = true
+			s.mu.Unlock()
+		}
 		if kind == KindToken && !onTarget && s.beyondSplice(textLen) {
 			// The source went on past what it exported (its pause lease
 			// ran out): the target produces these tokens now, so this one
@@ -398,10 +409,25 @@ func (p *Proxy) trySwitch(ctx context.Context, s *Stream) (next io.ReadCloser, o
 	return resp.Body, true
 }
 
-// RecoverFunc installs a stream whose engine died — after the client got
-// sent token events and text code points — on another instance and
-// returns that instance's base URL and id (internal/failover).
-type RecoverFunc func(ctx context.Context, s *Stream, sent, text int) (baseURL, instance string, err error)
+// Recovery says where a stream whose engine died goes on: the target's
+// base URL and id, and whether the target holds the request already (an
+// install: attach from the client's place) or must be sent the original
+// request again (Replay: its first events, which the client has, are
+// skipped — only for requests whose replay is known to produce the same
+// tokens).
+type Recovery struct {
+	BaseURL, Instance string
+	Replay            bool
+}
+
+// RecoverFunc finds where a stream whose engine died — after the client
+// got sent token events and text code points — goes on
+// (internal/failover).
+type RecoverFunc func(ctx context.Context, s *Stream, sent, text int) (Recovery, error)
+
+// maxReplayBody bounds the request bodies a stream keeps for a replay
+// (larger ones are not replayed).
+const maxReplayBody = 256 << 10
 
 // SetRecover turns on failover: a stream whose upstream breaks goes on
 // from where recover installs it. Set before serving.
@@ -418,21 +444,61 @@ func (p *Proxy) failover(ctx context.Context, s *Stream) io.ReadCloser {
 	s.mu.Lock()
 	sent, text := s.tokens, s.text
 	s.mu.Unlock()
-	url, instance, err := p.recover(ctx, s, sent, text)
+	rec, err := p.recover(ctx, s, sent, text)
 	if err != nil {
 		return nil
 	}
 	actx, cancel := context.WithCancel(ctx)
-	resp, err := p.openAttach(actx, &spliceTarget{url: url, instance: instance, from: sent, text: -1}, s.ID)
+	var body io.ReadCloser
+	if rec.Replay {
+		body, err = p.replay(actx, s, rec.BaseURL)
+	} else {
+		var resp *http.Response
+		if resp, err = p.openAttach(actx, &spliceTarget{url: rec.BaseURL, instance: rec.Instance, from: sent, text: -1}, s.ID); err == nil {
+			body = resp.Body
+		}
+	}
 	if err != nil {
 		cancel()
-		p.log.Warn("opening the recovered stream failed", zap.String("request_id", s.ID), zap.String("instance", instance), zap.Error(err))
+		p.log.Warn("opening the recovered stream failed", zap.String("request_id", s.ID), zap.String("instance", rec.Instance),
+			zap.Bool("replay", rec.Replay), zap.Error(err))
 		return nil
 	}
 	s.mu.Lock()
-	s.cancelA, s.Instance = cancel, instance
+	s.cancelA, s.Instance = cancel, rec.Instance
+	if rec.Replay {
+		// What the client has of the replayed stream is not sent again.
+		s.skipTokens, s.skipRole = s.tokens, s.sawRole
+	}
 	s.mu.Unlock()
-	return resp.Body
+	return body
+}
+
+// CanReplay reports whether the stream kept its request for a replay.
+func (s *Stream) CanReplay() bool { return s.request != nil }
+
+// replay sends the stream's original request to the engine at baseURL.
+func (p *Proxy) replay(ctx context.Context, s *Stream, baseURL string) (io.ReadCloser, error) {
+	up := s.request
+	if up == nil {
+		return nil, fmt.Errorf("stream %s kept no request to replay", s.ID)
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(baseURL, "/")+up.Path, bytes.NewReader(up.Body))
+	if err != nil {
+		return nil, err
+	}
+	for k, vs := range up.Header {
+		req.Header[k] = vs
+	}
+	resp, err := p.client.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
+		resp.Body.Close()
+		return nil, fmt.Errorf("the replay answered %d", resp.StatusCode)
+	}
+	return resp.Body, nil
 }
 
 // writeStreamError ends a stream whose upstream died with an OpenAI-style
