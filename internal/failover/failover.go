@@ -212,6 +212,14 @@ func (m *Manager) recover(ctx context.Context, s *proxy.Stream, sent, text int) 
 		return m.replay(s, sent)
 	}
 	url, id, outcome, err := m.reinstall(ctx, s, st, sent, text)
+	if err != nil && outcome != OutcomeLimited {
+		// No target took the snapshot (an agent restarting, say): a
+		// replay needs only the engine, where it is exact.
+		if rec, routcome, rerr := m.replay(s, sent); rerr == nil {
+			m.log.Info("reinstalling failed; replaying instead", zap.String("request_id", s.ID), zap.Error(err))
+			return rec, routcome, nil
+		}
+	}
 	return proxy.Recovery{BaseURL: url, Instance: id}, outcome, err
 }
 

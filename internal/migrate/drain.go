@@ -90,8 +90,16 @@ func (o *Orchestrator) startDrain(id string, req hostapi.DrainRequest, cause str
 	if len(req.To) > 0 && len(targets) < len(req.To) {
 		return "", errdefs.Newf(errdefs.ErrConflict, "%s", why)
 	}
-	if busy := src.Stats.Running + src.Stats.Waiting; busy > 0 && src.Engine.Migratable && len(targets) == 0 {
-		return "", errdefs.Newf(errdefs.ErrConflict, "instance %s has %d requests and no instance can take them: %s", id, busy, why)
+	if src.Engine.Migratable && len(targets) == 0 {
+		// Its engine says what runs there now (heartbeats lag a second);
+		// when it cannot, the last heartbeat does.
+		busy := src.Stats.Running + src.Stats.Waiting
+		if list, err := (&drain{o: o, src: src}).requests(context.Background()); err == nil {
+			busy = len(list.Requests)
+		}
+		if busy > 0 {
+			return "", errdefs.Newf(errdefs.ErrConflict, "instance %s has %d requests and no instance can take them: %s", id, busy, why)
+		}
 	}
 	if _, err := o.reg.SetState(id, registry.StateDraining, registry.StateActive); err != nil {
 		return "", err
