@@ -173,28 +173,8 @@ func (c *Client) Rebalance(ctx context.Context) (out RebalanceStatus, err error)
 // WaitDrain polls a drain every interval (default 100 ms) until it ends
 // or ctx does, calling progress (when not nil) with every status it reads.
 func (c *Client) WaitDrain(ctx context.Context, id string, every time.Duration, progress func(DrainStatus)) (DrainStatus, error) {
-	if every <= 0 {
-		every = 100 * time.Millisecond
-	}
-	t := time.NewTicker(every)
-	defer t.Stop()
-	for {
-		st, err := c.DrainStatus(ctx, id)
-		if err != nil {
-			return st, err
-		}
-		if progress != nil {
-			progress(st)
-		}
-		if st.Ended() {
-			return st, nil
-		}
-		select {
-		case <-ctx.Done():
-			return st, fmt.Errorf("drain %s still %s: %w", id, st.State, ctx.Err())
-		case <-t.C:
-		}
-	}
+	return wait(ctx, every, 100*time.Millisecond, func(ctx context.Context) (DrainStatus, error) { return c.DrainStatus(ctx, id) },
+		DrainStatus.Ended, progress, func(st DrainStatus) string { return "drain " + id + " still " + st.State })
 }
 
 // Undrain routes to a drained instance again.
@@ -232,25 +212,34 @@ func (c *Client) Migrations(ctx context.Context) ([]MigrationStatus, error) {
 // ends or ctx does, calling progress (when not nil) with every status it
 // reads.
 func (c *Client) WaitMigration(ctx context.Context, id string, every time.Duration, progress func(MigrationStatus)) (MigrationStatus, error) {
+	return wait(ctx, every, 50*time.Millisecond, func(ctx context.Context) (MigrationStatus, error) { return c.Migration(ctx, id) },
+		MigrationStatus.Ended, progress, func(st MigrationStatus) string { return "migration " + id + " still " + st.State })
+}
+
+// wait polls get every interval (dflt when not positive) until ended says
+// so or ctx ends, calling progress (when not nil) with every status read;
+// still names the status for the error when ctx ends first.
+func wait[S any](ctx context.Context, every, dflt time.Duration, get func(context.Context) (S, error), ended func(S) bool,
+	progress func(S), still func(S) string) (S, error) {
 	if every <= 0 {
-		every = 50 * time.Millisecond
+		every = dflt
 	}
 	t := time.NewTicker(every)
 	defer t.Stop()
 	for {
-		st, err := c.Migration(ctx, id)
+		st, err := get(ctx)
 		if err != nil {
 			return st, err
 		}
 		if progress != nil {
 			progress(st)
 		}
-		if st.Ended() {
+		if ended(st) {
 			return st, nil
 		}
 		select {
 		case <-ctx.Done():
-			return st, fmt.Errorf("migration %s still %s: %w", id, st.State, ctx.Err())
+			return st, fmt.Errorf("%s: %w", still(st), ctx.Err())
 		case <-t.C:
 		}
 	}

@@ -577,6 +577,17 @@ func (r *Registry) Woken(id string) (Instance, error) {
 // reports whether any instance serves the model at all (known) so the
 // caller can tell 404 from 503.
 func (r *Registry) Route(model string) (inst Instance, known, ok bool) {
+	return r.route(model, nil)
+}
+
+// RouteAvoiding is Route among the instances not in avoid: another
+// engine for a request whose first one could not be reached.
+func (r *Registry) RouteAvoiding(model string, avoid []string) (Instance, bool) {
+	inst, _, ok := r.route(model, avoid)
+	return inst, ok
+}
+
+func (r *Registry) route(model string, avoid []string) (inst Instance, known, ok bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	var cands []*Instance
@@ -585,7 +596,7 @@ func (r *Registry) Route(model string) (inst Instance, known, ok bool) {
 			continue
 		}
 		known = true
-		if i.routable() {
+		if i.routable() && !slices.Contains(avoid, i.ID) {
 			cands = append(cands, i)
 		}
 	}
@@ -596,26 +607,6 @@ func (r *Registry) Route(model string) (inst Instance, known, ok bool) {
 	n := r.rr[model]
 	r.rr[model] = n + 1
 	return r.view(cands[n%len(cands)]), true, true
-}
-
-// RouteAvoiding is Route among the instances not in avoid: another
-// engine for a request whose first one could not be reached.
-func (r *Registry) RouteAvoiding(model string, avoid []string) (Instance, bool) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	var cands []*Instance
-	for _, i := range r.instances {
-		if i.Serves(model) && i.routable() && !slices.Contains(avoid, i.ID) {
-			cands = append(cands, i)
-		}
-	}
-	if len(cands) == 0 {
-		return Instance{}, false
-	}
-	sort.Slice(cands, func(a, b int) bool { return cands[a].ID < cands[b].ID })
-	n := r.rr[model]
-	r.rr[model] = n + 1
-	return r.view(cands[n%len(cands)]), true
 }
 
 // Models lists every served model name with one instance serving it (an
