@@ -24,7 +24,7 @@ func (r *rig) loadThroughHost() <-chan []loadgen.Stream {
 	go func() {
 		done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: r.st.HostURL, Model: "m"}, r.reqs)
 	}()
-	time.Sleep(150 * time.Millisecond)
+	r.waitRunning()
 	return done
 }
 

