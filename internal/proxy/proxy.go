@@ -114,6 +114,23 @@ type Upstream struct {
 	Reroute func(tried []string) (baseURL, instanceID string, ok bool)
 }
 
+// post is the request up describes, sent to the engine at baseURL.
+func post(ctx context.Context, baseURL string, up Upstream) (*http.Request, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(baseURL, "/")+up.Path, bytes.NewReader(up.Body))
+	if err != nil {
+		return nil, err
+	}
+	for k, vs := range up.Header {
+		req.Header[k] = vs
+	}
+	return req, nil
+}
+
+// isEventStream reports whether an engine answered with a stream.
+func isEventStream(resp *http.Response) bool {
+	return resp.StatusCode == http.StatusOK && strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
+}
+
 // maxReroutes bounds how many other engines an unreachable one's request
 // tries.
 const maxReroutes = 2
@@ -161,12 +178,9 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 	// stop reading the source engine while the client stream goes on.
 	upCtx, cancelUp := context.WithCancel(ctx)
 	defer cancelUp()
-	req, err := http.NewRequestWithContext(upCtx, http.MethodPost, strings.TrimRight(up.BaseURL, "/")+up.Path, bytes.NewReader(up.Body))
+	req, err := post(upCtx, up.BaseURL, up)
 	if err != nil {
 		return p.fail(w, up, http.StatusBadGateway, "bad_url", fmt.Sprintf("bad engine URL %q: %v", up.BaseURL, err))
-	}
-	for k, vs := range up.Header {
-		req.Header[k] = vs
 	}
 	// Register the stream before the engine answers: a migration that
 	// starts while the request is still prefilling must find it.
@@ -203,11 +217,8 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 		s.mu.Lock()
 		s.Instance = id
 		s.mu.Unlock()
-		if req, err = http.NewRequestWithContext(upCtx, http.MethodPost, strings.TrimRight(url, "/")+up.Path, bytes.NewReader(up.Body)); err != nil {
+		if req, err = post(upCtx, url, up); err != nil {
 			break
-		}
-		for k, vs := range up.Header {
-			req.Header[k] = vs
 		}
 		resp, err = p.client.Do(req)
 	}
@@ -225,7 +236,7 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 		return p.fail(w, up, http.StatusBadGateway, "connect", fmt.Sprintf("engine %s unreachable: %v", up.InstanceID, err))
 	}
 	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
+	if !isEventStream(resp) {
 		return p.passThrough(w, resp)
 	}
 	return p.relay(ctx, w, resp.Body, s, up)
@@ -259,6 +270,9 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 	res := Result{Status: http.StatusOK}
 	er := NewEventReader(body)
 	onTarget := false
+	// sawRole: the client got chat's role event; a replayed stream skips
+	// that and the skipTokens token events the client has.
+	sawRole, skipRole, skipTokens := false, false, 0
 	var pending []time.Time // read times of events written but not yet flushed
 	var deadline time.Time  // the client write deadline currently set
 	// An engine that goes silent mid-stream (hung, or paused and never
@@ -294,11 +308,16 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 				onTarget = true
 				continue
 			}
-			if next := p.failover(ctx, s); next != nil {
-				// The engine died: the stream goes on from another one.
-				defer next.Close()
-				er = NewEventReader(next)
+			if next := p.failover(ctx, s); next.body != nil {
+				// The engine died: the stream goes on from another one;
+				// a replay's first events, which the client has, are
+				// skipped.
+				defer next.body.Close()
+				er = NewEventReader(next.body)
 				onTarget = true
+				if next.replay {
+					skipTokens, skipRole = res.Tokens, sawRole
+				}
 				continue
 			}
 			kind := "read"
@@ -314,13 +333,15 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 		read := time.Now()
 		watchdog.Reset(p.idleTimeout)
 		kind, textLen, _ := ClassifyText(ev.Data)
-		if onTarget && (kind == KindToken || kind == KindRole) && s.skipReplayed(kind) {
+		switch {
+		case kind == KindRole && skipRole:
+			skipRole = false
 			continue
-		}
-		if kind == KindRole {
-			s.mu.Lock()
-			s.sawRole = true
-			s.mu.Unlock()
+		case kind == KindToken && skipTokens > 0:
+			skipTokens--
+			continue
+		case kind == KindRole:
+			sawRole = true
 		}
 		if kind == KindToken && !onTarget && s.beyondSplice(textLen) {
 			// The source went on past what it exported (its pause lease
@@ -433,20 +454,27 @@ const maxReplayBody = 256 << 10
 // from where recover installs it. Set before serving.
 func (p *Proxy) SetRecover(recover RecoverFunc) { p.recover = recover }
 
+// recovered is where a broken stream goes on: the new engine's stream
+// (nil: nowhere) and whether it replays the request from its start.
+type recovered struct {
+	body   io.ReadCloser
+	replay bool
+}
+
 // failover moves a stream whose upstream broke to another engine and
-// returns that engine's stream from the client's next token; nil when
-// there is no failover or it failed (the caller ends the stream with an
-// error).
-func (p *Proxy) failover(ctx context.Context, s *Stream) io.ReadCloser {
+// returns that engine's stream, from the client's next token or, for a
+// replay, from the start; no body when there is no failover or it failed
+// (the caller ends the stream with an error).
+func (p *Proxy) failover(ctx context.Context, s *Stream) recovered {
 	if p.recover == nil {
-		return nil
+		return recovered{}
 	}
 	s.mu.Lock()
 	sent, text := s.tokens, s.text
 	s.mu.Unlock()
 	rec, err := p.recover(ctx, s, sent, text)
 	if err != nil {
-		return nil
+		return recovered{}
 	}
 	actx, cancel := context.WithCancel(ctx)
 	var body io.ReadCloser
@@ -462,16 +490,12 @@ func (p *Proxy) failover(ctx context.Context, s *Stream) io.ReadCloser {
 		cancel()
 		p.log.Warn("opening the recovered stream failed", zap.String("request_id", s.ID), zap.String("instance", rec.Instance),
 			zap.Bool("replay", rec.Replay), zap.Error(err))
-		return nil
+		return recovered{}
 	}
 	s.mu.Lock()
 	s.cancelA, s.Instance = cancel, rec.Instance
-	if rec.Replay {
-		// What the client has of the replayed stream is not sent again.
-		s.skipTokens, s.skipRole = s.tokens, s.sawRole
-	}
 	s.mu.Unlock()
-	return body
+	return recovered{body: body, replay: rec.Replay}
 }
 
 // CanReplay reports whether the stream kept its request for a replay.
@@ -483,18 +507,15 @@ func (p *Proxy) replay(ctx context.Context, s *Stream, baseURL string) (io.ReadC
 	if up == nil {
 		return nil, fmt.Errorf("stream %s kept no request to replay", s.ID)
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(baseURL, "/")+up.Path, bytes.NewReader(up.Body))
+	req, err := post(ctx, baseURL, *up)
 	if err != nil {
 		return nil, err
-	}
-	for k, vs := range up.Header {
-		req.Header[k] = vs
 	}
 	resp, err := p.client.Do(req)
 	if err != nil {
 		return nil, err
 	}
-	if resp.StatusCode != http.StatusOK || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
+	if !isEventStream(resp) {
 		resp.Body.Close()
 		return nil, fmt.Errorf("the replay answered %d", resp.StatusCode)
 	}

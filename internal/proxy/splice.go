@@ -41,29 +41,7 @@ type Stream struct {
 	splice          *spliceTarget
 	cancelA         context.CancelFunc // cancels the current upstream read
 	done            chan struct{}      // closed when the relay ends
-	// request is what a failover replays (nil: not kept); sawRole says
-	// the client got chat's role event; a replayed stream skips the
-	// skipTokens token events (and the role event) the client has.
-	request    *Upstream
-	sawRole    bool
-	skipTokens int
-	skipRole   bool
-}
-
-// skipReplayed reports whether an event of a replayed stream is one the
-// client has already, and counts it off.
-func (s *Stream) skipReplayed(kind Kind) bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	switch {
-	case kind == KindRole && s.skipRole:
-		s.skipRole = false
-		return true
-	case kind == KindToken && s.skipTokens > 0:
-		s.skipTokens--
-		return true
-	}
-	return false
+	request         *Upstream          // what a failover replays (nil: not kept)
 }
 
 type spliceTarget struct {
