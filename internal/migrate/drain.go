@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"slices"
 	"sort"
@@ -282,7 +283,7 @@ func (d *drain) run() {
 			count += n
 			d.update(func(s *hostapi.DrainStatus) { s.Moved = count })
 			switch {
-			case err != nil && errdefs.Kind(err) == errdefs.ErrConflict && strings.Contains(err.Error(), "busy"):
+			case errors.Is(err, registry.ErrBusy):
 				// Another operation holds an instance: wait for it.
 			case err != nil:
 				failures++

@@ -6,6 +6,7 @@
 package registry
 
 import (
+	"errors"
 	"slices"
 	"sort"
 	"sync"
@@ -654,6 +655,10 @@ func (r *Registry) view(i *Instance) Instance {
 	return c
 }
 
+// ErrBusy is in the chain of a Claim refused because another operation
+// holds an instance (a conflict that ends by itself).
+var ErrBusy = errors.New("busy")
+
 // Claim marks every one of ids busy with op, or none: it refuses with a
 // conflict naming the operation that holds one already, and with not
 // found for an id it does not know.
@@ -665,7 +670,7 @@ func (r *Registry) Claim(op Operation, ids ...string) error {
 			return errdefs.Newf(errdefs.ErrNotFound, "unknown instance %s", id)
 		}
 		if held, ok := r.busy[id]; ok {
-			return errdefs.Newf(errdefs.ErrConflict, "instance %s is busy with %s", id, held)
+			return errdefs.Newf(errdefs.ErrConflict, "instance %s is %w with %s", id, ErrBusy, held)
 		}
 	}
 	for _, id := range ids {

@@ -299,7 +299,7 @@ func TestClaims(t *testing.T) {
 	if err := r.Claim(mig, "a", "b"); err != nil {
 		t.Fatal(err)
 	}
-	if err := r.Claim(Operation{Kind: OpWake}, "c", "b"); !errors.Is(err, errdefs.ErrConflict) || !strings.Contains(err.Error(), "migration mig-1") {
+	if err := r.Claim(Operation{Kind: OpWake}, "c", "b"); !errors.Is(err, errdefs.ErrConflict) || !errors.Is(err, ErrBusy) || !strings.Contains(err.Error(), "is busy with migration mig-1") {
 		t.Fatalf("a second claim: %v", err)
 	}
 	if err := r.Claim(Operation{Kind: OpWake}, "c"); err != nil {
