@@ -9,6 +9,7 @@ func newBenchCommand(g *globalFlags) *cobra.Command {
 		Use:   "bench",
 		Short: "Benchmarks (results belong in docs/benchmarks.md)",
 	}
-	cmd.AddCommand(newBenchSimCommand(g), newBenchProxyCommand(), newBenchUpstreamCommand(), newBenchMigrateCommand(g), newBenchSeedCommand(g), newBenchCUDACopyCommand())
+	cmd.AddCommand(newBenchSimCommand(g), newBenchProxyCommand(), newBenchUpstreamCommand(), newBenchMigrateCommand(g), newBenchSeedCommand(g), newBenchCUDACopyCommand(),
+		newBenchDrainCommand(g), newBenchFailoverCommand(g), newBenchRebalanceCommand(g))
 	return cmd
 }

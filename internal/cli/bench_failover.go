@@ -1,0 +1,207 @@
+package cli
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/internal/host"
+	"github.com/vllm-hi/vllm-hi/internal/loadgen"
+	"github.com/vllm-hi/vllm-hi/internal/sim"
+)
+
+func newBenchFailoverCommand(g *globalFlags) *cobra.Command {
+	var o opsBench
+	var interval time.Duration
+	var modes []string
+	cmd := &cobra.Command{
+		Use:   "failover",
+		Short: "Engine-crash failover: the clients' gap when a loaded engine dies, by snapshot and by replay, against none",
+		Long: `Starts a Host with two active sims of one model in this process and streams --streams
+streams through it (round robin: half on each). After --delay, engine A stops at once, its
+connections cut as a killed process's are. Each --mode runs on a fresh deployment:
+  snapshot  failover on, snapshots every --snapshot-interval: A's streams are reinstalled
+            on B from their latest snapshot (recompute of prompt + output), cut to what the
+            client has
+  replay    failover on, no snapshot taken yet (the first is an hour away): A's streams are
+            sent again to B, the tokens the client has skipped
+  off       failover off: what a client gets without it
+For A's streams that went on it reports the gap across the crash (each one's longest
+inter-token gap from the crash on) and crash → that gap's end (p50, p99, max), and every stream is checked against an
+unmigrated run. Then, on B alone, one prefill of the longest context A carried (its prompt
+and the text it had sent) is timed: the goal is a p99 gap within detection (here the cut
+connection, at once) plus that prefill.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			log, err := g.logger()
+			if err != nil {
+				return err
+			}
+			o.log = log
+			for _, m := range modes {
+				if m != "snapshot" && m != "replay" && m != "off" {
+					return fmt.Errorf("--mode %q: want snapshot, replay or off", m)
+				}
+			}
+			if interval <= 0 {
+				return fmt.Errorf("--snapshot-interval %v must be positive", interval)
+			}
+			return runBenchFailover(cmd.Context(), cmd.OutOrStdout(), o, interval, modes)
+		},
+	}
+	o.register(cmd.Flags(), 128, 400, 3*time.Second)
+	cmd.Flags().DurationVar(&interval, "snapshot-interval", time.Second, "the Host's --failover-snapshot-interval in the snapshot mode")
+	cmd.Flags().StringSliceVar(&modes, "mode", []string{"snapshot", "replay", "off"}, "failover modes to compare (snapshot, replay, off)")
+	return cmd
+}
+
+// crashResult is one mode's run.
+type crashResult struct {
+	affected        int // streams on A when it died
+	gaps, resumes   []time.Duration
+	check           streamCheck
+	// The stream of A's with the most context at the crash: its prompt,
+	// the text it had sent by then, and the two's words.
+	longestPrompt, longestSent string
+	longestContext             int
+	contextTokens              int // prompt + sent words of every stream A carried
+}
+
+func runBenchFailover(ctx context.Context, out io.Writer, o opsBench, interval time.Duration, modes []string) error {
+	if o.log == nil {
+		o.log = zap.NewNop()
+	}
+	header(out, "failover", o, fmt.Sprintf("; two active engines, A killed after %v", o.delay))
+	reqs := o.requests()
+	ref, err := o.reference(ctx, reqs)
+	if err != nil {
+		return err
+	}
+	var failed []string
+	var prefillCtx crashResult
+	for _, mode := range modes {
+		iv := interval
+		switch mode {
+		case "replay":
+			iv = time.Hour
+		case "off":
+			iv = 0
+		}
+		r, err := o.crashOnce(ctx, reqs, ref, iv)
+		if err != nil {
+			return fmt.Errorf("mode %s: %w", mode, err)
+		}
+		gaps := "none of them went on"
+		if len(r.gaps) > 0 {
+			gaps = fmt.Sprintf("%d went on: gap across the crash p50 %s, p99 %s, max %s; crash → its end p50 %s, p99 %s, max %s",
+				len(r.gaps), msText(loadgen.Percentile(r.gaps, 0.5)), msText(loadgen.Percentile(r.gaps, 0.99)), msText(loadgen.Percentile(r.gaps, 1)),
+				msText(loadgen.Percentile(r.resumes, 0.5)), msText(loadgen.Percentile(r.resumes, 0.99)), msText(loadgen.Percentile(r.resumes, 1)))
+		}
+		fmt.Fprintf(out, "%-8s A carried %d streams, %s; every stream: %s\n", mode, r.affected, gaps, r.check)
+		if mode != "off" && (r.check.Failed > 0 || r.check.Inexact > 0) {
+			failed = append(failed, mode)
+		}
+		if mode == "off" && r.check.Failed == 0 && r.affected > 0 {
+			failed = append(failed, "off (no stream failed without failover: the crash did not cut them)")
+		}
+		if r.longestContext > prefillCtx.longestContext {
+			prefillCtx = r
+		}
+	}
+	if prefillCtx.affected > 0 {
+		ttft, toks, err := o.timePrefill(ctx, prefillCtx.longestPrompt+prefillCtx.longestSent)
+		if err != nil {
+			return err
+		}
+		c := o.simConfig()
+		fmt.Fprintf(out, "one prefill of the longest context A carried (%d tokens), on an idle engine: %s; all of A's contexts together: %d tokens, %d prefill steps of %d\n",
+			toks, msText(ttft), prefillCtx.contextTokens, (prefillCtx.contextTokens+c.MaxNumBatchedTokens-1)/c.MaxNumBatchedTokens, c.MaxNumBatchedTokens)
+	}
+	if len(failed) > 0 {
+		return exitError{code: 1, err: fmt.Errorf("failover runs with failed or inexact streams: %s", strings.Join(failed, ", "))}
+	}
+	return nil
+}
+
+// crashOnce runs the load on a fresh deployment with failover snapshots
+// every iv (0: off) and kills engine A after the delay.
+func (o opsBench) crashOnce(ctx context.Context, reqs []loadgen.Request, ref []loadgen.Stream, iv time.Duration) (crashResult, error) {
+	var r crashResult
+	st, err := o.start(func(c *host.Config) { c.Failover.SnapshotInterval = iv })
+	if err != nil {
+		return r, err
+	}
+	defer st.Stop()
+	done, t0 := loadThrough(ctx, st, reqs)
+	if err := wait(ctx, time.Until(t0.Add(o.delay))); err != nil {
+		return r, err
+	}
+	onA, err := st.A.Requests(ctx)
+	if err != nil {
+		return r, err
+	}
+	killed := time.Now()
+	st.KillEngine(st.AID)
+	streams := <-done
+	r.check = checkStreams(streams, ref)
+	ids := map[string]bool{}
+	for _, q := range onA.Requests {
+		ids[q.RequestID] = true
+	}
+	for i, s := range streams {
+		if !ids[s.ID] {
+			continue
+		}
+		r.affected++
+		sent := 0
+		for sent < len(s.Arrivals) && !s.Arrivals[sent].After(killed) {
+			sent++
+		}
+		// Tokens A had written before it died may still arrive just after
+		// the kill: the stream's gap is its longest one from the kill on,
+		// the one it waited for B.
+		if s.Err == nil && sent > 0 && sent < len(s.Arrivals) {
+			gap, at := time.Duration(0), sent
+			for j := sent; j < len(s.Arrivals); j++ {
+				if g := s.Arrivals[j].Sub(s.Arrivals[j-1]); g > gap {
+					gap, at = g, j
+				}
+			}
+			r.gaps = append(r.gaps, gap)
+			r.resumes = append(r.resumes, s.Arrivals[at].Sub(killed))
+		}
+		// What A had sent by the crash is the reference's first tokens
+		// (a failed stream's too).
+		n := len(strings.Fields(reqs[i].Prompt)) + sent
+		r.contextTokens += n
+		if n > r.longestContext {
+			r.longestContext, r.longestPrompt = n, reqs[i].Prompt
+			r.longestSent = strings.Join(ref[i].Pieces[:min(sent, len(ref[i].Pieces))], "")
+		}
+	}
+	return r, nil
+}
+
+// timePrefill times, on a fresh idle sim, the first token of one request
+// with this prompt (a stream's prompt and the text it had sent): what
+// reinstalling that stream costs its engine at least.
+func (o opsBench) timePrefill(ctx context.Context, prompt string) (time.Duration, int, error) {
+	c := o.simConfig()
+	c.Model, c.ServedModelNames, c.ShmPrefix = "demo-model", nil, fmt.Sprintf("vhi-prefill-%d", os.Getpid())
+	e, err := sim.Start(c, o.log)
+	if err != nil {
+		return 0, 0, err
+	}
+	defer e.Stop()
+	got := loadgen.Run(ctx, loadgen.Config{BaseURL: e.URL, Model: "demo-model"}, []loadgen.Request{{Prompt: prompt, MaxTokens: 1, IgnoreEOS: true}})[0]
+	if got.Err != nil || len(got.Arrivals) == 0 || got.Usage == nil {
+		return 0, 0, fmt.Errorf("the prefill probe: %v", got.Err)
+	}
+	return got.Arrivals[0].Sub(got.Start), got.Usage.PromptTokens, nil
+}

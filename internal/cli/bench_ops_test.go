@@ -1,0 +1,63 @@
+package cli
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/vllm-hi/vllm-hi/internal/rebalance"
+)
+
+// smallOps is an operations benchmark's load sized for a test.
+func smallOps(streams, tokens int, delay time.Duration) opsBench {
+	return opsBench{streams: streams, maxTokens: tokens, promptWords: 40, delay: delay}
+}
+
+// The operations benchmarks run end to end at a small scale and judge
+// every stream: each returns an error for a failed or inexact stream, so
+// a broken drain, failover or rebalance fails these.
+func TestBenchDrain(t *testing.T) {
+	var out bytes.Buffer
+	if err := runBenchDrain(context.Background(), &out, smallOps(12, 150, 400*time.Millisecond)); err != nil {
+		t.Fatalf("%v\n%s", err, out.String())
+	}
+	t.Log(out.String())
+	for _, want := range []string{"one migration of every request A→B", "12/12 requests", "12 moved", "A retired", "drain ÷ one migration"} {
+		if !strings.Contains(out.String(), want) {
+			t.Fatalf("the report lacks %q:\n%s", want, out.String())
+		}
+	}
+}
+
+func TestBenchFailover(t *testing.T) {
+	var out bytes.Buffer
+	err := runBenchFailover(context.Background(), &out, smallOps(12, 150, 400*time.Millisecond), 200*time.Millisecond, []string{"snapshot", "off"})
+	if err != nil {
+		t.Fatalf("%v\n%s", err, out.String())
+	}
+	t.Log(out.String())
+	// Without failover A's streams fail, which the benchmark expects; with
+	// it every one of them goes on.
+	for _, want := range []string{"snapshot A carried 6 streams, 6 went on", "every stream: 0 failed, 0 inexact", "off      A carried 6 streams, none of them went on; every stream: 6 FAILED", "one prefill of the longest context"} {
+		if !strings.Contains(out.String(), want) {
+			t.Fatalf("the report lacks %q:\n%s", want, out.String())
+		}
+	}
+}
+
+func TestBenchRebalance(t *testing.T) {
+	p := rebalance.DefaultConfig()
+	p.Interval, p.MaxRequests, p.Cooldown = 100*time.Millisecond, 4, 500*time.Millisecond
+	b := rebalanceBench{opsBench: smallOps(18, 150, 0), shortTokens: 8, stagger: 500 * time.Millisecond, policy: p}
+	b.geo.maxNumSeqs = 4
+	var out bytes.Buffer
+	if err := runBenchRebalance(context.Background(), &out, b); err != nil {
+		t.Fatalf("%v\n%s", err, out.String())
+	}
+	t.Log(out.String())
+	if !strings.Contains(out.String(), "policy off short requests' TTFT") || !strings.Contains(out.String(), "0 failed, 0 inexact") {
+		t.Fatalf("report:\n%s", out.String())
+	}
+}
