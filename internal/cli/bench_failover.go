@@ -63,9 +63,9 @@ connection, at once) plus that prefill.`,
 
 // crashResult is one mode's run.
 type crashResult struct {
-	affected        int // streams on A when it died
-	gaps, resumes   []time.Duration
-	check           streamCheck
+	affected      int // streams on A when it died
+	gaps, resumes []time.Duration
+	check         streamCheck
 	// The stream of A's with the most context at the crash: its prompt,
 	// the text it had sent by then, and the two's words.
 	longestPrompt, longestSent string
