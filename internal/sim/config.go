@@ -57,9 +57,17 @@ type Config struct {
 	ShmPrefix           string // KV file name prefix; defaults to vhi-sim-<pid>
 	// Device is where the KV lives: "cpu" (shared-memory files, the
 	// default) or "cuda[:N]" (GPU N's memory, exported as CUDA IPC handles).
-	Device     string
-	WakeUpTime time.Duration
-	ScaleTime  time.Duration
+	Device string
+	// SleepMode is vLLM's --enable-sleep-mode: without it /sleep is
+	// refused. SleepTime is how long /sleep takes (level 1 copies the
+	// weights to host memory), WakeUpTime how long /wake_up takes, and
+	// WeightsLoadTime how long reloading discarded weights takes (after a
+	// level-2 sleep).
+	SleepMode       bool
+	SleepTime       time.Duration
+	WakeUpTime      time.Duration
+	WeightsLoadTime time.Duration
+	ScaleTime       time.Duration
 	// EOSOneIn: when a request does not ignore EOS, each sampled token is
 	// EOS with probability 1/EOSOneIn. 0 disables EOS.
 	EOSOneIn int
@@ -93,7 +101,9 @@ func DefaultConfig() Config {
 		Seed:                0,
 		Step:                DefaultStepModel(),
 		ShmDir:              "/dev/shm",
+		SleepTime:           500 * time.Millisecond,
 		WakeUpTime:          2 * time.Second,
+		WeightsLoadTime:     5 * time.Second,
 		ScaleTime:           3 * time.Second,
 		EOSOneIn:            512,
 		DefaultPauseLease:   10 * time.Second,

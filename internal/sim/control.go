@@ -92,98 +92,6 @@ func (e *Engine) waitIdle(ctx context.Context, timeout time.Duration) error {
 	}
 }
 
-// Sleep is vLLM's POST /sleep: it releases the KV cache (the shared-memory
-// files are unmapped and removed). Level 1 would also offload weights and
-// level 2 discard them; the sim has no weights, so both release only KV.
-// Mode abort aborts in-flight requests; wait lets them finish first; keep
-// preempts them so they recompute after wake-up.
-func (e *Engine) Sleep(ctx context.Context, level int, mode PauseMode) error {
-	if level < 0 || level > 2 {
-		return badRequest("level", "level must be 0, 1 or 2, got %d", level)
-	}
-	switch mode {
-	case PauseAbort, PauseKeep:
-	case PauseWait:
-		e.mu.Lock()
-		e.pausedNew = true
-		e.mu.Unlock()
-		err := e.waitIdle(ctx, 0)
-		e.mu.Lock()
-		e.pausedNew = false
-		e.mu.Unlock()
-		if err != nil {
-			return err
-		}
-	default:
-		return badRequest("mode", "Invalid pause mode: %s", mode)
-	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if e.sleeping {
-		return nil
-	}
-	if mode == PauseKeep {
-		for len(e.running) > 0 {
-			e.preempt(e.running[len(e.running)-1])
-		}
-		e.cursor++
-	} else {
-		e.abortAllLocked()
-	}
-	e.releaseLocked(level)
-	return nil
-}
-
-// releaseLocked drops reservations and releases the KV memory (e.mu held;
-// nothing may be running).
-func (e *Engine) releaseLocked(level int) {
-	for _, r := range e.requests {
-		if r.state == stateReserved {
-			e.pool.release(r.blocks, e.cursor+1)
-			delete(e.requests, r.id)
-		}
-	}
-	e.cursor++
-	if e.kv != nil {
-		e.kv.close()
-		e.kv = nil
-	}
-	e.sleeping, e.sleepLevel = true, max(level, 1)
-	e.log.Info("engine sleeping: KV cache released")
-}
-
-// WakeUp is vLLM's POST /wake_up: after the configured wake-up time the
-// KV memory is recreated (empty) and queued requests run.
-func (e *Engine) WakeUp(ctx context.Context) error {
-	e.mu.Lock()
-	sleeping := e.sleeping
-	e.mu.Unlock()
-	if !sleeping {
-		return nil
-	}
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-time.After(e.cfg.WakeUpTime):
-	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if !e.sleeping {
-		return nil
-	}
-	kv, err := newKV(e.cfg, e.cuda, e.geo, e.par)
-	if err != nil {
-		return fmt.Errorf("wake up: %w", err)
-	}
-	e.kv = kv
-	e.kvGen++
-	e.pool = newBlockPool(e.geo.NumBlocks, e.geo.BlockSize)
-	e.sleeping, e.sleepLevel = false, 0
-	e.signal()
-	e.log.Info("engine awake")
-	return nil
-}
-
 // Retire implements hooks.Engine: once no request is running or waiting —
 // they arrived before the Host moved the model's traffic away and finish
 // here — the KV is released (as Sleep does). New requests are admitted
@@ -233,13 +141,6 @@ func (e *Engine) Wake(ctx context.Context) (hooks.WakeResponse, error) {
 		return hooks.WakeResponse{Note: "the engine was awake"}, nil
 	}
 	return hooks.WakeResponse{}, e.WakeUp(ctx)
-}
-
-// IsSleeping is vLLM's GET /is_sleeping.
-func (e *Engine) IsSleeping() bool {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return e.sleeping
 }
 
 // ErrScaleDrainTimeout reports that in-flight requests did not drain.

@@ -50,14 +50,18 @@ type Engine struct {
 	cursor    uint64 // generation of the last completed mutation
 	steps     uint64
 
-	pausedAll   bool // vLLM /pause?mode=keep: nothing is scheduled
-	pausedNew   bool // vLLM /pause?mode=wait|abort: no new request is admitted
-	sleeping    bool
-	sleepLevel  int
-	scaling     atomic.Bool // read without mu by the HTTP middleware
-	dpSize      int
-	lastStep    time.Duration // modelled duration of the last step
-	lastCompute time.Duration // real compute time of the last step
+	pausedAll  bool // vLLM /pause?mode=keep: nothing is scheduled
+	pausedNew  bool // vLLM /pause?mode=wait|abort: no new request is admitted
+	sleeping   bool // the KV or the weights are asleep: nothing is scheduled
+	sleepLevel int
+	// weightsAsleep: /sleep put the weights to sleep; weightsStale: they
+	// were woken after a level-2 sleep and not reloaded, so every token
+	// drawn is wrong (sleep.go).
+	weightsAsleep, weightsStale bool
+	scaling                     atomic.Bool // read without mu by the HTTP middleware
+	dpSize                      int
+	lastStep                    time.Duration // modelled duration of the last step
+	lastCompute                 time.Duration // real compute time of the last step
 }
 
 // NewEngine validates cfg, creates the KV memory and returns an engine
@@ -381,6 +385,9 @@ func (e *Engine) sampleHash(d *xxhash.Digest, rd kvReader, r *request) {
 func (e *Engine) sampleEmit(r *request, sum uint64, now time.Time) {
 	pos := r.numTokens()
 	state := mix64(sum ^ uint64(r.params.Seed)*0xD6E8FEB86659FD93 ^ uint64(pos))
+	if e.weightsStale {
+		state = mix64(state ^ 0x9E3779B97F4A7C15) // what garbage weights compute
+	}
 
 	var tok int
 	if !r.params.IgnoreEOS && e.cfg.EOSOneIn > 0 && state%uint64(e.cfg.EOSOneIn) == 0 {

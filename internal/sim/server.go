@@ -85,6 +85,7 @@ func (s *Server) Handler() http.Handler {
 		})
 		r.Post("/sleep", s.sleep)
 		r.Post("/wake_up", s.wakeUp)
+		r.Post("/collective_rpc", s.collectiveRPC)
 		r.Post("/pause", s.pause)
 		r.Post("/resume", func(w http.ResponseWriter, _ *http.Request) {
 			s.eng.ResumeGeneration()
@@ -529,11 +530,11 @@ func (s *Server) sleep(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) wakeUp(w http.ResponseWriter, r *http.Request) {
-	if err := s.eng.WakeUp(r.Context()); err != nil {
+	tags := r.URL.Query()["tags"]
+	if err := s.eng.WakeUp(r.Context(), tags...); err != nil {
 		writeError(w, err)
 		return
 	}
-	tags := r.URL.Query()["tags"]
 	writeJSON(w, http.StatusOK, map[string]any{"status": "awake", "tags": tags})
 }
 
@@ -595,4 +596,25 @@ func (s *Server) scaleElasticEP(w http.ResponseWriter, r *http.Request) {
 	default:
 		writeJSON(w, http.StatusOK, map[string]string{"message": fmt.Sprintf("Scaled to %d data parallel engines", dp)})
 	}
+}
+
+// collectiveRPC is vLLM's dev-mode POST /collective_rpc for the one method
+// a sleep-mode controller calls: reload_weights.
+func (s *Server) collectiveRPC(w http.ResponseWriter, r *http.Request) {
+	var req struct {
+		Method string `json:"method"`
+	}
+	if err := json.NewDecoder(io.LimitReader(r.Body, 1<<16)).Decode(&req); err != nil {
+		writeError(w, badRequest("method", "malformed JSON body: %v", err))
+		return
+	}
+	if req.Method != "reload_weights" {
+		writeError(w, badRequest("method", "the sim runs only reload_weights, not %q", req.Method))
+		return
+	}
+	if err := s.eng.ReloadWeights(r.Context()); err != nil {
+		writeError(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"results": []any{nil}})
 }

@@ -146,7 +146,9 @@ func TestBadInput(t *testing.T) {
 }
 
 func TestSleepWake(t *testing.T) {
-	e := startEngine(t, testConfig(t))
+	c := testConfig(t)
+	c.SleepMode = true
+	e := startEngine(t, c)
 	_, ts := startServer(t, e)
 	lay, _ := e.Layout(context.Background())
 	if resp, b := post(t, ts.URL+"/sleep?level=1", ""); resp.StatusCode != 200 || !strings.Contains(string(b), `"sleeping"`) {
@@ -177,6 +179,69 @@ func TestSleepWake(t *testing.T) {
 	}
 	if _, b := get(t, ts.URL+"/is_sleeping"); string(b) != "{\"is_sleeping\":false}\n" {
 		t.Fatalf("is_sleeping: %s", b)
+	}
+}
+
+// Without --enable-sleep-mode /sleep is refused, as vLLM's is.
+func TestSleepNeedsSleepMode(t *testing.T) {
+	e := startEngine(t, testConfig(t))
+	_, ts := startServer(t, e)
+	if resp, b := post(t, ts.URL+"/sleep?level=1", ""); resp.StatusCode != 400 || !strings.Contains(string(b), "--enable-sleep-mode") {
+		t.Fatalf("sleep without sleep mode: %d %s", resp.StatusCode, b)
+	}
+	if _, b := get(t, ts.URL+"/is_sleeping"); string(b) != "{\"is_sleeping\":false}\n" {
+		t.Fatalf("is_sleeping: %s", b)
+	}
+}
+
+// A level-2 sleep discards the weights: woken (weights first, as vLLM's
+// docs do it) and not reloaded, the engine answers with other tokens than
+// before — the corruption a controller's probe must see; after
+// reload_weights and the KV's wake-up it answers as before.
+func TestLevelTwoWakeNeedsAReload(t *testing.T) {
+	c := testConfig(t)
+	c.SleepMode, c.SleepTime, c.WeightsLoadTime = true, 5*time.Millisecond, 5*time.Millisecond
+	e := startEngine(t, c)
+	_, ts := startServer(t, e)
+	probe := `{"model":"test-model","prompt":"probe the weights","max_tokens":8,"temperature":0}`
+	_, before := post(t, ts.URL+"/v1/completions", probe)
+	text := func(b []byte) string {
+		var out struct {
+			Choices []struct{ Text string } `json:"choices"`
+		}
+		if err := json.Unmarshal(b, &out); err != nil || len(out.Choices) != 1 {
+			t.Fatalf("completion %s: %v", b, err)
+		}
+		return out.Choices[0].Text
+	}
+	want := text(before)
+	if resp, b := post(t, ts.URL+"/sleep?level=2", ""); resp.StatusCode != 200 {
+		t.Fatalf("sleep: %d %s", resp.StatusCode, b)
+	}
+	if resp, b := post(t, ts.URL+"/wake_up?tags=bogus", ""); resp.StatusCode != 400 {
+		t.Fatalf("an unknown tag: %d %s", resp.StatusCode, b)
+	}
+	if resp, b := post(t, ts.URL+"/wake_up?tags=weights", ""); resp.StatusCode != 200 {
+		t.Fatalf("wake weights: %d %s", resp.StatusCode, b)
+	}
+	if _, b := get(t, ts.URL+"/is_sleeping"); string(b) != "{\"is_sleeping\":true}\n" {
+		t.Fatalf("with the KV asleep, is_sleeping: %s", b)
+	}
+	if resp, b := post(t, ts.URL+"/wake_up?tags=kv_cache", ""); resp.StatusCode != 200 {
+		t.Fatalf("wake kv: %d %s", resp.StatusCode, b)
+	}
+	_, stale := post(t, ts.URL+"/v1/completions", probe)
+	if text(stale) == want {
+		t.Fatalf("woken from level 2 without a reload, the engine answered as before: %q", want)
+	}
+	if resp, b := post(t, ts.URL+"/collective_rpc", `{"method":"reload_weights"}`); resp.StatusCode != 200 {
+		t.Fatalf("reload: %d %s", resp.StatusCode, b)
+	}
+	if _, after := post(t, ts.URL+"/v1/completions", probe); text(after) != want {
+		t.Fatalf("after the reload: %q, before the sleep %q", text(after), want)
+	}
+	if resp, b := post(t, ts.URL+"/collective_rpc", `{"method":"shutdown"}`); resp.StatusCode != 400 {
+		t.Fatalf("another method: %d %s", resp.StatusCode, b)
 	}
 }
 
