@@ -182,6 +182,22 @@ func (c *Client) Undrain(ctx context.Context, id string) (out Instance, err erro
 	return out, c.do(ctx, http.MethodPost, path(PathUndrain, id), struct{}{}, &out)
 }
 
+// AdminState is every switched model's state.
+func (c *Client) AdminState(ctx context.Context) (out AdminState, err error) {
+	return out, c.do(ctx, http.MethodGet, PathAdminState, nil, &out)
+}
+
+// Switch wakes a switched model now (its group's awake model drained and
+// put to sleep) and answers once it is awake.
+func (c *Client) Switch(ctx context.Context, model string) (out SwitchResult, err error) {
+	return out, c.do(ctx, http.MethodPost, strings.Replace(PathAdminSwitch, "{model}", url.PathEscape(model), 1), struct{}{}, &out)
+}
+
+// Prewarm wakes a switched model and keeps it awake for ttl.
+func (c *Client) Prewarm(ctx context.Context, model string, ttl time.Duration) (out PrewarmResult, err error) {
+	return out, c.do(ctx, http.MethodPost, PathAdminPrewarm, PrewarmRequest{Model: model, TTLS: ttl.Seconds()}, &out)
+}
+
 // Forget drops an instance whose agent is gone.
 func (c *Client) Forget(ctx context.Context, id string) error {
 	return c.do(ctx, http.MethodDelete, path(PathInstance, id), nil, nil)

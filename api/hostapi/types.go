@@ -21,6 +21,10 @@ const (
 	PathDrainStatus     = "/vllm_hi/drains/{id}/status"
 	PathDrains          = "/vllm_hi/drains"
 	PathRebalance       = "/vllm_hi/rebalance"
+	// Model switching, the seed's admin routes.
+	PathAdminState   = "/admin/state"
+	PathAdminSwitch  = "/admin/switch/{model}"
+	PathAdminPrewarm = "/admin/prewarm"
 )
 
 // Migration types.
@@ -333,4 +337,71 @@ type RebalanceStatus struct {
 	MaxRequests int                 `json:"max_requests"`
 	CooldownS   float64             `json:"cooldown_s"`
 	Decisions   []RebalanceDecision `json:"decisions"`
+}
+
+// AdminState is GET /admin/state: every switched model by alias.
+type AdminState struct {
+	Models map[string]SwitchedModel `json:"models"`
+}
+
+// SwitchedModel is one alias in GET /admin/state: its state (unknown,
+// awake, sleeping, waking, sleeping_in_progress, error), its requests
+// running (active) and waiting for it (queued), and the latest switch
+// that woke it.
+type SwitchedModel struct {
+	State           string        `json:"state"`
+	Active          int           `json:"active"`
+	Queued          int           `json:"queued"`
+	Group           string        `json:"group,omitempty"`
+	ServedModelName string        `json:"served_model_name"`
+	BackendURL      string        `json:"backend_url"`
+	AwakeSince      *time.Time    `json:"awake_since,omitempty"`
+	PinnedUntil     *time.Time    `json:"pinned_until,omitempty"`
+	LastError       string        `json:"last_error,omitempty"`
+	LastSwitch      *SwitchReport `json:"last_switch,omitempty"`
+}
+
+// SwitchReport is what one switch did, step by step.
+type SwitchReport struct {
+	Model     string    `json:"model"`
+	From      string    `json:"from,omitempty"` // the model put to sleep
+	State     string    `json:"state"`          // succeeded | failed
+	Error     string    `json:"error,omitempty"`
+	StartedAt time.Time `json:"started_at"`
+	DurationS float64   `json:"duration_s"`
+	// DrainS is how long draining the previous model took, Drain how it
+	// was drained (its streams moved by migration, or waited for).
+	DrainS float64      `json:"drain_s"`
+	Drain  string       `json:"drain,omitempty"`
+	Steps  []SwitchStep `json:"steps"`
+}
+
+// SwitchStep is one named step of a switch.
+type SwitchStep struct {
+	Step      string  `json:"step"`
+	Model     string  `json:"model"`
+	DurationS float64 `json:"duration_s"`
+	Error     string  `json:"error,omitempty"`
+}
+
+// SwitchResult is POST /admin/switch/{model}'s answer.
+type SwitchResult struct {
+	Model     string        `json:"model"`
+	State     string        `json:"state"`
+	DurationS float64       `json:"duration_s"`
+	Switch    *SwitchReport `json:"switch,omitempty"`
+}
+
+// PrewarmRequest is POST /admin/prewarm's body: wake the model and keep
+// it awake for ttl_s.
+type PrewarmRequest struct {
+	Model string  `json:"model"`
+	TTLS  float64 `json:"ttl_s"`
+}
+
+// PrewarmResult is its answer.
+type PrewarmResult struct {
+	Model       string    `json:"model"`
+	State       string    `json:"state"`
+	PinnedUntil time.Time `json:"pinned_until"`
 }

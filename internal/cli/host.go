@@ -53,6 +53,7 @@ across restarts.`,
 					return err
 				}
 				cfg.Migration.Launchers = file.Targets
+				cfg.Models, cfg.Controller = file.Models, file.Controller
 			}
 			cfg.Migration.HostAddr = agentFacing(cfg.Listen)
 			cfg.Migration.LaunchLogDir = filepath.Join(cfg.DataDir, "launched")

@@ -36,7 +36,7 @@ func NewRootCommand() *cobra.Command {
 	root.PersistentFlags().StringVar(&g.logFormat, "log-format", "console", "log format: console or json")
 	root.AddCommand(newVersionCommand(), newHostCommand(g), newAgentCommand(g), newSimCommand(g), newDemoCommand(g),
 		newBenchCommand(g), newInstancesCommand(), newMigrateCommand(), newMigrationCommand(), newWakeCommand(),
-		newDrainCommand(), newUndrainCommand())
+		newDrainCommand(), newUndrainCommand(), newSwitchCommand(), newPrewarmCommand(), newStateCommand())
 	return root
 }
 

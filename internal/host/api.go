@@ -59,6 +59,12 @@ func (h *Host) models(w http.ResponseWriter, _ *http.Request) {
 		out.Data = append(out.Data, ModelCard{ID: i.Engine.ServedModels[0], Object: "model", Created: i.RegisteredAt.Unix(),
 			OwnedBy: "vllm-hi", Root: i.Engine.Model, MaxModelLen: i.Engine.MaxModelLen})
 	}
+	if h.switcher != nil {
+		for _, alias := range h.switcher.Aliases() {
+			out.Data = append(out.Data, ModelCard{ID: alias, Object: "model", Created: h.started.Unix(), OwnedBy: "vllm-hi",
+				Root: h.switcher.State()[alias].ServedModelName})
+		}
+	}
 	writeJSON(w, http.StatusOK, out)
 }
 

@@ -32,6 +32,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/rebalance"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
 	"github.com/vllm-hi/vllm-hi/internal/store"
+	"github.com/vllm-hi/vllm-hi/internal/switching"
 )
 
 // Config configures the Host.
@@ -71,6 +72,10 @@ type Config struct {
 	// Failover continues streams whose engine died on another instance
 	// (off when its SnapshotInterval is 0).
 	Failover failover.Config
+	// Models are the switched models (vhi host --config's models:) and
+	// Controller their policy; none: no switching.
+	Models     map[string]switching.Model
+	Controller switching.Controller
 }
 
 // DefaultConfig returns the documented defaults.
@@ -99,6 +104,7 @@ type Host struct {
 	mig       *migrate.Orchestrator
 	balancer  *rebalance.Balancer
 	failover  *failover.Manager
+	switcher  *switching.Switcher // nil without switched models
 	grpc      *grpc.Server
 	bodies    *budget
 	serverTLS *tls.Config
@@ -167,6 +173,10 @@ func New(cfg Config, log *zap.Logger) (*Host, error) {
 	if h.failover.Enabled() {
 		h.proxy.SetRecover(h.failover.Recover)
 	}
+	if h.switcher, err = h.newSwitcher(cfg); err != nil {
+		h.closeStore()
+		return nil, err
+	}
 	// With a client CA, agents (the gRPC side of the one address) must
 	// present a certificate it signed; OpenAI and REST clients need none.
 	h.grpc = grpc.NewServer(grpcauth.ServerOptions(cfg.AgentToken, cfg.TLS.ClientCAFile != "", func(string) {
@@ -211,6 +221,9 @@ func (h *Host) Handler() http.Handler {
 		r.Post(hostapi.PathWake, h.wake)
 		r.Delete(hostapi.PathInstance, h.forget)
 		r.Post(hostapi.PathMigrate, h.migrate)
+		r.Get(hostapi.PathAdminState, h.adminState)
+		r.Post(hostapi.PathAdminSwitch, h.adminSwitch)
+		r.Post(hostapi.PathAdminPrewarm, h.adminPrewarm)
 	})
 	r.NotFound(func(w http.ResponseWriter, _ *http.Request) {
 		proxy.WriteError(w, http.StatusNotFound, "NotFoundError", "no such endpoint")
@@ -263,6 +276,18 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 	background.Go(func() { h.balancer.Run(bgCtx) })
 	background.Go(func() { h.failover.Run(bgCtx) })
 	defer func() { stopBackground(); background.Wait() }()
+	// Switching stops first at shutdown: the requests it queues fail
+	// (503) instead of holding the server's drain open.
+	switchCtx, stopSwitching := context.WithCancel(context.Background())
+	if h.switcher != nil {
+		h.switcher.Run(switchCtx)
+	}
+	defer func() {
+		stopSwitching()
+		if h.switcher != nil {
+			h.switcher.Wait()
+		}
+	}()
 
 	errc := make(chan error, 1)
 	go func() {
@@ -282,6 +307,7 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 	case <-ctx.Done():
 	}
 	h.log.Info("shutting down: draining streams", zap.Duration("timeout", h.cfg.ShutdownTimeout))
+	stopSwitching()
 	sctx, cancel := context.WithTimeout(context.Background(), h.cfg.ShutdownTimeout)
 	defer cancel()
 	if err := srv.Shutdown(sctx); err != nil {

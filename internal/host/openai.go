@@ -132,6 +132,10 @@ func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 		proxy.WriteError(w, http.StatusBadRequest, "BadRequestError", "the request names no model")
 		return
 	}
+	if h.switcher != nil && h.switcher.Has(head.Model) {
+		h.switched(w, r, body, head.Model, head.Stream, release)
+		return
+	}
 	inst, known, ok := h.reg.Route(head.Model)
 	switch {
 	case !known:
@@ -148,23 +152,10 @@ func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 	// client's X-Request-Id could name another client's stream (hiding it
 	// from migration, or stealing its splice) or carry '/' and '?' into
 	// the hook URLs. The client's id is logged for correlation.
-	rid := newRequestID()
-	if cid := r.Header.Get("X-Request-Id"); cid != "" {
-		h.log.Debug("request", zap.String("client_request_id", cid), zap.String("request_id", rid))
-	}
-	hdr := http.Header{"Content-Type": {"application/json"}, "X-Request-Id": {rid}}
-	for _, k := range []string{"Authorization", "Accept"} {
-		if v := r.Header.Get(k); v != "" {
-			hdr.Set(k, v)
-		}
-	}
-	prefix := "cmpl-"
-	if strings.HasSuffix(r.URL.Path, "/chat/completions") {
-		prefix = "chatcmpl-"
-	}
+	hdr, engineID := h.upstreamHeader(r)
 	res := h.proxy.Forward(w, r, proxy.Upstream{
 		BaseURL: inst.Engine.URL, Path: r.URL.Path, Body: body, Header: hdr, Model: head.Model, InstanceID: inst.ID,
-		RequestID: prefix + rid, Sent: release,
+		RequestID: engineID, Sent: release,
 		Reroute: func(tried []string) (string, string, bool) {
 			i, ok := h.reg.RouteAvoiding(head.Model, tried)
 			return i.Engine.URL, i.ID, ok
@@ -178,4 +169,29 @@ func (h *Host) count(model string, status int) {
 		model = "unknown"
 	}
 	h.m.requests.WithLabelValues(model, fmt.Sprint(status)).Inc()
+}
+
+// upstreamHeader is what goes to the engine with a client's request, and
+// the engine's request id. The id is the Host's own, never the client's:
+// a client's X-Request-Id could name another client's stream (hiding it
+// from migration, or stealing its splice) or carry '/' and '?' into the
+// hook URLs. The client's id is logged for correlation.
+func (h *Host) upstreamHeader(r *http.Request) (http.Header, string) {
+	rid := newRequestID()
+	if cid := r.Header.Get("X-Request-Id"); cid != "" {
+		h.log.Debug("request", zap.String("client_request_id", cid), zap.String("request_id", rid))
+	}
+	hdr := http.Header{"Content-Type": {"application/json"}, "X-Request-Id": {rid}}
+	for _, k := range []string{"Authorization", "Accept"} {
+		if v := r.Header.Get(k); v != "" {
+			hdr.Set(k, v)
+		}
+	}
+	// The engine names the request by its response id: vLLM's prefix and
+	// the id it was given.
+	prefix := "cmpl-"
+	if strings.HasSuffix(r.URL.Path, "/chat/completions") {
+		prefix = "chatcmpl-"
+	}
+	return hdr, prefix + rid
 }

@@ -13,6 +13,7 @@ import (
 	"go.yaml.in/yaml/v3"
 
 	"github.com/vllm-hi/vllm-hi/internal/launch"
+	"github.com/vllm-hi/vllm-hi/internal/switching"
 )
 
 // File is the configuration file.
@@ -22,6 +23,11 @@ type File struct {
 	// with the shape it asks for (target_tp, target_pp,
 	// target_gpu_memory_utilization) and migrates to it.
 	Targets map[string]launch.Spec `yaml:"targets"`
+	// Models are the switched models by alias (docs/switching.md): long-
+	// lived engines that share GPUs, woken and put to sleep as requests
+	// for them come; Controller is the switching policy.
+	Models     map[string]switching.Model `yaml:"models"`
+	Controller switching.Controller       `yaml:"controller"`
 }
 
 // Load reads and checks the file at path.
@@ -43,6 +49,14 @@ func Parse(b []byte, name string) (File, error) {
 	}
 	for model, s := range f.Targets {
 		if err := s.Check(model); err != nil {
+			return File{}, fmt.Errorf("%s: %w", name, err)
+		}
+	}
+	if len(f.Models) > 0 || f.Controller != (switching.Controller{}) {
+		if len(f.Models) == 0 {
+			return File{}, fmt.Errorf("%s: a controller: section without models:", name)
+		}
+		if err := switching.Check(f.Models, f.Controller); err != nil {
 			return File{}, fmt.Errorf("%s: %w", name, err)
 		}
 	}

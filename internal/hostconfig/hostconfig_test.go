@@ -31,7 +31,48 @@ targets:
 			t.Errorf("%q: %v, want an error with %q", bad.yaml, err, bad.want)
 		}
 	}
-	if f, err := Parse(nil, "empty"); err != nil || len(f.Targets) != 0 {
+	if f, err := Parse(nil, "empty"); err != nil || len(f.Targets) != 0 || len(f.Models) != 0 {
 		t.Fatalf("an empty file: %v %+v", err, f)
+	}
+}
+
+func TestParseModels(t *testing.T) {
+	f, err := Parse([]byte(`
+models:
+  chat:
+    served_model_name: Qwen/Qwen3-8B
+    backend_url: http://127.0.0.1:8101
+    sleep_level: 1
+    group: gpu0
+    priority: 2
+    launch_command: [vllm, serve, Qwen/Qwen3-8B, --port, "8101", --enable-sleep-mode]
+    env: {VLLM_SERVER_DEV_MODE: "1"}
+  coder:
+    backend_url: http://127.0.0.1:8102
+    sleep_level: 2
+    wake_tags: [weights, kv_cache]
+    group: gpu0
+controller:
+  policy: always_sleep_previous
+  startup_awake_model: chat
+  request_timeout_s: 60
+  switch_timeout_s: 90
+  min_awake_s: 5
+`), "host.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m := f.Models["coder"]; m.SleepLevel != 2 || len(m.WakeTags) != 2 || f.Controller.MinAwakeS != 5 || f.Models["chat"].Priority != 2 {
+		t.Fatalf("%+v", f)
+	}
+	for _, bad := range []struct{ yaml, want string }{
+		{"models:\n  a:\n    backend_url: http://x:1\n    sleep_levl: 2\n", "line 4: field sleep_levl not found"},
+		{"models:\n  a:\n    backend_url: http://x:1\ncontroller:\n  polcy: x\n", "line 5: field polcy not found"},
+		{"models:\n  a:\n    backend_url: http://x:1\n    sleep_level: 3\n", "models.a.sleep_level 3"},
+		{"controller:\n  policy: always_sleep_previous\n", "without models"},
+	} {
+		if _, err := Parse([]byte(bad.yaml), "host.yaml"); err == nil || !strings.Contains(err.Error(), bad.want) {
+			t.Errorf("%q: %v, want an error with %q", bad.yaml, err, bad.want)
+		}
 	}
 }

@@ -1,0 +1,218 @@
+package host
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/go-chi/chi/v5"
+	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/internal/proxy"
+	"github.com/vllm-hi/vllm-hi/internal/registry"
+	"github.com/vllm-hi/vllm-hi/internal/switching"
+)
+
+// newSwitcher builds the model switching of cfg's models (nil without).
+func (h *Host) newSwitcher(cfg Config) (*switching.Switcher, error) {
+	if len(cfg.Models) == 0 {
+		return nil, nil
+	}
+	met := switching.NewMetrics()
+	// Every call is bounded by the switch's deadline (its context).
+	client := &http.Client{}
+	s, err := switching.New(switching.Options{
+		Models: cfg.Models, Controller: cfg.Controller, Metrics: met, Log: h.log.Named("switch"),
+		Mover: switchMover{h},
+		Backend: func(alias string, m switching.Model) switching.Backend {
+			served := m.ServedModelName
+			if served == "" {
+				served = alias
+			}
+			return switching.NewHTTPBackend(m.BackendURL, served, cfg.AgentToken, client)
+		},
+	})
+	if err != nil {
+		return nil, err
+	}
+	h.prom.MustRegister(met.Collectors()...)
+	return s, nil
+}
+
+// switched serves an OpenAI request for a switched model: a lease on the
+// model (queued while a switch wakes it), then the request relayed to its
+// backend with the served model name.
+func (h *Host) switched(w http.ResponseWriter, r *http.Request, body []byte, alias string, stream bool, sent func()) {
+	lease, err := h.switcher.Acquire(r.Context(), alias, stream)
+	if err != nil {
+		status, typ := http.StatusServiceUnavailable, "ServiceUnavailableError"
+		switch {
+		case errors.Is(err, context.Canceled):
+			status = 499
+		case errors.Is(err, switching.ErrQueueTimeout):
+			status, typ = http.StatusGatewayTimeout, "TimeoutError"
+		default:
+			w.Header().Set("Retry-After", "1")
+		}
+		h.count(alias, status)
+		if status != 499 {
+			proxy.WriteError(w, status, typ, err.Error())
+		}
+		return
+	}
+	defer lease.Release()
+	served := lease.ServedModelName()
+	if served != alias {
+		if body, err = withModel(body, served); err != nil {
+			h.count(alias, http.StatusBadRequest)
+			proxy.WriteError(w, http.StatusBadRequest, "BadRequestError", "malformed JSON body: "+err.Error())
+			return
+		}
+	}
+	// A backend that is also a registered instance is relayed under its
+	// id, so that a migration (a drain, a switch's move) can splice its
+	// streams.
+	instanceID := "switched:" + alias
+	if inst, ok := h.instanceAt(lease.BackendURL()); ok {
+		instanceID = inst.ID
+	}
+	hdr, engineID := h.upstreamHeader(r)
+	res := h.proxy.Forward(w, r, proxy.Upstream{
+		BaseURL: lease.BackendURL(), Path: r.URL.Path, Body: body, Header: hdr, Model: served,
+		InstanceID: instanceID, RequestID: engineID, Sent: sent,
+	})
+	h.count(alias, res.Status)
+}
+
+// withModel is body with its model replaced.
+func withModel(body []byte, model string) ([]byte, error) {
+	var fields map[string]json.RawMessage
+	if err := json.Unmarshal(body, &fields); err != nil {
+		return nil, err
+	}
+	name, _ := json.Marshal(model)
+	fields["model"] = name
+	return json.Marshal(fields)
+}
+
+// instanceAt is the registered instance whose engine is at url.
+func (h *Host) instanceAt(url string) (registry.Instance, bool) {
+	url = strings.TrimRight(url, "/")
+	for _, in := range h.reg.List() {
+		if strings.TrimRight(in.Engine.URL, "/") == url {
+			return in, true
+		}
+	}
+	return registry.Instance{}, false
+}
+
+// switchMover moves a switched backend's streams by a keep_source_active
+// migration onto another serving instance of its model, when the backend
+// is a registered, migratable instance and one exists.
+type switchMover struct{ h *Host }
+
+func (m switchMover) MoveAway(ctx context.Context, alias string, model switching.Model) (func() int, string, bool) {
+	src, ok := m.h.instanceAt(model.BackendURL)
+	if !ok || !src.Engine.Migratable {
+		return nil, "", false
+	}
+	served := model.ServedModelName
+	if served == "" {
+		served = alias
+	}
+	dst, ok := m.h.reg.RouteAvoiding(served, []string{src.ID})
+	if !ok {
+		return nil, "no other instance of " + served + " serves", false
+	}
+	t0 := time.Now()
+	id, err := m.h.mig.Start(hostapi.MigrateRequest{Src: src.ID, Dst: dst.ID, Type: hostapi.KeepSourceActive})
+	if err != nil {
+		return nil, fmt.Sprintf("a migration to %s was refused: %v", dst.ID, err), false
+	}
+	for {
+		st, ok := m.h.mig.Get(id)
+		if ok && st.State != hostapi.StateRunning {
+			if st.State != hostapi.StateSucceeded {
+				return nil, fmt.Sprintf("the migration %s to %s %s: %s", id, dst.ID, st.State, st.Error), false
+			}
+			onBackend := func() int { return m.h.proxy.Streams().On(src.ID) }
+			return onBackend, fmt.Sprintf("moved %d streams to %s by migration %s in %.2f s", st.Migrated, dst.ID, id, time.Since(t0).Seconds()), true
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Sprintf("the migration %s to %s outlasted the switch", id, dst.ID), false
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// adminState is GET /admin/state.
+func (h *Host) adminState(w http.ResponseWriter, _ *http.Request) {
+	if !h.switchingOn(w) {
+		return
+	}
+	writeJSON(w, http.StatusOK, hostapi.AdminState{Models: h.switcher.State()})
+}
+
+// adminSwitch is POST /admin/switch/{model}: wake the model now, as a
+// request for it would, and answer when it is awake.
+func (h *Host) adminSwitch(w http.ResponseWriter, r *http.Request) {
+	if !h.switchingOn(w) {
+		return
+	}
+	alias := chi.URLParam(r, "model")
+	if !h.switcher.Has(alias) {
+		proxy.WriteError(w, http.StatusNotFound, "NotFoundError", fmt.Sprintf("no switched model %q", alias))
+		return
+	}
+	t0 := time.Now()
+	rep, err := h.switcher.Switch(r.Context(), alias)
+	if err != nil {
+		h.log.Warn("admin switch failed", zap.String("model", alias), zap.Error(err))
+		proxy.WriteError(w, http.StatusServiceUnavailable, "ServiceUnavailableError", err.Error())
+		return
+	}
+	writeJSON(w, http.StatusOK, hostapi.SwitchResult{Model: alias, State: h.switcher.State()[alias].State,
+		DurationS: time.Since(t0).Seconds(), Switch: rep})
+}
+
+// adminPrewarm is POST /admin/prewarm {"model", "ttl_s"}.
+func (h *Host) adminPrewarm(w http.ResponseWriter, r *http.Request) {
+	if !h.switchingOn(w) {
+		return
+	}
+	var req hostapi.PrewarmRequest
+	if err := decodeStrict(io.LimitReader(r.Body, 1<<16), &req); err != nil {
+		proxy.WriteError(w, http.StatusBadRequest, "BadRequestError", err.Error())
+		return
+	}
+	if !h.switcher.Has(req.Model) {
+		proxy.WriteError(w, http.StatusNotFound, "NotFoundError", fmt.Sprintf("no switched model %q", req.Model))
+		return
+	}
+	until, err := h.switcher.Prewarm(r.Context(), req.Model, time.Duration(req.TTLS*float64(time.Second)))
+	var se *switching.SwitchError
+	switch {
+	case errors.As(err, &se):
+		proxy.WriteError(w, http.StatusServiceUnavailable, "ServiceUnavailableError", err.Error())
+		return
+	case err != nil:
+		proxy.WriteError(w, http.StatusBadRequest, "BadRequestError", err.Error())
+		return
+	}
+	writeJSON(w, http.StatusOK, hostapi.PrewarmResult{Model: req.Model, State: h.switcher.State()[req.Model].State, PinnedUntil: until})
+}
+
+func (h *Host) switchingOn(w http.ResponseWriter) bool {
+	if h.switcher == nil {
+		proxy.WriteError(w, http.StatusNotFound, "NotFoundError", "model switching is not configured (vhi host --config FILE with models:)")
+		return false
+	}
+	return true
+}

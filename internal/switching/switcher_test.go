@@ -1,0 +1,406 @@
+package switching
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// fakeEngine is an engine's sleep state with faults to inject.
+type fakeEngine struct {
+	mu        sync.Mutex
+	asleep    bool
+	answer    string        // what the probe answers while awake
+	delay     time.Duration // of every sleep and wake-up
+	fail      map[string]error
+	wrongWake bool // woken, it answers something else
+	calls     []string
+}
+
+func (f *fakeEngine) call(name string) error {
+	f.mu.Lock()
+	f.calls = append(f.calls, name)
+	err, d := f.fail[name], f.delay
+	f.mu.Unlock()
+	if d > 0 && (name == "sleep" || name == "wake") {
+		time.Sleep(d)
+	}
+	return err
+}
+
+func (f *fakeEngine) Sleep(ctx context.Context, level int) error {
+	if err := f.call("sleep"); err != nil {
+		return err
+	}
+	f.mu.Lock()
+	f.asleep = true
+	f.mu.Unlock()
+	return nil
+}
+
+func (f *fakeEngine) WakeUp(ctx context.Context, tags ...string) error {
+	if err := f.call("wake"); err != nil {
+		return err
+	}
+	f.mu.Lock()
+	f.asleep = false
+	if f.wrongWake {
+		f.answer = "garbage"
+	}
+	f.mu.Unlock()
+	return nil
+}
+
+func (f *fakeEngine) ReloadWeights(ctx context.Context) error { return f.call("reload") }
+
+func (f *fakeEngine) IsSleeping(ctx context.Context) (bool, error) {
+	if err := f.call("is_sleeping"); err != nil {
+		return false, err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.asleep, nil
+}
+
+func (f *fakeEngine) Probe(ctx context.Context, prompt string) (string, error) {
+	if err := f.call("probe"); err != nil {
+		return "", err
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.answer, nil
+}
+
+func (f *fakeEngine) count(name string) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	n := 0
+	for _, c := range f.calls {
+		if c == name {
+			n++
+		}
+	}
+	return n
+}
+
+func (f *fakeEngine) set(fn func(*fakeEngine)) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	fn(f)
+}
+
+type rig struct {
+	t       *testing.T
+	s       *Switcher
+	engines map[string]*fakeEngine
+}
+
+// newRig runs a switcher over fake engines: awake names the models awake
+// at start; every model is in group g unless its name says otherwise.
+func newRig(t *testing.T, c Controller, models map[string]Model, awake ...string) *rig {
+	t.Helper()
+	r := &rig{t: t, engines: map[string]*fakeEngine{}}
+	for alias := range models {
+		r.engines[alias] = &fakeEngine{asleep: true, answer: "answer of " + alias, delay: 5 * time.Millisecond, fail: map[string]error{}}
+	}
+	for _, a := range awake {
+		r.engines[a].asleep = false
+	}
+	s, err := New(Options{Models: models, Controller: c, Backend: func(alias string, _ Model) Backend { return r.engines[alias] }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	s.Run(ctx)
+	t.Cleanup(func() { cancel(); s.Wait() })
+	r.s = s
+	return r
+}
+
+func oneGroup(names ...string) map[string]Model {
+	out := map[string]Model{}
+	for i, n := range names {
+		out[n] = Model{BackendURL: fmt.Sprintf("http://127.0.0.1:%d", 9000+i), Group: "gpu0"}
+	}
+	return out
+}
+
+func (r *rig) acquire(alias string) *Lease {
+	r.t.Helper()
+	l, err := r.s.Acquire(context.Background(), alias, true)
+	if err != nil {
+		r.t.Fatalf("acquire %s: %v", alias, err)
+	}
+	return l
+}
+
+func (r *rig) states() string {
+	var parts []string
+	for _, a := range r.s.Aliases() {
+		parts = append(parts, a+"="+r.s.State()[a].State)
+	}
+	return strings.Join(parts, " ")
+}
+
+// A-B-B-A with overlap: requests for a sleeping model queue and join one
+// switch; a switch back waits for the requests the awake model runs.
+func TestSwitchABBA(t *testing.T) {
+	r := newRig(t, Controller{}, oneGroup("a", "b"), "a")
+	la := r.acquire("a")
+	if got := r.states(); got != "a=awake b=sleeping" {
+		t.Fatalf("at start: %s", got)
+	}
+	// Eight requests for b while a's request runs: one switch, after it.
+	var wg sync.WaitGroup
+	leases := make(chan *Lease, 8)
+	for range 8 {
+		wg.Add(1)
+		go func() { defer wg.Done(); leases <- r.acquire("b") }()
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for r.s.State()["b"].Queued != 8 || r.s.State()["a"].State != StateAwake {
+		if time.Now().After(deadline) {
+			t.Fatalf("the queue: %+v", r.s.State())
+		}
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(50 * time.Millisecond)
+	if r.engines["a"].count("sleep") != 0 {
+		t.Fatal("a was put to sleep under a running request")
+	}
+	la.Release()
+	la.Release() // a second release is nothing
+	wg.Wait()
+	close(leases)
+	if got := r.states(); got != "a=sleeping b=awake" {
+		t.Fatalf("after the switch: %s", got)
+	}
+	if n := r.engines["b"].count("wake"); n != 1 {
+		t.Fatalf("b woken %d times for eight requests", n)
+	}
+	rep := r.s.State()["b"].LastSwitch
+	if rep == nil || rep.From != "a" || rep.State != OutcomeSucceeded || !strings.Contains(rep.Drain, "waited for 1 request") {
+		t.Fatalf("report %+v", rep)
+	}
+	for l := range leases {
+		l.Release()
+	}
+	// And back to a.
+	r.acquire("a").Release()
+	if got := r.states(); got != "a=awake b=sleeping" {
+		t.Fatalf("after the switch back: %s", got)
+	}
+	if st := r.s.State()["a"]; st.Active != 0 || st.Queued != 0 {
+		t.Fatalf("a reservation leaked: %+v", st)
+	}
+}
+
+func TestQueuedRequestTimesOutAndCancels(t *testing.T) {
+	r := newRig(t, Controller{RequestTimeoutS: 0.1}, oneGroup("a", "b"), "a")
+	r.engines["b"].set(func(f *fakeEngine) { f.delay = 400 * time.Millisecond })
+	t0 := time.Now()
+	_, err := r.s.Acquire(context.Background(), "b", false)
+	if !errors.Is(err, ErrQueueTimeout) || time.Since(t0) > 300*time.Millisecond {
+		t.Fatalf("after %v: %v", time.Since(t0), err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() { time.Sleep(20 * time.Millisecond); cancel() }()
+	if _, err := r.s.Acquire(ctx, "b", false); !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled: %v", err)
+	}
+	if st := r.s.State()["b"]; st.Queued != 0 || st.Active != 0 {
+		t.Fatalf("left behind: %+v", st)
+	}
+	// The switch itself went on: b ends awake with no lease held.
+	deadline := time.Now().Add(5 * time.Second)
+	for r.s.State()["b"].State != StateAwake {
+		if time.Now().After(deadline) {
+			t.Fatalf("states %s", r.states())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if st := r.s.State()["b"]; st.Active != 0 {
+		t.Fatalf("a timed-out request holds a lease: %+v", st)
+	}
+}
+
+// A failed wake-up fails the queued requests with the cause, leaves the
+// model in error, and the next request reconciles and goes on.
+func TestAFailedWakeFailsClosedThenReconciles(t *testing.T) {
+	r := newRig(t, Controller{}, oneGroup("a", "b"), "a")
+	r.engines["b"].set(func(f *fakeEngine) { f.fail["wake"] = errors.New("CUDA out of memory") })
+	_, err := r.s.Acquire(context.Background(), "b", true)
+	var se *SwitchError
+	if !errors.As(err, &se) || !strings.Contains(err.Error(), "CUDA out of memory") {
+		t.Fatalf("acquire: %v", err)
+	}
+	if got := r.states(); got != "a=sleeping b=error" {
+		t.Fatalf("after the failure: %s", got)
+	}
+	r.engines["b"].set(func(f *fakeEngine) { delete(f.fail, "wake") })
+	r.acquire("b").Release()
+	if got := r.states(); got != "a=sleeping b=awake" {
+		t.Fatalf("after the retry: %s", got)
+	}
+}
+
+// A woken engine that answers its probe otherwise than before is in error
+// and its requests fail: wrong weights never serve.
+func TestAWrongWakeIsCaughtByTheProbe(t *testing.T) {
+	r := newRig(t, Controller{}, oneGroup("a", "b"), "a", "b")
+	// Both awake at start: the first alias stays, b is put to sleep (its
+	// probe recorded first).
+	deadline := time.Now().Add(5 * time.Second)
+	for r.states() != "a=awake b=sleeping" {
+		if time.Now().After(deadline) {
+			t.Fatalf("start-up: %s", r.states())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	r.engines["b"].set(func(f *fakeEngine) { f.wrongWake = true })
+	_, err := r.s.Acquire(context.Background(), "b", true)
+	if err == nil || !strings.Contains(err.Error(), "wake check failed") {
+		t.Fatalf("acquire: %v", err)
+	}
+	if st := r.s.State()["b"]; st.State != StateError {
+		t.Fatalf("b is %s", st.State)
+	}
+}
+
+// Two awake where one may be is an error for both, never a guess.
+func TestTwoAwakeAreBothInError(t *testing.T) {
+	r := newRig(t, Controller{}, oneGroup("a", "b"), "a")
+	r.engines["a"].set(func(f *fakeEngine) { f.fail["sleep"] = errors.New("sleep refused") })
+	if _, err := r.s.Acquire(context.Background(), "b", true); err == nil {
+		t.Fatal("the switch went on with a refusing to sleep")
+	}
+	// a is in error; meanwhile someone woke b by hand and a never slept.
+	r.engines["a"].set(func(f *fakeEngine) { delete(f.fail, "sleep") })
+	r.engines["b"].set(func(f *fakeEngine) { f.asleep = false })
+	r.s.mu.Lock()
+	r.s.setStateLocked(r.s.models["b"], StateUnknown, nil)
+	r.s.mu.Unlock()
+	_, err := r.s.Acquire(context.Background(), "b", true)
+	if err == nil || !strings.Contains(err.Error(), "at most one may be") {
+		t.Fatalf("acquire: %v", err)
+	}
+	if got := r.states(); got != "a=error b=error" {
+		t.Fatalf("states: %s", got)
+	}
+}
+
+// The queue goes by priority, then by age: among the requests waiting
+// when the group is free to switch (here, once a's minimum awake time
+// ends), the highest priority model is woken first.
+func TestPriorityOrdersTheQueue(t *testing.T) {
+	models := oneGroup("a", "b", "c")
+	b := models["b"]
+	b.Priority = 5
+	models["b"] = b
+	r := newRig(t, Controller{MinAwakeS: 0.2}, models)
+	la := r.acquire("a")
+	var order []string
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for _, m := range []string{"c", "b"} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			l := r.acquire(m)
+			mu.Lock()
+			order = append(order, m)
+			mu.Unlock()
+			l.Release()
+		}()
+		time.Sleep(20 * time.Millisecond) // c queues first
+	}
+	la.Release()
+	wg.Wait()
+	if strings.Join(order, ",") != "b,c" {
+		t.Fatalf("served %v", order)
+	}
+}
+
+// A model woken less than min_awake_s ago keeps serving; the switch away
+// waits for the floor.
+func TestMinAwakeHoldsTheSwitch(t *testing.T) {
+	r := newRig(t, Controller{MinAwakeS: 0.3}, oneGroup("a", "b"))
+	r.acquire("a").Release()
+	t0 := time.Now()
+	r.acquire("b").Release()
+	if d := time.Since(t0); d < 250*time.Millisecond {
+		t.Fatalf("b woken %v after a: under the minimum awake time", d)
+	}
+}
+
+// fakeMover moves every stream away and says when none is left.
+type fakeMover struct {
+	calls atomic.Int32
+	left  atomic.Int32
+}
+
+func (m *fakeMover) MoveAway(ctx context.Context, alias string, _ Model) (func() int, string, bool) {
+	m.calls.Add(1)
+	return func() int { return int(m.left.Load()) }, "moved 1 stream to " + alias + "-2 by migration", true
+}
+
+// With a Mover, a switch does not wait for the streams the awake model
+// runs: they go on elsewhere, and their leases no longer hold it.
+func TestStreamsMovedInsteadOfWaitedFor(t *testing.T) {
+	mv := &fakeMover{}
+	r := &rig{t: t, engines: map[string]*fakeEngine{}}
+	models := oneGroup("a", "b")
+	for alias := range models {
+		r.engines[alias] = &fakeEngine{asleep: alias != "a", answer: alias, fail: map[string]error{}}
+	}
+	s, err := New(Options{Models: models, Mover: mv, Backend: func(alias string, _ Model) Backend { return r.engines[alias] }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer func() { cancel(); s.Wait() }()
+	s.Run(ctx)
+	r.s = s
+	long := r.acquire("a") // a long stream, never released in time
+	r.acquire("b").Release()
+	if mv.calls.Load() != 1 || r.states() != "a=sleeping b=awake" {
+		t.Fatalf("mover calls %d, states %s", mv.calls.Load(), r.states())
+	}
+	if rep := s.State()["b"].LastSwitch; !strings.Contains(rep.Drain, "by migration") {
+		t.Fatalf("report %+v", rep)
+	}
+	// The moved stream's lease does not hold a's next drain.
+	r.acquire("a").Release()
+	r.acquire("b").Release()
+	if mv.calls.Load() != 1 {
+		t.Fatalf("the moved stream was moved again: %d calls", mv.calls.Load())
+	}
+	long.Release()
+}
+
+func TestConfigErrors(t *testing.T) {
+	ok := Model{BackendURL: "http://127.0.0.1:8000"}
+	for _, c := range []struct {
+		models map[string]Model
+		ctl    Controller
+		want   string
+	}{
+		{map[string]Model{"a": {BackendURL: "127.0.0.1:8000"}}, Controller{}, "backend_url"},
+		{map[string]Model{"a": {BackendURL: ok.BackendURL, SleepLevel: 3}}, Controller{}, "sleep_level"},
+		{map[string]Model{"a": {BackendURL: ok.BackendURL, WakeTags: []string{"all"}}}, Controller{}, "wake_tags"},
+		{map[string]Model{"a": ok, "b": ok}, Controller{}, "the same backend"},
+		{map[string]Model{"a": ok}, Controller{Policy: "random"}, "policy"},
+		{map[string]Model{"a": ok}, Controller{StartupAwakeModel: "z"}, "startup_awake_model"},
+		{map[string]Model{"a": ok}, Controller{SwitchTimeoutS: -1}, "negative"},
+		{map[string]Model{"a/b": ok}, Controller{}, "alias"},
+	} {
+		if err := Check(c.models, c.ctl); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%+v %+v: %v, want %q", c.models, c.ctl, err, c.want)
+		}
+	}
+}

@@ -1,0 +1,414 @@
+package switching
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
+)
+
+// SwitchReport is what one switch did, step by step; Step one of them.
+type (
+	SwitchReport = hostapi.SwitchReport
+	Step         = hostapi.SwitchStep
+)
+
+// Switch outcomes (the metric's label).
+const (
+	OutcomeSucceeded = "succeeded"
+	OutcomeFailed    = "failed"
+)
+
+// runStep records one step of rep, bounded by ctx.
+func runStep(ctx context.Context, rep *SwitchReport, name string, m *model, f func(context.Context) error) error {
+	t0 := time.Now()
+	err := f(ctx)
+	if err == nil && ctx.Err() != nil {
+		err = ctx.Err()
+	}
+	st := Step{Step: name, Model: m.alias, DurationS: time.Since(t0).Seconds()}
+	if errors.Is(err, context.DeadlineExceeded) {
+		err = fmt.Errorf("%s: the switch deadline passed", name)
+	}
+	if err != nil {
+		st.Error = err.Error()
+		err = fmt.Errorf("%s %s: %w", name, m.alias, err)
+	}
+	rep.Steps = append(rep.Steps, st)
+	return err
+}
+
+// switchTo makes t the awake model of g within the switch timeout:
+// reconcile, drain and sleep the awake one, wake t, check it.
+func (s *Switcher) switchTo(ctx context.Context, g *group, t *model) error {
+	rep := &SwitchReport{Model: t.alias, StartedAt: time.Now()}
+	sctx, cancel := context.WithTimeout(ctx, s.cfg.switchTimeout())
+	defer cancel()
+	err := s.transition(sctx, g, t, rep)
+	rep.DurationS = time.Since(rep.StartedAt).Seconds()
+	outcome := OutcomeSucceeded
+	if err != nil {
+		outcome, rep.Error = OutcomeFailed, err.Error()
+	}
+	rep.State = outcome
+	s.met.switches.WithLabelValues(t.alias, outcome).Inc()
+	s.met.seconds.WithLabelValues(t.alias).Observe(rep.DurationS)
+	s.mu.Lock()
+	t.last = rep
+	s.mu.Unlock()
+	s.log.Info("switch", zap.String("model", t.alias), zap.String("from", rep.From), zap.String("state", outcome),
+		zap.Float64("duration_s", rep.DurationS), zap.Float64("drain_s", rep.DrainS), zap.String("drain", rep.Drain), zap.Error(err))
+	return err
+}
+
+func (s *Switcher) transition(ctx context.Context, g *group, t *model, rep *SwitchReport) error {
+	if err := runStep(ctx, rep, "reconcile", t, func(ctx context.Context) error { return s.reconcile(ctx, g, t) }); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	var awake []*model
+	for _, m := range g.members {
+		if m.state == StateAwake {
+			awake = append(awake, m)
+		}
+	}
+	if len(awake) > 1 {
+		names := make([]string, len(awake))
+		for i, m := range awake {
+			names[i] = m.alias
+		}
+		err := fmt.Errorf("%d models of one GPU group are awake (%s) where at most one may be: all are in error until the next switch reconciles them",
+			len(awake), strings.Join(names, ", "))
+		for _, m := range awake {
+			s.setStateLocked(m, StateError, err)
+		}
+		s.mu.Unlock()
+		return err
+	}
+	s.mu.Unlock()
+	if len(awake) == 1 && awake[0] != t {
+		v := awake[0]
+		rep.From = v.alias
+		if err := s.putToSleep(ctx, v, rep); err != nil {
+			s.setState(v, StateError, err)
+			return err
+		}
+	}
+	if len(awake) == 1 && awake[0] == t {
+		return nil
+	}
+	s.setState(t, StateWaking, nil)
+	if err := s.wake(ctx, t, rep); err != nil {
+		s.setState(t, StateError, err)
+		return err
+	}
+	s.setState(t, StateAwake, nil)
+	return nil
+}
+
+// reconcile asks every member whose state is not settled what it is; t's
+// answer must come.
+func (s *Switcher) reconcile(ctx context.Context, g *group, t *model) error {
+	for _, m := range g.members {
+		s.mu.Lock()
+		settled := m.state == StateAwake || m.state == StateSleeping
+		s.mu.Unlock()
+		if settled {
+			continue
+		}
+		asleep, err := m.be.IsSleeping(ctx)
+		switch {
+		case err != nil:
+			s.setState(m, StateError, fmt.Errorf("reconciling: %w", err))
+			if m == t {
+				return err
+			}
+		case asleep:
+			s.setState(m, StateSleeping, nil)
+		default:
+			s.setState(m, StateAwake, nil)
+		}
+	}
+	return nil
+}
+
+// putToSleep drains v and puts it to sleep, checking that it sleeps.
+func (s *Switcher) putToSleep(ctx context.Context, v *model, rep *SwitchReport) error {
+	t0 := time.Now()
+	err := runStep(ctx, rep, "drain", v, func(ctx context.Context) error {
+		how, err := s.drain(ctx, v)
+		rep.Drain = how
+		return err
+	})
+	rep.DrainS = time.Since(t0).Seconds()
+	if err != nil {
+		return err
+	}
+	s.setState(v, StateSleepingInProgress, nil)
+	if err := runStep(ctx, rep, "sleep", v, func(ctx context.Context) error { return v.be.Sleep(ctx, v.cfg.sleepLevel()) }); err != nil {
+		return err
+	}
+	if err := runStep(ctx, rep, "verify_sleeping", v, func(ctx context.Context) error {
+		asleep, err := v.be.IsSleeping(ctx)
+		if err == nil && !asleep {
+			err = fmt.Errorf("the engine says it is not sleeping after /sleep")
+		}
+		return err
+	}); err != nil {
+		return err
+	}
+	s.setState(v, StateSleeping, nil)
+	return nil
+}
+
+// drain empties v of the requests it runs: its streams moved elsewhere
+// by migration where the Mover can, the rest waited for. It says how.
+func (s *Switcher) drain(ctx context.Context, v *model) (string, error) {
+	s.mu.Lock()
+	streams, others := v.onBackendLocked()
+	s.mu.Unlock()
+	if streams+others == 0 {
+		return "nothing to drain", nil
+	}
+	how := fmt.Sprintf("waited for %d requests to finish", streams+others)
+	onBackend := func() int { return 0 }
+	moved := false
+	if s.mover != nil && streams > 0 {
+		if n, note, ok := s.mover.MoveAway(ctx, v.alias, v.cfg); ok {
+			onBackend, moved = n, true
+			how = note
+			if others > 0 {
+				how += fmt.Sprintf("; waited for %d non-streaming requests", others)
+			}
+		} else if note != "" {
+			how += " (" + note + ")"
+		}
+	}
+	for {
+		s.mu.Lock()
+		streams, others := v.onBackendLocked()
+		left := others
+		if moved {
+			left += onBackend()
+		} else {
+			left += streams
+		}
+		if left == 0 {
+			if moved {
+				// Every stream still leased runs elsewhere now.
+				for l := range v.leases {
+					l.moved = l.moved || l.stream
+				}
+			}
+			s.mu.Unlock()
+			return how, nil
+		}
+		changed := s.changed
+		s.mu.Unlock()
+		select {
+		case <-ctx.Done():
+			return how, fmt.Errorf("%d requests still run on %s: %w", left, v.alias, ctx.Err())
+		case <-changed:
+		case <-time.After(20 * time.Millisecond): // onBackend is not ours to watch
+		}
+	}
+}
+
+// onBackendLocked counts the leases of m whose requests still run on its
+// backend, streaming and not.
+func (m *model) onBackendLocked() (streams, others int) {
+	for l := range m.leases {
+		switch {
+		case l.moved:
+		case l.stream:
+			streams++
+		default:
+			others++
+		}
+	}
+	return streams, others
+}
+
+// wake wakes t (its tags in order; after a level-2 sleep the weights
+// are reloaded before the KV cache wakes), checks it is awake and that it
+// answers its probe as before.
+func (s *Switcher) wake(ctx context.Context, t *model, rep *SwitchReport) error {
+	if err := runStep(ctx, rep, "wake", t, func(ctx context.Context) error { return wakeUp(ctx, t) }); err != nil {
+		return err
+	}
+	if err := runStep(ctx, rep, "verify_awake", t, func(ctx context.Context) error {
+		asleep, err := t.be.IsSleeping(ctx)
+		if err == nil && asleep {
+			err = fmt.Errorf("the engine says it is still sleeping after /wake_up")
+		}
+		return err
+	}); err != nil {
+		return err
+	}
+	return runStep(ctx, rep, "probe", t, func(ctx context.Context) error { return s.checkProbe(ctx, t) })
+}
+
+func wakeUp(ctx context.Context, t *model) error {
+	tags := t.cfg.WakeTags
+	level2 := t.cfg.sleepLevel() == 2
+	if len(tags) == 0 {
+		if !level2 {
+			return t.be.WakeUp(ctx)
+		}
+		tags = []string{"weights", "kv_cache"}
+	}
+	reloaded := false
+	for _, tag := range tags {
+		if err := t.be.WakeUp(ctx, tag); err != nil {
+			return err
+		}
+		if tag == "weights" && level2 {
+			if err := t.be.ReloadWeights(ctx); err != nil {
+				return fmt.Errorf("reloading the weights discarded by the level-2 sleep: %w", err)
+			}
+			reloaded = true
+		}
+	}
+	if level2 && !reloaded {
+		return fmt.Errorf("sleep_level 2 discards the weights, but wake_tags %v never wake them to reload", tags)
+	}
+	return nil
+}
+
+// checkProbe runs the greedy probe on t and compares it with the answer
+// recorded the first time t was seen awake (recording it then).
+func (s *Switcher) checkProbe(ctx context.Context, t *model) error {
+	got, err := t.be.Probe(ctx, s.cfg.probePrompt())
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !t.probed {
+		t.probe, t.probed = got, true
+		return nil
+	}
+	if got != t.probe {
+		return fmt.Errorf("wake check failed: the probe answered %q where it answered %q before (the woken weights are not the model's)", got, t.probe)
+	}
+	return nil
+}
+
+// startup learns every member's state, records the probes of the awake
+// ones, leaves at most one awake (the startup model where it is in g) and
+// queues the startup model's wake-up.
+func (s *Switcher) startup(ctx context.Context, g *group) {
+	sctx, cancel := context.WithTimeout(ctx, s.cfg.switchTimeout())
+	defer cancel()
+	rep := &SwitchReport{}
+	var awake []*model
+	for _, m := range g.members {
+		if err := s.reconcile(sctx, g, m); err != nil {
+			s.log.Warn("model state unknown at start-up", zap.String("model", m.alias), zap.Error(err))
+			continue
+		}
+		s.mu.Lock()
+		isAwake := m.state == StateAwake
+		s.mu.Unlock()
+		if isAwake {
+			if err := s.checkProbe(sctx, m); err != nil {
+				s.setState(m, StateError, fmt.Errorf("the start-up probe: %w", err))
+				continue
+			}
+			awake = append(awake, m)
+		}
+	}
+	keep := ""
+	if len(awake) > 0 {
+		keep = awake[0].alias
+	}
+	for _, m := range awake {
+		if m.alias == s.cfg.StartupAwakeModel {
+			keep = m.alias
+		}
+	}
+	for _, m := range awake {
+		if m.alias == keep {
+			continue
+		}
+		// Nothing is routed to it yet: it sleeps without a drain.
+		s.log.Info("start-up: more than one model of a group awake; putting one to sleep", zap.String("model", m.alias), zap.String("kept", keep))
+		if err := s.putToSleep(sctx, m, rep); err != nil {
+			s.setState(m, StateError, err)
+		}
+	}
+	if st := s.cfg.StartupAwakeModel; st != "" && s.models[st].g == g && keep != st {
+		go func() {
+			if _, err := s.Switch(ctx, st); err != nil {
+				s.log.Warn("waking the startup model", zap.String("model", st), zap.Error(err))
+			}
+		}()
+	}
+}
+
+// Switch makes alias its group's awake model now, as a request for it
+// would, and reports the switch (nil when it was awake already).
+func (s *Switcher) Switch(ctx context.Context, alias string) (*SwitchReport, error) {
+	w, granted, err := s.enqueue(alias, false, true)
+	switch {
+	case err != nil:
+		return nil, err
+	case granted:
+		return s.lastReport(w.m), nil
+	}
+	if err := s.await(ctx, w, s.cfg.switchTimeout()+s.cfg.requestTimeout()); err != nil {
+		return s.lastReport(w.m), err
+	}
+	return s.lastReport(w.m), nil
+}
+
+// Prewarm wakes alias and keeps it awake for ttl: no request for another
+// model of its group puts it to sleep before then.
+func (s *Switcher) Prewarm(ctx context.Context, alias string, ttl time.Duration) (time.Time, error) {
+	if ttl <= 0 || ttl > s.cfg.maxPrewarm() {
+		return time.Time{}, fmt.Errorf("ttl_s %.0f: want more than 0 and at most %.0f", ttl.Seconds(), s.cfg.maxPrewarm().Seconds())
+	}
+	if _, err := s.Switch(ctx, alias); err != nil {
+		return time.Time{}, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	m := s.models[alias]
+	m.pinnedUntil = time.Now().Add(ttl)
+	return m.pinnedUntil, nil
+}
+
+func (s *Switcher) lastReport(m *model) *SwitchReport {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return m.last
+}
+
+// ModelState is one alias in GET /admin/state.
+type ModelState = hostapi.SwitchedModel
+
+// State is every alias's state.
+func (s *Switcher) State() map[string]ModelState {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make(map[string]ModelState, len(s.models))
+	for alias, m := range s.models {
+		st := ModelState{State: m.state, Active: len(m.leases), Queued: m.queued, Group: m.cfg.Group,
+			ServedModelName: m.cfg.servedName(alias), BackendURL: m.cfg.BackendURL, LastError: m.lastErr, LastSwitch: m.last}
+		if m.state == StateAwake {
+			at := m.awakeSince
+			st.AwakeSince = &at
+		}
+		if time.Now().Before(m.pinnedUntil) {
+			at := m.pinnedUntil
+			st.PinnedUntil = &at
+		}
+		out[alias] = st
+	}
+	return out
+}
