@@ -77,7 +77,9 @@ func (r *switchRig) load(model string, n, tokens int) <-chan []loadgen.Stream {
 		seed := int64(i)
 		reqs[i] = loadgen.Request{Prompt: fmt.Sprintf("%s request %d", model, i), MaxTokens: tokens, IgnoreEOS: true, Seed: &seed}
 	}
-	go func() { done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: r.h.url, Model: model}, reqs) }()
+	go func() {
+		done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: r.h.url, Model: model}, reqs)
+	}()
 	return done
 }
 
