@@ -85,7 +85,7 @@ func loadOnA(ctx context.Context, st *stack.Stack, reqs []loadgen.Request) (<-ch
 			break
 		}
 		if time.Now().After(deadline) {
-			return nil, t0, fmt.Errorf("A holds %d of the %d requests after 30 s", s.NumRunning+s.NumWaiting, len(reqs))
+			return nil, t0, fmt.Errorf("after 30 s engine A holds %d of the %d requests", s.NumRunning+s.NumWaiting, len(reqs))
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
@@ -165,17 +165,6 @@ func maxGapBetween(streams []loadgen.Stream, from, to time.Time) time.Duration {
 		}
 	}
 	return m
-}
-
-// medianGap is the median inter-token gap over every stream.
-func medianGap(streams []loadgen.Stream) time.Duration {
-	var gaps []time.Duration
-	for _, s := range streams {
-		for j := 1; j < len(s.Arrivals); j++ {
-			gaps = append(gaps, s.Arrivals[j].Sub(s.Arrivals[j-1]))
-		}
-	}
-	return loadgen.Percentile(gaps, 0.5)
 }
 
 // lastArrival is when the last token of any stream arrived.

@@ -36,7 +36,8 @@ func NewRootCommand() *cobra.Command {
 	root.PersistentFlags().StringVar(&g.logFormat, "log-format", "console", "log format: console or json")
 	root.AddCommand(newVersionCommand(), newHostCommand(g), newAgentCommand(g), newSimCommand(g), newDemoCommand(g),
 		newBenchCommand(g), newInstancesCommand(), newMigrateCommand(), newMigrationCommand(), newWakeCommand(),
-		newDrainCommand(), newUndrainCommand(), newSwitchCommand(), newPrewarmCommand(), newStateCommand())
+		newDrainCommand(), newUndrainCommand(), newSwitchCommand(), newPrewarmCommand(), newStateCommand(),
+		newLaunchCommand(g), newStopCommand())
 	return root
 }
 

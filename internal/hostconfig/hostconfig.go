@@ -54,7 +54,7 @@ func Parse(b []byte, name string) (File, error) {
 	}
 	if len(f.Models) > 0 || f.Controller != (switching.Controller{}) {
 		if len(f.Models) == 0 {
-			return File{}, fmt.Errorf("%s: a controller: section without models:", name)
+			return File{}, fmt.Errorf("%s: a controller section without models", name)
 		}
 		if err := switching.Check(f.Models, f.Controller); err != nil {
 			return File{}, fmt.Errorf("%s: %w", name, err)

@@ -112,8 +112,20 @@ type Process struct {
 	once sync.Once
 }
 
-// Start runs s with vars filled in, its output appended to logFile.
+// Start runs s with vars filled in, its output appended to logFile, in a
+// process group of its own.
 func Start(s Spec, vars map[string]string, logFile string) (*Process, error) {
+	return start(s, vars, logFile, false)
+}
+
+// StartSession is Start in a session of its own (its group's id is its
+// pid): a process that outlives the one that started it (vhi launch's
+// backends), out of reach of its terminal's hang-up.
+func StartSession(s Spec, logFile string) (*Process, error) {
+	return start(s, nil, logFile, true)
+}
+
+func start(s Spec, vars map[string]string, logFile string, session bool) (*Process, error) {
 	argv := make([]string, len(s.Command))
 	for i, a := range s.Command {
 		argv[i] = fill(a, vars)
@@ -129,7 +141,7 @@ func Start(s Spec, vars map[string]string, logFile string) (*Process, error) {
 	for _, k := range keys {
 		cmd.Env = append(cmd.Env, k+"="+fill(s.Env[k], vars))
 	}
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: !session, Setsid: session}
 	if err := os.MkdirAll(filepath.Dir(logFile), 0o755); err != nil {
 		return nil, err
 	}
@@ -189,6 +201,9 @@ func (p *Process) Stop(grace time.Duration) {
 
 // Pid is the process's id.
 func (p *Process) Pid() int { return p.cmd.Process.Pid }
+
+// Argv is the command it runs.
+func (p *Process) Argv() []string { return p.cmd.Args }
 
 // tail keeps the last max bytes written.
 type tail struct {

@@ -117,14 +117,16 @@ func seconds(s float64, def time.Duration) time.Duration {
 }
 
 // servedName is the engine's name for the model.
-func (m Model) servedName(alias string) string {
+// ServedName is the engine's name for the model of this alias.
+func (m Model) ServedName(alias string) string {
 	if m.ServedModelName != "" {
 		return m.ServedModelName
 	}
 	return alias
 }
 
-func (m Model) sleepLevel() int { return max(m.SleepLevel, 1) }
+// Level is the model's sleep level (1 unless 2).
+func (m Model) Level() int { return max(m.SleepLevel, 1) }
 
 // Check says what is wrong with a configuration's models and controller.
 func Check(models map[string]Model, c Controller) error {

@@ -221,7 +221,7 @@ type Lease struct {
 func (l *Lease) BackendURL() string { return l.m.cfg.BackendURL }
 
 // ServedModelName is the engine's name of the model.
-func (l *Lease) ServedModelName() string { return l.m.cfg.servedName(l.m.alias) }
+func (l *Lease) ServedModelName() string { return l.m.cfg.ServedName(l.m.alias) }
 
 // Release gives the reservation back.
 func (l *Lease) Release() {

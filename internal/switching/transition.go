@@ -150,7 +150,7 @@ func (s *Switcher) putToSleep(ctx context.Context, v *model, rep *SwitchReport) 
 		return err
 	}
 	s.setState(v, StateSleepingInProgress, nil)
-	if err := runStep(ctx, rep, "sleep", v, func(ctx context.Context) error { return v.be.Sleep(ctx, v.cfg.sleepLevel()) }); err != nil {
+	if err := runStep(ctx, rep, "sleep", v, func(ctx context.Context) error { return v.be.Sleep(ctx, v.cfg.Level()) }); err != nil {
 		return err
 	}
 	if err := runStep(ctx, rep, "verify_sleeping", v, func(ctx context.Context) error {
@@ -238,7 +238,7 @@ func (m *model) onBackendLocked() (streams, others int) {
 // are reloaded before the KV cache wakes), checks it is awake and that it
 // answers its probe as before.
 func (s *Switcher) wake(ctx context.Context, t *model, rep *SwitchReport) error {
-	if err := runStep(ctx, rep, "wake", t, func(ctx context.Context) error { return wakeUp(ctx, t) }); err != nil {
+	if err := runStep(ctx, rep, "wake", t, func(ctx context.Context) error { return WakeUp(ctx, t.be, t.cfg) }); err != nil {
 		return err
 	}
 	if err := runStep(ctx, rep, "verify_awake", t, func(ctx context.Context) error {
@@ -253,22 +253,25 @@ func (s *Switcher) wake(ctx context.Context, t *model, rep *SwitchReport) error 
 	return runStep(ctx, rep, "probe", t, func(ctx context.Context) error { return s.checkProbe(ctx, t) })
 }
 
-func wakeUp(ctx context.Context, t *model) error {
-	tags := t.cfg.WakeTags
-	level2 := t.cfg.sleepLevel() == 2
+// WakeUp wakes the engine be of model m: its wake tags in order (none:
+// one call), and after a level-2 sleep the weights, their reload, then
+// the KV cache.
+func WakeUp(ctx context.Context, be Backend, m Model) error {
+	tags := m.WakeTags
+	level2 := m.Level() == 2
 	if len(tags) == 0 {
 		if !level2 {
-			return t.be.WakeUp(ctx)
+			return be.WakeUp(ctx)
 		}
 		tags = []string{"weights", "kv_cache"}
 	}
 	reloaded := false
 	for _, tag := range tags {
-		if err := t.be.WakeUp(ctx, tag); err != nil {
+		if err := be.WakeUp(ctx, tag); err != nil {
 			return err
 		}
 		if tag == "weights" && level2 {
-			if err := t.be.ReloadWeights(ctx); err != nil {
+			if err := be.ReloadWeights(ctx); err != nil {
 				return fmt.Errorf("reloading the weights discarded by the level-2 sleep: %w", err)
 			}
 			reloaded = true
@@ -399,7 +402,7 @@ func (s *Switcher) State() map[string]ModelState {
 	out := make(map[string]ModelState, len(s.models))
 	for alias, m := range s.models {
 		st := ModelState{State: m.state, Active: len(m.leases), Queued: m.queued, Group: m.cfg.Group,
-			ServedModelName: m.cfg.servedName(alias), BackendURL: m.cfg.BackendURL, LastError: m.lastErr, LastSwitch: m.last}
+			ServedModelName: m.cfg.ServedName(alias), BackendURL: m.cfg.BackendURL, LastError: m.lastErr, LastSwitch: m.last}
 		if m.state == StateAwake {
 			at := m.awakeSince
 			st.AwakeSince = &at

@@ -1,0 +1,194 @@
+// Package pool is the seed's launcher and verified stop for the engines
+// of switched models: vhi launch starts each model's backend in turn
+// (start, healthy, put to sleep and checked, next), wakes the startup
+// model, and only then writes its PID file, atomically; vhi stop signals
+// a process group only after checking, from /proc, that the PID is still
+// the process it started (same process group, same start time).
+package pool
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/internal/launch"
+	"github.com/vllm-hi/vllm-hi/internal/switching"
+)
+
+// LaunchOptions configure Launch.
+type LaunchOptions struct {
+	Models     map[string]switching.Model
+	Controller switching.Controller
+	PIDFile    string
+	LogDir     string        // the backends' output (default: the PID file's directory)
+	Ready      time.Duration // from start to healthy, per backend
+	Token      string        // presented to the engines' control routes
+	Grace      time.Duration // SIGTERM → SIGKILL when a failed launch stops what it started
+	Out        io.Writer     // progress lines
+	Log        *zap.Logger
+}
+
+// Launch starts the pool and writes the PID file once it is ready. On any
+// failure it stops what it started, writes nothing and says why.
+func Launch(ctx context.Context, o LaunchOptions) (PIDFile, error) {
+	if o.Out == nil {
+		o.Out = io.Discard
+	}
+	if o.Log == nil {
+		o.Log = zap.NewNop()
+	}
+	if o.LogDir == "" {
+		o.LogDir = filepath.Dir(o.PIDFile)
+	}
+	if err := checkPrevious(o.PIDFile); err != nil {
+		return PIDFile{}, err
+	}
+	client := &http.Client{}
+	out := PIDFile{Format: Format, LauncherPID: os.Getpid()}
+	var started []*launch.Process
+	fail := func(err error) (PIDFile, error) {
+		for i := len(started) - 1; i >= 0; i-- {
+			started[i].Stop(o.Grace)
+		}
+		return PIDFile{}, err
+	}
+	aliases := make([]string, 0, len(o.Models))
+	for a := range o.Models {
+		aliases = append(aliases, a)
+	}
+	sort.Strings(aliases)
+	for _, alias := range aliases {
+		m := o.Models[alias]
+		be := switching.NewHTTPBackend(m.BackendURL, m.ServedName(alias), o.Token, client)
+		if len(m.LaunchCommand) == 0 {
+			fmt.Fprintf(o.Out, "%s: no launch_command, managed elsewhere: not started\n", alias)
+			continue
+		}
+		logFile := filepath.Join(o.LogDir, alias+".log")
+		t0 := time.Now()
+		p, err := launch.StartSession(launch.Spec{Command: m.LaunchCommand, Env: m.Env, Cwd: m.Cwd}, logFile)
+		if err != nil {
+			return fail(fmt.Errorf("%s: %w", alias, err))
+		}
+		started = append(started, p)
+		info, err := readProc(p.Pid())
+		if err != nil {
+			return fail(fmt.Errorf("%s: reading the started process: %w (its log: %s)", alias, err, logFile))
+		}
+		fmt.Fprintf(o.Out, "%s: started pid %d (log %s)\n", alias, p.Pid(), logFile)
+		if err := waitHealthy(ctx, client, m.BackendURL, p, o.Ready); err != nil {
+			return fail(fmt.Errorf("%s: %w", alias, err))
+		}
+		healthy := time.Since(t0)
+		sctx, cancel := context.WithTimeout(ctx, o.Ready)
+		err = sleepAndVerify(sctx, be, m.Level())
+		cancel()
+		if err != nil {
+			return fail(fmt.Errorf("%s: putting it to sleep: %w", alias, err))
+		}
+		fmt.Fprintf(o.Out, "%s: healthy after %.1f s, asleep (level %d) after %.1f s\n", alias, healthy.Seconds(), m.Level(), time.Since(t0).Seconds())
+		out.Backends = append(out.Backends, Backend{Model: alias, PID: p.Pid(), PGID: info.PGID, StartTime: info.StartTime,
+			Argv: p.Argv(), BackendURL: m.BackendURL, Log: logFile})
+	}
+	if st := o.Controller.StartupAwakeModel; st != "" {
+		m := o.Models[st]
+		be := switching.NewHTTPBackend(m.BackendURL, m.ServedName(st), o.Token, client)
+		t0 := time.Now()
+		sctx, cancel := context.WithTimeout(ctx, o.Ready)
+		err := wakeAndVerify(sctx, be, m)
+		cancel()
+		if err != nil {
+			return fail(fmt.Errorf("waking the startup model %s: %w", st, err))
+		}
+		fmt.Fprintf(o.Out, "%s: awake (the startup model) after %.1f s\n", st, time.Since(t0).Seconds())
+	}
+	out.CreatedAt = time.Now().UTC()
+	if err := out.write(o.PIDFile); err != nil {
+		return fail(fmt.Errorf("writing %s: %w", o.PIDFile, err))
+	}
+	fmt.Fprintf(o.Out, "pool ready: %d backends started, PID file %s\n", len(out.Backends), o.PIDFile)
+	return out, nil
+}
+
+// checkPrevious refuses to replace a PID file that is not ours, or whose
+// processes still run.
+func checkPrevious(path string) error {
+	f, err := ReadPIDFile(path)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return nil
+	case err != nil:
+		return fmt.Errorf("%w; not overwriting it", err)
+	}
+	var alive []string
+	for _, b := range f.Backends {
+		if info, err := readProc(b.PID); err == nil && info.StartTime == b.StartTime {
+			alive = append(alive, fmt.Sprintf("%s (pid %d)", b.Model, b.PID))
+		}
+	}
+	if len(alive) > 0 {
+		return fmt.Errorf("the pool of %s still runs: %s; vhi stop --pid-file %s first", path, strings.Join(alive, ", "), path)
+	}
+	return nil
+}
+
+// waitHealthy polls GET /health until it answers 200, the process exits
+// or the ready timeout passes.
+func waitHealthy(ctx context.Context, client *http.Client, base string, p *launch.Process, ready time.Duration) error {
+	deadline := time.Now().Add(ready)
+	url := strings.TrimRight(base, "/") + "/health"
+	for {
+		rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		req, _ := http.NewRequestWithContext(rctx, http.MethodGet, url, nil)
+		resp, err := client.Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+		cancel()
+		if err == nil && resp.StatusCode == http.StatusOK {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("not healthy at %s within %v", url, ready)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-p.Exited():
+			return p.Why()
+		case <-time.After(250 * time.Millisecond):
+		}
+	}
+}
+
+func sleepAndVerify(ctx context.Context, be switching.Backend, level int) error {
+	if err := be.Sleep(ctx, level); err != nil {
+		return err
+	}
+	asleep, err := be.IsSleeping(ctx)
+	if err == nil && !asleep {
+		err = fmt.Errorf("the engine says it is not sleeping after /sleep")
+	}
+	return err
+}
+
+func wakeAndVerify(ctx context.Context, be switching.Backend, m switching.Model) error {
+	if err := switching.WakeUp(ctx, be, m); err != nil {
+		return err
+	}
+	asleep, err := be.IsSleeping(ctx)
+	if err == nil && asleep {
+		err = fmt.Errorf("the engine says it is still sleeping after /wake_up")
+	}
+	return err
+}
