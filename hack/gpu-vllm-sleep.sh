@@ -9,7 +9,9 @@
 #
 # Usage: hack/gpu-vllm-sleep.sh MODEL_DIR [OUT]
 # Environment: VLLM, GPU_UTIL [0.4], MAX_MODEL_LEN [4096], SERVE_ARGS,
-#   PORT [18100], HEALTH_WAIT_S [900]. Needs curl and nvidia-smi.
+#   PORT [18100], HEALTH_WAIT_S [900], CYCLES [1] (level-1 cycles),
+#   LEVEL2 [0] (1: then a level-2 cycle: weights, reload_weights,
+#   kv_cache). Needs curl and nvidia-smi.
 set -euo pipefail
 
 model=${1:?usage: hack/gpu-vllm-sleep.sh MODEL_DIR [OUT]}
@@ -44,9 +46,9 @@ tokens() {
     grep -o '"token_ids":\[[0-9, ]*\]' | tail -n 1
 }
 
-{
-  echo "gpu-vllm-sleep: $model, healthy after $((SECONDS - t0)) s, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
-  before_tokens=$(tokens)
+# cycle N: one level-1 sleep and wake-up, timed, tokens compared.
+cycle1() {
+  local awake asleep woken ms_sleep ms_wake is_sleeping t1 ms_first after same
   awake=$(gpu_mib)
   ms_sleep=$(post "/sleep?level=1")
   asleep=$(gpu_mib)
@@ -54,11 +56,36 @@ tokens() {
   ms_wake=$(post "/wake_up")
   woken=$(gpu_mib)
   t1=$(date +%s%N)
-  after_tokens=$(tokens)
+  after=$(tokens)
   ms_first=$(( ($(date +%s%N) - t1) / 1000000 ))
   same=no
-  [ -n "$before_tokens" ] && [ "$before_tokens" = "$after_tokens" ] && same=yes
-  echo "sleep level 1: POST /sleep ${ms_sleep} ms, POST /wake_up ${ms_wake} ms; GPU memory used ${awake} → ${asleep} (asleep, $is_sleeping) → ${woken} MiB"
+  [ -n "$before_tokens" ] && [ "$before_tokens" = "$after" ] && same=yes
+  echo "sleep level 1 (cycle $1): POST /sleep ${ms_sleep} ms, POST /wake_up ${ms_wake} ms; GPU memory used ${awake} → ${asleep} (asleep, $is_sleeping) → ${woken} MiB"
   echo "first request after the wake (32 tokens): ${ms_first} ms; same tokens as before the sleep: $same"
+}
+
+# A level-2 sleep discards the weights: the wake-up is vLLM's documented
+# sequence, weights, reload_weights, then the KV cache.
+cycle2() {
+  local awake asleep ms_sleep ms_w ms_reload ms_kv stale after same
+  awake=$(gpu_mib)
+  ms_sleep=$(post "/sleep?level=2")
+  asleep=$(gpu_mib)
+  ms_w=$(post "/wake_up?tags=weights")
+  ms_reload=$(curl -fsS -o /dev/null -w '%{time_total}' -X POST "$url/collective_rpc" -H 'Content-Type: application/json' \
+    -d '{"method":"reload_weights"}' | awk '{printf "%.1f", $1 * 1000}')
+  ms_kv=$(post "/wake_up?tags=kv_cache")
+  after=$(tokens)
+  same=no
+  [ -n "$before_tokens" ] && [ "$before_tokens" = "$after" ] && same=yes
+  echo "sleep level 2: POST /sleep ${ms_sleep} ms (GPU ${awake} → ${asleep} MiB), wake weights ${ms_w} ms, reload_weights ${ms_reload} ms, wake kv_cache ${ms_kv} ms; same tokens as before the sleep: $same"
+}
+
+{
+  echo "gpu-vllm-sleep: $model, healthy after $((SECONDS - t0)) s, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
+  before_tokens=$(tokens)
+  for ((c = 1; c <= ${CYCLES:-1}; c++)); do cycle1 "$c"; done
+  [ "${LEVEL2:-0}" = 1 ] && cycle2
+  true
 } | tee "$out/sleep.txt"
-[ "$(grep -c 'same tokens as before the sleep: yes' "$out/sleep.txt")" = 1 ]
+[ "$(grep -c 'same tokens as before the sleep: no' "$out/sleep.txt")" = 0 ]
