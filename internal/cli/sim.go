@@ -23,6 +23,7 @@ func newSimCommand(g *globalFlags) *cobra.Command {
 		port      int
 		served    []string
 		tokenFile string
+		startup   time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "sim",
@@ -57,6 +58,16 @@ sequences.`,
 			} else {
 				log.Info("engine hooks need the agent token", zap.String("token_file", from))
 			}
+			if startup > 0 {
+				// vLLM loads its weights and captures its graphs before
+				// it listens: a client sees the port refuse until then.
+				log.Info("modelled start-up before listening", zap.Duration("startup_time", startup))
+				select {
+				case <-cmd.Context().Done():
+					return nil
+				case <-time.After(startup):
+				}
+			}
 			return runSim(cmd.Context(), cfg, net.JoinHostPort(host, fmt.Sprint(port)), log)
 		},
 	}
@@ -84,6 +95,7 @@ sequences.`,
 	f.DurationVar(&cfg.Step.PerPrefillToken, "step-per-prefill-token", cfg.Step.PerPrefillToken, "modelled cost per prefilled token")
 	f.StringVar(&cfg.ShmDir, "shm-dir", cfg.ShmDir, "directory of the shared-memory KV files (a tmpfs)")
 	f.StringVar(&cfg.Device, "device", "cpu", "where the KV lives: cpu (shared-memory files) or cuda[:N] (GPU N, exported through CUDA IPC)")
+	f.DurationVar(&startup, "startup-time", 0, "modelled start-up: the engine listens only after this long (vLLM loads weights and captures graphs first)")
 	f.BoolVar(&cfg.SleepMode, "enable-sleep-mode", false, "serve /sleep and /wake_up (vLLM's --enable-sleep-mode)")
 	f.DurationVar(&cfg.SleepTime, "sleep-time", cfg.SleepTime, "how long /sleep takes")
 	f.DurationVar(&cfg.WakeUpTime, "wake-up-time", cfg.WakeUpTime, "how long /wake_up takes")
