@@ -342,6 +342,15 @@ type RebalanceStatus struct {
 // AdminState is GET /admin/state: every switched model by alias.
 type AdminState struct {
 	Models map[string]SwitchedModel `json:"models"`
+	// HostMemory is what level-1 sleepers hold in host memory, against
+	// the controller's budget (absent without one).
+	HostMemory *HostMemory `json:"host_memory,omitempty"`
+}
+
+// HostMemory is the level-1 sleepers' host memory and its budget.
+type HostMemory struct {
+	UsedGB   float64 `json:"used_gb"`
+	BudgetGB float64 `json:"budget_gb"`
 }
 
 // SwitchedModel is one alias in GET /admin/state: its state (unknown,
@@ -349,16 +358,20 @@ type AdminState struct {
 // running (active) and waiting for it (queued), and the latest switch
 // that woke it.
 type SwitchedModel struct {
-	State           string        `json:"state"`
-	Active          int           `json:"active"`
-	Queued          int           `json:"queued"`
-	Group           string        `json:"group,omitempty"`
-	ServedModelName string        `json:"served_model_name"`
-	BackendURL      string        `json:"backend_url"`
-	AwakeSince      *time.Time    `json:"awake_since,omitempty"`
-	PinnedUntil     *time.Time    `json:"pinned_until,omitempty"`
-	LastError       string        `json:"last_error,omitempty"`
-	LastSwitch      *SwitchReport `json:"last_switch,omitempty"`
+	State           string     `json:"state"`
+	Active          int        `json:"active"`
+	Queued          int        `json:"queued"`
+	Group           string     `json:"group,omitempty"`
+	ServedModelName string     `json:"served_model_name"`
+	BackendURL      string     `json:"backend_url"`
+	AwakeSince      *time.Time `json:"awake_since,omitempty"`
+	PinnedUntil     *time.Time `json:"pinned_until,omitempty"`
+	// SleepLevel is the level the model sleeps at (while it sleeps);
+	// HostMemoryGB what its weights take in host memory at level 1.
+	SleepLevel   int           `json:"sleep_level,omitempty"`
+	HostMemoryGB float64       `json:"host_memory_gb,omitempty"`
+	LastError    string        `json:"last_error,omitempty"`
+	LastSwitch   *SwitchReport `json:"last_switch,omitempty"`
 }
 
 // SwitchReport is what one switch did, step by step.

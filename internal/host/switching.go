@@ -157,7 +157,7 @@ func (h *Host) adminState(w http.ResponseWriter, _ *http.Request) {
 	if !h.switchingOn(w) {
 		return
 	}
-	writeJSON(w, http.StatusOK, hostapi.AdminState{Models: h.switcher.State()})
+	writeJSON(w, http.StatusOK, hostapi.AdminState{Models: h.switcher.State(), HostMemory: h.switcher.HostMemory()})
 }
 
 // adminSwitch is POST /admin/switch/{model}: wake the model now, as a

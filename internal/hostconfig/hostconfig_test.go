@@ -45,6 +45,7 @@ models:
     sleep_level: 1
     group: gpu0
     priority: 2
+    host_memory_gb: 16
     launch_command: [vllm, serve, Qwen/Qwen3-8B, --port, "8101", --enable-sleep-mode]
     env: {VLLM_SERVER_DEV_MODE: "1"}
   coder:
@@ -58,11 +59,13 @@ controller:
   request_timeout_s: 60
   switch_timeout_s: 90
   min_awake_s: 5
+  host_memory_budget_gb: 40
 `), "host.yaml")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if m := f.Models["coder"]; m.SleepLevel != 2 || len(m.WakeTags) != 2 || f.Controller.MinAwakeS != 5 || f.Models["chat"].Priority != 2 {
+	if m := f.Models["coder"]; m.SleepLevel != 2 || len(m.WakeTags) != 2 || f.Controller.MinAwakeS != 5 || f.Models["chat"].Priority != 2 ||
+		f.Models["chat"].HostMemoryGB != 16 || f.Controller.HostMemoryBudgetGB != 40 {
 		t.Fatalf("%+v", f)
 	}
 	for _, bad := range []struct{ yaml, want string }{

@@ -35,6 +35,10 @@ type Model struct {
 	// Group names the GPU the model shares with others: at most one model
 	// of a group is awake.
 	Group string `yaml:"group"`
+	// HostMemoryGB is the host memory the model's weights take while it
+	// sleeps at level 1 (its weights offloaded there): what the
+	// controller's host_memory_budget_gb accounts. 0: not accounted.
+	HostMemoryGB float64 `yaml:"host_memory_gb"`
 	// Priority orders the queue of a group: the model with the highest
 	// priority among those with waiting requests is woken next; ties go
 	// to the longest-waiting request.
@@ -75,6 +79,11 @@ type Controller struct {
 	ProbePrompt string `yaml:"probe_prompt"`
 	// MaxPrewarmS bounds POST /admin/prewarm's ttl_s (default 3600).
 	MaxPrewarmS float64 `yaml:"max_prewarm_s"`
+	// HostMemoryBudgetGB bounds the host memory level-1 sleepers hold
+	// together (their host_memory_gb); 0: no bound. A switch that would
+	// pass it demotes the group's least recently used level-1 sleepers to
+	// level 2 while the group's GPU is free (docs/switching.md).
+	HostMemoryBudgetGB float64 `yaml:"host_memory_budget_gb"`
 }
 
 // Defaults.
@@ -135,8 +144,8 @@ func Check(models map[string]Model, c Controller) error {
 	default:
 		return fmt.Errorf("controller.policy %q: want %s or %s", c.Policy, PolicySleepPrevious, PolicyAwakePrevious)
 	}
-	if c.RequestTimeoutS < 0 || c.SwitchTimeoutS < 0 || c.MinAwakeS < 0 || c.MaxPrewarmS < 0 {
-		return fmt.Errorf("controller: request_timeout_s, switch_timeout_s, min_awake_s and max_prewarm_s must not be negative")
+	if c.RequestTimeoutS < 0 || c.SwitchTimeoutS < 0 || c.MinAwakeS < 0 || c.MaxPrewarmS < 0 || c.HostMemoryBudgetGB < 0 {
+		return fmt.Errorf("controller: request_timeout_s, switch_timeout_s, min_awake_s, max_prewarm_s and host_memory_budget_gb must not be negative")
 	}
 	if c.StartupAwakeModel != "" {
 		if _, ok := models[c.StartupAwakeModel]; !ok {
@@ -161,6 +170,9 @@ func Check(models map[string]Model, c Controller) error {
 			if t != "weights" && t != "kv_cache" {
 				return fmt.Errorf("%s.wake_tags: unknown tag %q (weights, kv_cache)", where, t)
 			}
+		}
+		if m.HostMemoryGB < 0 {
+			return fmt.Errorf("%s.host_memory_gb must not be negative", where)
 		}
 		if len(m.LaunchCommand) == 0 && (len(m.Env) > 0 || m.Cwd != "") {
 			return fmt.Errorf("%s: env and cwd belong to a launch_command", where)

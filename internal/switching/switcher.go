@@ -87,10 +87,14 @@ type model struct {
 	queued      int
 	awakeSince  time.Time
 	pinnedUntil time.Time
-	probe       string // the greedy probe's answer when first seen awake
-	probed      bool
-	lastErr     string
-	last        *SwitchReport
+	// asleepAt is the level the model sleeps at (0 while it is not known
+	// to sleep): a model demoted to level 2 wakes as level 2 does.
+	asleepAt int
+	lastUsed time.Time // a lease taken or given back: the LRU order of demotion
+	probe    string    // the greedy probe's answer when first seen awake
+	probed   bool
+	lastErr  string
+	last     *SwitchReport
 }
 
 type group struct {
@@ -185,8 +189,11 @@ func (s *Switcher) setStateLocked(m *model, state string, err error) {
 	} else if state == StateAwake || state == StateSleeping {
 		m.lastErr = ""
 	}
-	if state == StateAwake {
-		m.awakeSince = time.Now()
+	switch {
+	case state == StateAwake:
+		m.awakeSince, m.asleepAt = time.Now(), 0
+	case state == StateSleeping && m.asleepAt == 0:
+		m.asleepAt = m.cfg.Level() // found asleep: at the level it is configured for
 	}
 	s.notifyLocked()
 }
@@ -229,6 +236,7 @@ func (l *Lease) Release() {
 		l.s.mu.Lock()
 		defer l.s.mu.Unlock()
 		delete(l.m.leases, l)
+		l.m.lastUsed = time.Now()
 		l.s.notifyLocked()
 	})
 }
@@ -237,6 +245,7 @@ func (s *Switcher) grantLocked(w *waiter) {
 	if !w.admin {
 		w.lease = &Lease{s: s, m: w.m, stream: w.stream}
 		w.m.leases[w.lease] = struct{}{}
+		w.m.lastUsed = time.Now()
 	}
 	w.ready <- nil
 }

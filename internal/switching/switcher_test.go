@@ -404,3 +404,75 @@ func TestConfigErrors(t *testing.T) {
 		}
 	}
 }
+
+// levels records each fake engine's sleep levels.
+type levelEngine struct {
+	*fakeEngine
+	mu     sync.Mutex
+	levels []int
+}
+
+func (e *levelEngine) Sleep(ctx context.Context, level int) error {
+	e.mu.Lock()
+	e.levels = append(e.levels, level)
+	e.mu.Unlock()
+	return e.fakeEngine.Sleep(ctx, level)
+}
+
+// Under a host memory budget a switch that would pass it demotes the
+// group's least recently used level-1 sleeper to level 2 (woken and put
+// back to sleep while the GPU is free), and that model's next wake-up
+// reloads its weights; with nothing to demote the sleeping model itself
+// sleeps at level 2.
+func TestHostMemoryBudgetDemotesTheLeastRecentlyUsed(t *testing.T) {
+	models := oneGroup("a", "b", "c")
+	for k, m := range models {
+		m.HostMemoryGB = 16
+		models[k] = m
+	}
+	engines := map[string]*levelEngine{}
+	for _, alias := range []string{"a", "b", "c"} {
+		engines[alias] = &levelEngine{fakeEngine: &fakeEngine{asleep: alias != "a", answer: alias, fail: map[string]error{}}}
+	}
+	s, err := New(Options{Models: models, Controller: Controller{HostMemoryBudgetGB: 24},
+		Backend: func(alias string, _ Model) Backend { return engines[alias] }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer func() { cancel(); s.Wait() }()
+	s.Run(ctx)
+	r := &rig{t: t, s: s}
+	r.acquire("a").Release()
+	r.acquire("b").Release() // a sleeps at level 1: 16 GB of 24
+	if hm := s.HostMemory(); hm.UsedGB != 16 || s.State()["a"].SleepLevel != 1 {
+		t.Fatalf("after a → b: %+v, a %+v", hm, s.State()["a"])
+	}
+	r.acquire("c").Release() // b at level 1 would make 32: a (the least recently used) is demoted
+	if got := s.State(); got["a"].SleepLevel != 2 || got["b"].SleepLevel != 1 || s.HostMemory().UsedGB != 16 {
+		t.Fatalf("after b → c: a %+v, b %+v, %+v", got["a"], got["b"], s.HostMemory())
+	}
+	engines["a"].mu.Lock()
+	levels := fmt.Sprint(engines["a"].levels)
+	engines["a"].mu.Unlock()
+	if levels != "[1 2]" || engines["a"].count("wake") != 1 {
+		t.Fatalf("a slept at %s, woke %d times (once for its demotion)", levels, engines["a"].count("wake"))
+	}
+	rep := s.State()["c"].LastSwitch
+	var steps []string
+	for _, st := range rep.Steps {
+		steps = append(steps, st.Step+":"+st.Model)
+	}
+	if got := strings.Join(steps, " "); !strings.Contains(got, "sleep:b verify_sleeping:b demote:a wake:c") {
+		t.Fatalf("steps %s", got)
+	}
+	// a, demoted, wakes as level 2 does: its weights are reloaded.
+	r.acquire("a").Release()
+	if n := engines["a"].count("reload"); n != 1 {
+		t.Fatalf("a's wake-up after its demotion reloaded %d times", n)
+	}
+	// c sleeps now; b (level 1, 16 GB) is the one to demote, and is.
+	if got := s.State(); got["c"].SleepLevel != 1 || got["b"].SleepLevel != 2 || s.HostMemory().UsedGB != 16 {
+		t.Fatalf("after c → a: %+v %+v %+v", got["b"], got["c"], s.HostMemory())
+	}
+}

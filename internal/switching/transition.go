@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sort"
 	"strings"
 	"time"
 
@@ -149,8 +150,9 @@ func (s *Switcher) putToSleep(ctx context.Context, v *model, rep *SwitchReport) 
 	if err != nil {
 		return err
 	}
+	level, demote := s.sleepPlan(v)
 	s.setState(v, StateSleepingInProgress, nil)
-	if err := runStep(ctx, rep, "sleep", v, func(ctx context.Context) error { return v.be.Sleep(ctx, v.cfg.Level()) }); err != nil {
+	if err := runStep(ctx, rep, "sleep", v, func(ctx context.Context) error { return v.be.Sleep(ctx, level) }); err != nil {
 		return err
 	}
 	if err := runStep(ctx, rep, "verify_sleeping", v, func(ctx context.Context) error {
@@ -162,8 +164,86 @@ func (s *Switcher) putToSleep(ctx context.Context, v *model, rep *SwitchReport) 
 	}); err != nil {
 		return err
 	}
-	s.setState(v, StateSleeping, nil)
+	s.mu.Lock()
+	v.asleepAt = level
+	s.setStateLocked(v, StateSleeping, nil)
+	s.mu.Unlock()
+	// The group's GPU is free until the target wakes: the sleepers that
+	// must give their host memory back wake there and sleep at level 2.
+	for _, u := range demote {
+		if err := runStep(ctx, rep, "demote", u, func(ctx context.Context) error { return s.demote(ctx, u) }); err != nil {
+			s.setState(u, StateError, err)
+			return err
+		}
+	}
 	return nil
+}
+
+// sleepPlan is the level v sleeps at and the level-1 sleepers of its
+// group to demote, under the host memory budget: the least recently used
+// first, until what level-1 sleepers hold with v fits. The model being
+// woken is not counted (its host copy goes back to the GPU). When the
+// group's sleepers cannot free enough, v itself sleeps at level 2.
+func (s *Switcher) sleepPlan(v *model) (int, []*model) {
+	budget := s.cfg.HostMemoryBudgetGB
+	if v.cfg.Level() == 2 || budget <= 0 || v.cfg.HostMemoryGB <= 0 {
+		return v.cfg.Level(), nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	used := v.cfg.HostMemoryGB
+	var cands []*model
+	for _, m := range s.models {
+		if m == v || m == v.g.switching || m.state != StateSleeping || m.asleepAt != 1 {
+			continue
+		}
+		used += m.cfg.HostMemoryGB
+		if m.g == v.g && m.cfg.HostMemoryGB > 0 {
+			cands = append(cands, m)
+		}
+	}
+	sort.Slice(cands, func(i, j int) bool { return cands[i].lastUsed.Before(cands[j].lastUsed) })
+	var demote []*model
+	for _, m := range cands {
+		if used <= budget {
+			break
+		}
+		demote = append(demote, m)
+		used -= m.cfg.HostMemoryGB
+	}
+	if used > budget {
+		s.log.Info("host memory budget: the model sleeps at level 2", zap.String("model", v.alias),
+			zap.Float64("level1_gb", used), zap.Float64("budget_gb", budget))
+		return 2, nil
+	}
+	return 1, demote
+}
+
+// demote wakes a level-1 sleeper and puts it back to sleep at level 2,
+// so that its weights leave host memory.
+func (s *Switcher) demote(ctx context.Context, u *model) error {
+	if err := WakeUp(ctx, u.be, u.cfg); err != nil {
+		return fmt.Errorf("waking it: %w", err)
+	}
+	if err := sleepAndVerify(ctx, u.be, 2); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	u.asleepAt = 2
+	s.mu.Unlock()
+	s.log.Info("host memory budget: demoted to level 2", zap.String("model", u.alias), zap.Float64("host_memory_gb", u.cfg.HostMemoryGB))
+	return nil
+}
+
+func sleepAndVerify(ctx context.Context, be Backend, level int) error {
+	if err := be.Sleep(ctx, level); err != nil {
+		return err
+	}
+	asleep, err := be.IsSleeping(ctx)
+	if err == nil && !asleep {
+		err = fmt.Errorf("the engine says it is not sleeping after /sleep")
+	}
+	return err
 }
 
 // drain empties v of the requests it runs: its streams moved elsewhere
@@ -238,7 +318,13 @@ func (m *model) onBackendLocked() (streams, others int) {
 // are reloaded before the KV cache wakes), checks it is awake and that it
 // answers its probe as before.
 func (s *Switcher) wake(ctx context.Context, t *model, rep *SwitchReport) error {
-	if err := runStep(ctx, rep, "wake", t, func(ctx context.Context) error { return WakeUp(ctx, t.be, t.cfg) }); err != nil {
+	s.mu.Lock()
+	cfg := t.cfg
+	if t.asleepAt == 2 {
+		cfg.SleepLevel = 2 // demoted: its weights come back from disk
+	}
+	s.mu.Unlock()
+	if err := runStep(ctx, rep, "wake", t, func(ctx context.Context) error { return WakeUp(ctx, t.be, cfg) }); err != nil {
 		return err
 	}
 	if err := runStep(ctx, rep, "verify_awake", t, func(ctx context.Context) error {
@@ -395,6 +481,23 @@ func (s *Switcher) lastReport(m *model) *SwitchReport {
 // ModelState is one alias in GET /admin/state.
 type ModelState = hostapi.SwitchedModel
 
+// HostMemory is what level-1 sleepers hold against the budget (nil
+// without one).
+func (s *Switcher) HostMemory() *hostapi.HostMemory {
+	if s.cfg.HostMemoryBudgetGB <= 0 {
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	hm := &hostapi.HostMemory{BudgetGB: s.cfg.HostMemoryBudgetGB}
+	for _, m := range s.models {
+		if m.state == StateSleeping && m.asleepAt == 1 {
+			hm.UsedGB += m.cfg.HostMemoryGB
+		}
+	}
+	return hm
+}
+
 // State is every alias's state.
 func (s *Switcher) State() map[string]ModelState {
 	s.mu.Lock()
@@ -407,6 +510,10 @@ func (s *Switcher) State() map[string]ModelState {
 			at := m.awakeSince
 			st.AwakeSince = &at
 		}
+		if m.state == StateSleeping {
+			st.SleepLevel = m.asleepAt
+		}
+		st.HostMemoryGB = m.cfg.HostMemoryGB
 		if time.Now().Before(m.pinnedUntil) {
 			at := m.pinnedUntil
 			st.PinnedUntil = &at
