@@ -83,6 +83,13 @@ func Launch(ctx context.Context, o LaunchOptions) (PIDFile, error) {
 		started = append(started, p)
 		info, err := readProc(p.Pid())
 		if err != nil {
+			// An engine that exits at once is gone before it can be read:
+			// say why it exited, not that it could not be read.
+			select {
+			case <-p.Exited():
+				return fail(fmt.Errorf("%s: %w", alias, p.Why()))
+			case <-time.After(time.Second):
+			}
 			return fail(fmt.Errorf("%s: reading the started process: %w (its log: %s)", alias, err, logFile))
 		}
 		fmt.Fprintf(o.Out, "%s: started pid %d (log %s)\n", alias, p.Pid(), logFile)
@@ -91,7 +98,7 @@ func Launch(ctx context.Context, o LaunchOptions) (PIDFile, error) {
 		}
 		healthy := time.Since(t0)
 		sctx, cancel := context.WithTimeout(ctx, o.Ready)
-		err = sleepAndVerify(sctx, be, m.Level())
+		err = switching.SleepAndVerify(sctx, be, m.Level())
 		cancel()
 		if err != nil {
 			return fail(fmt.Errorf("%s: putting it to sleep: %w", alias, err))
@@ -105,7 +112,7 @@ func Launch(ctx context.Context, o LaunchOptions) (PIDFile, error) {
 		be := switching.NewHTTPBackend(m.BackendURL, m.ServedName(st), o.Token, client)
 		t0 := time.Now()
 		sctx, cancel := context.WithTimeout(ctx, o.Ready)
-		err := wakeAndVerify(sctx, be, m)
+		err := switching.WakeAndVerify(sctx, be, m)
 		cancel()
 		if err != nil {
 			return fail(fmt.Errorf("waking the startup model %s: %w", st, err))
@@ -169,26 +176,4 @@ func waitHealthy(ctx context.Context, client *http.Client, base string, p *launc
 		case <-time.After(250 * time.Millisecond):
 		}
 	}
-}
-
-func sleepAndVerify(ctx context.Context, be switching.Backend, level int) error {
-	if err := be.Sleep(ctx, level); err != nil {
-		return err
-	}
-	asleep, err := be.IsSleeping(ctx)
-	if err == nil && !asleep {
-		err = fmt.Errorf("the engine says it is not sleeping after /sleep")
-	}
-	return err
-}
-
-func wakeAndVerify(ctx context.Context, be switching.Backend, m switching.Model) error {
-	if err := switching.WakeUp(ctx, be, m); err != nil {
-		return err
-	}
-	asleep, err := be.IsSleeping(ctx)
-	if err == nil && asleep {
-		err = fmt.Errorf("the engine says it is still sleeping after /wake_up")
-	}
-	return err
 }

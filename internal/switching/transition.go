@@ -225,7 +225,7 @@ func (s *Switcher) demote(ctx context.Context, u *model) error {
 	if err := WakeUp(ctx, u.be, u.cfg); err != nil {
 		return fmt.Errorf("waking it: %w", err)
 	}
-	if err := sleepAndVerify(ctx, u.be, 2); err != nil {
+	if err := SleepAndVerify(ctx, u.be, 2); err != nil {
 		return err
 	}
 	s.mu.Lock()
@@ -235,7 +235,8 @@ func (s *Switcher) demote(ctx context.Context, u *model) error {
 	return nil
 }
 
-func sleepAndVerify(ctx context.Context, be Backend, level int) error {
+// SleepAndVerify puts be to sleep at level and checks that it says so.
+func SleepAndVerify(ctx context.Context, be Backend, level int) error {
 	if err := be.Sleep(ctx, level); err != nil {
 		return err
 	}
@@ -367,6 +368,18 @@ func WakeUp(ctx context.Context, be Backend, m Model) error {
 		return fmt.Errorf("sleep_level 2 discards the weights, but wake_tags %v never wake them to reload", tags)
 	}
 	return nil
+}
+
+// WakeAndVerify wakes be (WakeUp) and checks that it says it is awake.
+func WakeAndVerify(ctx context.Context, be Backend, m Model) error {
+	if err := WakeUp(ctx, be, m); err != nil {
+		return err
+	}
+	asleep, err := be.IsSleeping(ctx)
+	if err == nil && asleep {
+		err = fmt.Errorf("the engine says it is still sleeping after /wake_up")
+	}
+	return err
 }
 
 // checkProbe runs the greedy probe on t and compares it with the answer
