@@ -182,6 +182,34 @@ func (c *Client) Undrain(ctx context.Context, id string) (out Instance, err erro
 	return out, c.do(ctx, http.MethodPost, path(PathUndrain, id), struct{}{}, &out)
 }
 
+// Scale starts a scale operation and returns its id (the running one's,
+// when the same target is being scaled to already).
+func (c *Client) Scale(ctx context.Context, req ScaleRequest) (string, error) {
+	var out ScaleAnswer
+	if err := c.do(ctx, http.MethodPost, PathScale, req, &out); err != nil {
+		return "", err
+	}
+	return out.ID, nil
+}
+
+// ScaleStatus returns a scale operation's status.
+func (c *Client) ScaleStatus(ctx context.Context, id string) (out ScaleStatus, err error) {
+	return out, c.do(ctx, http.MethodGet, path(PathScaleStatus, id), nil, &out)
+}
+
+// Scales lists the scale operations, newest first.
+func (c *Client) Scales(ctx context.Context) ([]ScaleStatus, error) {
+	var out ScaleList
+	err := c.do(ctx, http.MethodGet, PathScales, nil, &out)
+	return out.Scales, err
+}
+
+// WaitScale polls a scale operation until it ends or ctx does.
+func (c *Client) WaitScale(ctx context.Context, id string, every time.Duration, progress func(ScaleStatus)) (ScaleStatus, error) {
+	return wait(ctx, every, 100*time.Millisecond, func(ctx context.Context) (ScaleStatus, error) { return c.ScaleStatus(ctx, id) },
+		ScaleStatus.Ended, progress, func(st ScaleStatus) string { return "scale " + id + " still " + st.State })
+}
+
 // AdminState is every switched model's state.
 func (c *Client) AdminState(ctx context.Context) (out AdminState, err error) {
 	return out, c.do(ctx, http.MethodGet, PathAdminState, nil, &out)

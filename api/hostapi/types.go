@@ -21,6 +21,9 @@ const (
 	PathDrainStatus     = "/vllm_hi/drains/{id}/status"
 	PathDrains          = "/vllm_hi/drains"
 	PathRebalance       = "/vllm_hi/rebalance"
+	PathScale           = "/vllm_hi/scale"
+	PathScaleStatus     = "/vllm_hi/scale/{id}/status"
+	PathScales          = "/vllm_hi/scales"
 	// Model switching, the seed's admin routes.
 	PathAdminState   = "/admin/state"
 	PathAdminSwitch  = "/admin/switch/{model}"
@@ -40,6 +43,8 @@ const (
 	StateSucceeded = "succeeded"
 	StateAborted   = "aborted"
 	StateFailed    = "failed"
+	// StateRolledBack: a scale whose check failed, put back to its size.
+	StateRolledBack = "rolled_back"
 )
 
 // Verification modes: what the Host compares between the source's and the
@@ -417,4 +422,57 @@ type PrewarmResult struct {
 	Model       string    `json:"model"`
 	State       string    `json:"state"`
 	PinnedUntil time.Time `json:"pinned_until"`
+}
+
+// ScaleRequest is POST /vllm_hi/scale's body: an absolute target for one
+// deployment, named by model or by instance.
+type ScaleRequest struct {
+	Model            string `json:"model,omitempty"`
+	ID               string `json:"vllm_hi_id,omitempty"`
+	DataParallelSize *int   `json:"data_parallel_size,omitempty"`
+	Replicas         *int   `json:"replicas,omitempty"`
+}
+
+// ScaleAnswer is its answer.
+type ScaleAnswer struct {
+	ID string `json:"scale_id"`
+}
+
+// ScalePhase is one phase of a scale: prepare (the engine serves while it
+// readies the target topology), commit (it answers 503: the Host holds
+// requests), verify (the probe against the answer before).
+type ScalePhase struct {
+	Phase     string    `json:"phase"`
+	StartedAt time.Time `json:"started_at"`
+	DurationS float64   `json:"duration_s"`
+}
+
+// ScaleStatus is GET /vllm_hi/scale/{id}/status.
+type ScaleStatus struct {
+	ID       string       `json:"scale_id"`
+	State    string       `json:"state"` // running, succeeded, failed, rolled_back
+	Kind     string       `json:"kind"`  // elastic_ep
+	Instance string       `json:"vllm_hi_id"`
+	Model    string       `json:"model"`
+	From     int          `json:"from"` // 0: not known (the Host had not scaled it before)
+	To       int          `json:"to"`
+	Phases   []ScalePhase `json:"phases"`
+	// DowntimeS is the commit as the Host saw it (first 503 → the engine's
+	// answer); TotalS the whole operation.
+	DowntimeS float64 `json:"downtime_s"`
+	TotalS    float64 `json:"total_s"`
+	// HeldRequests counts the requests held through the commit and sent
+	// again instead of failing.
+	HeldRequests int       `json:"held_requests"`
+	Error        string    `json:"error,omitempty"`
+	CreatedAt    time.Time `json:"created_at"`
+	FinishedAt   time.Time `json:"finished_at,omitempty"`
+}
+
+// Ended says whether the operation is over.
+func (s ScaleStatus) Ended() bool { return s.State != "" && s.State != StateRunning }
+
+// ScaleList is GET /vllm_hi/scales.
+type ScaleList struct {
+	Scales []ScaleStatus `json:"scales"`
 }

@@ -246,3 +246,31 @@ func (h *Host) migrationStatus(w http.ResponseWriter, r *http.Request) {
 func (h *Host) migrations(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, hostapi.MigrationList{Migrations: h.mig.List()})
 }
+
+// scale starts a scale operation (POST /vllm_hi/scale).
+func (h *Host) scale(w http.ResponseWriter, r *http.Request) {
+	var req hostapi.ScaleRequest
+	if err := decodeStrict(io.LimitReader(r.Body, 1<<16), &req); err != nil {
+		proxy.WriteError(w, http.StatusBadRequest, "BadRequestError", "malformed scale body: "+err.Error())
+		return
+	}
+	id, err := h.scaler.Start(req)
+	if err != nil {
+		fail(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, hostapi.ScaleAnswer{ID: id})
+}
+
+func (h *Host) scaleStatus(w http.ResponseWriter, r *http.Request) {
+	st, ok := h.scaler.Get(chi.URLParam(r, "id"))
+	if !ok {
+		proxy.WriteError(w, http.StatusNotFound, "NotFoundError", "no such scale operation")
+		return
+	}
+	writeJSON(w, http.StatusOK, st)
+}
+
+func (h *Host) scales(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, hostapi.ScaleList{Scales: h.scaler.List()})
+}

@@ -31,6 +31,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
 	"github.com/vllm-hi/vllm-hi/internal/rebalance"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
+	"github.com/vllm-hi/vllm-hi/internal/scale"
 	"github.com/vllm-hi/vllm-hi/internal/store"
 	"github.com/vllm-hi/vllm-hi/internal/switching"
 )
@@ -76,6 +77,8 @@ type Config struct {
 	// Controller their policy; none: no switching.
 	Models     map[string]switching.Model
 	Controller switching.Controller
+	// Scale is how the Host scales deployments (POST /vllm_hi/scale).
+	Scale scale.Config
 }
 
 // DefaultConfig returns the documented defaults.
@@ -89,6 +92,7 @@ func DefaultConfig() Config {
 		Migration:         migrate.DefaultConfig(),
 		Rebalance:         rebalance.DefaultConfig(),
 		Failover:          failover.DefaultConfig(),
+		Scale:             scale.DefaultConfig(),
 	}
 }
 
@@ -105,6 +109,7 @@ type Host struct {
 	balancer  *rebalance.Balancer
 	failover  *failover.Manager
 	switcher  *switching.Switcher // nil without switched models
+	scaler    *scale.Scaler
 	grpc      *grpc.Server
 	bodies    *budget
 	serverTLS *tls.Config
@@ -173,6 +178,11 @@ func New(cfg Config, log *zap.Logger) (*Host, error) {
 	if h.failover.Enabled() {
 		h.proxy.SetRecover(h.failover.Recover)
 	}
+	if err := cfg.Scale.Check(); err != nil {
+		h.closeStore()
+		return nil, err
+	}
+	h.scaler = scale.New(cfg.Scale, h.reg, cfg.AgentToken, h.m.scales, log.Named("scale"))
 	if h.switcher, err = h.newSwitcher(cfg); err != nil {
 		h.closeStore()
 		return nil, err
@@ -214,6 +224,8 @@ func (h *Host) Handler() http.Handler {
 	r.Get(hostapi.PathDrainStatus, h.drainStatus)
 	r.Get(hostapi.PathDrains, h.drains)
 	r.Get(hostapi.PathRebalance, h.rebalanceDecisions)
+	r.Get(hostapi.PathScaleStatus, h.scaleStatus)
+	r.Get(hostapi.PathScales, h.scales)
 	r.Group(func(r chi.Router) {
 		r.Use(h.requireAdmin)
 		r.Post(hostapi.PathDrain, h.drain)
@@ -221,6 +233,7 @@ func (h *Host) Handler() http.Handler {
 		r.Post(hostapi.PathWake, h.wake)
 		r.Delete(hostapi.PathInstance, h.forget)
 		r.Post(hostapi.PathMigrate, h.migrate)
+		r.Post(hostapi.PathScale, h.scale)
 		r.Get(hostapi.PathAdminState, h.adminState)
 		r.Post(hostapi.PathAdminSwitch, h.adminSwitch)
 		r.Post(hostapi.PathAdminPrewarm, h.adminPrewarm)

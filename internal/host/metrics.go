@@ -8,6 +8,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
 	"github.com/vllm-hi/vllm-hi/internal/rebalance"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
+	"github.com/vllm-hi/vllm-hi/internal/scale"
 )
 
 // metrics are the Host's own instruments, all prefixed vhi_.
@@ -18,6 +19,7 @@ type metrics struct {
 	proxy         *proxy.Metrics
 	migrations    *migrate.Metrics
 	rebalance     *prometheus.CounterVec
+	scales        *prometheus.CounterVec
 	failover      *failover.Metrics
 }
 
@@ -35,12 +37,13 @@ func newMetrics(reg prometheus.Registerer, instances *registry.Registry) *metric
 		proxy:      proxy.NewMetrics(),
 		migrations: migrate.NewMetrics(),
 		rebalance:  rebalance.NewMetric(),
+		scales:     scale.NewMetric(),
 		failover:   failover.NewMetrics(),
 	}
 	instancesByState := prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "vhi_instances", Help: "Registered instances by state.",
 	}, []string{"state"})
-	reg.MustRegister(m.requests, m.heartbeats, m.registrations, m.rebalance, &stateCollector{vec: instancesByState, reg: instances})
+	reg.MustRegister(m.requests, m.heartbeats, m.registrations, m.rebalance, m.scales, &stateCollector{vec: instancesByState, reg: instances})
 	reg.MustRegister(m.proxy.Collectors()...)
 	reg.MustRegister(m.migrations.Collectors()...)
 	reg.MustRegister(m.failover.Collectors()...)

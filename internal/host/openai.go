@@ -16,6 +16,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
+	"github.com/vllm-hi/vllm-hi/internal/registry"
 )
 
 func newRequestID() string {
@@ -136,7 +137,7 @@ func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 		h.switched(w, r, body, head.Model, head.Stream, release)
 		return
 	}
-	inst, known, ok := h.reg.Route(head.Model)
+	inst, known, ok := h.route(head.Model, nil)
 	switch {
 	case !known:
 		h.count("", http.StatusNotFound)
@@ -155,9 +156,9 @@ func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 	hdr, engineID := h.upstreamHeader(r)
 	res := h.proxy.Forward(w, r, proxy.Upstream{
 		BaseURL: inst.Engine.URL, Path: r.URL.Path, Body: body, Header: hdr, Model: head.Model, InstanceID: inst.ID,
-		RequestID: engineID, Sent: release,
+		RequestID: engineID, Sent: release, Hold: h.scaler.Hold,
 		Reroute: func(tried []string) (string, string, bool) {
-			i, ok := h.reg.RouteAvoiding(head.Model, tried)
+			i, _, ok := h.route(head.Model, tried)
 			return i.Engine.URL, i.ID, ok
 		},
 	})
@@ -194,4 +195,22 @@ func (h *Host) upstreamHeader(r *http.Request) (http.Header, string) {
 		prefix = "chatcmpl-"
 	}
 	return hdr, prefix + rid
+}
+
+// route picks a registered instance for model, avoiding those tried and
+// the engines model switching owns: those sleep and wake under the
+// switcher's leases, so only requests by their alias may reach them.
+func (h *Host) route(model string, avoid []string) (registry.Instance, bool, bool) {
+	inst, known, ok := h.reg.Route(model)
+	if len(avoid) == 0 && (!ok || !h.switchedEngine(inst.Engine.URL)) {
+		return inst, known, ok
+	}
+	avoid = append([]string(nil), avoid...)
+	for _, in := range h.reg.List() {
+		if h.switchedEngine(in.Engine.URL) {
+			avoid = append(avoid, in.ID)
+		}
+	}
+	inst, ok = h.reg.RouteAvoiding(model, avoid)
+	return inst, known, ok
 }

@@ -101,6 +101,11 @@ func withModel(body []byte, model string) ([]byte, error) {
 	return json.Marshal(fields)
 }
 
+// switchedEngine says whether url is the engine of a switched model.
+func (h *Host) switchedEngine(url string) bool {
+	return h.switcher != nil && h.switcher.OwnsBackend(url)
+}
+
 // instanceAt is the registered instance whose engine is at url.
 func (h *Host) instanceAt(url string) (registry.Instance, bool) {
 	url = strings.TrimRight(url, "/")

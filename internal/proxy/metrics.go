@@ -10,6 +10,7 @@ type Metrics struct {
 	StreamsInFlight prometheus.Gauge
 	StreamTokens    prometheus.Counter // token events forwarded
 	Rerouted        prometheus.Counter // requests sent to another engine because theirs was unreachable
+	Held            prometheus.Counter // requests held through an engine's 503 (an elastic-EP commit) and sent again
 }
 
 // NewMetrics makes the proxy's instruments.
@@ -31,10 +32,13 @@ func NewMetrics() *Metrics {
 		Rerouted: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "vhi_requests_rerouted_total", Help: "Requests sent to another instance because the engine chosen first could not be reached.",
 		}),
+		Held: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "vhi_requests_held_total", Help: "Requests held through an engine's 503 while it scaled (elastic EP commit) and sent again, instead of failing.",
+		}),
 	}
 }
 
 // Collectors lists the instruments for registration.
 func (m *Metrics) Collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.AddedLatency, m.UpstreamErrors, m.StreamsInFlight, m.StreamTokens, m.Rerouted}
+	return []prometheus.Collector{m.AddedLatency, m.UpstreamErrors, m.StreamsInFlight, m.StreamTokens, m.Rerouted, m.Held}
 }

@@ -112,7 +112,15 @@ type Upstream struct {
 	// could not be reached (refused, or the connection dropped before it
 	// answered: a dead engine the registry still lists); ok false: none.
 	Reroute func(tried []string) (baseURL, instanceID string, ok bool)
+	// Hold, when set, is asked about an engine's 503 answer (its body
+	// given) before the client saw anything: true means it waited until
+	// the engine can serve again (an elastic-EP commit ended) and the
+	// request is sent again; false passes the 503 on.
+	Hold func(ctx context.Context, instanceID string, body []byte) bool
 }
+
+// maxHolds bounds how often one request is held and sent again.
+const maxHolds = 4
 
 // post is the request up describes, sent to the engine at baseURL.
 func post(ctx context.Context, baseURL string, up Upstream) (*http.Request, error) {
@@ -218,6 +226,19 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 		s.Instance = id
 		s.mu.Unlock()
 		if req, err = post(upCtx, url, up); err != nil {
+			break
+		}
+		resp, err = p.client.Do(req)
+	}
+	for n := 0; err == nil && resp.StatusCode == http.StatusServiceUnavailable && up.Hold != nil && n < maxHolds; n++ {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		resp.Body.Close()
+		resp.Body = io.NopCloser(bytes.NewReader(b))
+		if !up.Hold(ctx, up.InstanceID, b) {
+			break
+		}
+		p.m.Held.Inc()
+		if req, err = post(upCtx, up.BaseURL, up); err != nil {
 			break
 		}
 		resp, err = p.client.Do(req)

@@ -146,7 +146,10 @@ type Instance struct {
 	Retired bool      // released by a destroy_source migration, not woken since
 	// Stopping: its agent is being stopped and had the Host drain it; it
 	// comes back active, not draining, when it registers again.
-	Stopping      bool
+	Stopping bool
+	// Scaling: the Host is scaling its engine (elastic EP): it is routed
+	// to while its health checks fail (vLLM answers 503 through a commit).
+	Scaling       bool
 	RegisteredAt  time.Time
 	LastHeartbeat time.Time
 	Stats         Stats
@@ -167,7 +170,7 @@ func (i Instance) EffectiveState() State {
 // Lifecycle is the instance's lifecycle.
 func (i Instance) Lifecycle() Lifecycle {
 	switch {
-	case !i.Reachable || !i.Stats.Healthy:
+	case !i.Reachable || (!i.Stats.Healthy && !i.Scaling):
 		return LifecycleUnhealthy
 	case i.Retired:
 		return LifecycleRetired
@@ -183,7 +186,9 @@ func (i Instance) Lifecycle() Lifecycle {
 
 // routable reports whether new requests may go to the instance.
 func (i *Instance) routable() bool {
-	return i.Role == RoleActive && i.State == StateActive && i.Reachable && i.Stats.Healthy && !i.Retired && !i.Stats.Sleeping
+	// A scaling engine answers 503 to its health checks: the Host holds
+	// its requests through the commit rather than take it for unhealthy.
+	return i.Role == RoleActive && i.State == StateActive && i.Reachable && (i.Stats.Healthy || i.Scaling) && !i.Retired && !i.Stats.Sleeping
 }
 
 // Serves reports whether the instance serves model.
@@ -411,6 +416,15 @@ func (r *Registry) Heartbeat(id, session string, s Stats) error {
 func (r *Registry) SetStopping(id string) error {
 	_, err := r.update(id, func(inst *Instance) error {
 		inst.Stopping = true
+		return nil
+	})
+	return err
+}
+
+// SetScaling marks an instance as being scaled, or no longer.
+func (r *Registry) SetScaling(id string, scaling bool) error {
+	_, err := r.update(id, func(inst *Instance) error {
+		inst.Scaling = scaling
 		return nil
 	})
 	return err

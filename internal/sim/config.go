@@ -67,7 +67,24 @@ type Config struct {
 	SleepTime       time.Duration
 	WakeUpTime      time.Duration
 	WeightsLoadTime time.Duration
-	ScaleTime       time.Duration
+	// DataParallelSize is the DP size (DP attention, EP MoE): each rank
+	// brings MaxNumSeqs seats and MaxNumBatchedTokens of budget, and the
+	// ranks step together over their shares. ElasticEP (vLLM's
+	// --enable-elastic-ep) makes /scale_elastic_ep change it, in
+	// ElasticMode: the seed's three reconfigurations (elastic.go).
+	DataParallelSize int
+	ElasticEP        bool
+	ElasticMode      string
+	// The costs of a reconfiguration: starting the joining workers,
+	// preparing communication and moving weights (ElasticPrepareTime);
+	// warm-up and CUDA-graph capture (ElasticGraphTime); activating the
+	// target topology (ElasticActivateTime). ElasticDrain is vLLM's
+	// VLLM_ELASTIC_EP_DRAIN_REQUESTS: in-flight requests finish before the
+	// commit instead of pausing through it.
+	ElasticPrepareTime  time.Duration
+	ElasticGraphTime    time.Duration
+	ElasticActivateTime time.Duration
+	ElasticDrain        bool
 	// EOSOneIn: when a request does not ignore EOS, each sampled token is
 	// EOS with probability 1/EOSOneIn. 0 disables EOS.
 	EOSOneIn int
@@ -104,7 +121,11 @@ func DefaultConfig() Config {
 		SleepTime:           500 * time.Millisecond,
 		WakeUpTime:          2 * time.Second,
 		WeightsLoadTime:     5 * time.Second,
-		ScaleTime:           3 * time.Second,
+		DataParallelSize:    1,
+		ElasticMode:         ElasticAsync,
+		ElasticPrepareTime:  2 * time.Second,
+		ElasticGraphTime:    3 * time.Second,
+		ElasticActivateTime: 40 * time.Millisecond,
 		EOSOneIn:            512,
 		DefaultPauseLease:   10 * time.Second,
 		FinishedRetention:   60 * time.Second,
@@ -143,6 +164,17 @@ func (c *Config) geometry() (kvlayout.Geometry, kvlayout.Parallel, error) {
 	}
 	if _, _, err := c.device(); err != nil {
 		return geo, par, err
+	}
+	switch c.ElasticMode {
+	case ElasticBlocking, ElasticAsync, ElasticAsyncGraphReuse:
+	default:
+		return geo, par, fmt.Errorf("elastic-mode %q: want %s, %s or %s", c.ElasticMode, ElasticBlocking, ElasticAsync, ElasticAsyncGraphReuse)
+	}
+	if c.DataParallelSize < 1 {
+		return geo, par, fmt.Errorf("data-parallel-size %d must be ≥ 1", c.DataParallelSize)
+	}
+	if gpu, _, _ := c.device(); gpu && (c.ElasticEP || c.DataParallelSize > 1) {
+		return geo, par, fmt.Errorf("data parallelism and elastic EP are modelled with the KV on the CPU only (--device cpu)")
 	}
 	if c.ShmPrefix == "" {
 		c.ShmPrefix = fmt.Sprintf("vhi-sim-%d", os.Getpid())

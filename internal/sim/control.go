@@ -143,45 +143,6 @@ func (e *Engine) Wake(ctx context.Context) (hooks.WakeResponse, error) {
 	return hooks.WakeResponse{}, e.WakeUp(ctx)
 }
 
-// ErrScaleDrainTimeout reports that in-flight requests did not drain.
-var ErrScaleDrainTimeout = fmt.Errorf("scale failed due to request drain timeout")
-
-// ScaleElasticEP is vLLM's POST /scale_elastic_ep: while it runs every HTTP
-// request is answered 503 (the server's middleware checks Scaling); new work
-// is not admitted, in-flight requests drain, then the reconfiguration takes
-// the configured scale time.
-func (e *Engine) ScaleElasticEP(ctx context.Context, newDP int, drain time.Duration) error {
-	e.mu.Lock()
-	if !e.scaling.CompareAndSwap(false, true) {
-		e.mu.Unlock()
-		return conflict("A scale operation is already in progress.")
-	}
-	e.pausedNew = true
-	e.mu.Unlock()
-	defer func() {
-		e.mu.Lock()
-		e.scaling.Store(false)
-		e.pausedNew = false
-		e.mu.Unlock()
-		e.signal()
-	}()
-	if err := e.waitIdle(ctx, drain); err != nil {
-		if err == context.DeadlineExceeded {
-			return ErrScaleDrainTimeout
-		}
-		return err
-	}
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-time.After(e.cfg.ScaleTime):
-	}
-	e.mu.Lock()
-	e.dpSize = newDP
-	e.mu.Unlock()
-	return nil
-}
-
 // Scaling reports whether an elastic-EP scale is under way.
 // The HTTP middleware asks on every request: it must not wait for a step
 // (which holds mu), or every hook call would.

@@ -59,7 +59,9 @@ type Engine struct {
 	// drawn is wrong (sleep.go).
 	weightsAsleep, weightsStale bool
 	scaling                     atomic.Bool // read without mu by the HTTP middleware
+	scaleMu                     sync.Mutex  // one elastic-EP scale at a time
 	dpSize                      int
+	elasticPaused               bool          // an elastic-EP commit: nothing advances
 	lastStep                    time.Duration // modelled duration of the last step
 	lastCompute                 time.Duration // real compute time of the last step
 }
@@ -93,7 +95,7 @@ func NewEngine(cfg Config, log *zap.Logger) (*Engine, error) {
 		pool:     newBlockPool(geo.NumBlocks, geo.BlockSize),
 		requests: map[string]*request{},
 		done:     map[string]*request{},
-		dpSize:   1,
+		dpSize:   max(cfg.DataParallelSize, 1),
 	}
 	e.met = newEngineMetrics(e)
 	return e, nil
@@ -233,7 +235,10 @@ func (e *Engine) step(now time.Time) (bool, time.Duration) {
 	}
 	e.cursor = gen
 	e.lastCompute = time.Since(start)
-	e.lastStep = e.cfg.Step.Duration(len(batch), ctxTokens, prefill)
+	// Data-parallel ranks step together (DP attention with EP MoE
+	// synchronizes them), each over its share of the batch.
+	dp := e.dpSize
+	e.lastStep = e.cfg.Step.Duration((len(batch)+dp-1)/dp, ctxTokens/dp, prefill/dp)
 	e.met.stepDone(e.lastStep, e.lastCompute)
 	return true, e.lastStep
 }
@@ -243,10 +248,11 @@ func (e *Engine) step(now time.Time) (bool, time.Duration) {
 // last. When blocks run out it preempts the latest-arrived running request
 // by recompute, as vLLM does.
 func (e *Engine) schedule(now time.Time) []work {
-	if e.pausedAll {
+	if e.pausedAll || e.elasticPaused {
 		return nil
 	}
-	budget := e.cfg.MaxNumBatchedTokens
+	// Every data-parallel rank brings its own seats and token budget.
+	budget := e.cfg.MaxNumBatchedTokens * e.dpSize
 	var batch []work
 	for i := 0; i < len(e.running) && budget > 0; i++ {
 		r := e.running[i]
@@ -271,7 +277,7 @@ func (e *Engine) schedule(now time.Time) []work {
 		batch = append(batch, work{r, n})
 		budget -= n
 	}
-	for len(e.waiting) > 0 && len(e.running) < e.cfg.MaxNumSeqs && budget > 0 && !e.pausedNew {
+	for len(e.waiting) > 0 && len(e.running) < e.cfg.MaxNumSeqs*e.dpSize && budget > 0 && !e.pausedNew {
 		idx := -1
 		for i, r := range e.waiting {
 			if !r.paused {

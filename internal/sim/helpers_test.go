@@ -3,6 +3,7 @@ package sim
 import (
 	"context"
 	"net/http/httptest"
+	"sync"
 	"testing"
 	"time"
 
@@ -26,7 +27,7 @@ func testConfig(t testing.TB) Config {
 	c.ShmDir = t.TempDir()
 	c.ShmPrefix = "test"
 	c.WakeUpTime = 20 * time.Millisecond
-	c.ScaleTime = 20 * time.Millisecond
+	c.ElasticPrepareTime, c.ElasticGraphTime, c.ElasticActivateTime = 20*time.Millisecond, 20*time.Millisecond, 5*time.Millisecond
 	return c
 }
 
@@ -50,8 +51,14 @@ func startServer(t *testing.T, e *Engine) (*Server, *httptest.Server) {
 	s := NewServer(e, zap.NewNop())
 	s.created = 1700000000
 	s.now = func() time.Time { return time.Unix(1700000000, 0) }
+	var mu sync.Mutex
 	n := 0
-	s.newID = func() string { n++; return "test" + string(rune('a'+n-1)) }
+	s.newID = func() string {
+		mu.Lock()
+		defer mu.Unlock()
+		n++
+		return "test" + string(rune('a'+n-1))
+	}
 	ts := httptest.NewServer(s.Handler())
 	t.Cleanup(ts.Close)
 	return s, ts

@@ -276,7 +276,7 @@ func TestPauseResume(t *testing.T) {
 // While scaling, every request (health and metrics too) gets vLLM's 503.
 func TestScaleElasticEP(t *testing.T) {
 	c := testConfig(t)
-	c.ScaleTime = 300 * time.Millisecond
+	c.ElasticEP, c.ElasticMode, c.ElasticGraphTime = true, ElasticBlocking, 300*time.Millisecond
 	e := startEngine(t, c)
 	_, ts := startServer(t, e)
 	done := make(chan []byte)

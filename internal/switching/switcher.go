@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -152,6 +153,17 @@ func New(o Options) (*Switcher, error) {
 func (s *Switcher) Has(alias string) bool {
 	_, ok := s.models[alias]
 	return ok
+}
+
+// OwnsBackend says whether url is a switched model's backend.
+func (s *Switcher) OwnsBackend(url string) bool {
+	url = strings.TrimRight(url, "/")
+	for _, m := range s.models {
+		if strings.TrimRight(m.cfg.BackendURL, "/") == url {
+			return true
+		}
+	}
+	return false
 }
 
 // Aliases are the switched models' names, sorted.
