@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"os/exec"
@@ -169,6 +170,14 @@ controller:
 	}
 	allComplete(t, "coder again", <-switchLoad(hostURL, "coder", 3, 10), 10)
 	allComplete(t, "chat again", <-switchLoad(hostURL, "chat", 3, 10), 10)
+	// Requests by the served name go to the registered engines that no
+	// switched model owns: never to chat's, whose sleep and wake follow the
+	// switcher's leases.
+	before := successes(t, url("chat"))
+	allComplete(t, "served-chat", <-switchLoad(hostURL, "served-chat", 4, 5), 5)
+	if after := successes(t, url("chat")); after != before {
+		t.Fatalf("requests by the served name reached the switched engine: %v → %v", before, after)
+	}
 	if out, err := vhiRun(t, "state", "--host", hostURL, "--admin-token-file", tk.adminFile); err != nil ||
 		!strings.Contains(out, "chat   awake") || !strings.Contains(out, "coder  sleeping") {
 		t.Fatalf("vhi state: %v\n%s", err, out)
@@ -227,4 +236,22 @@ func TestBenchSwitchSmoke(t *testing.T) {
 			t.Fatalf("the report lacks %q:\n%s", want, out)
 		}
 	}
+}
+
+// successes is an engine's vllm:request_success_total.
+func successes(t *testing.T, engine string) string {
+	t.Helper()
+	resp, err := http.Get(engine + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	var sum []string
+	for _, line := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(line, "vllm:request_success_total") {
+			sum = append(sum, line)
+		}
+	}
+	return strings.Join(sum, "; ")
 }
