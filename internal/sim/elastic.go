@@ -90,10 +90,19 @@ func (e *Engine) ScaleElasticEP(ctx context.Context, newDP int, drain time.Durat
 	}
 	e.mu.Lock()
 	e.dpSize = newDP
+	e.lastScale = [2]time.Duration{tc.Sub(t0), time.Since(tc)}
 	e.mu.Unlock()
 	e.log.Info("elastic EP scaled", zap.Int("from", old), zap.Int("to", newDP), zap.String("mode", e.cfg.ElasticMode),
 		zap.Duration("prepare", tc.Sub(t0)), zap.Duration("commit", time.Since(tc)))
 	return nil
+}
+
+// LastScale is the last scale's prepare and commit as the engine ran them
+// (what a benchmark compares the Host's view with).
+func (e *Engine) LastScale() (prepare, commit time.Duration) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.lastScale[0], e.lastScale[1]
 }
 
 // DataParallelSize is the current DP size.

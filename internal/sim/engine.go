@@ -61,9 +61,10 @@ type Engine struct {
 	scaling                     atomic.Bool // read without mu by the HTTP middleware
 	scaleMu                     sync.Mutex  // one elastic-EP scale at a time
 	dpSize                      int
-	elasticPaused               bool          // an elastic-EP commit: nothing advances
-	lastStep                    time.Duration // modelled duration of the last step
-	lastCompute                 time.Duration // real compute time of the last step
+	elasticPaused               bool             // an elastic-EP commit: nothing advances
+	lastScale                   [2]time.Duration // the last scale's prepare and commit
+	lastStep                    time.Duration    // modelled duration of the last step
+	lastCompute                 time.Duration    // real compute time of the last step
 }
 
 // NewEngine validates cfg, creates the KV memory and returns an engine
