@@ -26,14 +26,14 @@ import (
 // reconfiguration modes, on a sim, through the Host, with a client talking
 // to the engine directly beside it as the baseline.
 type scaleBench struct {
-	modes                       []string
-	from, to                    int
-	prepare, graph, activate    time.Duration
-	interval, directInterval    time.Duration
-	tokens                      int
-	plotPath                    string
-	log                         *zap.Logger
-	maxNumSeqs, maxBatchedToken int
+	modes                    []string
+	from, to                 int
+	prepare, graph, activate time.Duration
+	interval, directInterval time.Duration
+	tokens                   int
+	plotPath                 string
+	log                      *zap.Logger
+	maxNumSeqs               int
 }
 
 func newBenchScaleCommand(g *globalFlags) *cobra.Command {
