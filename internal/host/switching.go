@@ -31,11 +31,7 @@ func (h *Host) newSwitcher(cfg Config) (*switching.Switcher, error) {
 		Models: cfg.Models, Controller: cfg.Controller, Metrics: met, Log: h.log.Named("switch"),
 		Mover: switchMover{h},
 		Backend: func(alias string, m switching.Model) switching.Backend {
-			served := m.ServedModelName
-			if served == "" {
-				served = alias
-			}
-			return switching.NewHTTPBackend(m.BackendURL, served, cfg.AgentToken, client)
+			return switching.NewHTTPBackend(m.BackendURL, m.ServedName(alias), cfg.AgentToken, client)
 		},
 	})
 	if err != nil {
@@ -127,10 +123,7 @@ func (m switchMover) MoveAway(ctx context.Context, alias string, model switching
 	if !ok || !src.Engine.Migratable {
 		return nil, "", false
 	}
-	served := model.ServedModelName
-	if served == "" {
-		served = alias
-	}
+	served := model.ServedName(alias)
 	dst, ok := m.h.reg.RouteAvoiding(served, []string{src.ID})
 	if !ok {
 		return nil, "no other instance of " + served + " serves", false
