@@ -441,32 +441,48 @@ type ScaleAnswer struct {
 // ScalePhase is one phase of a scale: prepare (the engine serves while it
 // readies the target topology), commit (it answers 503: the Host holds
 // requests), verify (the probe against the answer before).
+//
+// A replicas scale has launch, wake or standby (how each new replica was
+// found), verify, activate and move phases out, and drain and stop in;
+// Instance names the replica a phase was about.
 type ScalePhase struct {
 	Phase     string    `json:"phase"`
+	Instance  string    `json:"vllm_hi_id,omitempty"`
 	StartedAt time.Time `json:"started_at"`
 	DurationS float64   `json:"duration_s"`
 }
 
 // ScaleStatus is GET /vllm_hi/scale/{id}/status.
 type ScaleStatus struct {
-	ID       string       `json:"scale_id"`
-	State    string       `json:"state"` // running, succeeded, failed, rolled_back
-	Kind     string       `json:"kind"`  // elastic_ep
-	Instance string       `json:"vllm_hi_id"`
-	Model    string       `json:"model"`
-	From     int          `json:"from"` // 0: not known (the Host had not scaled it before)
-	To       int          `json:"to"`
-	Phases   []ScalePhase `json:"phases"`
+	ID       string `json:"scale_id"`
+	State    string `json:"state"`                // running, succeeded, failed, rolled_back
+	Kind     string `json:"kind"`                 // elastic_ep, replicas
+	Instance string `json:"vllm_hi_id,omitempty"` // elastic_ep: the instance scaled
+	// Cause is operator (an API call) or autoscaler.
+	Cause  string       `json:"cause,omitempty"`
+	Model  string       `json:"model"`
+	From   int          `json:"from"` // 0: not known (the Host had not scaled it before)
+	To     int          `json:"to"`
+	Phases []ScalePhase `json:"phases"`
 	// DowntimeS is the commit as the Host saw it (first 503 → the engine's
 	// answer); TotalS the whole operation.
 	DowntimeS float64 `json:"downtime_s"`
 	TotalS    float64 `json:"total_s"`
 	// HeldRequests counts the requests held through the commit and sent
 	// again instead of failing.
-	HeldRequests int       `json:"held_requests"`
-	Error        string    `json:"error,omitempty"`
-	CreatedAt    time.Time `json:"created_at"`
-	FinishedAt   time.Time `json:"finished_at,omitempty"`
+	HeldRequests int `json:"held_requests"`
+	// Replicas scales: Instances are the model's active instances when
+	// it ended, Added and Removed the replicas it brought in and took
+	// out, Migrations the migrations and drains that moved streams, Moved
+	// how many streams they moved.
+	Instances  []string  `json:"instances,omitempty"`
+	Added      []string  `json:"added,omitempty"`
+	Removed    []string  `json:"removed,omitempty"`
+	Migrations []string  `json:"migrations,omitempty"`
+	Moved      int       `json:"moved,omitempty"`
+	Error      string    `json:"error,omitempty"`
+	CreatedAt  time.Time `json:"created_at"`
+	FinishedAt time.Time `json:"finished_at,omitempty"`
 }
 
 // Ended says whether the operation is over.

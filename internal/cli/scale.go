@@ -23,13 +23,16 @@ func newScaleCommand() *cobra.Command {
 	)
 	cmd := &cobra.Command{
 		Use:   "scale (--model M | --id ID) (--dp N | --replicas N) [--wait]",
-		Short: "Scale a deployment to an absolute size: elastic EP by vLLM's prepare and commit, requests held through the commit",
+		Short: "Scale a deployment to an absolute size: elastic EP by vLLM's prepare and commit, dense replicas by migration",
 		Long: `vhi scale asks the Host to bring a deployment to --dp N data-parallel ranks (elastic EP: vLLM's
-POST /scale_elastic_ep, prepared while the engine serves, then committed). The target is
-absolute and idempotent: asking again for the size being scaled to answers the same operation,
-another size while one runs is refused (409, naming it). Through the commit the Host holds the
-requests that meet vLLM's 503 and sends them again, so clients see latency, never an error;
-after it a greedy probe is checked against the answer before, and a failed check scales back.
+POST /scale_elastic_ep, prepared while the engine serves, then committed) or a dense model to
+--replicas N instances (out: standbys, woken retired instances or ones launched from the model's
+launch command, each checked by a greedy probe, then streams moved onto them by migration; in:
+replicas drained onto the rest by migration). The target is absolute and idempotent: asking
+again for the size being scaled to answers the same operation, another size while one runs is
+refused (409, naming it). Through an elastic commit the Host holds the requests that meet vLLM's
+503 and sends them again, so clients see latency, never an error; after it a greedy probe is
+checked against the answer before, and a failed check scales back.
 With --wait it follows the phases and exits non-zero unless the operation succeeded.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -65,7 +68,7 @@ With --wait it follows the phases and exits non-zero unless the operation succee
 				}
 				for ; seen < len(st.Phases); seen++ {
 					p := st.Phases[seen]
-					fmt.Fprintf(out, "%s: %s %.3f s\n", st.ID, p.Phase, p.DurationS)
+					fmt.Fprintf(out, "%s: %s%s %.3f s\n", st.ID, p.Phase, on(p.Instance), p.DurationS)
 				}
 			}
 			st, err := c.WaitScale(ctx, sid, 50*time.Millisecond, progress)
@@ -99,17 +102,31 @@ With --wait it follows the phases and exits non-zero unless the operation succee
 	return cmd
 }
 
+// on names a phase's replica.
+func on(instance string) string {
+	if instance == "" {
+		return ""
+	}
+	return " " + instance
+}
+
 func printScale(out io.Writer, st hostapi.ScaleStatus) {
 	from := "?"
-	if st.From > 0 {
+	if st.From > 0 || st.Kind == "replicas" {
 		from = fmt.Sprint(st.From)
 	}
 	var phases []string
 	for _, p := range st.Phases {
-		phases = append(phases, fmt.Sprintf("%s %.3f s", p.Phase, p.DurationS))
+		phases = append(phases, fmt.Sprintf("%s%s %.3f s", p.Phase, on(p.Instance), p.DurationS))
 	}
-	fmt.Fprintf(out, "%s %s: %s %s → %d; downtime %.3f s, total %.3f s, %d requests held through the commit (%s)\n",
-		st.ID, st.State, st.Instance, from, st.To, st.DowntimeS, st.TotalS, st.HeldRequests, strings.Join(phases, ", "))
+	if st.Kind == "replicas" {
+		fmt.Fprintf(out, "%s %s: %s replicas %s → %d; %d streams moved by %d migrations (longest client pause %.3f s), total %.3f s; added [%s], removed [%s], now [%s] (%s)\n",
+			st.ID, st.State, st.Model, from, st.To, st.Moved, len(st.Migrations), st.DowntimeS, st.TotalS, strings.Join(st.Added, " "),
+			strings.Join(st.Removed, " "), strings.Join(st.Instances, " "), strings.Join(phases, ", "))
+	} else {
+		fmt.Fprintf(out, "%s %s: %s %s → %d; downtime %.3f s, total %.3f s, %d requests held through the commit (%s)\n",
+			st.ID, st.State, st.Instance, from, st.To, st.DowntimeS, st.TotalS, st.HeldRequests, strings.Join(phases, ", "))
+	}
 	if st.Error != "" {
 		fmt.Fprintf(out, "error: %s\n", st.Error)
 	}

@@ -182,7 +182,7 @@ func New(cfg Config, log *zap.Logger) (*Host, error) {
 		h.closeStore()
 		return nil, err
 	}
-	h.scaler = scale.New(cfg.Scale, h.reg, cfg.AgentToken, h.m.scales, log.Named("scale"))
+	h.scaler = scale.New(cfg.Scale, h.reg, h.mig, h.proxy.Streams().On, cfg.AgentToken, h.m.scales, log.Named("scale"))
 	if h.switcher, err = h.newSwitcher(cfg); err != nil {
 		h.closeStore()
 		return nil, err

@@ -127,22 +127,9 @@ func (o *Orchestrator) launchAndMigrate(req hostapi.MigrateRequest, st *hostapi.
 	st.Launched.PID = p.Pid()
 	o.mu.Unlock()
 	log.Info("launched an on-demand target", zap.Int("pid", p.Pid()), zap.String("log", st.Launched.LogFile))
-	ctx, cancel := context.WithTimeout(o.ctx, spec.ReadyTimeout())
-	defer cancel()
-	tick := time.NewTicker(250 * time.Millisecond)
-	defer tick.Stop()
-	for ready := false; !ready; {
-		select {
-		case <-ctx.Done():
-			fail(p, fmt.Errorf("the launched target %s was not registered healthy and migratable within %v (its log: %s)", st.Dst, spec.ReadyTimeout(), st.Launched.LogFile))
-			return
-		case <-p.Exited():
-			fail(p, p.Why())
-			return
-		case <-tick.C:
-			in, err := o.reg.Get(st.Dst)
-			ready = err == nil && in.Reachable && in.Stats.Healthy && in.Engine.Migratable
-		}
+	if err := o.awaitLaunched(p, st.Dst, spec.ReadyTimeout(), st.Launched.LogFile); err != nil {
+		fail(p, err)
+		return
 	}
 	req.Dst = st.Dst
 	m, err := o.admit(req, st.ID)
@@ -160,6 +147,77 @@ func (o *Orchestrator) launchAndMigrate(req hostapi.MigrateRequest, st *hostapi.
 	if _, err := o.begin(m); err != nil {
 		fail(p, err)
 	}
+}
+
+// awaitLaunched waits until the launched process p is registered as id,
+// reachable, healthy and migratable — at most timeout — and says why not
+// (it exited: with the end of its output).
+func (o *Orchestrator) awaitLaunched(p *launch.Process, id string, timeout time.Duration, logFile string) error {
+	ctx, cancel := context.WithTimeout(o.ctx, timeout)
+	defer cancel()
+	tick := time.NewTicker(250 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("the launched instance %s was not registered healthy and migratable within %v (its log: %s)", id, timeout, logFile)
+		case <-p.Exited():
+			return p.Why()
+		case <-tick.C:
+			if in, err := o.reg.Get(id); err == nil && in.Reachable && in.Stats.Healthy && in.Engine.Migratable {
+				return nil
+			}
+		}
+	}
+}
+
+// Launched is an instance the Host started from a model's launch command.
+type Launched struct {
+	ID      string
+	Process *launch.Process
+	LogFile string
+}
+
+// CanLaunch reports whether model has a launch command (targets.MODEL).
+func (o *Orchestrator) CanLaunch(model string) bool {
+	_, ok := o.cfg.Launchers[model]
+	return ok
+}
+
+// LaunchReplica starts one more instance of model from its launch command
+// with the shape of like (TP, PP) and waits until it is registered
+// healthy and migratable (a standby: its command starts it as type B). A
+// launch that fails is stopped, and the error says why.
+func (o *Orchestrator) LaunchReplica(model string, like registry.Instance) (Launched, error) {
+	spec, ok := o.cfg.Launchers[model]
+	if !ok {
+		return Launched{}, refuse(errdefs.ErrConflict, "no launch command for model %q (targets.%s in vhi host --config)", model, model)
+	}
+	util := spec.GPUMemoryUtilization
+	if util == 0 {
+		util = 0.9
+	}
+	ports, err := freePorts(2)
+	if err != nil {
+		return Launched{}, refuse(errdefs.ErrUnavailable, "no free port for a replica: %v", err)
+	}
+	suffix := newID()[len("mig-"):]
+	l := Launched{ID: "r-" + suffix[:8]}
+	l.LogFile = filepath.Join(o.cfg.LaunchLogDir, l.ID+".log")
+	vars := map[string]string{"id": l.ID, "model": model, "tp": strconv.Itoa(max(1, like.Engine.TP)), "pp": strconv.Itoa(max(1, like.Engine.PP)),
+		"gpu_memory_utilization": strconv.FormatFloat(util, 'g', -1, 64), "port": strconv.Itoa(ports[0]),
+		"data_port": strconv.Itoa(ports[1]), "host": o.cfg.HostAddr}
+	p, err := launch.Start(spec, vars, l.LogFile)
+	if err != nil {
+		return Launched{}, fmt.Errorf("launch a replica of %s: %w", model, err)
+	}
+	o.log.Info("launched a replica", zap.String("model", model), zap.String("vllm_hi_id", l.ID), zap.Int("pid", p.Pid()), zap.String("log", l.LogFile))
+	if err := o.awaitLaunched(p, l.ID, spec.ReadyTimeout(), l.LogFile); err != nil {
+		p.Stop(launchStopGrace)
+		return Launched{}, err
+	}
+	l.Process = p
+	return l, nil
 }
 
 // freePorts returns n TCP ports free on this machine now.

@@ -32,6 +32,7 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
+	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
 	"github.com/vllm-hi/vllm-hi/internal/switching"
 )
@@ -65,28 +66,46 @@ func (c Config) Check() error {
 }
 
 // Kinds of operation.
-const KindElasticEP = "elastic_ep"
+const (
+	KindElasticEP = "elastic_ep"
+	KindReplicas  = "replicas"
+)
+
+// Causes of an operation.
+const (
+	CauseOperator   = "operator"
+	CauseAutoscaler = "autoscaler"
+)
 
 // scalingBody is what vLLM answers while it commits.
 var scalingBody = []byte("currently scaling")
 
 // Scaler runs the scale operations.
 type Scaler struct {
-	cfg    Config
-	reg    *registry.Registry
-	client *http.Client
-	token  string
-	log    *zap.Logger
-	met    *prometheus.CounterVec
+	cfg   Config
+	reg   *registry.Registry
+	mover Mover
+	// relayed counts the streams this Host relays from an instance (the
+	// ones a migration can move).
+	relayed func(instance string) int
+	client  *http.Client
+	token   string
+	log     *zap.Logger
+	met     *prometheus.CounterVec
 
 	held atomic.Int64
 	mu   sync.Mutex
 	ops  map[string]*op
-	// running is the operation of each instance; sizes what the Host last
-	// scaled each to.
-	running map[string]*op
-	sizes   map[string]int
+	// running is the operation of each instance (elastic EP) or model
+	// (modelKey: replicas); sizes what the Host last scaled each instance
+	// to; launched the replicas it started, by instance.
+	running  map[string]*op
+	sizes    map[string]int
+	launched map[string]migrate.Launched
 }
+
+// modelKey is the running key of a model's replicas operation.
+func modelKey(model string) string { return "model:" + model }
 
 type op struct {
 	mu      sync.Mutex
@@ -116,19 +135,23 @@ func newID() string {
 	return "scale-" + hex.EncodeToString(b[:])
 }
 
-// New builds a Scaler; token is presented to the engines.
-func New(cfg Config, reg *registry.Registry, token string, met *prometheus.CounterVec, log *zap.Logger) *Scaler {
-	return &Scaler{cfg: cfg, reg: reg, client: &http.Client{}, token: token, log: log, met: met,
-		ops: map[string]*op{}, running: map[string]*op{}, sizes: map[string]int{}}
+// New builds a Scaler; token is presented to the engines. mover moves
+// streams and launches replicas (replicas scales); relayed counts the
+// streams the Host relays from an instance.
+func New(cfg Config, reg *registry.Registry, mover Mover, relayed func(string) int, token string, met *prometheus.CounterVec, log *zap.Logger) *Scaler {
+	return &Scaler{cfg: cfg, reg: reg, mover: mover, relayed: relayed, client: &http.Client{}, token: token, log: log, met: met,
+		ops: map[string]*op{}, running: map[string]*op{}, sizes: map[string]int{}, launched: map[string]migrate.Launched{}}
 }
 
 // NewMetric is vhi_scales_total{kind,state}.
 func NewMetric() *prometheus.CounterVec {
 	m := prometheus.NewCounterVec(prometheus.CounterOpts{
-		Name: "vhi_scales_total", Help: "Scale operations, by kind (elastic_ep) and outcome (succeeded, failed, rolled_back, refused).",
+		Name: "vhi_scales_total", Help: "Scale operations, by kind (elastic_ep, replicas) and outcome (succeeded, failed, rolled_back, refused).",
 	}, []string{"kind", "state"})
-	for _, st := range []string{hostapi.StateSucceeded, hostapi.StateFailed, hostapi.StateRolledBack, "refused"} {
-		m.WithLabelValues(KindElasticEP, st) // every series from the start, at 0
+	for _, k := range []string{KindElasticEP, KindReplicas} {
+		for _, st := range []string{hostapi.StateSucceeded, hostapi.StateFailed, hostapi.StateRolledBack, "refused"} {
+			m.WithLabelValues(k, st) // every series from the start, at 0
+		}
 	}
 	return m
 }
@@ -137,21 +160,32 @@ func NewMetric() *prometheus.CounterVec {
 // operation of the same instance is already scaling to answers that one's
 // id (an idempotent repeat), another target is a conflict naming it.
 func (s *Scaler) Start(req hostapi.ScaleRequest) (string, error) {
-	id, err := s.start(req)
+	return s.StartFor(req, CauseOperator)
+}
+
+// StartFor is Start on behalf of cause (operator, autoscaler).
+func (s *Scaler) StartFor(req hostapi.ScaleRequest, cause string) (string, error) {
+	kind := KindElasticEP
+	if req.Replicas != nil {
+		kind = KindReplicas
+	}
+	id, err := s.start(req, cause)
 	if err != nil {
-		s.met.WithLabelValues(KindElasticEP, "refused").Inc()
+		s.met.WithLabelValues(kind, "refused").Inc()
 	}
 	return id, err
 }
 
-func (s *Scaler) start(req hostapi.ScaleRequest) (string, error) {
+func (s *Scaler) start(req hostapi.ScaleRequest, cause string) (string, error) {
 	switch {
 	case (req.Model == "") == (req.ID == ""):
 		return "", errdefs.New(errdefs.ErrInvalidArgument, "name the deployment by model or by vllm_hi_id, one of them")
+	case req.Replicas != nil && req.DataParallelSize != nil:
+		return "", errdefs.New(errdefs.ErrInvalidArgument, "data_parallel_size (elastic EP) or replicas (dense), not both")
 	case req.Replicas != nil:
-		return "", errdefs.New(errdefs.ErrInvalidArgument, "replicas (dense scaling by launch and migration) is not available yet: scale an elastic-EP deployment by data_parallel_size")
+		return s.startReplicas(req, cause)
 	case req.DataParallelSize == nil:
-		return "", errdefs.New(errdefs.ErrInvalidArgument, "data_parallel_size is required")
+		return "", errdefs.New(errdefs.ErrInvalidArgument, "data_parallel_size (elastic EP) or replicas (dense) is required")
 	case *req.DataParallelSize < 1:
 		return "", errdefs.Newf(errdefs.ErrInvalidArgument, "data_parallel_size %d: want at least 1", *req.DataParallelSize)
 	}
@@ -169,11 +203,16 @@ func (s *Scaler) start(req hostapi.ScaleRequest) (string, error) {
 		}
 		return "", errdefs.Newf(errdefs.ErrConflict, "%s is being scaled to %d by %s: wait for it", inst.ID, st.To, st.ID)
 	}
+	for _, m := range inst.Engine.ServedModels {
+		if o := s.running[modelKey(m)]; o != nil {
+			return "", errdefs.Newf(errdefs.ErrConflict, "the replicas of %s are being scaled by %s: wait for it", m, o.status().ID)
+		}
+	}
 	model := ""
 	if len(inst.Engine.ServedModels) > 0 {
 		model = inst.Engine.ServedModels[0]
 	}
-	o := &op{commit: make(chan struct{}), st: hostapi.ScaleStatus{ID: newID(), State: hostapi.StateRunning, Kind: KindElasticEP,
+	o := &op{commit: make(chan struct{}), st: hostapi.ScaleStatus{ID: newID(), State: hostapi.StateRunning, Kind: KindElasticEP, Cause: cause,
 		Instance: inst.ID, Model: model, From: s.sizes[inst.ID], To: to, CreatedAt: time.Now().UTC()}}
 	s.ops[o.st.ID] = o
 	s.running[inst.ID] = o
@@ -267,7 +306,7 @@ func (s *Scaler) run(o *op, inst registry.Instance) {
 	s.mu.Lock()
 	delete(s.running, inst.ID)
 	s.mu.Unlock()
-	s.met.WithLabelValues(KindElasticEP, state).Inc()
+	s.met.WithLabelValues(KindElasticEP, state).Inc() // run is the elastic-EP path
 	s.log.Info("scaled", zap.String("scale_id", st.ID), zap.String("vllm_hi_id", inst.ID), zap.Int("from", st.From), zap.Int("to", st.To),
 		zap.String("state", state), zap.Float64("downtime_s", st.DowntimeS), zap.Float64("total_s", st.TotalS), zap.Int("held", st.HeldRequests), zap.Error(err))
 }

@@ -50,11 +50,11 @@ func TestElasticScaleUnderLoad(t *testing.T) {
 		code int
 		want string
 	}{
-		{hostapi.ScaleRequest{Model: "m"}, 400, "data_parallel_size is required"},
+		{hostapi.ScaleRequest{Model: "m"}, 400, "data_parallel_size (elastic EP) or replicas (dense) is required"},
 		{hostapi.ScaleRequest{Model: "m", DataParallelSize: intp(0)}, 400, "at least 1"},
 		{hostapi.ScaleRequest{Model: "m", ID: st.AID, DataParallelSize: intp(2)}, 400, "one of them"},
 		{hostapi.ScaleRequest{Model: "nope", DataParallelSize: intp(2)}, 404, "no instance serves"},
-		{hostapi.ScaleRequest{Model: "m", Replicas: intp(2)}, 400, "not available yet"},
+		{hostapi.ScaleRequest{Model: "m", Replicas: intp(2), DataParallelSize: intp(2)}, 400, "not both"},
 	} {
 		if _, err := c.Scale(ctx, bad.req); !hostapi.IsStatus(err, bad.code) || !strings.Contains(err.Error(), bad.want) {
 			t.Errorf("%+v: %v, want %d %q", bad.req, err, bad.code, bad.want)

@@ -1,8 +1,11 @@
 package e2e
 
 import (
+	"fmt"
+	"os/exec"
 	"strings"
 	"testing"
+	"time"
 )
 
 // vhi bench scale runs each elastic-EP mode through the Host end to end
@@ -19,4 +22,58 @@ func TestBenchScaleSmoke(t *testing.T) {
 			t.Fatalf("the report lacks %s or shows client errors through the Host:\n%s", mode, out)
 		}
 	}
+}
+
+// A dense model scaled by the CLI: out to three replicas — the standby B
+// and one launched from the model's launch command, each checked by the
+// probe, streams moved onto them — and back in to one by drains, the
+// launched replica's process stopped; every stream exact.
+func TestReplicasByLaunchAndDrain(t *testing.T) {
+	d := deploy(t, 4096)
+	d.withLaunchers(t, "")
+	scale := func(n int) string {
+		t.Helper()
+		out, err := exec.Command(vhiBin, "scale", "--model", "m", "--replicas", fmt.Sprint(n), "--wait", "--host", d.hostURL,
+			"--admin-token-file", d.tk.adminFile).CombinedOutput()
+		if err != nil {
+			t.Fatalf("vhi scale --replicas %d: %v\n%s", n, err, out)
+		}
+		t.Logf("vhi scale --replicas %d:\n%s", n, out)
+		return string(out)
+	}
+	reqs := load(16, 400)
+	want := d.reference(reqs)
+	running := d.startLoad(reqs)
+	time.Sleep(700 * time.Millisecond)
+	out := scale(3)
+	checkExact(t, <-running, want)
+	for _, w := range []string{"succeeded: m replicas 1 → 3", "standby B", "launch r-", "move B", "added [B r-"} {
+		if !strings.Contains(out, w) {
+			t.Fatalf("the scale-out's output lacks %q", w)
+		}
+	}
+	var launched string
+	for _, in := range listInstances(t, d.hostURL) {
+		if strings.HasPrefix(in.ID, "r-") {
+			launched = in.ID
+			if in.Lifecycle != "active" {
+				t.Fatalf("the launched replica is %s", in.Lifecycle)
+			}
+		}
+	}
+	running = d.startLoad(reqs)
+	time.Sleep(700 * time.Millisecond)
+	out = scale(1)
+	checkExact(t, <-running, want)
+	for _, w := range []string{"succeeded: m replicas 3 → 1", "drain " + launched, "stop " + launched} {
+		if !strings.Contains(out, w) {
+			t.Fatalf("the scale-in's output lacks %q", w)
+		}
+	}
+	// The launched replica's agent went away with its process.
+	waitUntil(t, "the launched replica gone", func() bool {
+		in := instance(t, d.hostURL, launched)
+		return in.ID == "" || in.Lifecycle == "unhealthy"
+	})
+	hostMetrics(t, d.hostURL, `vhi_scales_total{kind="replicas",state="succeeded"} 2`)
 }
