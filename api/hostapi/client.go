@@ -204,6 +204,11 @@ func (c *Client) Scales(ctx context.Context) ([]ScaleStatus, error) {
 	return out.Scales, err
 }
 
+// Autoscale is the autoscaler's view and its latest decisions.
+func (c *Client) Autoscale(ctx context.Context) (out AutoscaleStatus, err error) {
+	return out, c.do(ctx, http.MethodGet, PathAutoscale, nil, &out)
+}
+
 // WaitScale polls a scale operation until it ends or ctx does.
 func (c *Client) WaitScale(ctx context.Context, id string, every time.Duration, progress func(ScaleStatus)) (ScaleStatus, error) {
 	return wait(ctx, every, 100*time.Millisecond, func(ctx context.Context) (ScaleStatus, error) { return c.ScaleStatus(ctx, id) },

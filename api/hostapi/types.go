@@ -24,6 +24,7 @@ const (
 	PathScale           = "/vllm_hi/scale"
 	PathScaleStatus     = "/vllm_hi/scale/{id}/status"
 	PathScales          = "/vllm_hi/scales"
+	PathAutoscale       = "/vllm_hi/autoscale"
 	// Model switching, the seed's admin routes.
 	PathAdminState   = "/admin/state"
 	PathAdminSwitch  = "/admin/switch/{model}"
@@ -491,4 +492,48 @@ func (s ScaleStatus) Ended() bool { return s.State != "" && s.State != StateRunn
 // ScaleList is GET /vllm_hi/scales.
 type ScaleList struct {
 	Scales []ScaleStatus `json:"scales"`
+}
+
+// AutoscaleDecision is one decision of the autoscaler: to scale a model
+// out or in, why, what it read, and the scale operation it started.
+type AutoscaleDecision struct {
+	At        time.Time `json:"at"`
+	Model     string    `json:"model"`
+	Kind      string    `json:"kind"`      // replicas, data_parallel
+	Direction string    `json:"direction"` // out, in
+	From      int       `json:"from"`
+	To        int       `json:"to"`
+	Reason    string    `json:"reason"` // ttft_p95, queue_depth, ttft_low
+	Detail    string    `json:"detail"`
+	TTFTP95S  float64   `json:"ttft_p95_s"`
+	Samples   int       `json:"samples"`
+	Waiting   int       `json:"waiting"`
+	ScaleID   string    `json:"scale_id,omitempty"`
+	Error     string    `json:"error,omitempty"`
+	DryRun    bool      `json:"dry_run,omitempty"`
+}
+
+// AutoscaleModel is the autoscaler's view of one model.
+type AutoscaleModel struct {
+	Model    string  `json:"model"`
+	Kind     string  `json:"kind"`
+	Size     int     `json:"size"`
+	Min      int     `json:"min"`
+	Max      int     `json:"max"`
+	SLOS     float64 `json:"ttft_p95_slo_s"`
+	TTFTP95S float64 `json:"ttft_p95_s"`
+	Samples  int     `json:"samples"`
+	Waiting  int     `json:"waiting"`
+	// Scaling is the operation running for it; CoolingUntil when the
+	// next decision may come.
+	Scaling      string    `json:"scaling,omitempty"`
+	CoolingUntil time.Time `json:"cooling_until,omitempty"`
+}
+
+// AutoscaleStatus is GET /vllm_hi/autoscale.
+type AutoscaleStatus struct {
+	Enabled   bool                `json:"enabled"`
+	DryRun    bool                `json:"dry_run,omitempty"`
+	Models    []AutoscaleModel    `json:"models"`
+	Decisions []AutoscaleDecision `json:"decisions"`
 }

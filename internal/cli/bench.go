@@ -10,6 +10,6 @@ func newBenchCommand(g *globalFlags) *cobra.Command {
 		Short: "Benchmarks (results belong in docs/benchmarks.md)",
 	}
 	cmd.AddCommand(newBenchSimCommand(g), newBenchProxyCommand(), newBenchUpstreamCommand(), newBenchMigrateCommand(g), newBenchSeedCommand(g), newBenchCUDACopyCommand(),
-		newBenchDrainCommand(g), newBenchFailoverCommand(g), newBenchRebalanceCommand(g), newBenchSwitchCommand(g), newBenchScaleCommand(g))
+		newBenchDrainCommand(g), newBenchFailoverCommand(g), newBenchRebalanceCommand(g), newBenchSwitchCommand(g), newBenchScaleCommand(g), newBenchAutoscaleCommand(g))
 	return cmd
 }

@@ -53,7 +53,7 @@ across restarts.`,
 					return err
 				}
 				cfg.Migration.Launchers = file.Targets
-				cfg.Models, cfg.Controller = file.Models, file.Controller
+				cfg.Models, cfg.Controller, cfg.Autoscale = file.Models, file.Controller, file.Autoscale
 			}
 			cfg.Migration.HostAddr = agentFacing(cfg.Listen)
 			cfg.Migration.LaunchLogDir = filepath.Join(cfg.DataDir, "launched")

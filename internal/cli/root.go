@@ -37,7 +37,7 @@ func NewRootCommand() *cobra.Command {
 	root.AddCommand(newVersionCommand(), newHostCommand(g), newAgentCommand(g), newSimCommand(g), newDemoCommand(g),
 		newBenchCommand(g), newInstancesCommand(), newMigrateCommand(), newMigrationCommand(), newWakeCommand(),
 		newDrainCommand(), newUndrainCommand(), newSwitchCommand(), newPrewarmCommand(), newStateCommand(),
-		newLaunchCommand(g), newStopCommand(), newScaleCommand())
+		newLaunchCommand(g), newStopCommand(), newScaleCommand(), newAutoscaleCommand())
 	return root
 }
 

@@ -274,3 +274,9 @@ func (h *Host) scaleStatus(w http.ResponseWriter, r *http.Request) {
 func (h *Host) scales(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, hostapi.ScaleList{Scales: h.scaler.List()})
 }
+
+// autoscaleStatus is the autoscaler's view of each model and its latest
+// decisions.
+func (h *Host) autoscaleStatus(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, h.autoscaler.Status())
+}

@@ -24,6 +24,7 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
+	"github.com/vllm-hi/vllm-hi/internal/autoscale"
 	"github.com/vllm-hi/vllm-hi/internal/credentials"
 	"github.com/vllm-hi/vllm-hi/internal/failover"
 	"github.com/vllm-hi/vllm-hi/internal/grpcauth"
@@ -32,6 +33,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/rebalance"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
 	"github.com/vllm-hi/vllm-hi/internal/scale"
+	"github.com/vllm-hi/vllm-hi/internal/slo"
 	"github.com/vllm-hi/vllm-hi/internal/store"
 	"github.com/vllm-hi/vllm-hi/internal/switching"
 )
@@ -79,6 +81,9 @@ type Config struct {
 	Controller switching.Controller
 	// Scale is how the Host scales deployments (POST /vllm_hi/scale).
 	Scale scale.Config
+	// Autoscale is the autoscaler (vhi host --config's autoscale:); off
+	// without policies.
+	Autoscale autoscale.Config
 }
 
 // DefaultConfig returns the documented defaults.
@@ -98,22 +103,26 @@ func DefaultConfig() Config {
 
 // Host is one vhi host.
 type Host struct {
-	cfg       Config
-	log       *zap.Logger
-	store     *store.Store // nil without a data directory
-	reg       *registry.Registry
-	prom      *prometheus.Registry
-	m         *metrics
-	proxy     *proxy.Proxy
-	mig       *migrate.Orchestrator
-	balancer  *rebalance.Balancer
-	failover  *failover.Manager
-	switcher  *switching.Switcher // nil without switched models
-	scaler    *scale.Scaler
-	grpc      *grpc.Server
-	bodies    *budget
-	serverTLS *tls.Config
-	started   time.Time
+	cfg      Config
+	log      *zap.Logger
+	store    *store.Store // nil without a data directory
+	reg      *registry.Registry
+	prom     *prometheus.Registry
+	m        *metrics
+	proxy    *proxy.Proxy
+	mig      *migrate.Orchestrator
+	balancer *rebalance.Balancer
+	// ttft is the rolling TTFT per model the autoscaler reads (nil when
+	// it is off).
+	ttft       *slo.Window
+	autoscaler *autoscale.Autoscaler
+	failover   *failover.Manager
+	switcher   *switching.Switcher // nil without switched models
+	scaler     *scale.Scaler
+	grpc       *grpc.Server
+	bodies     *budget
+	serverTLS  *tls.Config
+	started    time.Time
 }
 
 // New builds a Host (opening its state in cfg.DataDir); Serve runs it.
@@ -183,6 +192,14 @@ func New(cfg Config, log *zap.Logger) (*Host, error) {
 		return nil, err
 	}
 	h.scaler = scale.New(cfg.Scale, h.reg, h.mig, h.proxy.Streams().On, cfg.AgentToken, h.m.scales, log.Named("scale"))
+	if err := cfg.Autoscale.Check(); err != nil {
+		h.closeStore()
+		return nil, err
+	}
+	if cfg.Autoscale.Enabled() {
+		h.ttft = slo.New(cfg.Autoscale.Window(), cfg.Autoscale.Penalty())
+	}
+	h.autoscaler = autoscale.New(cfg.Autoscale, h.scaler, h.ttft, h.m.autoscale, log.Named("autoscale"))
 	if h.switcher, err = h.newSwitcher(cfg); err != nil {
 		h.closeStore()
 		return nil, err
@@ -226,6 +243,7 @@ func (h *Host) Handler() http.Handler {
 	r.Get(hostapi.PathRebalance, h.rebalanceDecisions)
 	r.Get(hostapi.PathScaleStatus, h.scaleStatus)
 	r.Get(hostapi.PathScales, h.scales)
+	r.Get(hostapi.PathAutoscale, h.autoscaleStatus)
 	r.Group(func(r chi.Router) {
 		r.Use(h.requireAdmin)
 		r.Post(hostapi.PathDrain, h.drain)
@@ -288,6 +306,7 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 	var background sync.WaitGroup
 	background.Go(func() { h.balancer.Run(bgCtx) })
 	background.Go(func() { h.failover.Run(bgCtx) })
+	background.Go(func() { h.autoscaler.Run(bgCtx) })
 	defer func() { stopBackground(); background.Wait() }()
 	// Switching stops first at shutdown: the requests it queues fail
 	// (503) instead of holding the server's drain open.

@@ -314,6 +314,10 @@ func TestMetricsGolden(t *testing.T) {
 	m.migrations.Duration.Observe(1.6)
 	m.migrations.Bytes.Add(24e9)
 	m.migrations.Requests.Add(256)
+	m.ttft.WithLabelValues("m").Observe(0.3)
+	m.autoscale.Decisions.WithLabelValues("m", "out", "ttft_p95", "started").Inc()
+	m.autoscale.P95.WithLabelValues("m").Set(0.42)
+	m.autoscale.Size.WithLabelValues("m").Set(2)
 	mfs, err := reg.Gather()
 	if err != nil {
 		t.Fatal(err)

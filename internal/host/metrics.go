@@ -3,6 +3,7 @@ package host
 import (
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/vllm-hi/vllm-hi/internal/autoscale"
 	"github.com/vllm-hi/vllm-hi/internal/failover"
 	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
@@ -21,6 +22,8 @@ type metrics struct {
 	rebalance     *prometheus.CounterVec
 	scales        *prometheus.CounterVec
 	failover      *failover.Metrics
+	autoscale     *autoscale.Metrics
+	ttft          *prometheus.HistogramVec
 }
 
 func newMetrics(reg prometheus.Registerer, instances *registry.Registry) *metrics {
@@ -39,6 +42,11 @@ func newMetrics(reg prometheus.Registerer, instances *registry.Registry) *metric
 		rebalance:  rebalance.NewMetric(),
 		scales:     scale.NewMetric(),
 		failover:   failover.NewMetrics(),
+		autoscale:  autoscale.NewMetrics(),
+		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "vhi_time_to_first_token_seconds", Help: "Time from a request's arrival at the Host to its first token sent to the client (a non-streamed answer: its head), by model; holds and switches included.",
+			Buckets: []float64{0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80},
+		}, []string{"model"}),
 	}
 	instancesByState := prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "vhi_instances", Help: "Registered instances by state.",
@@ -47,6 +55,8 @@ func newMetrics(reg prometheus.Registerer, instances *registry.Registry) *metric
 	reg.MustRegister(m.proxy.Collectors()...)
 	reg.MustRegister(m.migrations.Collectors()...)
 	reg.MustRegister(m.failover.Collectors()...)
+	reg.MustRegister(m.autoscale.Collectors()...)
+	reg.MustRegister(m.ttft)
 	return m
 }
 

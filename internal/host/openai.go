@@ -91,6 +91,7 @@ func (h *Host) readBody(w http.ResponseWriter, r *http.Request) ([]byte, int64, 
 
 // openAI routes a completion or chat request by its model.
 func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
+	arrived := time.Now()
 	body, held, err := h.readBody(w, r)
 	var released sync.Once
 	release := func() { released.Do(func() { h.bodies.give(held) }) }
@@ -145,6 +146,7 @@ func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 		return
 	case !ok:
 		h.count(head.Model, http.StatusServiceUnavailable)
+		h.observeFailure(head.Model, proxy.Result{Status: http.StatusServiceUnavailable})
 		w.Header().Set("Retry-After", "1")
 		proxy.WriteError(w, http.StatusServiceUnavailable, "ServiceUnavailableError", fmt.Sprintf("no active, healthy instance serves `%s` right now", head.Model))
 		return
@@ -156,13 +158,37 @@ func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 	hdr, engineID := h.upstreamHeader(r)
 	res := h.proxy.Forward(w, r, proxy.Upstream{
 		BaseURL: inst.Engine.URL, Path: r.URL.Path, Body: body, Header: hdr, Model: head.Model, InstanceID: inst.ID,
-		RequestID: engineID, Sent: release, Hold: h.scaler.Hold,
+		RequestID: engineID, Sent: release, Hold: h.scaler.Hold, OnFirstToken: h.observeTTFT(head.Model, arrived),
 		Reroute: func(tried []string) (string, string, bool) {
 			i, _, ok := h.route(head.Model, tried)
 			return i.Engine.URL, i.ID, ok
 		},
 	})
 	h.count(head.Model, res.Status)
+	h.observeFailure(head.Model, res)
+}
+
+// observeTTFT is the proxy's first-token callback for a request of model
+// that arrived then: it records the time to first token as it happens
+// (not when the stream ends) — what the autoscaler reads.
+func (h *Host) observeTTFT(model string, arrived time.Time) func(time.Time) {
+	return func(at time.Time) {
+		d := at.Sub(arrived)
+		h.m.ttft.WithLabelValues(model).Observe(d.Seconds())
+		if h.ttft != nil {
+			h.ttft.Observe(model, at, d)
+		}
+	}
+}
+
+// observeFailure records a request of model that ended without a first
+// token as failed. What the client did (a 4xx, leaving first) is not the
+// deployment's doing and counts as nothing.
+func (h *Host) observeFailure(model string, res proxy.Result) {
+	if h.ttft == nil || !res.FirstToken.IsZero() || res.Status == proxy.StatusClientClosed || (res.Status >= 400 && res.Status < 500) {
+		return
+	}
+	h.ttft.Fail(model, time.Now())
 }
 
 func (h *Host) count(model string, status int) {

@@ -12,6 +12,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
+	"github.com/vllm-hi/vllm-hi/internal/autoscale"
 	"github.com/vllm-hi/vllm-hi/internal/launch"
 	"github.com/vllm-hi/vllm-hi/internal/switching"
 )
@@ -28,6 +29,8 @@ type File struct {
 	// for them come; Controller is the switching policy.
 	Models     map[string]switching.Model `yaml:"models"`
 	Controller switching.Controller       `yaml:"controller"`
+	// Autoscale is the autoscaler's policies (docs/scaling.md); none: off.
+	Autoscale autoscale.Config `yaml:"autoscale"`
 }
 
 // Load reads and checks the file at path.
@@ -59,6 +62,9 @@ func Parse(b []byte, name string) (File, error) {
 		if err := switching.Check(f.Models, f.Controller); err != nil {
 			return File{}, fmt.Errorf("%s: %w", name, err)
 		}
+	}
+	if err := f.Autoscale.Check(); err != nil {
+		return File{}, fmt.Errorf("%s: %w", name, err)
 	}
 	return f, nil
 }

@@ -79,3 +79,32 @@ controller:
 		}
 	}
 }
+
+func TestParseAutoscale(t *testing.T) {
+	f, err := Parse([]byte(`
+autoscale:
+  interval_s: 1
+  models:
+    moe:
+      kind: data_parallel
+      min: 4
+      max: 5
+      ttft_p95_slo_s: 5
+      window_s: 30
+    dense: {min: 1, max: 3, ttft_p95_slo_s: 2, queue_high: 4}
+`), "host.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !f.Autoscale.Enabled() || f.Autoscale.Models["moe"].Kind != "data_parallel" || f.Autoscale.Models["dense"].QueueHigh != 4 || f.Autoscale.Interval().Seconds() != 1 {
+		t.Fatalf("%+v", f.Autoscale)
+	}
+	for _, bad := range []struct{ yaml, want string }{
+		{"autoscale:\n  models:\n    m: {min: 1, max: 2, ttft_slo: 1}\n", "field ttft_slo not found"},
+		{"autoscale:\n  models:\n    m: {min: 1, max: 2}\n", "autoscale.models.m: ttft_p95_slo_s is required"},
+	} {
+		if _, err := Parse([]byte(bad.yaml), "host.yaml"); err == nil || !strings.Contains(err.Error(), bad.want) {
+			t.Errorf("%q: %v, want %q", bad.yaml, err, bad.want)
+		}
+	}
+}

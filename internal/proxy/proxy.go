@@ -117,6 +117,10 @@ type Upstream struct {
 	// the engine can serve again (an elastic-EP commit ended) and the
 	// request is sent again; false passes the 503 on.
 	Hold func(ctx context.Context, instanceID string, body []byte) bool
+	// OnFirstToken, when set, is called once, when the client is sent its
+	// first token event (a stream) or the answer's head (anything else
+	// that succeeded): the time to first token as the client sees it.
+	OnFirstToken func(at time.Time)
 }
 
 // maxHolds bounds how often one request is held and sent again.
@@ -172,6 +176,10 @@ type Result struct {
 	Tokens    int  // token events forwarded (streams)
 	Done      bool // the stream ended with [DONE]
 	Truncated bool // the upstream died mid-stream; an error event was sent
+	// FirstToken is when the client was sent the first token event (a
+	// stream) or the answer's head (anything else that succeeded); zero
+	// when neither happened.
+	FirstToken time.Time
 }
 
 // StatusClientClosed is recorded when the client went away first (nginx's
@@ -258,20 +266,27 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 	}
 	defer resp.Body.Close()
 	if !isEventStream(resp) {
-		return p.passThrough(w, resp)
+		return p.passThrough(w, resp, up)
 	}
 	return p.relay(ctx, w, resp.Body, s, up)
 }
 
-func (p *Proxy) passThrough(w http.ResponseWriter, resp *http.Response) Result {
+func (p *Proxy) passThrough(w http.ResponseWriter, resp *http.Response, up Upstream) Result {
 	for _, k := range []string{"Content-Type", "Retry-After"} {
 		if v := resp.Header.Get(k); v != "" {
 			w.Header().Set(k, v)
 		}
 	}
 	w.WriteHeader(resp.StatusCode)
+	res := Result{Status: resp.StatusCode}
+	if resp.StatusCode < 300 {
+		res.FirstToken = time.Now()
+		if up.OnFirstToken != nil {
+			up.OnFirstToken(res.FirstToken)
+		}
+	}
 	_, _ = io.Copy(w, resp.Body)
-	return Result{Status: resp.StatusCode}
+	return res
 }
 
 // relay is the streaming loop: read an event, classify it, write it
@@ -394,6 +409,12 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 		if _, err := w.Write(ev.Raw); err != nil {
 			res.Status = StatusClientClosed
 			return res
+		}
+		if kind == KindToken && res.FirstToken.IsZero() {
+			res.FirstToken = read
+			if up.OnFirstToken != nil {
+				up.OnFirstToken(read)
+			}
 		}
 		pending = append(pending, read)
 		if kind == KindDone || !er.Buffered() {

@@ -170,4 +170,3 @@ func mustScale(t *testing.T, cl *hostapi.Client, replicas int) string {
 	}
 	return id
 }
-

@@ -337,7 +337,17 @@ func (s *Scaler) scale(ctx context.Context, o *op, inst registry.Instance) (stri
 		return hostapi.StateFailed, err
 	}
 	if err := s.reconfigure(ctx, o, inst, o.st.To); err != nil {
-		return hostapi.StateFailed, err
+		// vLLM failed the reconfiguration (a drain timeout, a worker that
+		// did not join): it keeps its size before — but only the probe
+		// says the engine still answers as it did.
+		tv := time.Now()
+		after, perr := probe.Probe(ctx, s.cfg.ProbePrompt)
+		o.phase("verify", tv, time.Since(tv))
+		if perr != nil || after != before {
+			_, _ = s.reg.SetState(inst.ID, registry.StateDraining, registry.StateActive)
+			return hostapi.StateFailed, fmt.Errorf("%w; after it the probe answered %q (%v), %q before, so %s is taken out of routing (draining)", err, after, perr, before, inst.ID)
+		}
+		return hostapi.StateFailed, fmt.Errorf("%w; the engine answers the probe as before and keeps serving at its size before", err)
 	}
 	s.mu.Lock()
 	from := s.sizes[inst.ID]
@@ -471,6 +481,14 @@ func (s *Scaler) Hold(ctx context.Context, instance string, body []byte) bool {
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
+}
+
+// Size is the data-parallel size the Host last scaled instance to (0:
+// it has not: vLLM's API does not say).
+func (s *Scaler) Size(instance string) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.sizes[instance]
 }
 
 // Get returns an operation's status.

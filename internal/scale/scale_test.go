@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/internal/host"
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
 	"github.com/vllm-hi/vllm-hi/internal/sim"
 	"github.com/vllm-hi/vllm-hi/internal/stack"
@@ -236,3 +237,56 @@ func (r *recorder) Write(b []byte) (int, error) {
 }
 
 var _ io.Writer = (*recorder)(nil)
+
+// A commit that fails in vLLM (its drain of in-flight requests timed
+// out): the operation fails saying so, the engine keeps its size and —
+// the probe answering as before — keeps serving; the requests held
+// through the failed commit are sent again and complete.
+func TestCommitFailureLeavesTheEngineServing(t *testing.T) {
+	c := elastic(simConfig(t), sim.ElasticBlocking)
+	c.ElasticDrain = true
+	st, err := stack.Start(stack.Options{Model: "m", SimA: c, SimB: simConfig(t), TuneHost: func(hc *host.Config) {
+		hc.Scale.DrainTimeout = time.Second
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Stop()
+	ctx := context.Background()
+	// Streams of ~2 s: longer than the 1 s drain timeout.
+	long := make([]loadgen.Request, 4)
+	for i := range long {
+		long[i] = loadgen.Request{Prompt: "drain me", MaxTokens: 500, IgnoreEOS: true}
+	}
+	done := make(chan []loadgen.Stream, 1)
+	go func() { done <- loadgen.Run(ctx, loadgen.Config{BaseURL: st.HostURL, Model: "m"}, long) }()
+	time.Sleep(200 * time.Millisecond)
+	id, err := st.Client().Scale(ctx, hostapi.ScaleRequest{ID: st.AID, DataParallelSize: intp(2)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for !st.A.Scaling() && time.Now().Before(deadline) {
+		time.Sleep(2 * time.Millisecond)
+	}
+	held := loadgen.Run(ctx, loadgen.Config{BaseURL: st.HostURL, Model: "m"}, []loadgen.Request{{Prompt: "x", MaxTokens: 4}})[0]
+	res, err := st.Client().WaitScale(ctx, id, 10*time.Millisecond, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%+v", res)
+	if res.State != hostapi.StateFailed || !strings.Contains(res.Error, "drain timeout") || !strings.Contains(res.Error, "keeps serving") || st.A.DataParallelSize() != 1 {
+		t.Fatalf("a failed commit: %+v, engine at %d", res, st.A.DataParallelSize())
+	}
+	if held.Err != nil || held.Done != 1 {
+		t.Fatalf("the request held through the failed commit: %v", held.Err)
+	}
+	for i, s := range <-done {
+		if s.Err != nil || s.Done != 1 {
+			t.Fatalf("stream %d through the failed commit: %v", i, s.Err)
+		}
+	}
+	if in, _ := st.Client().Instance(ctx, st.AID); in.Lifecycle != "active" {
+		t.Fatalf("A after the failed commit: %s", in.Lifecycle)
+	}
+}

@@ -77,3 +77,26 @@ func TestReplicasByLaunchAndDrain(t *testing.T) {
 	})
 	hostMetrics(t, d.hostURL, `vhi_scales_total{kind="replicas",state="succeeded"} 2`)
 }
+
+// vhi bench autoscale end to end at a small scale: the elastic
+// deployment's autoscaler scales the engine while the load rises, no
+// request through the Host fails, and the restarted deployment's
+// requests fail while it is down. (Whether the SLO held is the
+// benchmark's figure, not this test's: CI machines are noisy.)
+func TestBenchAutoscaleSmoke(t *testing.T) {
+	out, err := vhiRun(t, "bench", "autoscale", "--duration", "14s", "--rate-from", "4", "--rate-to", "14", "--tokens", "64", "--max-num-seqs", "4",
+		"--step", "20ms", "--prepare-time", "300ms", "--graph-time", "300ms", "--activate-time", "20ms", "--restart-time", "1s",
+		"--window", "2s", "--deployments", "elastic,restart", "--log-level", "warn")
+	t.Log(out)
+	if err != nil && !strings.Contains(out, "over the SLO") {
+		t.Fatalf("vhi bench autoscale: %v", err)
+	}
+	for _, w := range []string{" 0 failed;", "the autoscaler decided at", "DP 4 → 5 succeeded", "restarted at DP 5"} {
+		if !strings.Contains(out, w) {
+			t.Fatalf("the report lacks %q", w)
+		}
+	}
+	if strings.Contains(out, "restart  ") && strings.Contains(out, "restart  0 completed") {
+		t.Fatal("the restarted deployment completed nothing")
+	}
+}
