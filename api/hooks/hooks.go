@@ -37,7 +37,11 @@ const (
 	PathRetire = "/vllm_hi/engine/retire"
 	PathWake   = "/vllm_hi/engine/wake"
 	// PathAttach streams a request's output from token index ?from=K as the
-	// same OpenAI SSE chunks its original stream carries.
+	// same OpenAI SSE chunks its original stream carries. A pre-attach
+	// (?from=-1&wait_ms=N, PreAttachPath) is opened before the request is
+	// installed: the engine waits up to N ms for the install, then streams
+	// from the output index the request was installed at; an engine
+	// without it refuses from=-1 (400), and the Host attaches afterwards.
 	PathAttach = "/vllm_hi/engine/requests/{request_id}/stream"
 )
 

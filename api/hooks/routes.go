@@ -5,6 +5,7 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // Hook names: how the Host asks an agent to relay a hook (the Hook RPC's
@@ -67,6 +68,12 @@ func RouteOf(name string) (Route, bool) {
 		}
 	}
 	return Route{}, false
+}
+
+// PreAttachPath is PathAttach for a request not installed yet: from the
+// output index it will be installed at, waiting up to wait for it.
+func PreAttachPath(requestID string, wait time.Duration) string {
+	return strings.Replace(PathAttach, "{request_id}", url.PathEscape(requestID), 1) + "?from=-1&wait_ms=" + strconv.FormatInt(wait.Milliseconds(), 10)
 }
 
 // AttachPath is PathAttach for one request, from token index from.

@@ -150,7 +150,10 @@ type MigrationStatus struct {
 	Recomputed []string `json:"recomputed_request_ids,omitempty"`
 	// Staged is how many moving requests the target prepared from a
 	// snapshot before the pause (its layout's stages_state; 0 otherwise).
-	Staged       int           `json:"staged_request_count,omitempty"`
+	Staged int `json:"staged_request_count,omitempty"`
+	// PreAttached is how many moved streams switched to the target over a
+	// connection opened before the pause (the rest attached after it).
+	PreAttached  int           `json:"pre_attached_stream_count,omitempty"`
 	Verification *Verification `json:"verification,omitempty"`
 	// TransferBackend is the data plane the source agent moved the KV
 	// with (cuda_ipc, tcp_shm), and TransferBackendReason why it chose it.

@@ -19,7 +19,7 @@ import (
 
 func newBenchMigrateCommand(g *globalFlags) *cobra.Command {
 	sc := scenario{Type: hostapi.DestroySource}
-	var grans, verifies []string
+	var grans, verifies, preAttach []string
 	var jsonOut string
 	geo := simGeometryFlags{}
 	var ext externalFlags
@@ -64,7 +64,12 @@ such a deployment and runs this.`,
 					sc.Greedy = true
 				}
 			}
-			return runBenchMigrate(cmd.Context(), cmd.OutOrStdout(), sc, geo, grans, verifies, jsonOut)
+			for _, p := range preAttach {
+				if p != "on" && p != "off" {
+					return fmt.Errorf("--pre-attach: %q is not on or off", p)
+				}
+			}
+			return runBenchMigrate(cmd.Context(), cmd.OutOrStdout(), sc, geo, grans, verifies, preAttach, jsonOut)
 		},
 	}
 	f := cmd.Flags()
@@ -74,6 +79,8 @@ such a deployment and runs this.`,
 	f.DurationVar(&sc.Delay, "delay", 5*time.Second, "load start → migration")
 	f.IntVar(&sc.TN, "tn", 2, "data-plane connections")
 	f.StringSliceVar(&grans, "final-granularity", []string{"block", "slot"}, "final-round granularities to compare")
+	f.StringVar(&sc.Type, "type", sc.Type, "migration type: destroy_source (the source's KV released after), preserve_source, keep_source_active")
+	f.StringSliceVar(&preAttach, "pre-attach", []string{"off"}, "the Host opening the moving streams on the target before the pause (on, off): each runs with every granularity")
 	f.StringSliceVar(&verifies, "verify", []string{hostapi.VerifySample}, "checks before the commit to compare (off, sample, full): each runs with every granularity")
 	f.StringVar(&jsonOut, "json", "", "also write the statuses as JSON to this file")
 	f.StringVar(&sc.CPUProfile, "cpuprofile", "", "write a CPU profile of the migration window")
@@ -211,7 +218,7 @@ func (g simGeometryFlags) apply(c *sim.Config) {
 	}
 }
 
-func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeometryFlags, grans, verifies []string, jsonOut string) (err error) {
+func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeometryFlags, grans, verifies, preAttach []string, jsonOut string) (err error) {
 	sc.Sim = sim.DefaultConfig()
 	geo.apply(&sc.Sim)
 	if sc.Log == nil {
@@ -242,14 +249,16 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 			}
 		}()
 	}
-	var runs [][2]string
-	for _, v := range verifies {
-		for _, gran := range grans {
-			runs = append(runs, [2]string{v, gran})
+	var runs [][3]string
+	for _, pa := range preAttach {
+		for _, v := range verifies {
+			for _, gran := range grans {
+				runs = append(runs, [3]string{v, gran, pa})
+			}
 		}
 	}
 	for _, r := range runs {
-		sc.Verify, sc.FinalGranularity = r[0], r[1]
+		sc.Verify, sc.FinalGranularity, sc.PreAttach = r[0], r[1], r[2] == "on"
 		res, err := sc.run(ctx)
 		if err != nil {
 			return err
@@ -259,7 +268,7 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 		if sc.External != nil {
 			r[0] = "the Host's"
 		}
-		fmt.Fprintf(out, "\n== final round: %s, check before the commit: %s ==\n", r[1], r[0])
+		fmt.Fprintf(out, "\n== final round: %s, check before the commit: %s, pre-attach %s (%d streams) ==\n", r[1], r[0], r[2], st.PreAttached)
 		printMigration(out, st)
 		var steps []string
 		for _, s := range st.StepHistory {
@@ -282,8 +291,8 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 		if r0 > 0 {
 			pct = 100 * float64(final) / float64(r0)
 		}
-		fmt.Fprintf(out, "final round = %.2f %% of round 0; client inter-token gap: median %v, max during the migration %v (goal ≤ 2×median + 50 ms = %v), max over the whole run %v (prefill stalls included)\n",
-			pct, res.MedianGap.Round(100*time.Microsecond), res.MaxGapDuringMigration.Round(100*time.Microsecond),
+		fmt.Fprintf(out, "final round = %.2f %% of round 0; client inter-token gap: median %v, max during the migration %v (%s; goal ≤ 2×median + 50 ms = %v), max over the whole run %v (prefill stalls included)\n",
+			pct, res.MedianGap.Round(100*time.Microsecond), res.MaxGapDuringMigration.Round(100*time.Microsecond), stepsDuring(st, res.MigrationGapFrom, res.MigrationGapTo),
 			(2*res.MedianGap + 50*time.Millisecond).Round(100*time.Microsecond), res.MaxGap.Round(100*time.Microsecond))
 		exact := "every stream exact"
 		if n := len(res.Unjudged); n > 0 {
@@ -314,4 +323,33 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 		}
 	}
 	return nil
+}
+
+// stepsDuring names the migration steps that a client gap from → to
+// overlapped, with how much of the gap each took: where the gap came from.
+func stepsDuring(st hostapi.MigrationStatus, from, to time.Time) string {
+	if from.IsZero() {
+		return "no gap"
+	}
+	var parts []string
+	for _, s := range st.StepHistory {
+		end := s.EndedAt
+		if end.IsZero() {
+			end = s.StartedAt.Add(time.Duration(s.DurationS * float64(time.Second)))
+		}
+		lo, hi := from, to
+		if s.StartedAt.After(lo) {
+			lo = s.StartedAt
+		}
+		if end.Before(hi) {
+			hi = end
+		}
+		if hi.After(lo) {
+			parts = append(parts, fmt.Sprintf("%s %.0f ms", s.Step, hi.Sub(lo).Seconds()*1000))
+		}
+	}
+	if len(parts) == 0 {
+		return "outside the steps"
+	}
+	return "in " + strings.Join(parts, ", ")
 }

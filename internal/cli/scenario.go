@@ -38,6 +38,7 @@ type scenario struct {
 	FinalGranularity string
 	TN               int
 	Verify           string // the Host's --migration-verify ("" = its default)
+	PreAttach        bool   // the Host's --migration-pre-attach
 	Log              *zap.Logger
 	CPUProfile       string // write a CPU profile of the migration window here
 	Trace            string // write an execution trace of the migration window here
@@ -71,8 +72,11 @@ type scenarioResult struct {
 	// migration ran (or within a second after): what the migration cost
 	// the clients, apart from prefill stalls before it.
 	MaxGapDuringMigration time.Duration
-	MigrationStart        time.Time
-	StatsA                string
+	// MigrationGapFrom and MigrationGapTo are when that gap began and
+	// ended: which of the migration's steps it fell in says what caused it.
+	MigrationGapFrom, MigrationGapTo time.Time
+	MigrationStart                   time.Time
+	StatsA                           string
 }
 
 func (sc scenario) requests() []loadgen.Request {
@@ -122,6 +126,7 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 		if sc.Verify != "" {
 			c.Migration.Verify = sc.Verify
 		}
+		c.Migration.PreAttach = sc.PreAttach
 	}
 	st, err := stack.Start(stack.Options{Model: "demo-model", SimA: simA, SimB: simB, Log: sc.Log, TuneHost: tune})
 	if err != nil {
@@ -264,8 +269,8 @@ func (res *scenarioResult) judge(ref []loadgen.Stream, sim bool) {
 			if g > res.MaxGap {
 				res.MaxGap, res.MaxGapAt = g, s.Arrivals[j]
 			}
-			if s.Arrivals[j].After(res.MigrationStart) && s.Arrivals[j].Before(windowEnd) {
-				res.MaxGapDuringMigration = max(res.MaxGapDuringMigration, g)
+			if s.Arrivals[j].After(res.MigrationStart) && s.Arrivals[j].Before(windowEnd) && g > res.MaxGapDuringMigration {
+				res.MaxGapDuringMigration, res.MigrationGapFrom, res.MigrationGapTo = g, s.Arrivals[j-1], s.Arrivals[j]
 			}
 		}
 	}

@@ -41,6 +41,7 @@ func (m *migration) final(ctx context.Context, since uint64) (committed, error) 
 	if err := m.enter(ctx, stepPause); err != nil {
 		return c, err
 	}
+	m.preAttach()
 	c.pauseCall = time.Now()
 	c.paused = m.ids()
 	wait, err := m.pauseSource(ctx)

@@ -39,6 +39,10 @@ type Config struct {
 	// RPCTimeout bounds one control call to an agent (list, pause,
 	// abort…); copy rounds are bounded by the migration's deadline.
 	RPCTimeout time.Duration
+	// PreAttach opens the moving streams on the target just before the
+	// pause, so the switch reads the target's first tokens from
+	// connections already open (engines that cannot: attached after).
+	PreAttach bool
 	// Verify is the check before the commit (sample, full, off);
 	// VerifySamples the random blocks per request it adds in sample mode.
 	Verify        string
@@ -69,7 +73,7 @@ type Config struct {
 // DefaultConfig returns the defaults.
 func DefaultConfig() Config {
 	return Config{MaxIncrRounds: 8, StallRounds: 2, DefaultTN: 2, PauseLease: 10 * time.Second, ReservationLease: 60 * time.Second,
-		SpliceTimeout: 5 * time.Second, RPCTimeout: 10 * time.Second, Verify: hostapi.VerifySample, VerifySamples: 2,
+		SpliceTimeout: 5 * time.Second, RPCTimeout: 10 * time.Second, Verify: hostapi.VerifySample, VerifySamples: 2, PreAttach: true,
 		RetireWait: 10 * time.Minute, DrainTimeout: 10 * time.Minute, MaxHistory: 1000}
 }
 

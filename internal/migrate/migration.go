@@ -23,12 +23,14 @@ type migration struct {
 	// (nil when it named one): stopped if the migration aborts.
 	launched *launch.Process
 	op       registry.Operation // what holds both instances in the registry
-	req      hostapi.MigrateRequest
-	filter   Filter
-	src, dst registry.Instance
-	srcA     agentclient.Agent
-	dstA     agentclient.Agent
-	log      *zap.Logger
+	// preAttached are the streams opened on the target before the pause.
+	preAttached []string
+	req         hostapi.MigrateRequest
+	filter      Filter
+	src, dst    registry.Instance
+	srcA        agentclient.Agent
+	dstA        agentclient.Agent
+	log         *zap.Logger
 
 	// secret authenticates the migration's data-plane connections; only
 	// the two agents get it.

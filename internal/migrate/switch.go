@@ -23,6 +23,7 @@ func (m *migration) switchOver(c committed) {
 	m.step(stepApply)
 	m.applyType()
 	m.measureClientGap(spliced, c.pauseCall)
+	m.countPreAttached(spliced)
 	if len(failed) > 0 {
 		m.finish(hostapi.StateFailed, fmt.Sprintf("the target runs the moved requests, but %d of %d streams could not switch to it (their clients got an error event): %v",
 			len(failed), len(c.states), firstErr))

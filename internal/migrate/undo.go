@@ -96,6 +96,9 @@ func (m *migration) finish(state, errMsg string) {
 	m.st.CurrentStep = string(stepDone)
 	st := m.st
 	m.mu.Unlock()
+	if state != hostapi.StateSucceeded {
+		m.dropPreAttach()
+	}
 	m.o.met.ended(st)
 	m.o.rec.save(st.ID)
 	m.o.reg.Release(m.op, m.src.ID)

@@ -201,7 +201,7 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 	// Register the stream before the engine answers: a migration that
 	// starts while the request is still prefilling must find it.
 	s := &Stream{ID: up.RequestID, Instance: up.InstanceID, Model: up.Model, Tag: clientTag(r.Header),
-		Started: time.Now(), cancelA: cancelUp, done: make(chan struct{})}
+		Started: time.Now(), cancelA: cancelUp, done: make(chan struct{}), ctx: ctx}
 	if p.recover != nil && len(up.Body) <= maxReplayBody {
 		s.request = &Upstream{Path: up.Path, Body: up.Body, Header: up.Header}
 	}
@@ -211,6 +211,10 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 	}
 	defer func() {
 		s.mu.Lock()
+		if s.pre != nil && !s.preUsed {
+			s.pre.drop()
+		}
+		s.pre = nil
 		close(s.done)
 		if sp := s.splice; sp != nil && sp.switched != nil {
 			sp.switched <- fmt.Errorf("stream %s ended before it could move", s.ID)
@@ -454,8 +458,13 @@ func (p *Proxy) trySwitch(ctx context.Context, s *Stream) (next io.ReadCloser, o
 	if !due {
 		return nil, false
 	}
-	actx, cancel := context.WithCancel(ctx)
-	resp, err := p.openAttach(actx, sp, s.ID)
+	resp, cancel := s.takePreAttach(ctx, sp.instance)
+	var err error
+	if resp == nil {
+		var actx context.Context
+		actx, cancel = context.WithCancel(ctx)
+		resp, err = p.openAttach(actx, sp, s.ID)
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if err != nil {

@@ -42,6 +42,32 @@ type Stream struct {
 	cancelA         context.CancelFunc // cancels the current upstream read
 	done            chan struct{}      // closed when the relay ends
 	request         *Upstream          // what a failover replays (nil: not kept)
+	// ctx is the client request's: a pre-attach lives no longer.
+	ctx context.Context
+	// pre is the target's stream opened before the migration paused the
+	// source (nil: none); preUsed: the switch read from it.
+	pre     *preAttach
+	preUsed bool
+}
+
+// preAttach is a target stream opened ahead of a splice.
+type preAttach struct {
+	instance string
+	cancel   context.CancelFunc
+	done     chan struct{} // closed once resp or err is set
+	resp     *http.Response
+	err      error
+}
+
+// drop ends a pre-attach that will not be read.
+func (pa *preAttach) drop() {
+	pa.cancel()
+	go func() {
+		<-pa.done
+		if pa.resp != nil {
+			pa.resp.Body.Close()
+		}
+	}()
 }
 
 type spliceTarget struct {
@@ -212,6 +238,109 @@ func (s *Stream) SwitchGap() (lastSource, firstTarget time.Time) {
 // attachURL is the engine hook that streams a request from token index k.
 func attachURL(base, id string, from int) string {
 	return strings.TrimRight(base, "/") + hooks.AttachPath(id, from)
+}
+
+// PreAttach opens the stream of request id on the target engine at
+// baseURL before a migration pauses the source: the engine holds it until
+// the request is installed there (at most wait), so the switch after the
+// commit reads the target's first tokens from a connection already open
+// instead of sending one request per stream inside the clients' gap. It
+// does nothing for a stream not relayed here; an engine that cannot
+// pre-attach answers with an error, and the switch attaches as before.
+func (p *Proxy) PreAttach(id, baseURL, instance string, wait time.Duration) {
+	s := p.streams.Get(id)
+	if s == nil || s.ctx == nil {
+		return
+	}
+	ctx, cancel := context.WithCancel(s.ctx)
+	pa := &preAttach{instance: instance, cancel: cancel, done: make(chan struct{})}
+	s.mu.Lock()
+	if old := s.pre; old != nil {
+		old.drop()
+	}
+	s.pre, s.preUsed = pa, false
+	s.mu.Unlock()
+	go func() {
+		defer close(pa.done)
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimRight(baseURL, "/")+hooks.PreAttachPath(id, wait), nil)
+		if err != nil {
+			pa.err = err
+			return
+		}
+		if p.engineToken != "" {
+			req.Header.Set("Authorization", "Bearer "+p.engineToken)
+		}
+		resp, err := p.client.Do(req)
+		if err == nil && resp.StatusCode != http.StatusOK {
+			code := resp.StatusCode
+			resp.Body.Close()
+			resp, err = nil, fmt.Errorf("pre-attach to %s on %s: HTTP %d", id, instance, code)
+		}
+		pa.resp, pa.err = resp, err
+	}()
+}
+
+// DropPreAttach ends the pre-attach of stream id to instance, if any: the
+// migration it was for did not commit.
+func (p *Proxy) DropPreAttach(id, instance string) {
+	s := p.streams.Get(id)
+	if s == nil {
+		return
+	}
+	s.mu.Lock()
+	pa := s.pre
+	if pa != nil && pa.instance == instance && !s.preUsed {
+		s.pre = nil
+	} else {
+		pa = nil
+	}
+	s.mu.Unlock()
+	if pa != nil {
+		pa.drop()
+	}
+}
+
+// PreAttached reports whether the stream's switch read from a pre-attach.
+func (s *Stream) PreAttached() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.preUsed
+}
+
+// preAttachWait bounds how long a switch waits for a pre-attach's answer
+// before it attaches anew.
+const preAttachWait = 10 * time.Second
+
+// takePreAttach returns the pre-attached target stream for a due splice
+// onto instance, once the engine answered it (nil: none, or it failed).
+func (s *Stream) takePreAttach(ctx context.Context, instance string) (*http.Response, context.CancelFunc) {
+	s.mu.Lock()
+	pa := s.pre
+	s.mu.Unlock()
+	if pa == nil || pa.instance != instance {
+		return nil, nil
+	}
+	select {
+	case <-pa.done:
+	case <-ctx.Done():
+	case <-time.After(preAttachWait):
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	select {
+	case <-pa.done:
+	default:
+		s.pre = nil
+		pa.drop()
+		return nil, nil
+	}
+	if pa.err != nil || s.pre != pa {
+		s.pre = nil
+		pa.cancel()
+		return nil, nil
+	}
+	s.preUsed = true
+	return pa.resp, pa.cancel
 }
 
 // openAttach opens the target's stream of the request, trying a few times

@@ -45,10 +45,13 @@ type Engine struct {
 	// for Watcher, which must not wait for e.mu: a step holds it for its
 	// whole compute, and a migration attaches hundreds of streams at once.
 	watchable sync.Map // id → *request
-	waiting   []*request
-	running   []*request
-	cursor    uint64 // generation of the last completed mutation
-	steps     uint64
+	// installs is closed (and replaced) by every Install: what a
+	// pre-attach waits on.
+	installs chan struct{}
+	waiting  []*request
+	running  []*request
+	cursor   uint64 // generation of the last completed mutation
+	steps    uint64
 
 	pausedAll  bool // vLLM /pause?mode=keep: nothing is scheduled
 	pausedNew  bool // vLLM /pause?mode=wait|abort: no new request is admitted
@@ -91,6 +94,7 @@ func NewEngine(cfg Config, log *zap.Logger) (*Engine, error) {
 		cuda: drv,
 		cfg:  cfg, geo: geo, par: par, tok: tokenizer.New(), log: log,
 		wake:     make(chan struct{}, 1),
+		installs: make(chan struct{}),
 		kv:       kv,
 		kvGen:    1,
 		pool:     newBlockPool(geo.NumBlocks, geo.BlockSize),

@@ -300,10 +300,13 @@ func (e *Engine) Install(_ context.Context, req hooks.InstallRequest) (hooks.Ins
 		} else {
 			e.running = append(e.running, r)
 		}
+		r.installed, r.installedFrom = true, len(r.output)
 		r.publish()
 		e.watchable.Store(r.id, r)
 		out.Installed = append(out.Installed, r.id)
 	}
+	close(e.installs)
+	e.installs = make(chan struct{})
 	e.cursor = gen
 	e.signal()
 	return out, nil

@@ -148,6 +148,24 @@ func TestHooksMoveARequest(t *testing.T) {
 	if st.NumComputedTokens != len(st.PromptTokenIDs)+len(st.OutputTokenIDs)-1 {
 		t.Fatalf("paused mid-step? computed %d of %d+%d", st.NumComputedTokens, len(st.PromptTokenIDs), len(st.OutputTokenIDs))
 	}
+	// A pre-attach opened before the install streams from where the
+	// request is installed, as the attach after the commit does.
+	preText := make(chan string, 1)
+	go func() {
+		resp, err := http.Get(tsB.URL + hooks.PreAttachPath(id, 5*time.Second))
+		if err != nil || resp.StatusCode != http.StatusOK {
+			preText <- fmt.Sprintf("pre-attach: %v %v", err, resp)
+			return
+		}
+		ev, err := readSSE(resp.Body)
+		resp.Body.Close()
+		if err != nil {
+			preText <- "pre-attach: " + err.Error()
+			return
+		}
+		text, _ := textOf(t, ev)
+		preText <- text
+	}()
 	alloc, err := b.Allocate(ctx, hooks.AllocateRequest{Requests: []hooks.AllocateItem{{RequestID: id, NumTokens: len(st.PromptTokenIDs) + len(st.OutputTokenIDs)}}})
 	if err != nil {
 		t.Fatal(err)
@@ -196,6 +214,20 @@ func TestHooksMoveARequest(t *testing.T) {
 	}
 	if got := textA + textB; got != refText {
 		t.Fatalf("migrated text differs:\n got %q\nwant %q", got, refText)
+	}
+	if pre := <-preText; pre != textB {
+		t.Fatalf("the pre-attached stream: %q, the attach after the commit: %q", pre, textB)
+	}
+	for path, code := range map[string]int{
+		"/vllm_hi/engine/requests/" + id + "/stream?from=-1":                 http.StatusBadRequest, // a pre-attach names its wait
+		"/vllm_hi/engine/requests/" + id + "/stream?from=-2&wait_ms=10":      http.StatusBadRequest,
+		"/vllm_hi/engine/requests/never-installed/stream?from=-1&wait_ms=50": http.StatusNotFound,
+	} {
+		resp, err := http.Get(tsB.URL + path)
+		if err != nil || resp.StatusCode != code {
+			t.Fatalf("%s: %v %v, want %d", path, err, resp, code)
+		}
+		resp.Body.Close()
 	}
 	if !strings.Contains(evB[len(evB)-2], `"completion_tokens":90`) {
 		t.Fatalf("usage after the move: %s", evB[len(evB)-2])

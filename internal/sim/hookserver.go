@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
+	"time"
 
 	"github.com/go-chi/chi/v5"
 
@@ -42,16 +43,25 @@ func (s *Server) hookRoutes(r chi.Router) error {
 		hooks.HookRetire: withBody(s.eng.Retire),
 		hooks.HookWake:   noBody(s.eng.Wake),
 		hooks.HookAttach: func(w http.ResponseWriter, r *http.Request) {
-			from := 0
-			if v := r.URL.Query().Get("from"); v != "" {
+			q := r.URL.Query()
+			from, wait := 0, time.Duration(0)
+			if v := q.Get("from"); v != "" {
 				n, err := strconv.Atoi(v)
-				if err != nil || n < 0 {
-					writeError(w, badRequest("from", "from must be a non-negative token index"))
+				if err != nil || n < -1 {
+					writeError(w, badRequest("from", "from must be a token index, or -1 with wait_ms (a pre-attach)"))
 					return
 				}
 				from = n
 			}
-			s.stream(w, r.Context(), chi.URLParam(r, "request_id"), from, r.URL.Query().Get("role") == "1")
+			if from == -1 {
+				ms, err := strconv.Atoi(q.Get("wait_ms"))
+				if err != nil || ms < 1 || ms > 600_000 {
+					writeError(w, badRequest("wait_ms", "a pre-attach (from=-1) needs wait_ms in 1..600000"))
+					return
+				}
+				wait = time.Duration(ms) * time.Millisecond
+			}
+			s.stream(w, r.Context(), chi.URLParam(r, "request_id"), from, wait, q.Get("role") == "1")
 		},
 	}
 	for _, route := range hooks.Routes() {

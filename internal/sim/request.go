@@ -45,6 +45,10 @@ type request struct {
 	// recompute: reserved without blocks; installed, it waits like a
 	// preempted request and recomputes its KV from its tokens.
 	recompute bool
+	// installed: by a migration (Install), at output index installedFrom
+	// — where a pre-attached stream starts.
+	installed     bool
+	installedFrom int
 
 	finishReason string // "length", "stop", "abort"
 	stopReason   any    // nil, a stop string, or a stop token id

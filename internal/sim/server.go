@@ -287,7 +287,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, kind, idPrefix
 		return
 	}
 	if f.Stream {
-		s.stream(w, r.Context(), meta.ResponseID, 0, true)
+		s.stream(w, r.Context(), meta.ResponseID, 0, 0, true)
 		return
 	}
 	s.respond(w, r.Context(), meta.ResponseID, kind, prompt)
@@ -337,9 +337,18 @@ func (s *Server) respond(w http.ResponseWriter, ctx context.Context, id, kind st
 // per token, the finishing event, the usage event when asked for, [DONE].
 // It serves both the client's own stream and the attach hook, so a stream
 // continued on another engine is byte-compatible with the original.
-func (s *Server) stream(w http.ResponseWriter, ctx context.Context, id string, from int, sendRole bool) {
+//
+// from −1 is a pre-attach: it waits up to wait for a migration to install
+// the request, then streams from where it was installed.
+func (s *Server) stream(w http.ResponseWriter, ctx context.Context, id string, from int, wait time.Duration, sendRole bool) {
 	// Check the request exists before committing to a 200.
-	wt, err := s.eng.Watcher(id)
+	var wt *Watcher
+	var err error
+	if from < 0 {
+		wt, from, err = s.eng.AwaitInstalled(ctx, id, wait)
+	} else {
+		wt, err = s.eng.Watcher(id)
+	}
 	var o Output
 	if err == nil {
 		o, err = wt.Next(ctx, from)

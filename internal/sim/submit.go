@@ -93,6 +93,34 @@ func (e *Engine) Watcher(id string) (*Watcher, error) {
 	return &Watcher{r: r.(*request)}, nil
 }
 
+// AwaitInstalled waits (up to wait) until a migration installs request id
+// here, and returns its watcher and the output index it was installed at:
+// a stream pre-attached before the install starts there.
+func (e *Engine) AwaitInstalled(ctx context.Context, id string, wait time.Duration) (*Watcher, int, error) {
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	for {
+		e.mu.Lock()
+		r, sig := e.requests[id], e.installs
+		installed := r != nil && r.installed
+		from := 0
+		if installed {
+			from = r.installedFrom
+		}
+		e.mu.Unlock()
+		if installed {
+			return &Watcher{r: r}, from, nil
+		}
+		select {
+		case <-sig:
+		case <-t.C:
+			return nil, 0, notFound("request_id", "Request %s was not installed here within %v.", id, wait)
+		case <-ctx.Done():
+			return nil, 0, ctx.Err()
+		}
+	}
+}
+
 // Next returns the output from token index from, waiting until there is
 // something new, the request finishes or ctx ends.
 func (w *Watcher) Next(ctx context.Context, from int) (Output, error) {
