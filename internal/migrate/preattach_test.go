@@ -1,7 +1,9 @@
 package migrate_test
 
 import (
+	"context"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc/codes"
 
@@ -40,4 +42,21 @@ func TestPreAttachedStreams(t *testing.T) {
 	if st.Migrated == 0 || st.PreAttached != st.Migrated {
 		t.Fatalf("%d of %d moved streams switched over their pre-attached connection", st.PreAttached, st.Migrated)
 	}
+}
+
+// A stream moved twice, each time over a pre-attach: the second
+// pre-attach must not end the first, which is its upstream by then (a
+// rolling restart's drains met that: every stream broke).
+func TestStreamsMovedTwiceOverPreAttaches(t *testing.T) {
+	r := newRig(t, rigOptions{streams: 12, tokens: 480, tune: func(hc *host.Config) { hc.Migration.PreAttach = true }})
+	done := r.loadThroughHost()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for _, hop := range [][2]string{{r.st.AID, r.st.BID}, {r.st.BID, r.st.AID}} {
+		st, err := r.st.Client().MigrateAndWait(ctx, hostapi.MigrateRequest{Src: hop[0], Dst: hop[1], Type: hostapi.PreserveSource}, 10*time.Millisecond)
+		if err != nil || st.State != hostapi.StateSucceeded || st.Migrated == 0 || st.PreAttached != st.Migrated {
+			t.Fatalf("%s → %s: %+v %v", hop[0], hop[1], st, err)
+		}
+	}
+	r.exact(<-done)
 }

@@ -211,7 +211,7 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 	}
 	defer func() {
 		s.mu.Lock()
-		if s.pre != nil && !s.preUsed {
+		if s.pre != nil {
 			s.pre.drop()
 		}
 		s.pre = nil

@@ -45,7 +45,9 @@ type Stream struct {
 	// ctx is the client request's: a pre-attach lives no longer.
 	ctx context.Context
 	// pre is the target's stream opened before the migration paused the
-	// source (nil: none); preUsed: the switch read from it.
+	// source (nil: none). A switch that reads from it takes it: it is the
+	// upstream then (cancelA ends it), no longer a pre-attach. preUsed:
+	// the last switch did.
 	pre     *preAttach
 	preUsed bool
 }
@@ -289,7 +291,7 @@ func (p *Proxy) DropPreAttach(id, instance string) {
 	}
 	s.mu.Lock()
 	pa := s.pre
-	if pa != nil && pa.instance == instance && !s.preUsed {
+	if pa != nil && pa.instance == instance {
 		s.pre = nil
 	} else {
 		pa = nil
@@ -327,15 +329,18 @@ func (s *Stream) takePreAttach(ctx context.Context, instance string) (*http.Resp
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.pre != pa {
+		// Dropped or replaced meanwhile: whoever did ended it.
+		return nil, nil
+	}
+	s.pre = nil
 	select {
 	case <-pa.done:
 	default:
-		s.pre = nil
 		pa.drop()
 		return nil, nil
 	}
-	if pa.err != nil || s.pre != pa {
-		s.pre = nil
+	if pa.err != nil {
 		pa.cancel()
 		return nil, nil
 	}
