@@ -24,6 +24,7 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
+	"github.com/vllm-hi/vllm-hi/internal/scale"
 	"github.com/vllm-hi/vllm-hi/internal/slo"
 )
 
@@ -271,17 +272,17 @@ func (a *Autoscaler) Step() []hostapi.AutoscaleDecision {
 	sort.Strings(models)
 	var out []hostapi.AutoscaleDecision
 	for _, m := range models {
-		if d, ok := a.evaluate(m, a.cfg.Models[m].withDefaults()); ok {
-			out = append(out, a.act(d))
+		if d, inst, ok := a.evaluate(m, a.cfg.Models[m].withDefaults()); ok {
+			out = append(out, a.act(d, inst))
 		}
 	}
 	return out
 }
 
-// size is the model's current size, and the instance a data_parallel
-// policy scales ("" when it has none, or several).
-func (a *Autoscaler) size(model string, p Policy) (int, string) {
-	reps := a.scaler.Replicas(model)
+// size is the current size of a model whose replicas are reps, and the
+// instance a data_parallel policy scales ("" when it has none, or
+// several).
+func (a *Autoscaler) size(reps []registry.Instance, p Policy) (int, string) {
 	if p.Kind == KindReplicas {
 		return len(reps), ""
 	}
@@ -298,23 +299,25 @@ func (a *Autoscaler) size(model string, p Policy) (int, string) {
 	return p.Start, id
 }
 
-// load sums the requests waiting and running on the model's active
+// load sums the requests waiting and running on a model's active
 // instances (as their agents last reported).
-func (a *Autoscaler) load(model string) (waiting, running int) {
-	for _, in := range a.scaler.Replicas(model) {
+func load(reps []registry.Instance) (waiting, running int) {
+	for _, in := range reps {
 		waiting += in.Stats.Waiting
 		running += in.Stats.Running
 	}
 	return waiting, running
 }
 
-// evaluate reads the model's signals and decides at most one step.
-func (a *Autoscaler) evaluate(model string, p Policy) (hostapi.AutoscaleDecision, bool) {
+// evaluate reads the model's signals and decides at most one step; inst
+// is the engine a data_parallel decision scales.
+func (a *Autoscaler) evaluate(model string, p Policy) (d hostapi.AutoscaleDecision, inst string, ok bool) {
 	now := a.now()
-	size, inst := a.size(model, p)
+	reps := a.scaler.Replicas(model)
+	size, inst := a.size(reps, p)
 	window := time.Duration(p.WindowS * float64(time.Second))
 	p95, n := a.ttft.Quantile(model, now, window, 0.95)
-	waiting, running := a.load(model)
+	waiting, running := load(reps)
 	a.met.P95.WithLabelValues(model).Set(p95)
 	a.met.Size.WithLabelValues(model).Set(float64(size))
 
@@ -339,9 +342,9 @@ func (a *Autoscaler) evaluate(model string, p Policy) (hostapi.AutoscaleDecision
 	}
 	a.mu.Unlock()
 	if busy || cooling || size == 0 || (p.Kind == KindDataParallel && inst == "") {
-		return hostapi.AutoscaleDecision{}, false
+		return d, "", false
 	}
-	d := hostapi.AutoscaleDecision{At: now.UTC(), Model: model, Kind: p.Kind, From: size, TTFTP95S: p95, Samples: n, Waiting: waiting, DryRun: a.cfg.DryRun}
+	d = hostapi.AutoscaleDecision{At: now.UTC(), Model: model, Kind: p.Kind, From: size, TTFTP95S: p95, Samples: n, Waiting: waiting, DryRun: a.cfg.DryRun}
 	perUnit := float64(waiting) / float64(size)
 	runningEach := float64(running) / float64(size)
 	fitsFewer := p.RunningHigh == 0 || (size > 1 && float64(running)/float64(size-p.Step) < 0.8*p.RunningHigh)
@@ -359,16 +362,16 @@ func (a *Autoscaler) evaluate(model string, p Policy) (hostapi.AutoscaleDecision
 		d.Direction, d.Reason, d.To = "in", ReasonTTFTLow, max(p.Min, size-p.Step)
 		d.Detail = fmt.Sprintf("p95 TTFT %.3f s over %d requests in %v < %.2f × the %.3f s SLO, nothing waiting", p95, n, window, p.ScaleInAt, p.SLOS)
 	default:
-		return hostapi.AutoscaleDecision{}, false
+		return hostapi.AutoscaleDecision{}, "", false
 	}
 	if p.Kind == KindDataParallel {
 		d.Detail += " (" + inst + ")"
 	}
-	return d, true
+	return d, inst, true
 }
 
 // act starts the decision's operation (unless a dry run) and records it.
-func (a *Autoscaler) act(d hostapi.AutoscaleDecision) hostapi.AutoscaleDecision {
+func (a *Autoscaler) act(d hostapi.AutoscaleDecision, inst string) hostapi.AutoscaleDecision {
 	outcome := "dry_run"
 	var opID string
 	if !d.DryRun {
@@ -377,10 +380,9 @@ func (a *Autoscaler) act(d hostapi.AutoscaleDecision) hostapi.AutoscaleDecision 
 		if d.Kind == KindReplicas {
 			req.Replicas = &to
 		} else {
-			_, inst := a.size(d.Model, a.cfg.Models[d.Model].withDefaults())
 			req.Model, req.ID, req.DataParallelSize = "", inst, &to
 		}
-		id, err := a.scaler.StartFor(req, "autoscaler")
+		id, err := a.scaler.StartFor(req, scale.CauseAutoscaler)
 		if err != nil {
 			outcome, d.Error = "refused", err.Error()
 		} else {

@@ -348,7 +348,7 @@ func (s *Scaler) even(ctx context.Context, o *op, cur, added []registry.Instance
 				s.log.Warn("moving streams to a new replica was refused", zap.String("src", src), zap.String("dst", dst.ID), zap.Error(err))
 				continue
 			}
-			st := s.awaitMigration(ctx, id)
+			st := awaitEnd(ctx, s.mover.Get, id)
 			o.phaseOn("move", dst.ID, tm)
 			o.update(func(sc *hostapi.ScaleStatus) {
 				sc.Migrations = append(sc.Migrations, id)
@@ -364,10 +364,11 @@ func (s *Scaler) even(ctx context.Context, o *op, cur, added []registry.Instance
 	}
 }
 
-// awaitMigration waits until migration id ends (or ctx does).
-func (s *Scaler) awaitMigration(ctx context.Context, id string) hostapi.MigrationStatus {
+// awaitEnd polls get(id) until the operation (a migration, a drain)
+// ends, is gone, or ctx ends.
+func awaitEnd[S interface{ Ended() bool }](ctx context.Context, get func(string) (S, bool), id string) S {
 	for {
-		st, ok := s.mover.Get(id)
+		st, ok := get(id)
 		if !ok || st.Ended() || ctx.Err() != nil {
 			return st
 		}
@@ -400,7 +401,7 @@ func (s *Scaler) scaleIn(ctx context.Context, o *op, cur []registry.Instance) er
 			o.phaseOn("drain", v.ID, td)
 			return fmt.Errorf("draining %s was refused: %w", v.ID, err)
 		}
-		st := s.awaitDrain(ctx, did)
+		st := awaitEnd(ctx, s.mover.Drain, did)
 		o.phaseOn("drain", v.ID, td)
 		down := 0.0
 		for _, mid := range st.Migration {
@@ -432,15 +433,4 @@ func (s *Scaler) scaleIn(ctx context.Context, o *op, cur []registry.Instance) er
 		}
 	}
 	return nil
-}
-
-// awaitDrain waits until drain id ends (or ctx does).
-func (s *Scaler) awaitDrain(ctx context.Context, id string) hostapi.DrainStatus {
-	for {
-		st, ok := s.mover.Drain(id)
-		if !ok || st.Ended() || ctx.Err() != nil {
-			return st
-		}
-		time.Sleep(pollEvery)
-	}
 }
