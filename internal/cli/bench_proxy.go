@@ -20,6 +20,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/vllm-hi/vllm-hi/internal/credentials"
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
 )
 
@@ -64,7 +65,13 @@ type proxyBenchConfig struct {
 	nginx    string // "auto", "on", "off"
 	jsonOut  string
 	spread   bool
+	// hostProfile: write a CPU profile of the Host during its first path.
+	hostProfile string
+	debugPort   int
 }
+
+// debugAddr is where the Host under test serves pprof.
+func (c *proxyBenchConfig) debugAddr() string { return fmt.Sprintf("127.0.0.1:%d", c.debugPort) }
 
 func newBenchProxyCommand() *cobra.Command {
 	c := proxyBenchConfig{}
@@ -89,6 +96,7 @@ delivered tokens/s, completed streams, and the proxy process's CPU.`,
 	cmd.Flags().StringVar(&c.nginx, "nginx", "auto", "compare with nginx: auto (when installed), on, off")
 	cmd.Flags().StringVar(&c.jsonOut, "json", "", "also write the results as JSON to this file")
 	cmd.Flags().BoolVar(&c.spread, "spread", false, "streams tick at their own phases (no per-step burst)")
+	cmd.Flags().StringVar(&c.hostProfile, "host-cpuprofile", "", "write a CPU profile of the Host over its first level's run to this file")
 	return cmd
 }
 
@@ -202,7 +210,9 @@ type pathResult struct {
 	AddedP50ms   float64 `json:"added_p50_ms"`
 	AddedP99ms   float64 `json:"added_p99_ms"`
 	ProxyCores   float64 `json:"proxy_cpu_cores"`
-	Errors       int     `json:"errors"`
+	// CPUPerEventus is the proxy's CPU per relayed token event.
+	CPUPerEventus float64 `json:"proxy_cpu_us_per_event"`
+	Errors        int     `json:"errors"`
 }
 
 func runBenchProxy(ctx context.Context, out io.Writer, c proxyBenchConfig) error {
@@ -212,6 +222,7 @@ func runBenchProxy(ctx context.Context, out io.Writer, c proxyBenchConfig) error
 	}
 	upPort, _ := pickPort()
 	hostPort, _ := pickPort()
+	c.debugPort, _ = pickPort()
 	up, err := startProc(ctx, "upstream", exe, "bench", "sse-upstream", "--port", strconv.Itoa(upPort), "--interval", c.interval.String(),
 		"--spread="+strconv.FormatBool(c.spread))
 	if err != nil {
@@ -222,19 +233,39 @@ func runBenchProxy(ctx context.Context, out io.Writer, c proxyBenchConfig) error
 	if err := waitHTTP(upURL+"/health", func(r *http.Response) bool { return r.StatusCode == 200 }); err != nil {
 		return err
 	}
+	// The Host and its agent get their own state and tokens, so the
+	// benchmark neither needs nor touches a Host already on this machine.
+	stateDir, err := os.MkdirTemp("", "vhi-bench-proxy-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(stateDir)
+	admin, agentToken := credentials.NewToken(), credentials.NewToken()
+	adminFile, agentFile := filepath.Join(stateDir, "admin-token"), filepath.Join(stateDir, "agent-token")
+	for f, tok := range map[string]string{adminFile: admin, agentFile: agentToken} {
+		if err := os.WriteFile(f, []byte(tok+"\n"), 0o600); err != nil {
+			return err
+		}
+	}
 	hostAddr := fmt.Sprintf("127.0.0.1:%d", hostPort)
-	h, err := startProc(ctx, "host", exe, "host", "--listen", hostAddr, "--log-level", "warn")
+	hostArgs := []string{"host", "--listen", hostAddr, "--log-level", "warn", "--data-dir", filepath.Join(stateDir, "host"),
+		"--admin-token-file", adminFile, "--agent-token-file", agentFile}
+	if c.hostProfile != "" {
+		hostArgs = append(hostArgs, "--debug-addr", c.debugAddr())
+	}
+	h, err := startProc(ctx, "host", exe, hostArgs...)
 	if err != nil {
 		return err
 	}
 	defer h.stop()
-	ag, err := startProc(ctx, "agent", exe, "agent", "--type", "A", "--host", hostAddr, "--engine", upURL, "--log-level", "warn")
+	ag, err := startProc(ctx, "agent", exe, "agent", "--type", "A", "--host", hostAddr, "--engine", upURL, "--log-level", "warn",
+		"--token-file", agentFile)
 	if err != nil {
 		return err
 	}
 	defer ag.stop()
 	hostURL := "http://" + hostAddr
-	hc, err := hostapi.New(hostURL, hostapi.Options{Timeout: 2 * time.Second})
+	hc, err := hostapi.New(hostURL, hostapi.Options{Timeout: 2 * time.Second, AdminToken: admin})
 	if err != nil {
 		return err
 	}
@@ -297,7 +328,7 @@ func runBenchProxy(ctx context.Context, out io.Writer, c proxyBenchConfig) error
 	fmt.Fprintf(out, "vhi bench proxy: %d tokens per stream, one token per stream every %v, %s; paths run one after another\n", c.tokens, c.interval, mode)
 	var results []pathResult
 	tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "streams\tpath\tcompleted\ttok/s\toffered\tp50 ms\tp99 ms\tmax ms\tadded p50\tadded p99\tproxy CPU\t")
+	fmt.Fprintln(tw, "streams\tpath\tcompleted\ttok/s\toffered\tp50 ms\tp99 ms\tmax ms\tadded p50\tadded p99\tproxy CPU\tCPU us/event\t")
 	for _, n := range c.levels {
 		var direct pathResult
 		for _, p := range paths {
@@ -305,7 +336,17 @@ func runBenchProxy(ctx context.Context, out io.Writer, c proxyBenchConfig) error
 			if p.pid > 0 {
 				cpu0 = cpuOfTree(p.pid)
 			}
+			var profiled chan error
+			if p.name == "vhi host" && c.hostProfile != "" && n == c.levels[0] {
+				profiled = make(chan error, 1)
+				go func() { profiled <- c.profileHost(ctx) }()
+			}
 			r := loadgen.RunLatency(ctx, p.url+"/v1/completions", "bench", n, c.tokens, time.Second)
+			if profiled != nil {
+				if err := <-profiled; err != nil {
+					return err
+				}
+			}
 			pr := pathResult{Level: n, Path: p.name, Completed: r.Completed, Tokens: r.Tokens, TokensPerSec: r.TokensPerSec(),
 				OfferedTPS: float64(n) / c.interval.Seconds(), Errors: len(r.Errors)}
 			pr.P50ms = ms(loadgen.Percentile(r.Latencies, 0.5))
@@ -313,6 +354,9 @@ func runBenchProxy(ctx context.Context, out io.Writer, c proxyBenchConfig) error
 			pr.Maxms = ms(loadgen.Percentile(r.Latencies, 1))
 			if p.pid > 0 {
 				pr.ProxyCores = (cpuOfTree(p.pid) - cpu0) / r.Wall.Seconds()
+				if r.Tokens > 0 {
+					pr.CPUPerEventus = (cpuOfTree(p.pid) - cpu0) / float64(r.Tokens) * 1e6
+				}
 			}
 			if p.name == "direct" {
 				direct = pr
@@ -320,8 +364,8 @@ func runBenchProxy(ctx context.Context, out io.Writer, c proxyBenchConfig) error
 				pr.AddedP50ms, pr.AddedP99ms = pr.P50ms-direct.P50ms, pr.P99ms-direct.P99ms
 			}
 			results = append(results, pr)
-			fmt.Fprintf(tw, "%d\t%s\t%d/%d\t%.0f\t%.0f\t%.2f\t%.2f\t%.1f\t%.3f\t%.3f\t%.2f\t\n", n, p.name, pr.Completed, n,
-				pr.TokensPerSec, pr.OfferedTPS, pr.P50ms, pr.P99ms, pr.Maxms, pr.AddedP50ms, pr.AddedP99ms, pr.ProxyCores)
+			fmt.Fprintf(tw, "%d\t%s\t%d/%d\t%.0f\t%.0f\t%.2f\t%.2f\t%.1f\t%.3f\t%.3f\t%.2f\t%.1f\t\n", n, p.name, pr.Completed, n,
+				pr.TokensPerSec, pr.OfferedTPS, pr.P50ms, pr.P99ms, pr.Maxms, pr.AddedP50ms, pr.AddedP99ms, pr.ProxyCores, pr.CPUPerEventus)
 			_ = tw.Flush()
 			time.Sleep(500 * time.Millisecond)
 		}
@@ -336,3 +380,39 @@ func runBenchProxy(ctx context.Context, out io.Writer, c proxyBenchConfig) error
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// profileHost takes a CPU profile of the Host under test while a level
+// runs: from its ramp's end to just before its last tokens.
+func (c *proxyBenchConfig) profileHost(ctx context.Context) error {
+	seconds := int((time.Duration(c.tokens)*c.interval - time.Second) / time.Second)
+	if seconds < 1 {
+		seconds = 1
+	}
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(time.Second):
+	}
+	url := fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", c.debugAddr(), seconds)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return fmt.Errorf("profile the Host: %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("profile the Host: HTTP %d", resp.StatusCode)
+	}
+	f, err := os.Create(c.hostProfile)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(f, resp.Body); err != nil {
+		f.Close()
+		return fmt.Errorf("profile the Host: %w", err)
+	}
+	return f.Close()
+}

@@ -11,7 +11,6 @@ import (
 	"net"
 	"net/http"
 	"strings"
-	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -318,12 +317,8 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 	// An engine that goes silent mid-stream (hung, or paused and never
 	// resumed) is cut after the idle timeout: the read fails and the
 	// client gets an error event instead of waiting for ever.
-	var idle atomic.Bool
-	watchdog := time.AfterFunc(p.idleTimeout, func() {
-		idle.Store(true)
-		s.cancelUpstream()
-	})
-	defer watchdog.Stop()
+	watchdog := newIdleWatchdog(p.idleTimeout, s.cancelUpstream)
+	defer watchdog.stop()
 	for {
 		ev, err := er.Next()
 		if err != nil {
@@ -331,7 +326,7 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 				res.Status = StatusClientClosed
 				return res
 			}
-			if idle.Load() {
+			if watchdog.fired() {
 				p.m.UpstreamErrors.WithLabelValues(up.Model, "idle").Inc()
 				p.writeStreamError(w, rc, fmt.Sprintf("the engine sent nothing for %v after %d tokens", p.idleTimeout, res.Tokens))
 				res.Truncated = true
@@ -371,7 +366,7 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 			return res
 		}
 		read := time.Now()
-		watchdog.Reset(p.idleTimeout)
+		watchdog.saw(read)
 		kind, textLen, _ := ClassifyText(ev.Data)
 		switch {
 		case kind == KindRole && skipRole:
@@ -383,26 +378,16 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 		case kind == KindRole:
 			sawRole = true
 		}
-		if kind == KindToken && !onTarget && s.beyondSplice(textLen) {
-			// The source went on past what it exported (its pause lease
-			// ran out): the target produces these tokens now, so this one
-			// must not reach the client. Switch instead.
-			s.cancelUpstream()
-			continue
-		}
 		if kind == KindToken {
+			if !s.countToken(textLen, onTarget, read) {
+				// The source went on past what it exported (its pause lease
+				// ran out): the target produces these tokens now, so this
+				// one must not reach the client. Switch instead.
+				s.cancelUpstream()
+				continue
+			}
 			res.Tokens++
 			p.m.StreamTokens.Inc()
-			s.mu.Lock()
-			s.tokens++
-			s.text += textLen
-			if !onTarget {
-				s.lastSourceToken = read
-			}
-			if s.spliceDueLocked() {
-				s.cancelA() // the source's last token: stop waiting on it after this write
-			}
-			s.mu.Unlock()
 		}
 		// Moving the deadline costs a runtime timer update; refresh it
 		// only when half of it has passed.

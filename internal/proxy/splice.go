@@ -190,13 +190,33 @@ func (s *Stream) spliceDueLocked() bool {
 	return s.tokens == sp.from
 }
 
-// beyondSplice reports whether one more token event carrying textLen code
-// points would take the stream past what the source exported for a
-// pending splice: the fence that keeps a source whose pause lease ended
-// from duplicating what the target produces.
-func (s *Stream) beyondSplice(textLen int) bool {
+// countToken counts one token event carrying textLen code points that is
+// about to be relayed (read is when it was read; onTarget: it came from a
+// splice target), in one hold of the stream's lock: the relay calls it for
+// every token. It returns false, counting nothing, when the event would
+// take the stream past what the source exported for a pending splice:
+// the fence that keeps a source whose pause lease ended from duplicating
+// what the target produces.
+func (s *Stream) countToken(textLen int, onTarget bool, read time.Time) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if !onTarget && s.beyondSpliceLocked(textLen) {
+		return false
+	}
+	s.tokens++
+	s.text += textLen
+	if !onTarget {
+		s.lastSourceToken = read
+	}
+	if s.spliceDueLocked() {
+		s.cancelA() // the source's last token: stop waiting on it after this write
+	}
+	return true
+}
+
+// beyondSpliceLocked reports whether one more token event carrying
+// textLen code points would go past a pending splice's fence.
+func (s *Stream) beyondSpliceLocked(textLen int) bool {
 	sp := s.splice
 	if sp == nil || sp.switched == nil {
 		return false
