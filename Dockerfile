@@ -10,13 +10,17 @@ COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
 ARG VERSION=0.1.0-dev
-# cgo: vhi dlopens libcuda (cuda_ipc) and libnvidia-ml (GPU discovery)
-# at run time; without them it runs and says those are unavailable.
+# cgo: vhi dlopens libcuda (cuda_ipc), libnvidia-ml (GPU discovery) and
+# libucp (the rdma data plane) at run time; without them it runs and says
+# those are unavailable.
 RUN CGO_ENABLED=1 go build -trimpath \
       -ldflags "-s -w -X github.com/vllm-hi/vllm-hi/internal/version.Version=${VERSION}" \
       -o /out/vhi ./cmd/vhi
 
 FROM debian:bookworm-slim
+# UCX for the rdma data plane (verbs where the node has an RDMA NIC, TCP and
+# shared memory elsewhere); a CUDA-enabled UCX replaces it for GPUDirect.
+RUN apt-get update && apt-get install -y --no-install-recommends libucx0 && rm -rf /var/lib/apt/lists/*
 RUN useradd --system --uid 10001 --home-dir /var/lib/vllm-hi vhi && mkdir -p /var/lib/vllm-hi && chown vhi /var/lib/vllm-hi
 COPY --from=build /out/vhi /usr/local/bin/vhi
 USER vhi

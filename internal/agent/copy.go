@@ -72,7 +72,7 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 		resp.Requests = append(resp.Requests, &v1.RequestBlocks{RequestId: mv.ID, SrcBlockIds: int32s(mv.Src), DstBlockIds: int32s(mv.Dst)})
 	}
 	tSelect := time.Now()
-	name, why, err := transfer.Pick(a.cfg.TransferBackend, srcLayout, dstLayout)
+	name, why, err := transfer.Pick(a.cfg.TransferBackend, srcLayout, dstLayout, a.rdmaPeers(req.GetTargetRdma()))
 	if err != nil {
 		return nil, errdefs.New(errdefs.ErrConflict, err.Error())
 	}

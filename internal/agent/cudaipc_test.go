@@ -1,9 +1,11 @@
 package agent
 
 import (
+	"context"
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -18,12 +20,18 @@ import (
 // The agent builds exactly the backends transfer.Pick can choose.
 func TestBackends(t *testing.T) {
 	a := &Agent{}
-	for _, name := range []string{transfer.TCPShm, transfer.CUDAIPC} {
+	for _, name := range []string{transfer.TCPShm, transfer.CUDAIPC, transfer.RDMA} {
 		if b, err := a.backend(name); err != nil || b.Name() != name {
 			t.Errorf("%s: %v", name, err)
 		}
 	}
-	for _, name := range []string{transfer.RDMA, transfer.Auto, "nope"} {
+	// Without UCX loaded the rdma backend says why it cannot move a round.
+	b, _ := a.backend(transfer.RDMA)
+	a.rdmaNote = "rdma: unavailable: libucp not found"
+	if _, err := b.Send(context.Background(), transfer.Round{}); !errors.Is(err, transfer.ErrUnsupported) || !strings.Contains(err.Error(), "libucp not found") {
+		t.Errorf("rdma without UCX: %v", err)
+	}
+	for _, name := range []string{transfer.Auto, "nope"} {
 		if _, err := a.backend(name); !errors.Is(err, transfer.ErrUnsupported) {
 			t.Errorf("%s: %v", name, err)
 		}

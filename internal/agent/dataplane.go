@@ -150,7 +150,7 @@ func (s *agentService) PrepareTarget(ctx context.Context, req *v1.PrepareTargetR
 		expires: now.Add(time.Duration(req.GetLeaseMs()) * time.Millisecond), layout: lay, guard: guard}
 	a.dp.mu.Unlock()
 	b, _ := json.Marshal(lay)
-	return &v1.PrepareTargetResponse{Layout: b, DataAddress: a.dataAddr}, nil
+	return &v1.PrepareTargetResponse{Layout: b, DataAddress: a.dataAddr, Rdma: a.rdmaInfo()}, nil
 }
 
 // ReleaseTarget implements the Agent service.

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -15,11 +16,12 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/sim"
+	"github.com/vllm-hi/vllm-hi/internal/transfer"
 )
 
 func newBenchMigrateCommand(g *globalFlags) *cobra.Command {
 	sc := scenario{Type: hostapi.DestroySource}
-	var grans, verifies, preAttach []string
+	var grans, verifies, preAttach, backends []string
 	var jsonOut string
 	geo := simGeometryFlags{}
 	var ext externalFlags
@@ -69,7 +71,15 @@ such a deployment and runs this.`,
 					return fmt.Errorf("--pre-attach: %q is not on or off", p)
 				}
 			}
-			return runBenchMigrate(cmd.Context(), cmd.OutOrStdout(), sc, geo, grans, verifies, preAttach, jsonOut)
+			if ext.host != "" && cmd.Flags().Changed("transfer-backend") {
+				return fmt.Errorf("--transfer-backend is for the sims' agents: with --host the deployment's agents have their own")
+			}
+			for _, b := range backends {
+				if !slices.Contains(transfer.Names(), b) {
+					return fmt.Errorf("--transfer-backend: %q is not one of %v", b, transfer.Names())
+				}
+			}
+			return runBenchMigrate(cmd.Context(), cmd.OutOrStdout(), sc, geo, benchDims{grans: grans, verifies: verifies, preAttach: preAttach, backends: backends}, jsonOut)
 		},
 	}
 	f := cmd.Flags()
@@ -80,6 +90,7 @@ such a deployment and runs this.`,
 	f.IntVar(&sc.TN, "tn", 2, "data-plane connections")
 	f.StringSliceVar(&grans, "final-granularity", []string{"block", "slot"}, "final-round granularities to compare")
 	f.StringVar(&sc.Type, "type", sc.Type, "migration type: destroy_source (the source's KV released after), preserve_source, keep_source_active")
+	f.StringSliceVar(&backends, "transfer-backend", []string{transfer.Auto}, "the agents' data planes to compare (auto, tcp_shm, cuda_ipc, rdma): each runs with every granularity")
 	f.StringSliceVar(&preAttach, "pre-attach", []string{"off"}, "the Host opening the moving streams on the target before the pause (on, off): each runs with every granularity")
 	f.StringSliceVar(&verifies, "verify", []string{hostapi.VerifySample}, "checks before the commit to compare (off, sample, full): each runs with every granularity")
 	f.StringVar(&jsonOut, "json", "", "also write the statuses as JSON to this file")
@@ -218,7 +229,12 @@ func (g simGeometryFlags) apply(c *sim.Config) {
 	}
 }
 
-func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeometryFlags, grans, verifies, preAttach []string, jsonOut string) (err error) {
+// benchDims are what bench migrate compares: every combination runs.
+type benchDims struct {
+	grans, verifies, preAttach, backends []string
+}
+
+func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeometryFlags, dims benchDims, jsonOut string) (err error) {
 	sc.Sim = sim.DefaultConfig()
 	geo.apply(&sc.Sim)
 	if sc.Log == nil {
@@ -249,16 +265,21 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 			}
 		}()
 	}
-	var runs [][3]string
-	for _, pa := range preAttach {
-		for _, v := range verifies {
-			for _, gran := range grans {
-				runs = append(runs, [3]string{v, gran, pa})
+	var runs [][4]string
+	if len(dims.backends) == 0 {
+		dims.backends = []string{""}
+	}
+	for _, b := range dims.backends {
+		for _, pa := range dims.preAttach {
+			for _, v := range dims.verifies {
+				for _, gran := range dims.grans {
+					runs = append(runs, [4]string{v, gran, pa, b})
+				}
 			}
 		}
 	}
 	for _, r := range runs {
-		sc.Verify, sc.FinalGranularity, sc.PreAttach = r[0], r[1], r[2] == "on"
+		sc.Verify, sc.FinalGranularity, sc.PreAttach, sc.TransferBackend = r[0], r[1], r[2] == "on", r[3]
 		res, err := sc.run(ctx)
 		if err != nil {
 			return err
@@ -268,7 +289,7 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 		if sc.External != nil {
 			r[0] = "the Host's"
 		}
-		fmt.Fprintf(out, "\n== final round: %s, check before the commit: %s, pre-attach %s (%d streams) ==\n", r[1], r[0], r[2], st.PreAttached)
+		fmt.Fprintf(out, "\n== final round: %s, check before the commit: %s, pre-attach %s (%d streams), data plane %s ==\n", r[1], r[0], r[2], st.PreAttached, st.TransferBackend)
 		printMigration(out, st)
 		var steps []string
 		for _, s := range st.StepHistory {

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -44,10 +45,10 @@ func printInstances(w io.Writer, format string, list []hostapi.Instance) error {
 		return fmt.Errorf("-o %q: want table or json", format)
 	}
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "ID\tTYPE\tROLE\tLIFECYCLE\tSTATE\tMODEL\tENGINE\tTP\tPP\tMIGRATABLE\tRUNNING\tFREE BLOCKS")
+	fmt.Fprintln(tw, "ID\tTYPE\tROLE\tLIFECYCLE\tSTATE\tMODEL\tENGINE\tTP\tPP\tMIGRATABLE\tRUNNING\tFREE BLOCKS\tRDMA")
 	for _, i := range list {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%v\t%d\t%d/%d\n", i.ID, i.Type, i.Role, i.Lifecycle, i.State,
-			i.ServedModelName, i.EngineURL, i.TP, i.PP, i.Migratable, i.Stats.NumRunning, i.Stats.FreeBlocks, i.Stats.TotalBlocks)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%v\t%d\t%d/%d\t%s\n", i.ID, i.Type, i.Role, i.Lifecycle, i.State,
+			i.ServedModelName, i.EngineURL, i.TP, i.PP, i.Migratable, i.Stats.NumRunning, i.Stats.FreeBlocks, i.Stats.TotalBlocks, rdmaColumn(i))
 	}
 	for _, i := range list {
 		if i.Migratable && !i.HooksAuthenticated {
@@ -58,4 +59,16 @@ func printInstances(w io.Writer, format string, list []hostapi.Instance) error {
 		fmt.Fprintln(tw, "(no instances registered)")
 	}
 	return tw.Flush()
+}
+
+// rdmaColumn is an instance's rdma data plane in a word: its RDMA
+// devices, "tcp/shm" when UCX has none, "-" without UCX.
+func rdmaColumn(i hostapi.Instance) string {
+	switch {
+	case i.RDMA == nil:
+		return "-"
+	case len(i.RDMA.Devices) > 0:
+		return strings.Join(i.RDMA.Devices, ",")
+	}
+	return "tcp/shm (ucx " + i.RDMA.UCXVersion + ")"
 }

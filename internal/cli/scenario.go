@@ -39,6 +39,7 @@ type scenario struct {
 	TN               int
 	Verify           string // the Host's --migration-verify ("" = its default)
 	PreAttach        bool   // the Host's --migration-pre-attach
+	TransferBackend  string // the agents' --transfer-backend ("": auto)
 	Log              *zap.Logger
 	CPUProfile       string // write a CPU profile of the migration window here
 	Trace            string // write an execution trace of the migration window here
@@ -128,7 +129,7 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 		}
 		c.Migration.PreAttach = sc.PreAttach
 	}
-	st, err := stack.Start(stack.Options{Model: "demo-model", SimA: simA, SimB: simB, Log: sc.Log, TuneHost: tune})
+	st, err := stack.Start(stack.Options{Model: "demo-model", SimA: simA, SimB: simB, Log: sc.Log, TuneHost: tune, TransferBackend: sc.TransferBackend})
 	if err != nil {
 		return scenarioResult{}, err
 	}

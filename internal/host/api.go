@@ -68,6 +68,13 @@ func (h *Host) models(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, out)
 }
 
+func rdmaView(r *registry.RDMA) *hostapi.RDMA {
+	if r == nil {
+		return nil
+	}
+	return &hostapi.RDMA{UCXVersion: r.UCXVersion, Devices: r.Devices, Transports: r.Transports, CUDA: r.CUDA}
+}
+
 func gpusView(gs []registry.GPU) []hostapi.GPU {
 	var out []hostapi.GPU
 	for _, g := range gs {
@@ -84,6 +91,7 @@ func view(i registry.Instance) hostapi.Instance {
 		MaxModelLen: i.Engine.MaxModelLen, Migratable: i.Engine.Migratable, HooksAuthenticated: i.Engine.HooksAuthenticated,
 		AgentAddress: i.AgentAddress, DataAddress: i.DataAddress, TransferBackend: i.TransferBackend, TLS: i.TLS, Hostname: i.Hostname,
 		RegisteredAt: i.RegisteredAt.UTC(), LastHeartbeatAt: i.LastHeartbeat.UTC(), GPUNote: i.GPUNote, GPUs: gpusView(i.GPUs),
+		RDMA: rdmaView(i.RDMA), RDMANote: i.RDMANote,
 		Stats: hostapi.InstanceStats{Healthy: i.Stats.Healthy, NumRunning: i.Stats.Running, NumWaiting: i.Stats.Waiting,
 			FreeBlocks: i.Stats.FreeBlocks, TotalBlocks: i.Stats.TotalBlocks, Sleeping: i.Stats.Sleeping},
 	}

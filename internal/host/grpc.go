@@ -107,7 +107,7 @@ func registrationFromProto(req *v1.RegisterRequest) registry.Registration {
 		ID: req.GetVllmHiId(), Type: typ, Session: req.GetSession(), Hostname: req.GetHostname(),
 		AgentAddress: req.GetAgentAddress(), DataAddress: req.GetDataAddress(), TransferBackend: req.GetTransferBackend(),
 		TLS: req.GetTls(), Role: roleFromProto(req.GetRole()), Retired: req.GetRetired(),
-		GPUs: gpusFromProto(req.GetGpus()), GPUNote: req.GetGpusNote(),
+		GPUs: gpusFromProto(req.GetGpus()), GPUNote: req.GetGpusNote(), RDMA: rdmaFromProto(req.GetRdma()), RDMANote: req.GetRdmaNote(),
 		Engine: registry.Engine{
 			URL: e.GetEngineUrl(), ServedModels: e.GetServedModelNames(), Model: e.GetModel(),
 			TP: int(e.GetTp()), PP: int(e.GetPp()), MaxModelLen: int(e.GetMaxModelLen()),
@@ -119,6 +119,13 @@ func registrationFromProto(req *v1.RegisterRequest) registry.Registration {
 			},
 		},
 	}
+}
+
+func rdmaFromProto(r *v1.RDMAInfo) *registry.RDMA {
+	if r == nil {
+		return nil
+	}
+	return &registry.RDMA{UCXVersion: r.GetUcxVersion(), Devices: r.GetDevices(), Transports: r.GetTransports(), CUDA: r.GetCuda()}
 }
 
 func gpusFromProto(gs []*v1.GPU) []registry.GPU {

@@ -41,6 +41,7 @@ type migration struct {
 	srcLayout hooks.Layout
 	dstLayout []byte
 	dataAddr  string
+	dstRDMA   *v1.RDMAInfo                 // the target agent's rdma data plane (nil: none)
 	moving    map[string]*v1.RequestBlocks // by request id
 	reserved  map[string]bool              // request ids holding a reservation on the target
 	// recompute are moving requests whose KV the target could not hold:

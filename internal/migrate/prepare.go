@@ -106,7 +106,7 @@ func (m *migration) prepare() error {
 	if err != nil {
 		return fmt.Errorf("prepare the target: %w", err)
 	}
-	m.dstLayout, m.dataAddr = pt.GetLayout(), pt.GetDataAddress()
+	m.dstLayout, m.dataAddr, m.dstRDMA = pt.GetLayout(), pt.GetDataAddress(), pt.GetRdma()
 	var dstLayout hooks.Layout
 	if err := json.Unmarshal(m.dstLayout, &dstLayout); err != nil {
 		return fmt.Errorf("the target's layout: %w", err)

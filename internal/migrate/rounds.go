@@ -79,7 +79,7 @@ func (m *migration) copyRound(ctx context.Context, kind string, since uint64, sl
 	resp, err := m.srcA.RPC.CopyRound(ctx, &v1.CopyRoundRequest{
 		MigrationId: m.st.ID, Kind: kind, SinceCursor: since, Requests: reqs,
 		TargetDataAddress: m.dataAddr, TargetLayout: m.dstLayout, Tn: int32(m.req.TN),
-		SlotGranular: slotGranular, InjectFault: fault, Secret: m.secret, TargetTls: m.dst.TLS,
+		SlotGranular: slotGranular, InjectFault: fault, Secret: m.secret, TargetTls: m.dst.TLS, TargetRdma: m.dstRDMA,
 	})
 	if err != nil {
 		if ctx.Err() != nil {

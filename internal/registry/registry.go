@@ -126,6 +126,17 @@ type Registration struct {
 	// GPUs are the agent's node's GPUs (NVML), GPUNote why there are none.
 	GPUs    []GPU
 	GPUNote string
+	// RDMA is the agent's rdma data plane (nil: none; RDMANote why).
+	RDMA     *RDMA
+	RDMANote string
+}
+
+// RDMA is what an agent reported of its rdma data plane (UCX).
+type RDMA struct {
+	UCXVersion string
+	Devices    []string // RDMA devices; none: UCX over TCP and shared memory
+	Transports []string
+	CUDA       bool
 }
 
 // GPU is one GPU an agent reported.

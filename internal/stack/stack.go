@@ -36,6 +36,8 @@ type Options struct {
 	BActive bool
 	// WrapB wraps engine B's HTTP handler (tests of a misbehaving target).
 	WrapB func(http.Handler) http.Handler
+	// TransferBackend is the agents' --transfer-backend ("": auto).
+	TransferBackend string
 }
 
 // Stack is a running deployment. Every plane is authenticated as in a
@@ -102,7 +104,8 @@ func Start(o Options) (*Stack, error) {
 	}
 	for _, a := range []struct{ typ, id, url string }{{"A", s.AID, s.AURL}, {bType, s.BID, s.BURL}} {
 		ag, err := agent.New(agent.Config{Type: a.typ, HostAddr: ln.Addr().String(), EngineURL: a.url, ID: a.id,
-			Listen: "127.0.0.1:0", AdvertiseHost: "127.0.0.1", TP: 1, PP: 1, EngineWait: 10 * time.Second, AgentToken: s.AgentToken},
+			Listen: "127.0.0.1:0", AdvertiseHost: "127.0.0.1", TP: 1, PP: 1, EngineWait: 10 * time.Second, AgentToken: s.AgentToken,
+			TransferBackend: o.TransferBackend},
 			o.Log.Named("agent-"+a.id))
 		if err != nil {
 			return fail(err)

@@ -115,9 +115,39 @@ func TestPick(t *testing.T) {
 		{RDMA, host, host, ""},
 		{"carrier-pigeon", host, host, ""},
 	} {
-		got, why, err := Pick(c.want, c.src, c.dst)
+		got, why, err := Pick(c.want, c.src, c.dst, RDMAPeers{})
 		if got != c.got || (c.got == "") != errors.Is(err, ErrUnsupported) || (c.got != "") == (why == "") {
 			t.Errorf("Pick(%q, %s → %s) = %q, %v; want %q", c.want, kind(c.src), kind(c.dst), got, err, c.got)
+		}
+	}
+}
+
+// With both agents' rdma planes: rdma when asked for (ucx too), and by
+// auto across machines only where both have an RDMA device.
+func TestPickRDMA(t *testing.T) {
+	host := hooks.Layout{Regions: []hooks.Region{{Memory: hooks.Memory{Kind: hooks.MemoryShm}}}}
+	nic := func(node string, devs ...string) *RDMAPlane { return &RDMAPlane{Hostname: node, Devices: devs} }
+	for _, c := range []struct {
+		name     string
+		want     string
+		src, dst hooks.Layout
+		peers    RDMAPeers
+		got      string
+	}{
+		{"asked for, no UCX on the source", RDMA, host, host, RDMAPeers{Target: nic("b")}, ""},
+		{"asked for, no UCX on the target", RDMA, host, host, RDMAPeers{Source: nic("a")}, ""},
+		{"asked for over TCP", RDMA, host, host, RDMAPeers{Source: nic("a"), Target: nic("a")}, RDMA},
+		{"the alias", UCX, host, host, RDMAPeers{Source: nic("a"), Target: nic("b")}, RDMA},
+		{"asked for with GPU KV (staged)", RDMA, gpu(""), gpu(""), RDMAPeers{Source: nic("a"), Target: nic("a")}, RDMA},
+		{"auto across nodes with NICs", Auto, host, host, RDMAPeers{Source: nic("a", "mlx5_0:1"), Target: nic("b", "mlx5_0:1")}, RDMA},
+		{"auto across nodes, GPUs, NICs", Auto, gpu(""), gpu(""), RDMAPeers{Source: nic("a", "mlx5_0:1"), Target: nic("b", "mlx5_2:1")}, RDMA},
+		{"auto across nodes, one NIC", Auto, host, host, RDMAPeers{Source: nic("a", "mlx5_0:1"), Target: nic("b")}, TCPShm},
+		{"auto on one node keeps cuda_ipc", Auto, gpu(""), gpu(""), RDMAPeers{Source: nic("a", "mlx5_0:1"), Target: nic("a", "mlx5_0:1")}, CUDAIPC},
+		{"auto across nodes without UCX", Auto, host, host, RDMAPeers{}, TCPShm},
+	} {
+		got, why, err := Pick(c.want, c.src, c.dst, c.peers)
+		if got != c.got || (c.got == "") != errors.Is(err, ErrUnsupported) || (c.got != "") == (why == "") {
+			t.Errorf("%s: Pick = %q (%s), %v; want %q", c.name, got, why, err, c.got)
 		}
 	}
 }

@@ -4,8 +4,8 @@
 // a round copies), and the Stats and Fault every backend reports and
 // takes. Each backend is a folder of its own: tcpshm (TCP into shared
 // memory, staged through pinned host memory for GPU KV), cudaipc (GPU to
-// GPU on one node); rdma is a name without a backend yet (no RDMA NIC to
-// build it against).
+// GPU on one node), rdma (UCX puts, on RDMA NICs where they exist and on
+// UCX's TCP and shared-memory transports elsewhere).
 package transfer
 
 import (
@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
@@ -26,10 +27,38 @@ const (
 	TCPShm  = "tcp_shm"
 	CUDAIPC = "cuda_ipc"
 	RDMA    = "rdma"
+	// UCX is accepted for rdma (what NIXL and UCX users call it).
+	UCX = "ucx"
 )
 
 // Names are the values --transfer-backend accepts.
-func Names() []string { return []string{Auto, TCPShm, CUDAIPC, RDMA} }
+func Names() []string { return []string{Auto, TCPShm, CUDAIPC, RDMA, UCX} }
+
+// Canonical is a backend name with its alias resolved.
+func Canonical(name string) string {
+	if name == UCX {
+		return RDMA
+	}
+	return name
+}
+
+// RDMAPlane is what an agent reports of its rdma data plane.
+type RDMAPlane struct {
+	Devices  []string // devices with an RDMA transport (none: UCX over TCP and shared memory)
+	Hostname string   // the agent's machine
+}
+
+// RDMAPeers are the two agents' rdma data planes (nil: that agent has
+// none, UCX is not installed there).
+type RDMAPeers struct {
+	Source, Target *RDMAPlane
+}
+
+// acrossNodes reports whether both agents said where they run and it is
+// not the same machine.
+func (p RDMAPeers) acrossNodes() bool {
+	return p.Source != nil && p.Target != nil && p.Source.Hostname != "" && p.Target.Hostname != "" && p.Source.Hostname != p.Target.Hostname
+}
 
 // Stats describe one move.
 type Stats struct {
@@ -100,18 +129,23 @@ type Backend interface {
 var ErrUnsupported = errors.New("the transfer backend cannot move this KV")
 
 // Pick decides which backend moves a round between src and dst, given
-// the agent's --transfer-backend (want): cuda_ipc when both sides' KV is
-// in GPU memory on this node (IPC handles only open there), tcp_shm
-// otherwise (staged through pinned host memory on a GPU side). The reason
-// says why, in words an operator reads in the migration's status.
-func Pick(want string, src, dst hooks.Layout) (name, reason string, err error) {
+// the agent's --transfer-backend (want) and the two agents' rdma planes:
+// cuda_ipc when both sides' KV is in GPU memory on this node (IPC handles
+// only open there); rdma across machines when both agents have an RDMA
+// device; tcp_shm otherwise (staged through pinned host memory on a GPU
+// side). The reason says why, in words an operator reads in the
+// migration's status.
+func Pick(want string, src, dst hooks.Layout, peers RDMAPeers) (name, reason string, err error) {
 	sg, dg := OnGPU(src), OnGPU(dst)
-	local := SameNode(src) && SameNode(dst)
-	switch want {
+	local := SameNode(src) && SameNode(dst) && !peers.acrossNodes()
+	switch Canonical(want) {
 	case "", Auto:
 		switch {
 		case sg && dg && local:
 			return CUDAIPC, "auto: both engines' KV is in GPU memory on this node", nil
+		case !local && peers.Source != nil && peers.Target != nil && len(peers.Source.Devices) > 0 && len(peers.Target.Devices) > 0:
+			return RDMA, fmt.Sprintf("auto: the engines are on different machines and both agents have RDMA devices (%s → %s)%s",
+				strings.Join(peers.Source.Devices, ","), strings.Join(peers.Target.Devices, ","), stagedNote(sg, dg)), nil
 		case sg && dg:
 			return TCPShm, "auto: the engines' GPUs are on different nodes (CUDA IPC does not cross machines): staged through pinned host memory", nil
 		case sg || dg:
@@ -129,9 +163,33 @@ func Pick(want string, src, dst hooks.Layout) (name, reason string, err error) {
 		}
 		return CUDAIPC, "asked for (--transfer-backend cuda_ipc)", nil
 	case RDMA:
-		return "", "", fmt.Errorf("%w: the rdma backend is not implemented (no RDMA NIC to build it against)", ErrUnsupported)
+		switch {
+		case peers.Source == nil:
+			return "", "", fmt.Errorf("%w: rdma is unavailable on the source agent: libucp not found (install UCX)", ErrUnsupported)
+		case peers.Target == nil:
+			return "", "", fmt.Errorf("%w: the target agent has no rdma data plane (libucp not found there)", ErrUnsupported)
+		}
+		over := "UCX over TCP and shared memory (no RDMA device on the source)"
+		if len(peers.Source.Devices) > 0 {
+			over = "UCX on " + strings.Join(peers.Source.Devices, ",")
+		}
+		return RDMA, "asked for (--transfer-backend rdma): " + over + stagedNote(sg, dg), nil
 	}
 	return "", "", fmt.Errorf("%w: unknown transfer backend %q (want one of %v)", ErrUnsupported, want, Names())
+}
+
+// stagedNote says which side of an rdma round goes through pinned host
+// memory (GPU KV, with a UCX that cannot reach GPU memory itself).
+func stagedNote(sg, dg bool) string {
+	switch {
+	case sg && dg:
+		return "; both GPU sides staged through pinned host memory"
+	case sg:
+		return "; the source's GPU KV staged through pinned host memory"
+	case dg:
+		return "; the target's GPU KV staged through pinned host memory"
+	}
+	return ""
 }
 
 // OnGPU reports whether any of l's regions is GPU memory.

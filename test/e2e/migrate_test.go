@@ -331,7 +331,9 @@ func TestMigrationBadInput(t *testing.T) {
 // migration aborts, A resumes, and every stream goes on from A exactly;
 // B's reservation lease frees its blocks. (The other faults before the
 // commit are test/framework's cases and internal/migrate's.)
-func TestTargetAgentDiesMidMigration(t *testing.T) {
+func TestTargetAgentDiesMidMigration(t *testing.T) { targetAgentDies(t) }
+
+func targetAgentDies(t *testing.T) {
 	d := deploy(t, 4096)
 	reqs := load(32, 400)
 	want := d.reference(reqs)

@@ -37,6 +37,41 @@ func Cases() []Case {
 	return cases
 }
 
+// RDMACases are the cases a deployment whose agents move KV over the
+// rdma data plane (UCX) runs: every stream exact, and the data-plane
+// aborts rolling back as on tcp_shm.
+func RDMACases() []Case {
+	return []Case{
+		{Name: "rdma: destroy_source moves every stream exactly", Run: overRDMA},
+		{Name: "rdma: a cut data connection rolls back", Run: rollsBack("cut")},
+		{Name: "rdma: a frame that fails its checksum rolls back", Run: rollsBack("corrupt")},
+		{Name: "rdma: silent corruption is caught before the commit", Run: silentCorruption},
+		{Name: "rdma: TP2 → TP1 moves every stream exactly", Options: Options{A: Shape{TP: 2}, B: Shape{TP: 1}}, Run: func(t *testing.T, c Cluster) {
+			shapeChange(Shape{TP: 2}, Shape{TP: 1})(t, c)
+		}},
+	}
+}
+
+// overRDMA is destroySource where the agents were told to move KV over
+// rdma: the status says so, and why.
+func overRDMA(t *testing.T, c Cluster) {
+	reqs := Load(32, 300)
+	want := c.Reference(reqs)
+	st := MigrateLoaded(t, c, reqs, want, hostapi.MigrateRequest{})
+	if st.State != hostapi.StateSucceeded || st.Migrated != len(reqs) || st.NewActiveInstance != c.B() {
+		t.Fatalf("%+v", st)
+	}
+	if st.TransferBackend != "rdma" || !strings.Contains(st.TransferBackendReason, "UCX") {
+		t.Fatalf("transfer backend %q (%q), want rdma", st.TransferBackend, st.TransferBackendReason)
+	}
+	for _, id := range []string{c.A(), c.B()} {
+		if in := Instance(t, c, id); in.RDMA == nil || in.RDMA.UCXVersion == "" || len(in.RDMA.Transports) == 0 {
+			t.Fatalf("instance %s does not report its rdma data plane: %+v (%s)", id, in.RDMA, in.RDMANote)
+		}
+	}
+	HoldsNothing(t, c, c.B())
+}
+
 // shapeChange migrates A (shape a) → B (shape b) under load: the copy
 // plan remaps heads and layers between the shapes; every stream stays
 // exact and neither engine keeps a block once the streams end.

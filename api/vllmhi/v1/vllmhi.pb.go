@@ -308,9 +308,11 @@ func (x *PrepareTargetRequest) GetLeaseMs() int64 {
 }
 
 type PrepareTargetResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Layout        []byte                 `protobuf:"bytes,1,opt,name=layout,proto3" json:"layout,omitempty"`
-	DataAddress   string                 `protobuf:"bytes,2,opt,name=data_address,json=dataAddress,proto3" json:"data_address,omitempty"`
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	Layout      []byte                 `protobuf:"bytes,1,opt,name=layout,proto3" json:"layout,omitempty"`
+	DataAddress string                 `protobuf:"bytes,2,opt,name=data_address,json=dataAddress,proto3" json:"data_address,omitempty"`
+	// The target agent's rdma data plane (unset: it has none).
+	Rdma          *RDMAInfo `protobuf:"bytes,3,opt,name=rdma,proto3" json:"rdma,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -357,6 +359,13 @@ func (x *PrepareTargetResponse) GetDataAddress() string {
 		return x.DataAddress
 	}
 	return ""
+}
+
+func (x *PrepareTargetResponse) GetRdma() *RDMAInfo {
+	if x != nil {
+		return x.Rdma
+	}
+	return nil
 }
 
 type ReleaseTargetRequest struct {
@@ -520,7 +529,10 @@ type CopyRoundRequest struct {
 	// The migration's data-plane secret (see PrepareTargetRequest).
 	Secret []byte `protobuf:"bytes,10,opt,name=secret,proto3" json:"secret,omitempty"`
 	// The target's data plane speaks TLS.
-	TargetTls     bool `protobuf:"varint,11,opt,name=target_tls,json=targetTls,proto3" json:"target_tls,omitempty"`
+	TargetTls bool `protobuf:"varint,11,opt,name=target_tls,json=targetTls,proto3" json:"target_tls,omitempty"`
+	// The target agent's rdma data plane, from its PrepareTarget (unset:
+	// it has none).
+	TargetRdma    *RDMAInfo `protobuf:"bytes,12,opt,name=target_rdma,json=targetRdma,proto3" json:"target_rdma,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -630,6 +642,13 @@ func (x *CopyRoundRequest) GetTargetTls() bool {
 		return x.TargetTls
 	}
 	return false
+}
+
+func (x *CopyRoundRequest) GetTargetRdma() *RDMAInfo {
+	if x != nil {
+		return x.TargetRdma
+	}
+	return nil
 }
 
 type CopyRoundResponse struct {
@@ -1413,6 +1432,88 @@ func (x *EngineStats) GetSleeping() bool {
 	return false
 }
 
+// RDMAInfo is an agent's rdma data plane: UCX loaded, what it found.
+type RDMAInfo struct {
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	UcxVersion string                 `protobuf:"bytes,1,opt,name=ucx_version,json=ucxVersion,proto3" json:"ucx_version,omitempty"`
+	// Devices with an RDMA transport (InfiniBand or RoCE verbs); empty
+	// where there is no RDMA NIC (UCX then runs over TCP and shared memory).
+	Devices []string `protobuf:"bytes,2,rep,name=devices,proto3" json:"devices,omitempty"`
+	// Every transport UCX found, as "transport/device".
+	Transports []string `protobuf:"bytes,3,rep,name=transports,proto3" json:"transports,omitempty"`
+	// UCX can reach GPU memory itself (a CUDA-enabled build).
+	Cuda bool `protobuf:"varint,4,opt,name=cuda,proto3" json:"cuda,omitempty"`
+	// The agent's machine (auto picks rdma only across machines).
+	Hostname      string `protobuf:"bytes,5,opt,name=hostname,proto3" json:"hostname,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RDMAInfo) Reset() {
+	*x = RDMAInfo{}
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RDMAInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RDMAInfo) ProtoMessage() {}
+
+func (x *RDMAInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RDMAInfo.ProtoReflect.Descriptor instead.
+func (*RDMAInfo) Descriptor() ([]byte, []int) {
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *RDMAInfo) GetUcxVersion() string {
+	if x != nil {
+		return x.UcxVersion
+	}
+	return ""
+}
+
+func (x *RDMAInfo) GetDevices() []string {
+	if x != nil {
+		return x.Devices
+	}
+	return nil
+}
+
+func (x *RDMAInfo) GetTransports() []string {
+	if x != nil {
+		return x.Transports
+	}
+	return nil
+}
+
+func (x *RDMAInfo) GetCuda() bool {
+	if x != nil {
+		return x.Cuda
+	}
+	return false
+}
+
+func (x *RDMAInfo) GetHostname() string {
+	if x != nil {
+		return x.Hostname
+	}
+	return ""
+}
+
 // GPU is one of the agent's node's GPUs (NVML).
 type GPU struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -1427,7 +1528,7 @@ type GPU struct {
 
 func (x *GPU) Reset() {
 	*x = GPU{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[19]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1439,7 +1540,7 @@ func (x *GPU) String() string {
 func (*GPU) ProtoMessage() {}
 
 func (x *GPU) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[19]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1452,7 +1553,7 @@ func (x *GPU) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GPU.ProtoReflect.Descriptor instead.
 func (*GPU) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{19}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *GPU) GetIndex() int32 {
@@ -1513,15 +1614,18 @@ type RegisterRequest struct {
 	// The agent's gRPC service and data plane speak TLS.
 	Tls bool `protobuf:"varint,11,opt,name=tls,proto3" json:"tls,omitempty"`
 	// The node's GPUs as NVML sees them, or why there are none.
-	Gpus          []*GPU `protobuf:"bytes,12,rep,name=gpus,proto3" json:"gpus,omitempty"`
-	GpusNote      string `protobuf:"bytes,13,opt,name=gpus_note,json=gpusNote,proto3" json:"gpus_note,omitempty"`
+	Gpus     []*GPU `protobuf:"bytes,12,rep,name=gpus,proto3" json:"gpus,omitempty"`
+	GpusNote string `protobuf:"bytes,13,opt,name=gpus_note,json=gpusNote,proto3" json:"gpus_note,omitempty"`
+	// The rdma data plane (unset: UCX is not installed here), or why not.
+	Rdma          *RDMAInfo `protobuf:"bytes,14,opt,name=rdma,proto3" json:"rdma,omitempty"`
+	RdmaNote      string    `protobuf:"bytes,15,opt,name=rdma_note,json=rdmaNote,proto3" json:"rdma_note,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RegisterRequest) Reset() {
 	*x = RegisterRequest{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[20]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1533,7 +1637,7 @@ func (x *RegisterRequest) String() string {
 func (*RegisterRequest) ProtoMessage() {}
 
 func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[20]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1546,7 +1650,7 @@ func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterRequest.ProtoReflect.Descriptor instead.
 func (*RegisterRequest) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{20}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *RegisterRequest) GetVllmHiId() string {
@@ -1640,6 +1744,20 @@ func (x *RegisterRequest) GetGpusNote() string {
 	return ""
 }
 
+func (x *RegisterRequest) GetRdma() *RDMAInfo {
+	if x != nil {
+		return x.Rdma
+	}
+	return nil
+}
+
+func (x *RegisterRequest) GetRdmaNote() string {
+	if x != nil {
+		return x.RdmaNote
+	}
+	return ""
+}
+
 type RegisterResponse struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	VllmHiId string                 `protobuf:"bytes,1,opt,name=vllm_hi_id,json=vllmHiId,proto3" json:"vllm_hi_id,omitempty"`
@@ -1654,7 +1772,7 @@ type RegisterResponse struct {
 
 func (x *RegisterResponse) Reset() {
 	*x = RegisterResponse{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[21]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1666,7 +1784,7 @@ func (x *RegisterResponse) String() string {
 func (*RegisterResponse) ProtoMessage() {}
 
 func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[21]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1679,7 +1797,7 @@ func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterResponse.ProtoReflect.Descriptor instead.
 func (*RegisterResponse) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{21}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *RegisterResponse) GetVllmHiId() string {
@@ -1721,7 +1839,7 @@ type HeartbeatRequest struct {
 
 func (x *HeartbeatRequest) Reset() {
 	*x = HeartbeatRequest{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[22]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1733,7 +1851,7 @@ func (x *HeartbeatRequest) String() string {
 func (*HeartbeatRequest) ProtoMessage() {}
 
 func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[22]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1746,7 +1864,7 @@ func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
 func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{22}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *HeartbeatRequest) GetVllmHiId() string {
@@ -1780,7 +1898,7 @@ type HeartbeatResponse struct {
 
 func (x *HeartbeatResponse) Reset() {
 	*x = HeartbeatResponse{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[23]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1792,7 +1910,7 @@ func (x *HeartbeatResponse) String() string {
 func (*HeartbeatResponse) ProtoMessage() {}
 
 func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[23]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1805,7 +1923,7 @@ func (x *HeartbeatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeartbeatResponse.ProtoReflect.Descriptor instead.
 func (*HeartbeatResponse) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{23}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *HeartbeatResponse) GetRole() Role {
@@ -1832,7 +1950,7 @@ type DeregisterRequest struct {
 
 func (x *DeregisterRequest) Reset() {
 	*x = DeregisterRequest{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[24]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1844,7 +1962,7 @@ func (x *DeregisterRequest) String() string {
 func (*DeregisterRequest) ProtoMessage() {}
 
 func (x *DeregisterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[24]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1857,7 +1975,7 @@ func (x *DeregisterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterRequest.ProtoReflect.Descriptor instead.
 func (*DeregisterRequest) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{24}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *DeregisterRequest) GetVllmHiId() string {
@@ -1882,7 +2000,7 @@ type DeregisterResponse struct {
 
 func (x *DeregisterResponse) Reset() {
 	*x = DeregisterResponse{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[25]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1894,7 +2012,7 @@ func (x *DeregisterResponse) String() string {
 func (*DeregisterResponse) ProtoMessage() {}
 
 func (x *DeregisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[25]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1907,7 +2025,7 @@ func (x *DeregisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeregisterResponse.ProtoReflect.Descriptor instead.
 func (*DeregisterResponse) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{25}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{26}
 }
 
 type DrainSelfRequest struct {
@@ -1920,7 +2038,7 @@ type DrainSelfRequest struct {
 
 func (x *DrainSelfRequest) Reset() {
 	*x = DrainSelfRequest{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[26]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1932,7 +2050,7 @@ func (x *DrainSelfRequest) String() string {
 func (*DrainSelfRequest) ProtoMessage() {}
 
 func (x *DrainSelfRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[26]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1945,7 +2063,7 @@ func (x *DrainSelfRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainSelfRequest.ProtoReflect.Descriptor instead.
 func (*DrainSelfRequest) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{26}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *DrainSelfRequest) GetVllmHiId() string {
@@ -1976,7 +2094,7 @@ type DrainSelfResponse struct {
 
 func (x *DrainSelfResponse) Reset() {
 	*x = DrainSelfResponse{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[27]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1988,7 +2106,7 @@ func (x *DrainSelfResponse) String() string {
 func (*DrainSelfResponse) ProtoMessage() {}
 
 func (x *DrainSelfResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[27]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2001,7 +2119,7 @@ func (x *DrainSelfResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainSelfResponse.ProtoReflect.Descriptor instead.
 func (*DrainSelfResponse) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{27}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *DrainSelfResponse) GetDrainId() string {
@@ -2047,7 +2165,7 @@ type AgentStatusRequest struct {
 
 func (x *AgentStatusRequest) Reset() {
 	*x = AgentStatusRequest{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[28]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2059,7 +2177,7 @@ func (x *AgentStatusRequest) String() string {
 func (*AgentStatusRequest) ProtoMessage() {}
 
 func (x *AgentStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[28]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2072,7 +2190,7 @@ func (x *AgentStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AgentStatusRequest.ProtoReflect.Descriptor instead.
 func (*AgentStatusRequest) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{28}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{29}
 }
 
 type AgentStatusResponse struct {
@@ -2087,7 +2205,7 @@ type AgentStatusResponse struct {
 
 func (x *AgentStatusResponse) Reset() {
 	*x = AgentStatusResponse{}
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[29]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2099,7 +2217,7 @@ func (x *AgentStatusResponse) String() string {
 func (*AgentStatusResponse) ProtoMessage() {}
 
 func (x *AgentStatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[29]
+	mi := &file_vllmhi_v1_vllmhi_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2112,7 +2230,7 @@ func (x *AgentStatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AgentStatusResponse.ProtoReflect.Descriptor instead.
 func (*AgentStatusResponse) Descriptor() ([]byte, []int) {
-	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{29}
+	return file_vllmhi_v1_vllmhi_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *AgentStatusResponse) GetVllmHiId() string {
@@ -2158,10 +2276,11 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\fmigration_id\x18\x01 \x01(\tR\vmigrationId\x12\x16\n" +
 	"\x06secret\x18\x02 \x01(\fR\x06secret\x12\x1b\n" +
 	"\tblock_ids\x18\x03 \x03(\x05R\bblockIds\x12\x19\n" +
-	"\blease_ms\x18\x04 \x01(\x03R\aleaseMs\"R\n" +
+	"\blease_ms\x18\x04 \x01(\x03R\aleaseMs\"{\n" +
 	"\x15PrepareTargetResponse\x12\x16\n" +
 	"\x06layout\x18\x01 \x01(\fR\x06layout\x12!\n" +
-	"\fdata_address\x18\x02 \x01(\tR\vdataAddress\"9\n" +
+	"\fdata_address\x18\x02 \x01(\tR\vdataAddress\x12'\n" +
+	"\x04rdma\x18\x03 \x01(\v2\x13.vllmhi.v1.RDMAInfoR\x04rdma\"9\n" +
 	"\x14ReleaseTargetRequest\x12!\n" +
 	"\fmigration_id\x18\x01 \x01(\tR\vmigrationId\"\x17\n" +
 	"\x15ReleaseTargetResponse\"v\n" +
@@ -2169,7 +2288,7 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\"\n" +
 	"\rsrc_block_ids\x18\x02 \x03(\x05R\vsrcBlockIds\x12\"\n" +
-	"\rdst_block_ids\x18\x03 \x03(\x05R\vdstBlockIds\"\x86\x03\n" +
+	"\rdst_block_ids\x18\x03 \x03(\x05R\vdstBlockIds\"\xbc\x03\n" +
 	"\x10CopyRoundRequest\x12!\n" +
 	"\fmigration_id\x18\x01 \x01(\tR\vmigrationId\x12\x12\n" +
 	"\x04kind\x18\x02 \x01(\tR\x04kind\x12!\n" +
@@ -2183,7 +2302,9 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\x06secret\x18\n" +
 	" \x01(\fR\x06secret\x12\x1d\n" +
 	"\n" +
-	"target_tls\x18\v \x01(\bR\ttargetTls\"\xc9\x02\n" +
+	"target_tls\x18\v \x01(\bR\ttargetTls\x124\n" +
+	"\vtarget_rdma\x18\f \x01(\v2\x13.vllmhi.v1.RDMAInfoR\n" +
+	"targetRdma\"\xc9\x02\n" +
 	"\x11CopyRoundResponse\x12\x16\n" +
 	"\x06cursor\x18\x01 \x01(\x04R\x06cursor\x12\x1f\n" +
 	"\vblock_count\x18\x02 \x01(\x05R\n" +
@@ -2261,14 +2382,23 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\vfree_blocks\x18\x04 \x01(\x05R\n" +
 	"freeBlocks\x12!\n" +
 	"\ftotal_blocks\x18\x05 \x01(\x05R\vtotalBlocks\x12\x1a\n" +
-	"\bsleeping\x18\x06 \x01(\bR\bsleeping\"\x84\x01\n" +
+	"\bsleeping\x18\x06 \x01(\bR\bsleeping\"\x95\x01\n" +
+	"\bRDMAInfo\x12\x1f\n" +
+	"\vucx_version\x18\x01 \x01(\tR\n" +
+	"ucxVersion\x12\x18\n" +
+	"\adevices\x18\x02 \x03(\tR\adevices\x12\x1e\n" +
+	"\n" +
+	"transports\x18\x03 \x03(\tR\n" +
+	"transports\x12\x12\n" +
+	"\x04cuda\x18\x04 \x01(\bR\x04cuda\x12\x1a\n" +
+	"\bhostname\x18\x05 \x01(\tR\bhostname\"\x84\x01\n" +
 	"\x03GPU\x12\x14\n" +
 	"\x05index\x18\x01 \x01(\x05R\x05index\x12\x12\n" +
 	"\x04uuid\x18\x02 \x01(\tR\x04uuid\x12\x12\n" +
 	"\x04name\x18\x03 \x01(\tR\x04name\x12!\n" +
 	"\fmemory_bytes\x18\x04 \x01(\x04R\vmemoryBytes\x12\x1c\n" +
 	"\n" +
-	"pci_bus_id\x18\x05 \x01(\tR\bpciBusId\"\xc6\x03\n" +
+	"pci_bus_id\x18\x05 \x01(\tR\bpciBusId\"\x8c\x04\n" +
 	"\x0fRegisterRequest\x12\x1c\n" +
 	"\n" +
 	"vllm_hi_id\x18\x01 \x01(\tR\bvllmHiId\x12+\n" +
@@ -2284,7 +2414,9 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	" \x01(\bR\aretired\x12\x10\n" +
 	"\x03tls\x18\v \x01(\bR\x03tls\x12\"\n" +
 	"\x04gpus\x18\f \x03(\v2\x0e.vllmhi.v1.GPUR\x04gpus\x12\x1b\n" +
-	"\tgpus_note\x18\r \x01(\tR\bgpusNote\"\xa7\x01\n" +
+	"\tgpus_note\x18\r \x01(\tR\bgpusNote\x12'\n" +
+	"\x04rdma\x18\x0e \x01(\v2\x13.vllmhi.v1.RDMAInfoR\x04rdma\x12\x1b\n" +
+	"\trdma_note\x18\x0f \x01(\tR\brdmaNote\"\xa7\x01\n" +
 	"\x10RegisterResponse\x12\x1c\n" +
 	"\n" +
 	"vllm_hi_id\x18\x01 \x01(\tR\bvllmHiId\x122\n" +
@@ -2361,7 +2493,7 @@ func file_vllmhi_v1_vllmhi_proto_rawDescGZIP() []byte {
 }
 
 var file_vllmhi_v1_vllmhi_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_vllmhi_v1_vllmhi_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
+var file_vllmhi_v1_vllmhi_proto_msgTypes = make([]protoimpl.MessageInfo, 31)
 var file_vllmhi_v1_vllmhi_proto_goTypes = []any{
 	(Role)(0),                     // 0: vllmhi.v1.Role
 	(InstanceType)(0),             // 1: vllmhi.v1.InstanceType
@@ -2384,61 +2516,65 @@ var file_vllmhi_v1_vllmhi_proto_goTypes = []any{
 	(*KVGeometry)(nil),            // 18: vllmhi.v1.KVGeometry
 	(*EngineInfo)(nil),            // 19: vllmhi.v1.EngineInfo
 	(*EngineStats)(nil),           // 20: vllmhi.v1.EngineStats
-	(*GPU)(nil),                   // 21: vllmhi.v1.GPU
-	(*RegisterRequest)(nil),       // 22: vllmhi.v1.RegisterRequest
-	(*RegisterResponse)(nil),      // 23: vllmhi.v1.RegisterResponse
-	(*HeartbeatRequest)(nil),      // 24: vllmhi.v1.HeartbeatRequest
-	(*HeartbeatResponse)(nil),     // 25: vllmhi.v1.HeartbeatResponse
-	(*DeregisterRequest)(nil),     // 26: vllmhi.v1.DeregisterRequest
-	(*DeregisterResponse)(nil),    // 27: vllmhi.v1.DeregisterResponse
-	(*DrainSelfRequest)(nil),      // 28: vllmhi.v1.DrainSelfRequest
-	(*DrainSelfResponse)(nil),     // 29: vllmhi.v1.DrainSelfResponse
-	(*AgentStatusRequest)(nil),    // 30: vllmhi.v1.AgentStatusRequest
-	(*AgentStatusResponse)(nil),   // 31: vllmhi.v1.AgentStatusResponse
+	(*RDMAInfo)(nil),              // 21: vllmhi.v1.RDMAInfo
+	(*GPU)(nil),                   // 22: vllmhi.v1.GPU
+	(*RegisterRequest)(nil),       // 23: vllmhi.v1.RegisterRequest
+	(*RegisterResponse)(nil),      // 24: vllmhi.v1.RegisterResponse
+	(*HeartbeatRequest)(nil),      // 25: vllmhi.v1.HeartbeatRequest
+	(*HeartbeatResponse)(nil),     // 26: vllmhi.v1.HeartbeatResponse
+	(*DeregisterRequest)(nil),     // 27: vllmhi.v1.DeregisterRequest
+	(*DeregisterResponse)(nil),    // 28: vllmhi.v1.DeregisterResponse
+	(*DrainSelfRequest)(nil),      // 29: vllmhi.v1.DrainSelfRequest
+	(*DrainSelfResponse)(nil),     // 30: vllmhi.v1.DrainSelfResponse
+	(*AgentStatusRequest)(nil),    // 31: vllmhi.v1.AgentStatusRequest
+	(*AgentStatusResponse)(nil),   // 32: vllmhi.v1.AgentStatusResponse
 }
 var file_vllmhi_v1_vllmhi_proto_depIdxs = []int32{
-	8,  // 0: vllmhi.v1.CopyRoundRequest.requests:type_name -> vllmhi.v1.RequestBlocks
-	8,  // 1: vllmhi.v1.CopyRoundResponse.requests:type_name -> vllmhi.v1.RequestBlocks
-	11, // 2: vllmhi.v1.HashBlocksRequest.blocks:type_name -> vllmhi.v1.BlockSlots
-	18, // 3: vllmhi.v1.EngineInfo.geometry:type_name -> vllmhi.v1.KVGeometry
-	1,  // 4: vllmhi.v1.RegisterRequest.type:type_name -> vllmhi.v1.InstanceType
-	19, // 5: vllmhi.v1.RegisterRequest.engine:type_name -> vllmhi.v1.EngineInfo
-	0,  // 6: vllmhi.v1.RegisterRequest.role:type_name -> vllmhi.v1.Role
-	21, // 7: vllmhi.v1.RegisterRequest.gpus:type_name -> vllmhi.v1.GPU
-	0,  // 8: vllmhi.v1.RegisterResponse.role:type_name -> vllmhi.v1.Role
-	20, // 9: vllmhi.v1.HeartbeatRequest.stats:type_name -> vllmhi.v1.EngineStats
-	0,  // 10: vllmhi.v1.HeartbeatResponse.role:type_name -> vllmhi.v1.Role
-	19, // 11: vllmhi.v1.AgentStatusResponse.engine:type_name -> vllmhi.v1.EngineInfo
-	20, // 12: vllmhi.v1.AgentStatusResponse.stats:type_name -> vllmhi.v1.EngineStats
-	22, // 13: vllmhi.v1.Registry.Register:input_type -> vllmhi.v1.RegisterRequest
-	24, // 14: vllmhi.v1.Registry.Heartbeat:input_type -> vllmhi.v1.HeartbeatRequest
-	26, // 15: vllmhi.v1.Registry.Deregister:input_type -> vllmhi.v1.DeregisterRequest
-	28, // 16: vllmhi.v1.Registry.Drain:input_type -> vllmhi.v1.DrainSelfRequest
-	30, // 17: vllmhi.v1.Agent.Status:input_type -> vllmhi.v1.AgentStatusRequest
-	2,  // 18: vllmhi.v1.Agent.Hook:input_type -> vllmhi.v1.HookRequest
-	4,  // 19: vllmhi.v1.Agent.PrepareTarget:input_type -> vllmhi.v1.PrepareTargetRequest
-	6,  // 20: vllmhi.v1.Agent.ReleaseTarget:input_type -> vllmhi.v1.ReleaseTargetRequest
-	9,  // 21: vllmhi.v1.Agent.CopyRound:input_type -> vllmhi.v1.CopyRoundRequest
-	12, // 22: vllmhi.v1.Agent.HashBlocks:input_type -> vllmhi.v1.HashBlocksRequest
-	14, // 23: vllmhi.v1.Agent.Retire:input_type -> vllmhi.v1.RetireRequest
-	16, // 24: vllmhi.v1.Agent.Wake:input_type -> vllmhi.v1.WakeRequest
-	23, // 25: vllmhi.v1.Registry.Register:output_type -> vllmhi.v1.RegisterResponse
-	25, // 26: vllmhi.v1.Registry.Heartbeat:output_type -> vllmhi.v1.HeartbeatResponse
-	27, // 27: vllmhi.v1.Registry.Deregister:output_type -> vllmhi.v1.DeregisterResponse
-	29, // 28: vllmhi.v1.Registry.Drain:output_type -> vllmhi.v1.DrainSelfResponse
-	31, // 29: vllmhi.v1.Agent.Status:output_type -> vllmhi.v1.AgentStatusResponse
-	3,  // 30: vllmhi.v1.Agent.Hook:output_type -> vllmhi.v1.HookResponse
-	5,  // 31: vllmhi.v1.Agent.PrepareTarget:output_type -> vllmhi.v1.PrepareTargetResponse
-	7,  // 32: vllmhi.v1.Agent.ReleaseTarget:output_type -> vllmhi.v1.ReleaseTargetResponse
-	10, // 33: vllmhi.v1.Agent.CopyRound:output_type -> vllmhi.v1.CopyRoundResponse
-	13, // 34: vllmhi.v1.Agent.HashBlocks:output_type -> vllmhi.v1.HashBlocksResponse
-	15, // 35: vllmhi.v1.Agent.Retire:output_type -> vllmhi.v1.RetireResponse
-	17, // 36: vllmhi.v1.Agent.Wake:output_type -> vllmhi.v1.WakeResponse
-	25, // [25:37] is the sub-list for method output_type
-	13, // [13:25] is the sub-list for method input_type
-	13, // [13:13] is the sub-list for extension type_name
-	13, // [13:13] is the sub-list for extension extendee
-	0,  // [0:13] is the sub-list for field type_name
+	21, // 0: vllmhi.v1.PrepareTargetResponse.rdma:type_name -> vllmhi.v1.RDMAInfo
+	8,  // 1: vllmhi.v1.CopyRoundRequest.requests:type_name -> vllmhi.v1.RequestBlocks
+	21, // 2: vllmhi.v1.CopyRoundRequest.target_rdma:type_name -> vllmhi.v1.RDMAInfo
+	8,  // 3: vllmhi.v1.CopyRoundResponse.requests:type_name -> vllmhi.v1.RequestBlocks
+	11, // 4: vllmhi.v1.HashBlocksRequest.blocks:type_name -> vllmhi.v1.BlockSlots
+	18, // 5: vllmhi.v1.EngineInfo.geometry:type_name -> vllmhi.v1.KVGeometry
+	1,  // 6: vllmhi.v1.RegisterRequest.type:type_name -> vllmhi.v1.InstanceType
+	19, // 7: vllmhi.v1.RegisterRequest.engine:type_name -> vllmhi.v1.EngineInfo
+	0,  // 8: vllmhi.v1.RegisterRequest.role:type_name -> vllmhi.v1.Role
+	22, // 9: vllmhi.v1.RegisterRequest.gpus:type_name -> vllmhi.v1.GPU
+	21, // 10: vllmhi.v1.RegisterRequest.rdma:type_name -> vllmhi.v1.RDMAInfo
+	0,  // 11: vllmhi.v1.RegisterResponse.role:type_name -> vllmhi.v1.Role
+	20, // 12: vllmhi.v1.HeartbeatRequest.stats:type_name -> vllmhi.v1.EngineStats
+	0,  // 13: vllmhi.v1.HeartbeatResponse.role:type_name -> vllmhi.v1.Role
+	19, // 14: vllmhi.v1.AgentStatusResponse.engine:type_name -> vllmhi.v1.EngineInfo
+	20, // 15: vllmhi.v1.AgentStatusResponse.stats:type_name -> vllmhi.v1.EngineStats
+	23, // 16: vllmhi.v1.Registry.Register:input_type -> vllmhi.v1.RegisterRequest
+	25, // 17: vllmhi.v1.Registry.Heartbeat:input_type -> vllmhi.v1.HeartbeatRequest
+	27, // 18: vllmhi.v1.Registry.Deregister:input_type -> vllmhi.v1.DeregisterRequest
+	29, // 19: vllmhi.v1.Registry.Drain:input_type -> vllmhi.v1.DrainSelfRequest
+	31, // 20: vllmhi.v1.Agent.Status:input_type -> vllmhi.v1.AgentStatusRequest
+	2,  // 21: vllmhi.v1.Agent.Hook:input_type -> vllmhi.v1.HookRequest
+	4,  // 22: vllmhi.v1.Agent.PrepareTarget:input_type -> vllmhi.v1.PrepareTargetRequest
+	6,  // 23: vllmhi.v1.Agent.ReleaseTarget:input_type -> vllmhi.v1.ReleaseTargetRequest
+	9,  // 24: vllmhi.v1.Agent.CopyRound:input_type -> vllmhi.v1.CopyRoundRequest
+	12, // 25: vllmhi.v1.Agent.HashBlocks:input_type -> vllmhi.v1.HashBlocksRequest
+	14, // 26: vllmhi.v1.Agent.Retire:input_type -> vllmhi.v1.RetireRequest
+	16, // 27: vllmhi.v1.Agent.Wake:input_type -> vllmhi.v1.WakeRequest
+	24, // 28: vllmhi.v1.Registry.Register:output_type -> vllmhi.v1.RegisterResponse
+	26, // 29: vllmhi.v1.Registry.Heartbeat:output_type -> vllmhi.v1.HeartbeatResponse
+	28, // 30: vllmhi.v1.Registry.Deregister:output_type -> vllmhi.v1.DeregisterResponse
+	30, // 31: vllmhi.v1.Registry.Drain:output_type -> vllmhi.v1.DrainSelfResponse
+	32, // 32: vllmhi.v1.Agent.Status:output_type -> vllmhi.v1.AgentStatusResponse
+	3,  // 33: vllmhi.v1.Agent.Hook:output_type -> vllmhi.v1.HookResponse
+	5,  // 34: vllmhi.v1.Agent.PrepareTarget:output_type -> vllmhi.v1.PrepareTargetResponse
+	7,  // 35: vllmhi.v1.Agent.ReleaseTarget:output_type -> vllmhi.v1.ReleaseTargetResponse
+	10, // 36: vllmhi.v1.Agent.CopyRound:output_type -> vllmhi.v1.CopyRoundResponse
+	13, // 37: vllmhi.v1.Agent.HashBlocks:output_type -> vllmhi.v1.HashBlocksResponse
+	15, // 38: vllmhi.v1.Agent.Retire:output_type -> vllmhi.v1.RetireResponse
+	17, // 39: vllmhi.v1.Agent.Wake:output_type -> vllmhi.v1.WakeResponse
+	28, // [28:40] is the sub-list for method output_type
+	16, // [16:28] is the sub-list for method input_type
+	16, // [16:16] is the sub-list for extension type_name
+	16, // [16:16] is the sub-list for extension extendee
+	0,  // [0:16] is the sub-list for field type_name
 }
 
 func init() { file_vllmhi_v1_vllmhi_proto_init() }
@@ -2452,7 +2588,7 @@ func file_vllmhi_v1_vllmhi_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_vllmhi_v1_vllmhi_proto_rawDesc), len(file_vllmhi_v1_vllmhi_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   30,
+			NumMessages:   31,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

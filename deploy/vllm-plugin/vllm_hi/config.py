@@ -76,8 +76,8 @@ def load(env=None) -> Config:
     if host:
         host = _hostport(host)
     backend = env.get(ENV_BACKEND, "auto").strip() or "auto"
-    if backend not in ("auto", "tcp_shm", "cuda_ipc", "rdma"):
-        raise ConfigError(f"{ENV_BACKEND}: {backend!r} is not auto, tcp_shm, cuda_ipc or rdma")
+    if backend not in ("auto", "tcp_shm", "cuda_ipc", "rdma", "ucx"):
+        raise ConfigError(f"{ENV_BACKEND}: {backend!r} is not auto, tcp_shm, cuda_ipc or rdma (ucx)")
     try:
         lease = float(env.get(ENV_HOOK_LEASE, "10"))
     except ValueError:

@@ -32,6 +32,8 @@ const maxLine = 4096
 type helloMsg struct {
 	Session string `json:"session"`
 	Nonce   []byte `json:"nonce"`
+	// Mode names a Carrier the payloads travel by ("": in the stream).
+	Mode string `json:"mode,omitempty"`
 }
 
 type challengeMsg struct {
@@ -88,13 +90,13 @@ func readLine(r *bufio.Reader, v any) error {
 // clientHandshake authenticates a fresh connection as the source of
 // session and checks the target's proof in return. It returns the reader
 // the target's later answers (the acknowledgement) are read through.
-func clientHandshake(rw io.ReadWriter, session string, secret []byte) (*bufio.Reader, error) {
+func clientHandshake(rw io.ReadWriter, session string, secret []byte, mode string) (*bufio.Reader, error) {
 	br := bufio.NewReaderSize(rw, maxLine)
 	cn := nonce()
 	if _, err := io.WriteString(rw, magic); err != nil {
 		return nil, err
 	}
-	if err := writeLine(rw, helloMsg{Session: session, Nonce: cn}); err != nil {
+	if err := writeLine(rw, helloMsg{Session: session, Nonce: cn, Mode: mode}); err != nil {
 		return nil, err
 	}
 	var ch challengeMsg

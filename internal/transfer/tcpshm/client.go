@@ -26,6 +26,10 @@ type Dest struct {
 	Session string
 	Secret  []byte
 	TLS     *tls.Config
+	// Carrier, when set, carries the frames' payloads (the rdma data
+	// plane); the connection keeps the handshake, descriptors, checksums
+	// and acknowledgements.
+	Carrier Carrier
 }
 
 // Send copies runs from src (mapped source regions) to the target over tn
@@ -96,19 +100,39 @@ type frameWriter struct {
 	descSize      int
 	descs         []byte
 	payload       []byte
+	limit         int // payload bytes per frame
 	frames, bytes uint64
 	fault         transfer.Fault
+	carried       *carriage // nil: payloads go in the stream
 }
 
-func newFrameWriter(w *bufio.Writer, kind uint32, descSize int, fault transfer.Fault) *frameWriter {
-	return &frameWriter{w: w, kind: kind, descSize: descSize, fault: fault,
-		descs: make([]byte, 0, maxRuns*descSize), payload: make([]byte, 0, maxFrame)}
+// carriage is a connection's Carrier state on the source.
+type carriage struct {
+	conn    CarrierConn
+	credits *credits
+}
+
+func newFrameWriter(w *bufio.Writer, kind uint32, descSize int, fault transfer.Fault, c *carriage) *frameWriter {
+	f := &frameWriter{w: w, kind: kind, descSize: descSize, fault: fault, carried: c, limit: maxFrame,
+		descs: make([]byte, 0, maxRuns*descSize)}
+	if c != nil {
+		// Frames are assembled where the carrier sends from, and no
+		// larger than the target's staging slots.
+		f.limit = min(maxFrame, c.conn.SlotSize())
+		f.payload = c.conn.Buffer()[:0:f.limit]
+	} else {
+		f.payload = make([]byte, 0, maxFrame)
+	}
+	return f
 }
 
 // reserve flushes first when a descriptor with n more payload bytes would
 // not fit the current frame.
 func (f *frameWriter) reserve(n int) error {
-	if len(f.payload)+n > maxFrame || len(f.descs)/f.descSize == maxRuns {
+	if n > f.limit {
+		return fmt.Errorf("tcp_shm: a run of %d bytes is over the frame limit of %d", n, f.limit)
+	}
+	if len(f.payload)+n > f.limit || len(f.descs)/f.descSize == maxRuns {
 		return f.flush()
 	}
 	return nil
@@ -128,9 +152,32 @@ func (f *frameWriter) flush() error {
 	if f.fault == transfer.CorruptFrame && f.frames == 0 {
 		f.payload[0] ^= 0xFF
 	}
+	kind, parts := f.kind, [][]byte{nil, f.descs, f.payload}
+	if c := f.carried; c != nil {
+		// The payload goes into its staging slot first, once the target
+		// took out the frame that used the slot before; the header and
+		// descriptors that follow in the stream tell the target it is
+		// there.
+		slots := uint64(c.conn.Slots())
+		slot := f.frames % slots
+		if f.frames >= slots {
+			if err := f.w.Flush(); err != nil {
+				return err
+			}
+			if err := c.credits.await(f.frames - slots + 1); err != nil {
+				return err
+			}
+		}
+		if err := c.conn.Put(int(slot), f.payload); err != nil {
+			return err
+		}
+		kind |= kindCarried | uint32(slot)<<slotShift
+		parts = parts[:2]
+	}
 	var hdr [frameHdrSize]byte
-	frameHeader{runs: uint32(len(f.descs) / f.descSize), kind: f.kind, length: uint64(len(f.payload)), sum: sum}.put(hdr[:])
-	for _, b := range [][]byte{hdr[:], f.descs, f.payload} {
+	frameHeader{runs: uint32(len(f.descs) / f.descSize), kind: kind, length: uint64(len(f.payload)), sum: sum}.put(hdr[:])
+	parts[0] = hdr[:]
+	for _, b := range parts {
 		if _, err := f.w.Write(b); err != nil {
 			return err
 		}
@@ -142,8 +189,8 @@ func (f *frameWriter) flush() error {
 }
 
 func sendConn(ctx context.Context, dst Dest, src [][]byte, runs []kvlayout.CopyRun, fault transfer.Fault) error {
-	return withConn(ctx, dst, func(w *bufio.Writer) (uint64, uint64, error) {
-		fw := newFrameWriter(w, frameRuns, runDescSize, fault)
+	return withConn(ctx, dst, func(w *bufio.Writer, c *carriage) (uint64, uint64, error) {
+		fw := newFrameWriter(w, frameRuns, runDescSize, fault, c)
 		for i, r := range runs {
 			if fault == transfer.CutConn && i == len(runs)/2 {
 				return fw.frames, fw.bytes, fmt.Errorf("tcp_shm: injected fault: connection cut after %d of %d runs", i, len(runs))
@@ -191,8 +238,8 @@ func SendSlots(ctx context.Context, dst Dest, tn int, src *Memory, jobs []kvlayo
 }
 
 func sendSlotsConn(ctx context.Context, dst Dest, src *Memory, places []slotPlace, jobs []kvlayout.BlockCopy, fault transfer.Fault) error {
-	return withConn(ctx, dst, func(w *bufio.Writer) (uint64, uint64, error) {
-		fw := newFrameWriter(w, frameSlots, jobSize, fault)
+	return withConn(ctx, dst, func(w *bufio.Writer, c *carriage) (uint64, uint64, error) {
+		fw := newFrameWriter(w, frameSlots, jobSize, fault, c)
 		for i, j := range jobs {
 			if fault == transfer.CutConn && i == len(jobs)/2 {
 				return fw.frames, fw.bytes, fmt.Errorf("tcp_shm: injected fault: connection cut after %d of %d slot jobs", i, len(jobs))
@@ -225,7 +272,7 @@ func sendSlotsConn(ctx context.Context, dst Dest, src *Memory, places []slotPlac
 
 // withConn opens a data connection, authenticates it, lets send write its
 // frames, ends the share and checks the target's acknowledgement.
-func withConn(ctx context.Context, dst Dest, send func(w *bufio.Writer) (frames, bytes uint64, err error)) error {
+func withConn(ctx context.Context, dst Dest, send func(w *bufio.Writer, c *carriage) (frames, bytes uint64, err error)) error {
 	d := net.Dialer{Timeout: 5 * time.Second}
 	raw, err := d.DialContext(ctx, "tcp", dst.Addr)
 	if err != nil {
@@ -247,23 +294,54 @@ func withConn(ctx context.Context, dst Dest, send func(w *bufio.Writer) (frames,
 		}
 		conn = tc
 	}
-	br, err := clientHandshake(conn, dst.Session, dst.Secret)
+	mode := ""
+	if dst.Carrier != nil {
+		mode = dst.Carrier.Mode()
+	}
+	br, err := clientHandshake(conn, dst.Session, dst.Secret, mode)
 	if err != nil {
 		return err
+	}
+	// Everything the target says after the handshake is JSON lines: the
+	// carrier's greeting, credits, the acknowledgement.
+	dec := json.NewDecoder(br)
+	var carried *carriage
+	if dst.Carrier != nil {
+		var g greetingMsg
+		if err := dec.Decode(&g); err != nil {
+			return fmt.Errorf("tcp_shm: no %s greeting from the target: %w", mode, err)
+		}
+		if g.Error != "" {
+			return fmt.Errorf("tcp_shm: target: %s", g.Error)
+		}
+		cc, err := dst.Carrier.Open(g.Greeting)
+		if err != nil {
+			return err
+		}
+		defer cc.Close()
+		carried = &carriage{conn: cc, credits: newCredits()}
+		go carried.credits.read(dec)
 	}
 	_ = raw.SetDeadline(time.Time{})
 	w := bufio.NewWriterSize(conn, 1<<20)
 	// A target that refuses a frame says why and hangs up; the writes
 	// that follow fail, and its reason is the error worth reporting.
+	final := func() (ack, error) {
+		if carried != nil {
+			return carried.credits.result()
+		}
+		var a ack
+		err := dec.Decode(&a)
+		return a, err
+	}
 	refused := func(err error) error {
 		_ = raw.SetReadDeadline(time.Now().Add(time.Second))
-		var a ack
-		if json.NewDecoder(br).Decode(&a) == nil && a.Error != "" {
+		if a, aerr := final(); aerr == nil && a.Error != "" {
 			return fmt.Errorf("tcp_shm: target: %s", a.Error)
 		}
 		return fmt.Errorf("tcp_shm: send: %w", err)
 	}
-	frames, bytes, err := send(w)
+	frames, bytes, err := send(w, carried)
 	if err != nil {
 		if w.Flush() != nil {
 			return refused(err)
@@ -279,8 +357,8 @@ func withConn(ctx context.Context, dst Dest, send func(w *bufio.Writer) (frames,
 		return refused(err)
 	}
 	_ = raw.SetReadDeadline(time.Now().Add(DefaultIdleTimeout))
-	var a ack
-	if err := json.NewDecoder(br).Decode(&a); err != nil {
+	a, err := final()
+	if err != nil {
 		return fmt.Errorf("tcp_shm: no acknowledgement from the target: %w", err)
 	}
 	switch {

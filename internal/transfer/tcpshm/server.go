@@ -42,6 +42,9 @@ type Options struct {
 	IdleTimeout time.Duration
 	// TLS, when set, wraps every connection in TLS.
 	TLS *tls.Config
+	// Receivers are the carrier modes this target offers, by name (see
+	// Carrier); a source asking for another is refused.
+	Receivers map[string]NewReceiver
 }
 
 // Defaults of Options.
@@ -143,25 +146,25 @@ func (s *Server) accept() {
 // handshake authenticates a connection. It returns the session and the
 // connection to read frames from (TLS-wrapped when configured); the
 // caller owns the returned connection slot.
-func (s *Server) handshake(raw net.Conn) (net.Conn, *Session, *Memory, error) {
+func (s *Server) handshake(raw net.Conn) (net.Conn, *Session, *Memory, string, error) {
 	defer func() { <-s.handshakes }()
 	_ = raw.SetDeadline(time.Now().Add(s.opt.HandshakeTimeout))
 	c := raw
 	if s.opt.TLS != nil {
 		tc := tls.Server(raw, s.opt.TLS)
 		if err := tc.Handshake(); err != nil {
-			return nil, nil, nil, fmt.Errorf("TLS handshake: %w", err)
+			return nil, nil, nil, "", fmt.Errorf("TLS handshake: %w", err)
 		}
 		c = tc
 	}
 	br := bufio.NewReaderSize(c, maxLine)
 	m := make([]byte, len(magic))
 	if _, err := io.ReadFull(br, m); err != nil || string(m) != magic {
-		return nil, nil, nil, fmt.Errorf("not a tcp_shm/3 client")
+		return nil, nil, nil, "", fmt.Errorf("not a tcp_shm/3 client")
 	}
 	var h helloMsg
 	if err := readLine(br, &h); err != nil {
-		return nil, nil, nil, fmt.Errorf("bad hello: %w", err)
+		return nil, nil, nil, "", fmt.Errorf("bad hello: %w", err)
 	}
 	sess, err := s.target(h.Session)
 	if err == nil && time.Now().After(sess.Expires) {
@@ -172,32 +175,39 @@ func (s *Server) handshake(raw net.Conn) (net.Conn, *Session, *Memory, error) {
 	}
 	if err != nil {
 		_ = writeLine(c, challengeMsg{Error: err.Error()})
-		return nil, nil, nil, err
+		return nil, nil, nil, "", err
+	}
+	if err == nil && h.Mode != "" && s.opt.Receivers[h.Mode] == nil {
+		err = fmt.Errorf("this target has no %s data plane", h.Mode)
+	}
+	if err != nil {
+		_ = writeLine(c, challengeMsg{Error: err.Error()})
+		return nil, nil, nil, "", err
 	}
 	if len(h.Nonce) < 16 {
 		_ = writeLine(c, challengeMsg{Error: "hello without a nonce"})
-		return nil, nil, nil, errAuth
+		return nil, nil, nil, "", errAuth
 	}
 	sn := nonce()
 	if err := writeLine(c, challengeMsg{Nonce: sn}); err != nil {
-		return nil, nil, nil, err
+		return nil, nil, nil, "", err
 	}
 	var p proofMsg
 	if err := readLine(br, &p); err != nil {
-		return nil, nil, nil, fmt.Errorf("no proof: %w", err)
+		return nil, nil, nil, "", fmt.Errorf("no proof: %w", err)
 	}
 	if !hmac.Equal(p.Proof, proof(sess.Secret, "client", h.Session, h.Nonce, sn)) {
 		_ = writeLine(c, proofMsg{Error: "authentication failed"})
-		return nil, nil, nil, fmt.Errorf("%w: migration %s", errAuth, h.Session)
+		return nil, nil, nil, "", fmt.Errorf("%w: migration %s", errAuth, h.Session)
 	}
 	if br.Buffered() > 0 {
-		return nil, nil, nil, errors.New("the client sent frames before the target's proof")
+		return nil, nil, nil, "", errors.New("the client sent frames before the target's proof")
 	}
 	select {
 	case s.conns <- struct{}{}:
 	default:
 		_ = writeLine(c, proofMsg{Error: fmt.Sprintf("too many data connections (at most %d)", s.opt.MaxConns)})
-		return nil, nil, nil, errors.New("connection limit reached")
+		return nil, nil, nil, "", errors.New("connection limit reached")
 	}
 	mem, err := sess.Open()
 	if err == nil && mem.Guard == nil {
@@ -206,17 +216,17 @@ func (s *Server) handshake(raw net.Conn) (net.Conn, *Session, *Memory, error) {
 	if err != nil {
 		<-s.conns
 		_ = writeLine(c, proofMsg{Error: err.Error()})
-		return nil, nil, nil, err
+		return nil, nil, nil, "", err
 	}
 	if err := writeLine(c, proofMsg{Proof: proof(sess.Secret, "server", h.Session, h.Nonce, sn)}); err != nil {
 		<-s.conns
-		return nil, nil, nil, err
+		return nil, nil, nil, "", err
 	}
-	return c, sess, mem, nil
+	return c, sess, mem, h.Mode, nil
 }
 
 func (s *Server) serve(raw net.Conn) error {
-	c, sess, mem, err := s.handshake(raw)
+	c, sess, mem, mode, err := s.handshake(raw)
 	if err != nil {
 		return err
 	}
@@ -238,6 +248,24 @@ func (s *Server) serve(raw net.Conn) error {
 		msg := fmt.Sprintf(format, args...)
 		_ = reply(ack{Error: msg})
 		return errors.New(msg)
+	}
+	var rcv Receiver
+	if mode != "" {
+		// The payloads come by the carrier: greet the source with what it
+		// needs to put them (its staging's address and key).
+		if rcv, err = s.opt.Receivers[mode](); err != nil {
+			_ = writeLine(c, greetingMsg{Error: err.Error()})
+			return fmt.Errorf("%s receiver: %w", mode, err)
+		}
+		defer rcv.Close()
+		g, err := json.Marshal(rcv.Greeting())
+		if err != nil {
+			return err
+		}
+		_ = c.SetWriteDeadline(time.Now().Add(s.opt.IdleTimeout))
+		if err := writeLine(c, greetingMsg{Greeting: g}); err != nil {
+			return err
+		}
 	}
 	var places []slotPlace
 	if mem.Layers > 0 {
@@ -264,6 +292,11 @@ func (s *Server) serve(raw net.Conn) error {
 		if f.runs > maxRuns || f.length > maxFrame {
 			return fail("frame of %d runs / %d bytes is over the limits", f.runs, f.length)
 		}
+		carried, slot := f.kind&kindCarried != 0, int(f.kind>>slotShift)
+		f.kind &= kindMask
+		if carried != (rcv != nil) {
+			return fail("a frame whose payload did not come the way this connection carries them")
+		}
 		descSize := runDescSize
 		switch f.kind {
 		case frameRuns:
@@ -273,12 +306,19 @@ func (s *Server) serve(raw net.Conn) error {
 			return fail("unknown frame kind %d", f.kind)
 		}
 		d := bufs.descs[:int(f.runs)*descSize]
-		p := bufs.payload[:f.length]
 		if _, err := io.ReadFull(r, d); err != nil {
 			return fmt.Errorf("read frame runs: %w", err)
 		}
-		if _, err := io.ReadFull(r, p); err != nil {
-			return fmt.Errorf("read frame payload: %w", err)
+		var p []byte
+		if carried {
+			if p, err = rcv.Payload(slot, f.length); err != nil {
+				return fail("%v", err)
+			}
+		} else {
+			p = bufs.payload[:f.length]
+			if _, err := io.ReadFull(r, p); err != nil {
+				return fmt.Errorf("read frame payload: %w", err)
+			}
 		}
 		// The session may have expired while the round ran: the engine has
 		// freed (or is about to free) the reserved blocks, and nothing may
@@ -292,6 +332,11 @@ func (s *Server) serve(raw net.Conn) error {
 			a.BadChecksum++
 			a.Frames++
 			a.Bytes += f.length
+			if carried {
+				if err := reply(ack{Credit: a.Frames}); err != nil {
+					return err
+				}
+			}
 			continue
 		}
 		if f.kind == frameSlots {
@@ -306,6 +351,13 @@ func (s *Server) serve(raw net.Conn) error {
 		}
 		a.Frames++
 		a.Bytes += f.length
+		if carried {
+			// The slot is free again: its bytes are in the engine's memory
+			// (a Sink copies what it is given).
+			if err := reply(ack{Credit: a.Frames}); err != nil {
+				return err
+			}
+		}
 	}
 }
 

@@ -84,6 +84,10 @@ type ack struct {
 	Bytes       uint64 `json:"bytes"`
 	BadChecksum uint64 `json:"bad_checksum"`
 	Error       string `json:"error,omitempty"`
+	// Credit, on a carried connection, is how many frames the target has
+	// taken out of their staging slots so far (a line before the final
+	// acknowledgement, which has none).
+	Credit uint64 `json:"credit,omitempty"`
 }
 
 // Memory is one side's KV as the data plane sees it: mapped regions and

@@ -229,7 +229,7 @@ func authenticatedConn(t testing.TB, srv *Server) (net.Conn, *bufio.Reader) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	br, err := clientHandshake(c, "mig-1", testSecret)
+	br, err := clientHandshake(c, "mig-1", testSecret, "")
 	if err != nil {
 		c.Close()
 		t.Fatal(err)

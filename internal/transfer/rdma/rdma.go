@@ -1,0 +1,254 @@
+// Package rdma is the rdma data plane: KV moved by one-sided puts of UCX
+// (its UCP API, loaded at run time from libucp like libcuda), over
+// InfiniBand or RoCE verbs where the NIC exists and over UCX's TCP and
+// shared-memory transports everywhere else (UCX_TLS, UCX_NET_DEVICES
+// choose).
+//
+// It rides on tcp_shm's connection (a tcpshm.Carrier): the source
+// authenticates to the target agent's data port exactly as tcp_shm does
+// (an HMAC over fresh nonces with the migration's secret, TLS when
+// configured). The target then greets it with its UCX worker address and
+// the remote key of staging memory registered for that connection only.
+// The source assembles each frame as tcp_shm does, checksums it and puts
+// it into a staging slot. Once the put is flushed, it sends the frame's
+// header and descriptors on the connection. The target verifies the
+// checksum and the block guard before it copies anything into the
+// engine's memory, and credits the slot back. So a source never holds a
+// key to the engine's KV itself, nothing lands outside the migration's
+// reserved blocks, and every byte is checked as on tcp_shm; the payload
+// crosses the network through UCX rather than the TCP stream. The KV
+// bytes are not encrypted on UCX's transports (RDMA NICs do not encrypt
+// either), even when the control connection is TLS.
+package rdma
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/vllm-hi/vllm-hi/internal/transfer/tcpshm"
+)
+
+// Mode is the carrier's name in tcp_shm's handshake.
+const Mode = "rdma"
+
+// Staging: slots per connection, each one frame (tcp_shm's largest).
+const (
+	stagingSlots = 4
+	slotSize     = 4 << 20
+	// putTimeout bounds one put and its flush (a frame of at most 4 MiB).
+	putTimeout = 30 * time.Second
+)
+
+// Plane is an agent's UCX context; it makes the carrier a source sends
+// through and the receivers a target greets sources with.
+type Plane struct {
+	lib *Lib
+	ctx *Context
+	res Resources
+}
+
+// Open loads libucp and creates the agent's context. It returns an error
+// wrapping ErrUnavailable where UCX is not installed.
+func Open() (*Plane, error) {
+	l, err := Load()
+	if err != nil {
+		return nil, err
+	}
+	c, err := l.NewContext()
+	if err != nil {
+		l.Close()
+		return nil, err
+	}
+	return &Plane{lib: l, ctx: c, res: c.Resources()}, nil
+}
+
+// Close releases the context and the library.
+func (p *Plane) Close() {
+	p.ctx.Close()
+	p.lib.Close()
+}
+
+// Version is the loaded UCX's version.
+func (p *Plane) Version() string { return p.lib.Version() }
+
+// Resources are UCX's transports and RDMA devices here.
+func (p *Plane) Resources() Resources { return p.res }
+
+var (
+	_ tcpshm.Carrier     = (*Plane)(nil)
+	_ tcpshm.CarrierConn = (*sourceConn)(nil)
+	_ tcpshm.Receiver    = (*receiver)(nil)
+)
+
+// Mode implements tcpshm.Carrier.
+func (p *Plane) Mode() string { return Mode }
+
+// greeting is what a target sends a source for one connection.
+type greeting struct {
+	Worker   []byte `json:"worker"`    // UCX worker address
+	Base     uint64 `json:"base"`      // staging's address
+	Key      []byte `json:"key"`       // staging's packed remote key
+	Slots    int    `json:"slots"`     // staging slots
+	SlotSize int    `json:"slot_size"` // bytes per slot
+}
+
+// receiver is the target side of one connection: a worker of its own,
+// progressed on a goroutine (UCX's TCP and shared-memory transports emulate
+// one-sided puts with messages the target must process), and staging
+// registered for this connection.
+type receiver struct {
+	w       *Worker
+	staging []byte
+	reg     *Registration
+	addr    []byte
+	stop    chan struct{}
+	done    chan struct{}
+}
+
+// NewReceiver implements tcpshm.NewReceiver for a target's data server.
+func (p *Plane) NewReceiver() (tcpshm.Receiver, error) {
+	w, err := p.ctx.NewWorker()
+	if err != nil {
+		return nil, err
+	}
+	r := &receiver{w: w, stop: make(chan struct{}), done: make(chan struct{})}
+	fail := func(err error) (tcpshm.Receiver, error) {
+		r.release()
+		return nil, err
+	}
+	if r.staging = CAlloc(stagingSlots * slotSize); r.staging == nil {
+		return fail(errors.New("rdma: no memory for the staging"))
+	}
+	if r.reg, err = p.ctx.Register(unsafe.Pointer(&r.staging[0]), len(r.staging)); err != nil {
+		return fail(err)
+	}
+	if r.addr, err = w.Address(); err != nil {
+		return fail(err)
+	}
+	go r.progress()
+	return r, nil
+}
+
+func (r *receiver) progress() {
+	defer close(r.done)
+	idle := 0
+	for {
+		select {
+		case <-r.stop:
+			return
+		default:
+		}
+		if r.w.Progress() {
+			idle = 0
+			continue
+		}
+		// Spin briefly, then back off: a put in flight is served within
+		// microseconds, an idle connection costs next to nothing.
+		if idle++; idle > 64 {
+			time.Sleep(20 * time.Microsecond)
+		}
+	}
+}
+
+func (r *receiver) Greeting() any {
+	return greeting{Worker: r.addr, Base: uint64(r.reg.Base), Key: r.reg.Key, Slots: stagingSlots, SlotSize: slotSize}
+}
+
+func (r *receiver) Payload(slot int, n uint64) ([]byte, error) {
+	if slot < 0 || slot >= stagingSlots || n > slotSize {
+		return nil, fmt.Errorf("rdma: frame in staging slot %d of %d bytes is outside the staging", slot, n)
+	}
+	at := slot * slotSize
+	return r.staging[at : at+int(n)], nil
+}
+
+func (r *receiver) Close() {
+	close(r.stop)
+	<-r.done
+	r.release()
+}
+
+// release frees what the receiver holds (its progress goroutine ended or
+// never started).
+func (r *receiver) release() {
+	if r.reg != nil {
+		r.reg.Close()
+	}
+	r.w.Close()
+	CFree(r.staging)
+	r.staging = nil
+}
+
+// sourceConn is one connection's carriage on the source: a worker and an
+// endpoint of its own to the target's worker, and C memory frames are
+// assembled in.
+type sourceConn struct {
+	w       *Worker
+	ep      *Endpoint
+	key     *RemoteKey
+	g       greeting
+	buf     []byte
+	closeMu sync.Once
+}
+
+// Open implements tcpshm.Carrier.
+func (p *Plane) Open(raw json.RawMessage) (tcpshm.CarrierConn, error) {
+	var g greeting
+	if err := json.Unmarshal(raw, &g); err != nil {
+		return nil, fmt.Errorf("rdma: the target's greeting: %w", err)
+	}
+	if g.Slots < 1 || g.SlotSize < 1 || len(g.Worker) == 0 || len(g.Key) == 0 {
+		return nil, fmt.Errorf("rdma: the target's greeting lacks its staging (%d slots of %d bytes)", g.Slots, g.SlotSize)
+	}
+	w, err := p.ctx.NewWorker()
+	if err != nil {
+		return nil, err
+	}
+	c := &sourceConn{w: w, g: g}
+	fail := func(err error) (tcpshm.CarrierConn, error) {
+		c.Close()
+		return nil, err
+	}
+	if c.ep, err = w.Connect(g.Worker); err != nil {
+		return fail(err)
+	}
+	if c.key, err = c.ep.Unpack(g.Key); err != nil {
+		return fail(err)
+	}
+	if c.buf = CAlloc(g.SlotSize); c.buf == nil {
+		return fail(errors.New("rdma: no memory for the frame buffer"))
+	}
+	return c, nil
+}
+
+func (c *sourceConn) Slots() int     { return c.g.Slots }
+func (c *sourceConn) SlotSize() int  { return c.g.SlotSize }
+func (c *sourceConn) Buffer() []byte { return c.buf }
+
+func (c *sourceConn) Put(slot int, payload []byte) error {
+	if slot < 0 || slot >= c.g.Slots || len(payload) > c.g.SlotSize {
+		return fmt.Errorf("rdma: a frame of %d bytes does not fit staging slot %d", len(payload), slot)
+	}
+	if len(payload) == 0 {
+		return nil
+	}
+	remote := c.g.Base + uint64(slot)*uint64(c.g.SlotSize)
+	return c.ep.PutFlush(c.key, []Put{{Local: unsafe.Pointer(&payload[0]), Len: len(payload), Remote: remote}}, putTimeout)
+}
+
+func (c *sourceConn) Close() {
+	c.closeMu.Do(func() {
+		if c.key != nil {
+			c.key.Close()
+		}
+		if c.ep != nil {
+			c.ep.Close()
+		}
+		c.w.Close()
+		CFree(c.buf)
+	})
+}
