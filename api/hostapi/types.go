@@ -111,6 +111,10 @@ type Round struct {
 	TokenSlots int     `json:"token_slots"`
 	Bytes      int64   `json:"data_size_bytes"`
 	DurationS  float64 `json:"duration_s"`
+	// SharedBlocks (the full round) are the copies of a source block that
+	// another moving request holds too (a shared prefix in vLLM's prefix
+	// cache): each went to the target once per request holding it.
+	SharedBlocks int `json:"shared_blocks,omitempty"`
 }
 
 // Verification is the check that the target holds what the source held.

@@ -178,8 +178,15 @@ func (a *Agent) Run(ctx context.Context) error {
 		// before this run's drain.
 		_ = os.Remove(a.cfg.DrainedFile)
 	}
+	// UCX first: an agent told to use rdma where there is none says so
+	// at once rather than after its engine's start-up.
+	closeRDMA, err := a.openRDMA()
+	if err != nil {
+		return err
+	}
+	defer closeRDMA()
 	wctx, cancel := context.WithTimeout(ctx, a.cfg.EngineWait)
-	err := a.eng.WaitHealthy(wctx, 500*time.Millisecond)
+	err = a.eng.WaitHealthy(wctx, 500*time.Millisecond)
 	cancel()
 	if err != nil {
 		return err
@@ -223,11 +230,6 @@ func (a *Agent) Run(ctx context.Context) error {
 	dataAddr := ""
 	if info.Migratable {
 		// The tcp_shm data plane: --data-port, or any free port.
-		closeRDMA, err := a.openRDMA()
-		if err != nil {
-			return err
-		}
-		defer closeRDMA()
 		ds, err := tcpshm.Listen(net.JoinHostPort(bind, strconv.Itoa(a.cfg.DataPort)), a.dataSession, a.dataOptions(), a.log)
 		if err != nil {
 			return err

@@ -45,8 +45,8 @@ func (a *Agent) dataOptions() tcpshm.Options {
 // rdmaInfo is what this agent tells the Host and migrations' sources of
 // its rdma data plane (nil: none).
 func (a *Agent) rdmaInfo() *v1.RDMAInfo {
-	if a.rdma == nil {
-		return nil
+	if a.rdma == nil || a.dp.server == nil {
+		return nil // no UCX, or no data plane at all (a routing-only engine)
 	}
 	host, _ := os.Hostname()
 	res := a.rdma.Resources()

@@ -86,6 +86,7 @@ such a deployment and runs this.`,
 	f.IntVar(&sc.Streams, "streams", 256, "concurrent streams")
 	f.IntVar(&sc.MaxTokens, "max-tokens", 400, "tokens per stream")
 	f.IntVar(&sc.PromptWords, "prompt-words", 200, "prompt length scale")
+	f.IntVar(&sc.SharedPrefixWords, "shared-prefix-words", 0, "start every prompt with the same system prompt of this many words")
 	f.DurationVar(&sc.Delay, "delay", 5*time.Second, "load start → migration")
 	f.IntVar(&sc.TN, "tn", 2, "data-plane connections")
 	f.StringSliceVar(&grans, "final-granularity", []string{"block", "slot"}, "final-round granularities to compare")

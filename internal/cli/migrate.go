@@ -151,6 +151,12 @@ func printMigration(out io.Writer, st hostapi.MigrationStatus) {
 	}
 	if len(parts) > 0 {
 		fmt.Fprintf(out, "rounds (blocks / bytes): %s\n", strings.Join(parts, " | "))
+		for _, r := range st.Rounds {
+			if r.SharedBlocks > 0 && r.BlockCount > 0 {
+				fmt.Fprintf(out, "shared prefixes: %d of round %d's %d block copies are of a source block another moving request holds too (%.1f %% of its bytes sent more than once)\n",
+					r.SharedBlocks, r.Round, r.BlockCount, 100*float64(r.SharedBlocks)/float64(r.BlockCount))
+			}
+		}
 		if n := len(st.Recomputed); n > 0 {
 			fmt.Fprintf(out, "moved as state only (the target had no room for their KV and recomputes it): %d of %d requests\n", n, st.Migrated)
 		}

@@ -24,11 +24,14 @@ import (
 // scenario is one "stream a load, migrate mid-stream, compare with an
 // unmigrated run" experiment, shared by vhi demo and vhi bench migrate.
 type scenario struct {
-	Streams          int
-	MaxTokens        int
-	PromptWords      int
-	Sim              sim.Config
-	DeviceA, DeviceB string // where each engine keeps its KV (sim --device); the reference uses DeviceA
+	Streams     int
+	MaxTokens   int
+	PromptWords int
+	// SharedPrefixWords starts every prompt with the same system prompt
+	// of this many words (a prefix cache holds it once).
+	SharedPrefixWords int
+	Sim               sim.Config
+	DeviceA, DeviceB  string // where each engine keeps its KV (sim --device); the reference uses DeviceA
 	// ShapeA, ShapeB are the sims' TP×PP (zero: 1×1); the reference runs
 	// 1×1 (a sim's tokens do not depend on its shape). A B of another
 	// shape than A makes the migration a reshape.
@@ -84,7 +87,11 @@ func (sc scenario) requests() []loadgen.Request {
 	words := []string{"hello", "world", "model", "token", "stream", "water", "story", "house", "light", "earth"}
 	reqs := make([]loadgen.Request, sc.Streams)
 	for i := range reqs {
-		prompt := fmt.Sprintf("request %d:", i)
+		prompt := ""
+		for j := 0; j < sc.SharedPrefixWords; j++ {
+			prompt += words[(j*3)%len(words)] + " "
+		}
+		prompt += fmt.Sprintf("request %d:", i)
 		for j := 0; j < sc.PromptWords/2+(i*37)%(sc.PromptWords+1); j++ {
 			prompt += " " + words[(i*7+j*3)%len(words)]
 		}

@@ -118,7 +118,7 @@ func TestActiveTargetsTakeKeepSourceActiveOnly(t *testing.T) {
 
 // The Host's balancer, turned on, moves the longest sequences off an
 // instance that carries the whole load onto an idle one of the same model
-// (a kv_spread decision), by a migration whose streams stay exact; it
+// (a kv_spread decision, or waiting_queue when a request is queued), by a migration whose streams stay exact; it
 // shows the decision at GET /vllm_hi/rebalance.
 func TestTheBalancerEvensOutTwoInstances(t *testing.T) {
 	r := newRig(t, rigOptions{bActive: true, streams: 12, tokens: 450, tune: func(hc *host.Config) {
@@ -149,7 +149,10 @@ func TestTheBalancerEvensOutTwoInstances(t *testing.T) {
 		}
 	}
 	t.Logf("decision %+v", d)
-	if d.Src != r.st.AID || d.Dst != r.st.BID || d.Reason != "kv_spread" || d.Filter != "longest:4" {
+	// kv_spread is the decision this load makes; on a starved machine a
+	// request can be queued on A when the balancer looks, and the queue
+	// rule (threshold 0) decides the same move first. Either is right.
+	if d.Src != r.st.AID || d.Dst != r.st.BID || (d.Reason != "kv_spread" && d.Reason != "waiting_queue") || d.Filter != "longest:4" {
 		t.Fatalf("decision %+v", d)
 	}
 	st, err := r.st.Client().WaitMigration(ctx, d.Migration, 10*time.Millisecond, nil)

@@ -59,6 +59,23 @@ func shrinking(blocks int, best, stall *int, stallRounds int) bool {
 	return *stall < stallRounds
 }
 
+// sharedBlocks counts the source blocks held by more than one of the
+// moving requests, once per extra holder: what a round copying every
+// request's blocks sends more than once.
+func sharedBlocks(reqs []*v1.RequestBlocks) int {
+	seen := map[int32]bool{}
+	n := 0
+	for _, rb := range reqs {
+		for _, b := range rb.GetSrcBlockIds() {
+			if seen[b] {
+				n++
+			}
+			seen[b] = true
+		}
+	}
+	return n
+}
+
 // copyRound runs one round on the source agent and records it.
 func (m *migration) copyRound(ctx context.Context, kind string, since uint64, slotGranular bool, fault string) (*v1.CopyRoundResponse, error) {
 	m.mu.Lock()
@@ -97,8 +114,12 @@ func (m *migration) copyRound(ctx context.Context, kind string, since uint64, sl
 	if b := resp.GetBackend(); b != "" {
 		m.st.TransferBackend, m.st.TransferBackendReason = b, resp.GetBackendReason()
 	}
-	m.st.Rounds = append(m.st.Rounds, hostapi.Round{Round: len(m.st.Rounds), Kind: kind, BlockCount: int(resp.GetBlockCount()),
-		TokenSlots: int(resp.GetTokenSlots()), Bytes: resp.GetBytes(), DurationS: resp.GetDurationS()})
+	r := hostapi.Round{Round: len(m.st.Rounds), Kind: kind, BlockCount: int(resp.GetBlockCount()),
+		TokenSlots: int(resp.GetTokenSlots()), Bytes: resp.GetBytes(), DurationS: resp.GetDurationS()}
+	if kind == roundFull {
+		r.SharedBlocks = sharedBlocks(resp.GetRequests())
+	}
+	m.st.Rounds = append(m.st.Rounds, r)
 	m.mu.Unlock()
 	return resp, nil
 }

@@ -191,7 +191,7 @@ type sourceConn struct {
 	ep      *Endpoint
 	key     *RemoteKey
 	g       greeting
-	buf     []byte
+	bufs    [][]byte // one frame buffer per staging slot
 	closeMu sync.Once
 }
 
@@ -201,7 +201,7 @@ func (p *Plane) Open(raw json.RawMessage) (tcpshm.CarrierConn, error) {
 	if err := json.Unmarshal(raw, &g); err != nil {
 		return nil, fmt.Errorf("rdma: the target's greeting: %w", err)
 	}
-	if g.Slots < 1 || g.SlotSize < 1 || len(g.Worker) == 0 || len(g.Key) == 0 {
+	if g.Slots < 1 || g.Slots > 64 || g.SlotSize < 1 || g.SlotSize > 64<<20 || len(g.Worker) == 0 || len(g.Key) == 0 {
 		return nil, fmt.Errorf("rdma: the target's greeting lacks its staging (%d slots of %d bytes)", g.Slots, g.SlotSize)
 	}
 	w, err := p.ctx.NewWorker()
@@ -219,15 +219,19 @@ func (p *Plane) Open(raw json.RawMessage) (tcpshm.CarrierConn, error) {
 	if c.key, err = c.ep.Unpack(g.Key); err != nil {
 		return fail(err)
 	}
-	if c.buf = CAlloc(g.SlotSize); c.buf == nil {
-		return fail(errors.New("rdma: no memory for the frame buffer"))
+	for i := 0; i < g.Slots; i++ {
+		b := CAlloc(g.SlotSize)
+		if b == nil {
+			return fail(errors.New("rdma: no memory for the frame buffers"))
+		}
+		c.bufs = append(c.bufs, b)
 	}
 	return c, nil
 }
 
-func (c *sourceConn) Slots() int     { return c.g.Slots }
-func (c *sourceConn) SlotSize() int  { return c.g.SlotSize }
-func (c *sourceConn) Buffer() []byte { return c.buf }
+func (c *sourceConn) Slots() int             { return c.g.Slots }
+func (c *sourceConn) SlotSize() int          { return c.g.SlotSize }
+func (c *sourceConn) Buffer(slot int) []byte { return c.bufs[slot] }
 
 func (c *sourceConn) Put(slot int, payload []byte) error {
 	if slot < 0 || slot >= c.g.Slots || len(payload) > c.g.SlotSize {
@@ -249,6 +253,8 @@ func (c *sourceConn) Close() {
 			c.ep.Close()
 		}
 		c.w.Close()
-		CFree(c.buf)
+		for _, b := range c.bufs {
+			CFree(b)
+		}
 	})
 }

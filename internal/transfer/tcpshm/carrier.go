@@ -1,6 +1,7 @@
 package tcpshm
 
 import (
+	"bufio"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -28,9 +29,10 @@ type CarrierConn interface {
 	// slot k % Slots, once the target has taken payload k − Slots out.
 	Slots() int
 	SlotSize() int
-	// Buffer is where frames are assembled (SlotSize bytes of memory the
-	// carrier can send from).
-	Buffer() []byte
+	// Buffer is where the frames for a slot are assembled (SlotSize
+	// bytes of memory the carrier can send from; one per slot, so the
+	// next frame is assembled while the last one is put).
+	Buffer(slot int) []byte
 	// Put writes payload into a staging slot and returns once the target
 	// holds it.
 	Put(slot int, payload []byte) error
@@ -134,4 +136,95 @@ func (c *credits) result() (ack, error) {
 		return ack{}, c.err
 	}
 	return *c.final, nil
+}
+
+// carriage is a connection's Carrier state on the source: the frames
+// assembled and waiting for their put, and the sender that puts them and
+// announces each on the stream.
+type carriage struct {
+	conn    CarrierConn
+	credits *credits
+	out     chan carriedFrame
+	done    chan error
+	mu      sync.Mutex
+	failed  error // the sender's first error
+}
+
+// carriedFrame is one assembled frame: its payload in its slot's buffer.
+type carriedFrame struct {
+	slot    int
+	payload []byte
+	hdr     [frameHdrSize]byte
+	descs   []byte
+}
+
+// start runs the sender: it writes to w, and on a failure calls abort
+// (closing the connection, so that nothing waits on the target for
+// ever).
+func (c *carriage) start(w *bufio.Writer, abort func()) {
+	c.out = make(chan carriedFrame, c.conn.Slots())
+	c.done = make(chan error, 1)
+	go func() {
+		var failed error
+		for fr := range c.out {
+			if failed != nil {
+				continue
+			}
+			err := c.conn.Put(fr.slot, fr.payload)
+			for _, b := range [][]byte{fr.hdr[:], fr.descs} {
+				if err == nil {
+					_, err = w.Write(b)
+				}
+			}
+			if err == nil {
+				// The target acts on a frame once its header arrives.
+				err = w.Flush()
+			}
+			if err != nil {
+				failed = err
+				c.mu.Lock()
+				c.failed = err
+				c.mu.Unlock()
+				abort()
+			}
+		}
+		c.done <- failed
+	}()
+}
+
+func (c *carriage) err() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.failed
+}
+
+// enqueue hands a frame to the sender.
+func (c *carriage) enqueue(fr carriedFrame) error {
+	if err := c.err(); err != nil {
+		return err
+	}
+	c.out <- fr
+	return nil
+}
+
+// buffer returns the buffer frame k is assembled in, once it is free: the
+// target took out frame k − Slots, which used that slot (and its put, the
+// last reader of the buffer, had completed before the target could).
+func (c *carriage) buffer(k uint64) ([]byte, error) {
+	slots := uint64(c.conn.Slots())
+	if k >= slots {
+		if err := c.credits.await(k - slots + 1); err != nil {
+			if serr := c.err(); serr != nil {
+				return nil, serr
+			}
+			return nil, err
+		}
+	}
+	return c.conn.Buffer(int(k % slots)), nil
+}
+
+// finish waits for the sender to put and announce every queued frame.
+func (c *carriage) finish() error {
+	close(c.out)
+	return <-c.done
 }

@@ -106,12 +106,6 @@ type frameWriter struct {
 	carried       *carriage // nil: payloads go in the stream
 }
 
-// carriage is a connection's Carrier state on the source.
-type carriage struct {
-	conn    CarrierConn
-	credits *credits
-}
-
 func newFrameWriter(w *bufio.Writer, kind uint32, descSize int, fault transfer.Fault, c *carriage) *frameWriter {
 	f := &frameWriter{w: w, kind: kind, descSize: descSize, fault: fault, carried: c, limit: maxFrame,
 		descs: make([]byte, 0, maxRuns*descSize)}
@@ -119,7 +113,7 @@ func newFrameWriter(w *bufio.Writer, kind uint32, descSize int, fault transfer.F
 		// Frames are assembled where the carrier sends from, and no
 		// larger than the target's staging slots.
 		f.limit = min(maxFrame, c.conn.SlotSize())
-		f.payload = c.conn.Buffer()[:0:f.limit]
+		f.payload = c.conn.Buffer(0)[:0:f.limit]
 	} else {
 		f.payload = make([]byte, 0, maxFrame)
 	}
@@ -152,32 +146,28 @@ func (f *frameWriter) flush() error {
 	if f.fault == transfer.CorruptFrame && f.frames == 0 {
 		f.payload[0] ^= 0xFF
 	}
-	kind, parts := f.kind, [][]byte{nil, f.descs, f.payload}
+	var hdr [frameHdrSize]byte
 	if c := f.carried; c != nil {
-		// The payload goes into its staging slot first, once the target
-		// took out the frame that used the slot before; the header and
-		// descriptors that follow in the stream tell the target it is
-		// there.
-		slots := uint64(c.conn.Slots())
-		slot := f.frames % slots
-		if f.frames >= slots {
-			if err := f.w.Flush(); err != nil {
-				return err
-			}
-			if err := c.credits.await(f.frames - slots + 1); err != nil {
-				return err
-			}
-		}
-		if err := c.conn.Put(int(slot), f.payload); err != nil {
+		// The carriage's sender puts the payload into its staging slot
+		// and then writes the header and descriptors, while the next frame
+		// is assembled in the next slot's buffer.
+		slot := f.frames % uint64(c.conn.Slots())
+		frameHeader{runs: uint32(len(f.descs) / f.descSize), kind: f.kind | kindCarried | uint32(slot)<<slotShift,
+			length: uint64(len(f.payload)), sum: sum}.put(hdr[:])
+		if err := c.enqueue(carriedFrame{slot: int(slot), payload: f.payload, hdr: hdr, descs: append([]byte(nil), f.descs...)}); err != nil {
 			return err
 		}
-		kind |= kindCarried | uint32(slot)<<slotShift
-		parts = parts[:2]
+		f.frames++
+		f.bytes += uint64(len(f.payload))
+		next, err := c.buffer(f.frames)
+		if err != nil {
+			return err
+		}
+		f.descs, f.payload = f.descs[:0], next[:0:f.limit]
+		return nil
 	}
-	var hdr [frameHdrSize]byte
-	frameHeader{runs: uint32(len(f.descs) / f.descSize), kind: kind, length: uint64(len(f.payload)), sum: sum}.put(hdr[:])
-	parts[0] = hdr[:]
-	for _, b := range parts {
+	frameHeader{runs: uint32(len(f.descs) / f.descSize), kind: f.kind, length: uint64(len(f.payload)), sum: sum}.put(hdr[:])
+	for _, b := range [][]byte{hdr[:], f.descs, f.payload} {
 		if _, err := f.w.Write(b); err != nil {
 			return err
 		}
@@ -324,6 +314,9 @@ func withConn(ctx context.Context, dst Dest, send func(w *bufio.Writer, c *carri
 	}
 	_ = raw.SetDeadline(time.Time{})
 	w := bufio.NewWriterSize(conn, 1<<20)
+	if carried != nil {
+		carried.start(w, func() { raw.Close() })
+	}
 	// A target that refuses a frame says why and hangs up; the writes
 	// that follow fail, and its reason is the error worth reporting.
 	final := func() (ack, error) {
@@ -342,6 +335,13 @@ func withConn(ctx context.Context, dst Dest, send func(w *bufio.Writer, c *carri
 		return fmt.Errorf("tcp_shm: send: %w", err)
 	}
 	frames, bytes, err := send(w, carried)
+	if carried != nil {
+		// Everything queued is put and announced (or the sender failed)
+		// before the end frame goes.
+		if serr := carried.finish(); err == nil {
+			err = serr
+		}
+	}
 	if err != nil {
 		if w.Flush() != nil {
 			return refused(err)
