@@ -44,11 +44,48 @@ const (
 )
 
 // Plane is an agent's UCX context; it makes the carrier a source sends
-// through and the receivers a target greets sources with.
+// through and the receivers a target greets sources with. Workers and
+// their buffers outlive connections (a round opens tn of them, and a
+// worker and 16 MiB of fresh memory per connection cost more than the
+// round's copy); each connection still gets its own endpoint and its own
+// registration of the target's staging, so a key handed to one source
+// is dead once its connection ends.
 type Plane struct {
 	lib *Lib
 	ctx *Context
 	res Resources
+
+	mu      sync.Mutex
+	targets []*targetRes // idle receivers' workers and staging
+	sources []*sourceRes // idle sources' workers and frame buffers
+}
+
+// keepIdle bounds each pool (a round uses tn connections, default 2).
+const keepIdle = 8
+
+// targetRes is what a receiver keeps between connections.
+type targetRes struct {
+	w       *Worker
+	addr    []byte
+	staging []byte
+}
+
+// sourceRes is what a source connection keeps between connections.
+type sourceRes struct {
+	w    *Worker
+	bufs [][]byte // one frame buffer per staging slot
+}
+
+func (t *targetRes) release() {
+	t.w.Close()
+	CFree(t.staging)
+}
+
+func (r *sourceRes) release() {
+	r.w.Close()
+	for _, b := range r.bufs {
+		CFree(b)
+	}
 }
 
 // Open loads libucp and creates the agent's context. It returns an error
@@ -66,8 +103,18 @@ func Open() (*Plane, error) {
 	return &Plane{lib: l, ctx: c, res: c.Resources()}, nil
 }
 
-// Close releases the context and the library.
+// Close releases the pools, the context and the library (after every
+// connection ended).
 func (p *Plane) Close() {
+	p.mu.Lock()
+	for _, t := range p.targets {
+		t.release()
+	}
+	for _, s := range p.sources {
+		s.release()
+	}
+	p.targets, p.sources = nil, nil
+	p.mu.Unlock()
 	p.ctx.Close()
 	p.lib.Close()
 }
@@ -97,38 +144,46 @@ type greeting struct {
 }
 
 // receiver is the target side of one connection: a worker of its own,
-// progressed on a goroutine (UCX's TCP and shared-memory transports emulate
-// one-sided puts with messages the target must process), and staging
-// registered for this connection.
+// progressed on a goroutine (UCX's TCP transport emulates one-sided puts
+// with messages the target must process), and staging registered for
+// this connection.
 type receiver struct {
-	w       *Worker
-	staging []byte
-	reg     *Registration
-	addr    []byte
-	stop    chan struct{}
-	done    chan struct{}
+	p    *Plane
+	res  *targetRes
+	reg  *Registration
+	stop chan struct{}
+	done chan struct{}
 }
 
 // NewReceiver implements tcpshm.NewReceiver for a target's data server.
 func (p *Plane) NewReceiver() (tcpshm.Receiver, error) {
-	w, err := p.ctx.NewWorker()
+	p.mu.Lock()
+	var t *targetRes
+	if n := len(p.targets); n > 0 {
+		t, p.targets = p.targets[n-1], p.targets[:n-1]
+	}
+	p.mu.Unlock()
+	if t == nil {
+		w, err := p.ctx.NewWorker()
+		if err != nil {
+			return nil, err
+		}
+		t = &targetRes{w: w}
+		if t.addr, err = w.Address(); err != nil {
+			t.release()
+			return nil, err
+		}
+		if t.staging = CAlloc(stagingSlots * slotSize); t.staging == nil {
+			t.release()
+			return nil, errors.New("rdma: no memory for the staging")
+		}
+	}
+	reg, err := p.ctx.Register(unsafe.Pointer(&t.staging[0]), len(t.staging))
 	if err != nil {
+		t.release()
 		return nil, err
 	}
-	r := &receiver{w: w, stop: make(chan struct{}), done: make(chan struct{})}
-	fail := func(err error) (tcpshm.Receiver, error) {
-		r.release()
-		return nil, err
-	}
-	if r.staging = CAlloc(stagingSlots * slotSize); r.staging == nil {
-		return fail(errors.New("rdma: no memory for the staging"))
-	}
-	if r.reg, err = p.ctx.Register(unsafe.Pointer(&r.staging[0]), len(r.staging)); err != nil {
-		return fail(err)
-	}
-	if r.addr, err = w.Address(); err != nil {
-		return fail(err)
-	}
+	r := &receiver{p: p, res: t, reg: reg, stop: make(chan struct{}), done: make(chan struct{})}
 	go r.progress()
 	return r, nil
 }
@@ -142,7 +197,7 @@ func (r *receiver) progress() {
 			return
 		default:
 		}
-		if r.w.Progress() {
+		if r.res.w.Progress() {
 			idle = 0
 			continue
 		}
@@ -155,7 +210,7 @@ func (r *receiver) progress() {
 }
 
 func (r *receiver) Greeting() any {
-	return greeting{Worker: r.addr, Base: uint64(r.reg.Base), Key: r.reg.Key, Slots: stagingSlots, SlotSize: slotSize}
+	return greeting{Worker: r.res.addr, Base: uint64(r.reg.Base), Key: r.reg.Key, Slots: stagingSlots, SlotSize: slotSize}
 }
 
 func (r *receiver) Payload(slot int, n uint64) ([]byte, error) {
@@ -163,35 +218,33 @@ func (r *receiver) Payload(slot int, n uint64) ([]byte, error) {
 		return nil, fmt.Errorf("rdma: frame in staging slot %d of %d bytes is outside the staging", slot, n)
 	}
 	at := slot * slotSize
-	return r.staging[at : at+int(n)], nil
+	return r.res.staging[at : at+int(n)], nil
 }
 
+// Close ends the connection's registration (its key stops working) and
+// keeps the worker and staging for the next connection.
 func (r *receiver) Close() {
 	close(r.stop)
 	<-r.done
-	r.release()
-}
-
-// release frees what the receiver holds (its progress goroutine ended or
-// never started).
-func (r *receiver) release() {
-	if r.reg != nil {
-		r.reg.Close()
+	r.reg.Close()
+	r.p.mu.Lock()
+	defer r.p.mu.Unlock()
+	if len(r.p.targets) < keepIdle {
+		r.p.targets = append(r.p.targets, r.res)
+		return
 	}
-	r.w.Close()
-	CFree(r.staging)
-	r.staging = nil
+	r.res.release()
 }
 
-// sourceConn is one connection's carriage on the source: a worker and an
-// endpoint of its own to the target's worker, and C memory frames are
-// assembled in.
+// sourceConn is one connection's carriage on the source: a worker and
+// frame buffers (pooled), and an endpoint to the target's worker.
 type sourceConn struct {
-	w       *Worker
+	p       *Plane
+	res     *sourceRes
 	ep      *Endpoint
 	key     *RemoteKey
 	g       greeting
-	bufs    [][]byte // one frame buffer per staging slot
+	broken  bool // a put failed: the worker is not reused
 	closeMu sync.Once
 }
 
@@ -204,34 +257,50 @@ func (p *Plane) Open(raw json.RawMessage) (tcpshm.CarrierConn, error) {
 	if g.Slots < 1 || g.Slots > 64 || g.SlotSize < 1 || g.SlotSize > 64<<20 || len(g.Worker) == 0 || len(g.Key) == 0 {
 		return nil, fmt.Errorf("rdma: the target's greeting lacks its staging (%d slots of %d bytes)", g.Slots, g.SlotSize)
 	}
-	w, err := p.ctx.NewWorker()
-	if err != nil {
-		return nil, err
+	p.mu.Lock()
+	var res *sourceRes
+	for i := len(p.sources) - 1; i >= 0; i-- {
+		if r := p.sources[i]; len(r.bufs) == g.Slots && len(r.bufs[0]) == g.SlotSize {
+			res = r
+			p.sources = append(p.sources[:i], p.sources[i+1:]...)
+			break
+		}
 	}
-	c := &sourceConn{w: w, g: g}
+	p.mu.Unlock()
+	if res == nil {
+		w, err := p.ctx.NewWorker()
+		if err != nil {
+			return nil, err
+		}
+		res = &sourceRes{w: w}
+		for i := 0; i < g.Slots; i++ {
+			b := CAlloc(g.SlotSize)
+			if b == nil {
+				res.release()
+				return nil, errors.New("rdma: no memory for the frame buffers")
+			}
+			res.bufs = append(res.bufs, b)
+		}
+	}
+	c := &sourceConn{p: p, res: res, g: g}
 	fail := func(err error) (tcpshm.CarrierConn, error) {
+		c.broken = true
 		c.Close()
 		return nil, err
 	}
-	if c.ep, err = w.Connect(g.Worker); err != nil {
+	var err error
+	if c.ep, err = res.w.Connect(g.Worker); err != nil {
 		return fail(err)
 	}
 	if c.key, err = c.ep.Unpack(g.Key); err != nil {
 		return fail(err)
-	}
-	for i := 0; i < g.Slots; i++ {
-		b := CAlloc(g.SlotSize)
-		if b == nil {
-			return fail(errors.New("rdma: no memory for the frame buffers"))
-		}
-		c.bufs = append(c.bufs, b)
 	}
 	return c, nil
 }
 
 func (c *sourceConn) Slots() int             { return c.g.Slots }
 func (c *sourceConn) SlotSize() int          { return c.g.SlotSize }
-func (c *sourceConn) Buffer(slot int) []byte { return c.bufs[slot] }
+func (c *sourceConn) Buffer(slot int) []byte { return c.res.bufs[slot] }
 
 func (c *sourceConn) Put(slot int, payload []byte) error {
 	if slot < 0 || slot >= c.g.Slots || len(payload) > c.g.SlotSize {
@@ -241,20 +310,32 @@ func (c *sourceConn) Put(slot int, payload []byte) error {
 		return nil
 	}
 	remote := c.g.Base + uint64(slot)*uint64(c.g.SlotSize)
-	return c.ep.PutFlush(c.key, []Put{{Local: unsafe.Pointer(&payload[0]), Len: len(payload), Remote: remote}}, putTimeout)
+	err := c.ep.PutFlush(c.key, []Put{{Local: unsafe.Pointer(&payload[0]), Len: len(payload), Remote: remote}}, putTimeout)
+	if err != nil {
+		c.broken = true
+	}
+	return err
 }
 
+// Close closes the endpoint and keeps the worker and buffers for the
+// next connection (unless a put failed on it).
 func (c *sourceConn) Close() {
 	c.closeMu.Do(func() {
 		if c.key != nil {
 			c.key.Close()
 		}
 		if c.ep != nil {
+			if c.ep.Failed() != nil {
+				c.broken = true
+			}
 			c.ep.Close()
 		}
-		c.w.Close()
-		for _, b := range c.bufs {
-			CFree(b)
+		c.p.mu.Lock()
+		defer c.p.mu.Unlock()
+		if !c.broken && len(c.p.sources) < keepIdle {
+			c.p.sources = append(c.p.sources, c.res)
+			return
 		}
+		c.res.release()
 	})
 }
