@@ -194,7 +194,7 @@ static int64_t vhi_now_ns(void) {
 }
 
 // vhi_wait progresses the worker until the request completes or the
-// deadline passes (the request is then left to the worker's destruction).
+// deadline passes.
 static ucs_status_t vhi_wait(void *w, void *req, int64_t deadline) {
 	if (req == NULL) return VHI_UCS_OK;
 	if (VHI_PTR_IS_ERR(req)) return VHI_PTR_STATUS(req);
@@ -205,7 +205,12 @@ static ucs_status_t vhi_wait(void *w, void *req, int64_t deadline) {
 			p_request_free(req);
 			return s;
 		}
-		if (vhi_now_ns() > deadline) return VHI_UCS_ERR_TIMED_OUT;
+		if (vhi_now_ns() > deadline) {
+			// Abandoned: released now, freed by UCX once it completes (a
+			// worker must not be destroyed with requests never released).
+			p_request_free(req);
+			return VHI_UCS_ERR_TIMED_OUT;
+		}
 	}
 }
 
@@ -580,16 +585,14 @@ func (e *Endpoint) PutFlush(key *RemoteKey, puts []Put, timeout time.Duration) e
 	return err
 }
 
-// Close closes the endpoint, flushing it unless the peer failed.
+// Close closes the endpoint at once (UCX's force close): every put on it
+// was flushed or has failed by then, and a graceful close would wait on
+// a peer that may already have moved on.
 func (e *Endpoint) Close() {
 	if e.h == nil {
 		return
 	}
-	force := 0
-	if e.Failed() != nil {
-		force = 1
-	}
-	C.vhi_ep_close(e.w.h, e.h, C.int(force), C.int64_t(2*time.Second))
+	C.vhi_ep_close(e.w.h, e.h, 1, C.int64_t(2*time.Second))
 	e.h = nil
 	C.free(unsafe.Pointer(e.status))
 }
