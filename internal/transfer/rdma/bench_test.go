@@ -18,11 +18,7 @@ func BenchmarkRound(b *testing.B) {
 	src := memoryOf(testGeo, kvlayout.Parallel{TP: 1, PP: 1}, 7)
 	dst := memoryOf(testGeo, kvlayout.Parallel{TP: 1, PP: 1}, 0)
 	copies := copiesOf(60, false)
-	var blocks []int
-	for _, c := range copies {
-		blocks = append(blocks, c.Dst)
-	}
-	dst.Guard = guardOf(b, testGeo, dst, blocks)
+	reserveFor(b, dst, copies)
 	addr := serve(b, p, dst)
 	runs, err := kvlayout.Plan(testGeo.Layers, testGeo.KVHeads, src.SlotBytes, src.Specs, dst.Specs, copies)
 	if err != nil {

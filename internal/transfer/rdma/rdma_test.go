@@ -87,6 +87,16 @@ func serve(t testing.TB, p *Plane, dst *tcpshm.Memory) string {
 	return srv.Addr().String()
 }
 
+// reserveFor guards dst to the target blocks of copies.
+func reserveFor(t testing.TB, dst *tcpshm.Memory, copies []kvlayout.BlockCopy) {
+	t.Helper()
+	var blocks []int
+	for _, c := range copies {
+		blocks = append(blocks, c.Dst)
+	}
+	dst.Guard = guardOf(t, testGeo, dst, blocks)
+}
+
 // slotBytes reads (layer, kv, head, block, slot) wherever m's layout keeps it.
 func slotBytes(m *tcpshm.Memory, l, kv, h, b, s int) []byte {
 	for i, r := range m.Specs {
@@ -154,11 +164,7 @@ func TestRoundsLandExactly(t *testing.T) {
 			t.Run(fmt.Sprintf("tp%d-pp%d-slots=%v", par.TP, par.PP, slots), func(t *testing.T) {
 				dst := memoryOf(testGeo, par, 0)
 				copies := copiesOf(40, slots)
-				var blocks []int
-				for _, c := range copies {
-					blocks = append(blocks, c.Dst)
-				}
-				dst.Guard = guardOf(t, testGeo, dst, blocks)
+				reserveFor(t, dst, copies)
 				addr := serve(t, p, dst)
 				st, err := send(context.Background(), p, addr, src, dst, copies, slots, transfer.NoFault)
 				if err != nil {
@@ -182,13 +188,6 @@ func TestAborts(t *testing.T) {
 	p := openPlane(t)
 	src := memoryOf(testGeo, kvlayout.Parallel{TP: 1, PP: 1}, 7)
 	copies := copiesOf(12, false)
-	reserved := func(dst *tcpshm.Memory) {
-		var blocks []int
-		for _, c := range copies {
-			blocks = append(blocks, c.Dst)
-		}
-		dst.Guard = guardOf(t, testGeo, dst, blocks)
-	}
 	for _, tc := range []struct {
 		name  string
 		fault transfer.Fault
@@ -196,7 +195,7 @@ func TestAborts(t *testing.T) {
 	}{{"corrupt", transfer.CorruptFrame, "bad checksum"}, {"cut", transfer.CutConn, "connection cut"}} {
 		t.Run(tc.name, func(t *testing.T) {
 			dst := memoryOf(testGeo, kvlayout.Parallel{TP: 1, PP: 1}, 0)
-			reserved(dst)
+			reserveFor(t, dst, copies)
 			_, err := send(context.Background(), p, serve(t, p, dst), src, dst, copies, false, tc.fault)
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("want an error with %q, got %v", tc.want, err)
@@ -220,7 +219,7 @@ func TestAborts(t *testing.T) {
 	})
 	t.Run("target without the carrier", func(t *testing.T) {
 		dst := memoryOf(testGeo, kvlayout.Parallel{TP: 1, PP: 1}, 0)
-		reserved(dst)
+		reserveFor(t, dst, copies)
 		_, err := send(context.Background(), p, serve(t, nil, dst), src, dst, copies, false, transfer.NoFault)
 		if err == nil || !strings.Contains(err.Error(), "no rdma data plane") {
 			t.Fatalf("want the target's refusal, got %v", err)
