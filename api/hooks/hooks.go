@@ -127,9 +127,15 @@ type Memory struct {
 	Path string `json:"path,omitempty"`
 	// CUDA IPC: device ordinal, base64 of the 64-byte cudaIpcMemHandle of the
 	// base allocation, and the region's offset into it.
-	Device    int    `json:"device,omitempty"`
-	IPCHandle string `json:"ipc_handle,omitempty"`
-	Offset    int64  `json:"offset,omitempty"`
+	Device int `json:"device,omitempty"`
+	// DeviceUUID names the GPU absolutely ("GPU-…", as NVML prints it):
+	// Device is an ordinal in the exporting process's numbering, which
+	// CUDA_VISIBLE_DEVICES changes, so an agent that has it opens the
+	// region on the GPU of this UUID in its own numbering. Empty: use
+	// Device (exporters from before it).
+	DeviceUUID string `json:"device_uuid,omitempty"`
+	IPCHandle  string `json:"ipc_handle,omitempty"`
+	Offset     int64  `json:"offset,omitempty"`
 	// PID and DevicePointer let a copier in the exporting process itself
 	// (an in-process stack: tests, benchmarks) use the allocation directly:
 	// CUDA refuses to open a process's own IPC handles.

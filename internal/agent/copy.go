@@ -135,14 +135,22 @@ func int32s(v []int) []int32 {
 
 // gpuLink names the link between the two engines' GPUs for a round's
 // reason ("; GPU 0 → GPU 1: NVLink"), or "" when it is not known. The
-// layouts give CUDA device ordinals; they are NVML's indices only when
-// CUDA_VISIBLE_DEVICES renumbers nothing (it is the process's own
+// GPUs are found in NVML's inventory by the UUIDs the layouts give; a
+// layout without them gives CUDA ordinals, which are NVML's indices only
+// when CUDA_VISIBLE_DEVICES renumbers nothing (the process's own
 // environment, inherited from the engine that started the agent).
 func (a *Agent) gpuLink(src, dst hooks.Layout) string {
-	if a.gpus == nil || len(src.Regions) == 0 || len(dst.Regions) == 0 || os.Getenv("CUDA_VISIBLE_DEVICES") != "" {
+	if a.gpus == nil || len(src.Regions) == 0 || len(dst.Regions) == 0 {
 		return ""
 	}
-	s, d := src.Regions[0].Memory.Device, dst.Regions[0].Memory.Device
+	sm, dm := src.Regions[0].Memory, dst.Regions[0].Memory
+	s, d := a.gpus.IndexOf(sm.DeviceUUID), a.gpus.IndexOf(dm.DeviceUUID)
+	if s < 0 || d < 0 {
+		if os.Getenv("CUDA_VISIBLE_DEVICES") != "" {
+			return ""
+		}
+		s, d = sm.Device, dm.Device
+	}
 	if link := a.gpus.Link(s, d); link != "" {
 		return fmt.Sprintf("; GPU %d → GPU %d: %s", s, d, link)
 	}

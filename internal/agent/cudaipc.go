@@ -42,6 +42,9 @@ type gpuPlane struct {
 	// the check. hashMu is held while a check reads its staging.
 	hashers map[int]*cudaipc.Copier
 	hashMu  sync.Mutex
+	// ordinals are this process's CUDA ordinals by GPU UUID, read once
+	// when a layout first names a GPU by UUID.
+	ordinals map[string]int
 }
 
 // mappingIdle is how long a migration's mappings stay open with no round
@@ -64,19 +67,72 @@ type gpuTarget struct {
 	close func()
 }
 
-// copier loads the driver on first use and returns a copier on dev's
-// stream, made once per device (g.mu held).
+// copierFor returns a copier on the stream of the GPU that holds m (g.mu
+// held).
+func (g *gpuPlane) copierFor(m hooks.Memory) (*cudaipc.Copier, error) {
+	if err := g.load(); err != nil {
+		return nil, err
+	}
+	dev, err := g.ordinal(m)
+	if err != nil {
+		return nil, err
+	}
+	return g.copier(dev)
+}
+
+// ordinal is the CUDA ordinal, in this process, of the GPU that holds m:
+// found by the GPU's UUID where the exporter gave it (an engine started
+// with CUDA_VISIBLE_DEVICES=1 calls that GPU 0), else the exporter's own
+// ordinal (g.mu held, the driver loaded).
+func (g *gpuPlane) ordinal(m hooks.Memory) (int, error) {
+	if m.DeviceUUID == "" {
+		return m.Device, nil
+	}
+	if g.ordinals == nil {
+		n, err := g.drv.DeviceCount()
+		if err != nil {
+			return 0, fmt.Errorf("GPU KV: count the GPUs: %w", err)
+		}
+		ords := make(map[string]int, n)
+		for i := 0; i < n; i++ {
+			u, err := g.drv.DeviceUUID(i)
+			if err != nil {
+				return 0, fmt.Errorf("GPU KV: name GPU %d: %w", i, err)
+			}
+			ords[u] = i
+		}
+		g.ordinals = ords
+	}
+	dev, ok := g.ordinals[m.DeviceUUID]
+	if !ok {
+		return 0, fmt.Errorf("GPU KV: the engine's GPU %s (its device %d) is not visible to this agent, which sees %d GPUs: start the agent with every GPU the engines use visible (CUDA_VISIBLE_DEVICES unset or listing them)",
+			m.DeviceUUID, m.Device, len(g.ordinals))
+	}
+	return dev, nil
+}
+
+// load loads the driver on first use (g.mu held).
+func (g *gpuPlane) load() error {
+	if g.drv != nil {
+		return nil
+	}
+	lib, err := cuda.Load()
+	if err != nil {
+		// (not assigned: a nil *Lib in the interface would pass the
+		// check above next time)
+		return fmt.Errorf("GPU KV: %w", err)
+	}
+	g.drv = lib
+	g.streams, g.targets, g.pairs, g.hashers = map[int]cuda.Stream{}, map[string]*gpuTarget{}, map[string]*ipcPair{}, map[int]*cudaipc.Copier{}
+	return nil
+}
+
+// copier returns a copier on dev's stream, made once per device (g.mu
+// held).
 func (g *gpuPlane) copier(dev int) (*cudaipc.Copier, error) {
 	var err error
-	if g.drv == nil {
-		lib, err := cuda.Load()
-		if err != nil {
-			// (not assigned: a nil *Lib in the interface would pass the
-			// check above next time)
-			return nil, fmt.Errorf("GPU KV: %w", err)
-		}
-		g.drv = lib
-		g.streams, g.targets, g.pairs, g.hashers = map[int]cuda.Stream{}, map[string]*gpuTarget{}, map[string]*ipcPair{}, map[int]*cudaipc.Copier{}
+	if err := g.load(); err != nil {
+		return nil, err
 	}
 	s, ok := g.streams[dev]
 	if !ok {
@@ -158,7 +214,7 @@ func regionsKey(l hooks.Layout) string {
 // target returns session's mapping of this engine's GPU regions, made on
 // first use (g.mu held).
 func (g *gpuPlane) target(session string, l hooks.Layout) (*cudaipc.Copier, *gpuTarget, error) {
-	c, err := g.copier(l.Regions[0].Memory.Device)
+	c, err := g.copierFor(l.Regions[0].Memory)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -188,10 +244,11 @@ func (g *gpuPlane) target(session string, l hooks.Layout) (*cudaipc.Copier, *gpu
 func (g *gpuPlane) prepareTarget(session string, l hooks.Layout) error {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if _, _, err := g.target(session, l); err != nil {
+	_, t, err := g.target(session, l)
+	if err != nil {
 		return err
 	}
-	_, err := g.hasher(l.Regions[0].Memory.Device)
+	_, err = g.hasher(t.dev)
 	return err
 }
 
@@ -276,7 +333,7 @@ func openRegions(drv cuda.Driver, dev int, l hooks.Layout) (cudaipc.Regions, fun
 		p, err := drv.IPCOpen(dev, h)
 		if err != nil {
 			closeAll()
-			return nil, nil, fmt.Errorf("open region %d (GPU %d) through IPC: %w", i, r.Memory.Device, err)
+			return nil, nil, fmt.Errorf("open region %d (GPU %d %s) through IPC: %w", i, r.Memory.Device, r.Memory.DeviceUUID, err)
 		}
 		opened = append(opened, p)
 		out[i] = p + cuda.DevicePtr(r.Memory.Offset)
@@ -290,7 +347,7 @@ func (a *Agent) withSource(src hooks.Layout, fn func(c *cudaipc.Copier, srcPtrs 
 	g := &a.gpu
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	c, err := g.copier(src.Regions[0].Memory.Device)
+	c, err := g.copierFor(src.Regions[0].Memory)
 	if err != nil {
 		return err
 	}
@@ -321,7 +378,7 @@ func (a *Agent) cudaCopy(session string, src, dst hooks.Layout, copies []kvlayou
 	g := &a.gpu
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	c, err := g.copier(src.Regions[0].Memory.Device)
+	c, err := g.copierFor(src.Regions[0].Memory)
 	if err != nil {
 		return transfer.Stats{}, err
 	}
@@ -394,12 +451,12 @@ func (g *gpuPlane) gather(session string, l hooks.Layout, runs []kvlayout.CopyRu
 	g.hashMu.Lock() // until release: the staging is the caller's meanwhile
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	dev := l.Regions[0].Memory.Device
-	if _, err := g.copier(dev); err != nil {
+	own, err := g.copierFor(l.Regions[0].Memory)
+	if err != nil {
 		g.hashMu.Unlock()
 		return nil, nil, nil, err
 	}
-	c, err := g.hasher(dev)
+	c, err := g.hasher(own.Device)
 	if err != nil {
 		g.hashMu.Unlock()
 		return nil, nil, nil, err

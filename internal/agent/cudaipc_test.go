@@ -46,6 +46,16 @@ type fakeGPU struct {
 	live           map[cuda.DevicePtr]bool
 	copies         int
 	failCopy       bool
+	uuids          []string // by ordinal, in the agent's numbering
+	copyDevs       []int    // the device of each KernelCopy
+}
+
+func (f *fakeGPU) DeviceCount() (int, error) { return len(f.uuids), nil }
+func (f *fakeGPU) DeviceUUID(dev int) (string, error) {
+	if dev >= len(f.uuids) {
+		return "", errors.New("no such device")
+	}
+	return f.uuids[dev], nil
 }
 
 // Staging for the integrity check: host memory stands in for both.
@@ -70,7 +80,8 @@ func (f *fakeGPU) IPCClose(_ int, p cuda.DevicePtr) error {
 	return nil
 }
 
-func (f *fakeGPU) KernelCopy(_ int, _ cuda.Stream, cs []cuda.Copy) error {
+func (f *fakeGPU) KernelCopy(dev int, _ cuda.Stream, cs []cuda.Copy) error {
+	f.copyDevs = append(f.copyDevs, dev)
 	if f.failCopy {
 		return errors.New("copy failed")
 	}
@@ -174,5 +185,37 @@ func TestCUDARunsAreBounded(t *testing.T) {
 	}
 	if checkRuns(src, dst, []kvlayout.BlockCopy{{Src: 1, Dst: dst.Geometry.NumBlocks, NumSlots: 4}}, runs) == nil {
 		t.Fatal("a copy outside the target's pool passed")
+	}
+}
+
+// A layout names its GPU by UUID as well as by the exporter's ordinal
+// (which CUDA_VISIBLE_DEVICES renumbers): the agent copies on the GPU of
+// that UUID in its own numbering, and refuses, opening nothing, a GPU it
+// cannot see.
+func TestCUDARegionsAreFoundByGPUUUID(t *testing.T) {
+	f := &fakeGPU{live: map[cuda.DevicePtr]bool{}, uuids: []string{"GPU-aaaa", "GPU-bbbb"}}
+	a := &Agent{log: zap.NewNop()}
+	a.gpu = gpuPlane{drv: f, streams: map[int]cuda.Stream{0: 1, 1: 2}, targets: map[string]*gpuTarget{}, pairs: map[string]*ipcPair{}}
+	src, dst := gpuLayout(t, 1), gpuLayout(t, 2)
+	// Each engine was started with CUDA_VISIBLE_DEVICES=1: its GPU is its
+	// device 0, and the agent's device 1.
+	src.Regions[0].Memory.DeviceUUID, dst.Regions[0].Memory.DeviceUUID = "GPU-bbbb", "GPU-bbbb"
+	copies := []kvlayout.BlockCopy{{Src: 1, Dst: 5, NumSlots: 4}}
+	if _, err := a.cudaCopy("m1", src, dst, copies, transfer.NoFault); err != nil {
+		t.Fatal(err)
+	}
+	if len(f.copyDevs) == 0 || f.copyDevs[0] != 1 {
+		t.Fatalf("copies issued on devices %v, want 1 (GPU-bbbb in the agent's numbering)", f.copyDevs)
+	}
+	a.gpu.release("m1")
+
+	opened := f.opened
+	src.Regions[0].Memory.DeviceUUID = "GPU-cccc"
+	_, err := a.cudaCopy("m2", src, dst, copies, transfer.NoFault)
+	if err == nil || !strings.Contains(err.Error(), "GPU-cccc") || !strings.Contains(err.Error(), "not visible to this agent") {
+		t.Fatalf("a GPU the agent cannot see: %v", err)
+	}
+	if f.opened != opened {
+		t.Fatalf("%d mappings opened for a GPU the agent cannot see", f.opened-opened)
 	}
 }

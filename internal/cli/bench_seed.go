@@ -88,8 +88,8 @@ baseline beside it).`,
 	fl.DurationVar(&f.fullDelay, "full-delay", 10*time.Second, "load start → migration, full load")
 	fl.DurationVar(&f.singleDelay, "single-delay", 30*time.Second, "load start → migration, single sequence")
 	fl.StringSliceVar(&f.rows, "rows", nil, "run only these rows (full/a1_b1, single/atp_b1, …; default all eight)")
-	fl.StringVar(&f.deviceA, "device-a", "cpu", "sim A's KV (and the baseline's): cpu or cuda[:N]")
-	fl.StringVar(&f.deviceB, "device-b", "cpu", "sim B's KV: cpu or cuda[:N]")
+	fl.StringVar(&f.deviceA, "device-a", "cpu", "sim A's KV (and the baseline's): cpu or cuda[:N], or GPUs to spread its ranks over (cuda:0,cuda:1)")
+	fl.StringVar(&f.deviceB, "device-b", "cpu", "sim B's KV: cpu or cuda[:N], or GPUs to spread its ranks over (cuda:0,cuda:1)")
 	fl.StringVar(&f.granular, "final-granularity", "slot", "final-round granularity: slot or block")
 	geo.register(fl)
 	return cmd

@@ -7,6 +7,7 @@ import (
 	"os"
 	"runtime/pprof"
 	"runtime/trace"
+	"strings"
 	"sync"
 	"time"
 
@@ -58,6 +59,22 @@ type scenario struct {
 // sizes are a sim shape's TP and PP, 1 where unset.
 func sizes(p kvlayout.Parallel) (tp, pp int) { return max(p.TP, 1), max(p.PP, 1) }
 
+// placeRanks is a sim's --device for ranks ranks from a bench's
+// --device-a/-b: a list of GPUs spreads the ranks over them (rank i on
+// the (i mod n)-th, as vLLM puts one worker per GPU), so one list serves
+// every shape a bench runs; "cpu" or one GPU stays as it is.
+func placeRanks(device string, ranks int) string {
+	gpus := strings.Split(device, ",")
+	if len(gpus) < 2 || len(gpus) == ranks {
+		return device
+	}
+	out := make([]string, ranks)
+	for i := range out {
+		out[i] = strings.TrimSpace(gpus[i%len(gpus)])
+	}
+	return strings.Join(out, ",")
+}
+
 type scenarioResult struct {
 	Status     hostapi.MigrationStatus
 	Streams    []loadgen.Stream
@@ -107,7 +124,7 @@ func (sc scenario) requests() []loadgen.Request {
 // reference runs the load on a lone engine: the unmigrated truth.
 func (sc scenario) reference(ctx context.Context, reqs []loadgen.Request) ([]loadgen.Stream, error) {
 	c := sc.Sim
-	c.Device = sc.DeviceA
+	c.Device = placeRanks(sc.DeviceA, max(c.TP, 1)*max(c.PP, 1))
 	c.Model, c.ServedModelNames, c.ShmPrefix = "demo-model", nil, fmt.Sprintf("vhi-ref-%d", os.Getpid())
 	ref, err := sim.Start(c, sc.Log)
 	if err != nil {
@@ -127,9 +144,9 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 		return scenarioResult{}, fmt.Errorf("reference run: %w", err)
 	}
 	simA, simB := sc.Sim, sc.Sim
-	simA.Device, simB.Device = sc.DeviceA, sc.DeviceB
 	simA.TP, simA.PP = sizes(sc.ShapeA)
 	simB.TP, simB.PP = sizes(sc.ShapeB)
+	simA.Device, simB.Device = placeRanks(sc.DeviceA, simA.TP*simA.PP), placeRanks(sc.DeviceB, simB.TP*simB.PP)
 	tune := func(c *host.Config) {
 		if sc.Verify != "" {
 			c.Migration.Verify = sc.Verify

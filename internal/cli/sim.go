@@ -94,7 +94,7 @@ sequences.`,
 	f.DurationVar(&cfg.Step.PerContextToken, "step-per-context-token", cfg.Step.PerContextToken, "modelled cost per token of context attended to")
 	f.DurationVar(&cfg.Step.PerPrefillToken, "step-per-prefill-token", cfg.Step.PerPrefillToken, "modelled cost per prefilled token")
 	f.StringVar(&cfg.ShmDir, "shm-dir", cfg.ShmDir, "directory of the shared-memory KV files (a tmpfs)")
-	f.StringVar(&cfg.Device, "device", "cpu", "where the KV lives: cpu (shared-memory files) or cuda[:N] (GPU N, exported through CUDA IPC)")
+	f.StringVar(&cfg.Device, "device", "cpu", "where the KV lives: cpu (shared-memory files), cuda[:N] (GPU N, exported through CUDA IPC), or one GPU per rank in vLLM's rank order (cuda:0,cuda:1 for TP2 over two GPUs)")
 	f.DurationVar(&startup, "startup-time", 0, "modelled start-up: the engine listens only after this long (vLLM loads weights and captures graphs first)")
 	f.BoolVar(&cfg.SleepMode, "enable-sleep-mode", false, "serve /sleep and /wake_up (vLLM's --enable-sleep-mode)")
 	f.DurationVar(&cfg.SleepTime, "sleep-time", cfg.SleepTime, "how long /sleep takes")

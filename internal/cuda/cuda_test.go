@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"errors"
 	"testing"
+
+	"github.com/vllm-hi/vllm-hi/internal/gpu"
 )
 
 // loadOrSkip loads the driver, or skips with the reason on machines
@@ -107,5 +109,39 @@ func TestCopiesOnTheGPU(t *testing.T) {
 	var ce *Error
 	if _, err := l.Alloc(0, 1<<62); !errors.As(err, &ce) || ce.Name == "" {
 		t.Fatalf("a huge allocation: %v", err)
+	}
+}
+
+func TestFormatUUIDAsNVML(t *testing.T) {
+	b := [16]byte{0x9a, 0x3f, 0x00, 0x01, 0xbe, 0xef, 0x00, 0x0a, 0x10, 0x20, 0xde, 0xad, 0xbe, 0xef, 0x00, 0x07}
+	if got, want := FormatUUID(b), "GPU-9a3f0001-beef-000a-1020-deadbeef0007"; got != want {
+		t.Fatalf("FormatUUID = %s, want %s", got, want)
+	}
+}
+
+// CUDA's UUID of every visible GPU is the one NVML (and nvidia-smi) print
+// for it: agents match the engines' GPUs by it across processes that
+// number them differently.
+func TestDeviceUUIDIsNVMLs(t *testing.T) {
+	l := loadOrSkip(t)
+	n, err := l.DeviceCount()
+	if err != nil || n == 0 {
+		t.Skip("no device: ", err)
+	}
+	inv := gpu.Discover(nil)
+	defer inv.Close()
+	known := map[string]bool{}
+	for _, d := range inv.Devices {
+		known[d.UUID] = true
+	}
+	for dev := 0; dev < n; dev++ {
+		u, err := l.DeviceUUID(dev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if inv.Unavailable == "" && !known[u] {
+			t.Errorf("GPU %d: CUDA says %s, NVML knows %v", dev, u, inv.Devices)
+		}
+		t.Logf("GPU %d: %s", dev, u)
 	}
 }

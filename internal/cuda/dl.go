@@ -39,6 +39,7 @@ static CUresult (*p_errName)(CUresult, const char **);
 static CUresult (*p_devCount)(int *);
 static CUresult (*p_devGet)(CUdevice *, int);
 static CUresult (*p_devName)(char *, int, CUdevice);
+static CUresult (*p_devUuid)(unsigned char *, CUdevice); // CUuuid *: 16 bytes
 static CUresult (*p_ctxRetain)(CUcontext *, CUdevice);
 static CUresult (*p_ctxSet)(CUcontext);
 static CUresult (*p_alloc)(CUdeviceptr *, size_t);
@@ -84,6 +85,7 @@ static int vhi_open(void) {
 	SYM(p_devCount, "cuDeviceGetCount")
 	SYM(p_devGet, "cuDeviceGet")
 	SYM(p_devName, "cuDeviceGetName")
+	SYM(p_devUuid, "cuDeviceGetUuid") // _v2 through cuGetProcAddress at 12.8
 	SYM(p_ctxRetain, "cuDevicePrimaryCtxRetain")
 	SYM(p_ctxSet, "cuCtxSetCurrent")
 	SYM(p_alloc, "cuMemAlloc")
@@ -150,6 +152,12 @@ static CUresult w_name(int dev, char *buf, int len) {
 	if (vhi_lib == NULL) return VHI_NOT_LOADED;
 	if ((r = p_devGet(&d, dev))) return r;
 	return p_devName(buf, len, d);
+}
+static CUresult w_uuid(int dev, unsigned char *out) {
+	CUdevice d; CUresult r;
+	if (vhi_lib == NULL) return VHI_NOT_LOADED;
+	if ((r = p_devGet(&d, dev))) return r;
+	return p_devUuid(out, d);
 }
 static CUresult w_alloc(int dev, size_t n, CUdeviceptr *p) { CUresult r = vhi_dev(dev); return r ? r : p_alloc(p, n); }
 static CUresult w_free(int dev, CUdeviceptr p) { CUresult r = vhi_dev(dev); return r ? r : p_free(p); }
@@ -350,6 +358,21 @@ func (l *Lib) DeviceName(dev int) (string, error) {
 		return "", err
 	}
 	return C.GoString(&buf[0]), nil
+}
+
+func (l *Lib) DeviceUUID(dev int) (string, error) {
+	if err := l.loaded(); err != nil {
+		return "", err
+	}
+	var raw [16]C.uchar
+	if err := l.check("cuDeviceGetUuid", C.w_uuid(C.int(dev), &raw[0])); err != nil {
+		return "", err
+	}
+	var b [16]byte
+	for i, x := range raw {
+		b[i] = byte(x)
+	}
+	return FormatUUID(b), nil
 }
 
 func (l *Lib) Alloc(dev int, n uint64) (DevicePtr, error) {

@@ -53,6 +53,10 @@ type Driver interface {
 	DeviceCount() (int, error)
 	// DeviceName is a GPU's name.
 	DeviceName(dev int) (string, error)
+	// DeviceUUID is a GPU's UUID as NVML and nvidia-smi print it
+	// ("GPU-…"): unlike the ordinal, the same in every process whatever
+	// CUDA_VISIBLE_DEVICES renumbers.
+	DeviceUUID(dev int) (string, error)
 	// Alloc allocates n bytes on dev (cuMemAlloc: 2 MiB aligned for large
 	// sizes).
 	Alloc(dev int, n uint64) (DevicePtr, error)
@@ -87,4 +91,10 @@ type Driver interface {
 	HasBatchCopy() bool
 	// Close releases this reference to the library.
 	Close() error
+}
+
+// FormatUUID writes a CUuuid the way NVML and nvidia-smi do:
+// GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx.
+func FormatUUID(b [16]byte) string {
+	return fmt.Sprintf("GPU-%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
 }

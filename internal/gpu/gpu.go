@@ -78,6 +78,16 @@ func (inv *Inventory) Close() {
 	}
 }
 
+// IndexOf is the NVML index of the GPU with this UUID, or -1.
+func (inv *Inventory) IndexOf(uuid string) int {
+	for _, d := range inv.Devices {
+		if uuid != "" && d.UUID == uuid {
+			return d.Index
+		}
+	}
+	return -1
+}
+
 // Link says how GPUs a and b (NVML indices) reach each other: "same
 // GPU", "NVLink", or the PCIe path NVML reports; "" when unknown.
 func (inv *Inventory) Link(a, b int) string {

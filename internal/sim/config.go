@@ -56,7 +56,9 @@ type Config struct {
 	ShmDir              string // where the KV files live
 	ShmPrefix           string // KV file name prefix; defaults to vhi-sim-<pid>
 	// Device is where the KV lives: "cpu" (shared-memory files, the
-	// default) or "cuda[:N]" (GPU N's memory, exported as CUDA IPC handles).
+	// default), "cuda[:N]" (GPU N's memory, exported as CUDA IPC handles),
+	// or one GPU per rank, in vLLM's rank order (PP stage major, TP rank
+	// minor): "cuda:0,cuda:1" for TP2 across two GPUs.
 	Device string
 	// SleepMode is vLLM's --enable-sleep-mode: without it /sleep is
 	// refused. SleepTime is how long /sleep takes (level 1 copies the
@@ -162,8 +164,10 @@ func (c *Config) geometry() (kvlayout.Geometry, kvlayout.Parallel, error) {
 	if len(c.ServedModelNames) == 0 {
 		c.ServedModelNames = []string{c.Model}
 	}
-	if _, _, err := c.device(); err != nil {
+	if gpu, devs, err := c.devices(); err != nil {
 		return geo, par, err
+	} else if gpu && len(devs) != 1 && len(devs) != par.TP*par.PP {
+		return geo, par, fmt.Errorf("device %q lists %d GPUs for %d ranks (TP %d × PP %d): give one GPU, or one per rank", c.Device, len(devs), par.TP*par.PP, par.TP, par.PP)
 	}
 	switch c.ElasticMode {
 	case ElasticBlocking, ElasticAsync, ElasticAsyncGraphReuse:
@@ -173,7 +177,7 @@ func (c *Config) geometry() (kvlayout.Geometry, kvlayout.Parallel, error) {
 	if c.DataParallelSize < 1 {
 		return geo, par, fmt.Errorf("data-parallel-size %d must be ≥ 1", c.DataParallelSize)
 	}
-	if gpu, _, _ := c.device(); gpu && (c.ElasticEP || c.DataParallelSize > 1) {
+	if gpu, _, _ := c.devices(); gpu && (c.ElasticEP || c.DataParallelSize > 1) {
 		return geo, par, fmt.Errorf("data parallelism and elastic EP are modelled with the KV on the CPU only (--device cpu)")
 	}
 	if c.ShmPrefix == "" {
@@ -185,20 +189,33 @@ func (c *Config) geometry() (kvlayout.Geometry, kvlayout.Parallel, error) {
 	return geo, par, nil
 }
 
-// device parses Device: whether the KV is on a GPU, and which.
-func (c Config) device() (gpu bool, index int, err error) {
-	switch d := strings.TrimSpace(c.Device); {
-	case d == "" || d == "cpu":
-		return false, 0, nil
+// devices parses Device: whether the KV is on GPUs, and on which (one
+// ordinal for every rank, or one per rank).
+func (c Config) devices() (gpu bool, ordinals []int, err error) {
+	d := strings.TrimSpace(c.Device)
+	if d == "" || d == "cpu" {
+		return false, nil, nil
+	}
+	for _, one := range strings.Split(d, ",") {
+		n, err := cudaOrdinal(strings.TrimSpace(one))
+		if err != nil {
+			return false, nil, fmt.Errorf("device %q: %w", d, err)
+		}
+		ordinals = append(ordinals, n)
+	}
+	return true, ordinals, nil
+}
+
+// cudaOrdinal parses "cuda" (GPU 0) or "cuda:N".
+func cudaOrdinal(d string) (int, error) {
+	switch {
 	case d == "cuda":
-		return true, 0, nil
+		return 0, nil
 	case strings.HasPrefix(d, "cuda:"):
 		n, err := strconv.Atoi(d[len("cuda:"):])
-		if err != nil || n < 0 {
-			return false, 0, fmt.Errorf("device %q: want cpu, cuda or cuda:N", d)
+		if err == nil && n >= 0 {
+			return n, nil
 		}
-		return true, n, nil
-	default:
-		return false, 0, fmt.Errorf("device %q: want cpu, cuda or cuda:N", d)
 	}
+	return 0, fmt.Errorf("%q: want cpu, cuda, cuda:N, or a list cuda:N,cuda:M,… (one GPU per rank)", d)
 }

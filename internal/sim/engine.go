@@ -78,7 +78,7 @@ func NewEngine(cfg Config, log *zap.Logger) (*Engine, error) {
 		return nil, err
 	}
 	var drv *cuda.Lib
-	if gpu, _, _ := cfg.device(); gpu {
+	if gpu, _, _ := cfg.devices(); gpu {
 		if drv, err = cuda.Load(); err != nil {
 			return nil, fmt.Errorf("--device %s: %w", cfg.Device, err)
 		}
@@ -131,8 +131,8 @@ func (e *Engine) Close() {
 
 // newKV creates the KV memory where cfg.Device says.
 func newKV(cfg Config, drv *cuda.Lib, geo kvlayout.Geometry, par kvlayout.Parallel) (*kvMemory, error) {
-	if gpu, dev, _ := cfg.device(); gpu {
-		return newGPUKVMemory(drv, dev, geo, par, cfg.MaxNumSeqs, cfg.MaxNumBatchedTokens)
+	if gpu, devs, _ := cfg.devices(); gpu {
+		return newGPUKVMemory(drv, devs, geo, par, cfg.MaxNumSeqs, cfg.MaxNumBatchedTokens)
 	}
 	return newKVMemory(geo, par, cfg.ShmDir, cfg.ShmPrefix)
 }

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"os"
 	"reflect"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -261,6 +263,53 @@ func TestConfigValidation(t *testing.T) {
 				t.Fatalf("accepted")
 			}
 		})
+	}
+}
+
+// --device names one GPU for every rank or one per rank; anything else is
+// refused before a driver is loaded (so the message is the same with or
+// without a GPU).
+func TestDeviceListIsOneOrOnePerRank(t *testing.T) {
+	for _, tc := range []struct {
+		device string
+		tp, pp int
+		want   string
+	}{
+		{"cuda:0,cuda:1,cuda:2", 2, 1, "lists 3 GPUs for 2 ranks"},
+		{"cuda:0,cuda:1", 2, 2, "lists 2 GPUs for 4 ranks"},
+		{"cuda:0,cpu", 2, 1, `"cpu": want cpu, cuda, cuda:N`},
+		{"cuda:-1", 1, 1, "want cpu, cuda, cuda:N"},
+		{"gpu0", 1, 1, "want cpu, cuda, cuda:N"},
+	} {
+		c := testConfig(t)
+		c.Device, c.TP, c.PP = tc.device, tc.tp, tc.pp
+		e, err := NewEngine(c, nil)
+		if err == nil {
+			e.Close()
+			t.Fatalf("--device %s at TP %d × PP %d: accepted", tc.device, tc.tp, tc.pp)
+		}
+		if !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("--device %s at TP %d × PP %d: %v, want it to say %q", tc.device, tc.tp, tc.pp, err, tc.want)
+		}
+	}
+	for _, tc := range []struct {
+		device string
+		tp, pp int
+		want   []int
+	}{
+		{"cuda", 2, 1, []int{0}},
+		{"cuda:1", 2, 2, []int{1}},
+		{"cuda:0, cuda:1", 2, 1, []int{0, 1}},
+		{"cuda:1,cuda:0,cuda:1,cuda:0", 2, 2, []int{1, 0, 1, 0}},
+	} {
+		c := testConfig(t)
+		c.Device, c.TP, c.PP = tc.device, tc.tp, tc.pp
+		if _, _, err := c.geometry(); err != nil {
+			t.Fatalf("--device %s at TP %d × PP %d: %v", tc.device, tc.tp, tc.pp, err)
+		}
+		if _, got, _ := c.devices(); !slices.Equal(got, tc.want) {
+			t.Errorf("--device %s: GPUs %v, want %v", tc.device, got, tc.want)
+		}
 	}
 }
 

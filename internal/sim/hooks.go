@@ -28,16 +28,20 @@ func (e *Engine) Layout(context.Context) (hooks.Layout, error) {
 		// Sleeping: the geometry stands, the memory is gone.
 		return l, nil
 	}
-	gpu, dev, _ := e.cfg.device()
 	for _, r := range e.kv.regions {
 		rl := r.layout
 		mem := hooks.Memory{Kind: hooks.MemoryShm, Path: r.path}
-		if gpu {
+		if e.kv.gpu != nil {
+			dev := e.kv.gpu.devs[r.gpuAt].dev
 			h, err := e.cuda.IPCGet(dev, r.dptr)
 			if err != nil {
 				return hooks.Layout{}, fmt.Errorf("export the KV of GPU %d: %w", dev, err)
 			}
-			mem = hooks.Memory{Kind: hooks.MemoryCUDAIPC, Device: dev, IPCHandle: base64.StdEncoding.EncodeToString(h[:]),
+			uuid, err := e.cuda.DeviceUUID(dev)
+			if err != nil {
+				return hooks.Layout{}, fmt.Errorf("name GPU %d: %w", dev, err)
+			}
+			mem = hooks.Memory{Kind: hooks.MemoryCUDAIPC, Device: dev, DeviceUUID: uuid, IPCHandle: base64.StdEncoding.EncodeToString(h[:]),
 				PID: os.Getpid(), DevicePointer: uint64(r.dptr), Node: hostname()}
 		}
 		l.Regions = append(l.Regions, hooks.Region{

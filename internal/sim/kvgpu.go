@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"errors"
 	"fmt"
 	"runtime"
 	"sync"
@@ -11,24 +12,35 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
 )
 
-// gpuKV keeps the KV regions in GPU memory (vhi sim --device cuda:N): one
-// cuMemAlloc per rank × stage, exported to agents as CUDA IPC handles.
-// A step's token writes are staged on the host and land with one upload
-// and one scatter-kernel launch; the reads that sampling needs are
-// gathered by one kernel launch and one download. The bytes and the hash
-// order are the shm version's, so tokens are the same on CPU and GPU.
+// gpuKV keeps the KV regions in GPU memory (vhi sim --device cuda:N, or
+// one GPU per rank: --device cuda:0,cuda:1): one cuMemAlloc per rank ×
+// stage, exported to agents as CUDA IPC handles. A step's token writes
+// are staged on the host and land with one upload and one scatter-kernel
+// launch per GPU; the reads that sampling needs are gathered by one kernel
+// launch and one download per GPU. The bytes and the hash order are the
+// shm version's, so tokens are the same on CPU and GPU, on one GPU or
+// several.
 type gpuKV struct {
-	drv    *cuda.Lib
-	dev    int
-	stream cuda.Stream
+	drv  *cuda.Lib
+	devs []*gpuDev  // one per entry of --device: the ranks' placement
+	jobs []tokenJob // this step's token writes
+}
 
-	jobs   []tokenJob // this step's token writes
-	stage  []byte     // pinned host memory: their bytes
+// gpuDev is one GPU's share of the KV: its regions and its staging. Each
+// has its own stream and buffers, so the GPUs' uploads, scatters and
+// gathers overlap.
+type gpuDev struct {
+	dev     int
+	stream  cuda.Stream
+	regions []int // indices into kvMemory.regions
+
+	stage  []byte // pinned host memory: this step's token bytes for these regions
 	writes []cuda.Copy
 	up     cuda.DevicePtr
 	upCap  uint64
 
 	gather  []cuda.Copy // Dst: offset into down until run
+	pos     int         // bytes gathered so far while planning
 	down    cuda.DevicePtr
 	downCap uint64
 	host    []byte // pinned host memory: the gathered bytes
@@ -41,45 +53,61 @@ type tokenJob struct {
 	token, pos  int
 }
 
-// newGPUKVMemory allocates the regions, and sizes the staging buffers for
-// a full step (maxBatched tokens written, maxSeqs sampled) up front:
-// pinning a gigabyte of host memory takes long enough to stall the first
-// step that needs it, which could be a migration target's first step.
-func newGPUKVMemory(drv *cuda.Lib, dev int, geo kvlayout.Geometry, par kvlayout.Parallel, maxSeqs, maxBatched int) (*kvMemory, error) {
+// newGPUKVMemory allocates the regions — shard i on devices[i], or all on
+// devices[0] — and sizes each GPU's staging for a full step (maxBatched
+// tokens written, maxSeqs sampled) up front: pinning a gigabyte of host
+// memory takes long enough to stall the first step that needs it, which
+// could be a migration target's first step.
+func newGPUKVMemory(drv *cuda.Lib, devices []int, geo kvlayout.Geometry, par kvlayout.Parallel, maxSeqs, maxBatched int) (*kvMemory, error) {
 	if geo.HeadSlotBytes()%16 != 0 {
 		return nil, fmt.Errorf("--device cuda needs head_dim × dtype bytes to be a multiple of 16 (it is %d)", geo.HeadSlotBytes())
 	}
-	if err := drv.PrepareKernels(dev); err != nil {
-		return nil, err
+	shards := par.Shards()
+	if len(devices) != 1 && len(devices) != len(shards) {
+		return nil, fmt.Errorf("--device lists %d GPUs for %d ranks: give one, or one per rank", len(devices), len(shards))
 	}
-	s, err := drv.NewStream(dev)
-	if err != nil {
-		return nil, err
-	}
-	g := &gpuKV{drv: drv, dev: dev, stream: s}
+	g := &gpuKV{drv: drv}
 	m := &kvMemory{geo: geo, gpu: g}
-	for _, sh := range par.Shards() {
-		l := kvlayout.NewRegionLayout(geo, sh)
-		p, err := drv.Alloc(dev, uint64(l.Size()))
+	for _, dev := range devices {
+		if err := drv.PrepareKernels(dev); err != nil {
+			m.close()
+			return nil, err
+		}
+		s, err := drv.NewStream(dev)
 		if err != nil {
 			m.close()
-			return nil, fmt.Errorf("allocate %d bytes of KV on GPU %d: %w", l.Size(), dev, err)
+			return nil, err
 		}
+		g.devs = append(g.devs, &gpuDev{dev: dev, stream: s})
+	}
+	for i, sh := range shards {
+		at := min(i, len(g.devs)-1)
+		d := g.devs[at]
+		l := kvlayout.NewRegionLayout(geo, sh)
+		p, err := drv.Alloc(d.dev, uint64(l.Size()))
+		if err != nil {
+			m.close()
+			return nil, fmt.Errorf("allocate %d bytes of KV on GPU %d: %w", l.Size(), d.dev, err)
+		}
+		d.regions = append(d.regions, len(m.regions))
 		m.regions = append(m.regions, kvRegion{
-			layout: l, dptr: p,
+			layout: l, dptr: p, gpuAt: at,
 			layerStride: int(l.LayerStride()), kvStride: int(l.KVStride()), blockStride: int(l.BlockStride()),
 			headStride: int(l.HeadStride()), slotBytes: geo.HeadSlotBytes(),
 		})
 	}
-	up := maxBatched * geo.TokenBytes()
-	down := maxSeqs * (geo.BlockBytes() + geo.BlockBytes()/sampleGroups)
-	for _, err := range []error{
-		g.pinned(&g.stage, up), g.grow(&g.up, &g.upCap, uint64(up)),
-		g.pinned(&g.host, down), g.grow(&g.down, &g.downCap, uint64(down)),
-	} {
-		if err != nil {
-			m.close()
-			return nil, fmt.Errorf("staging buffers on GPU %d: %w", dev, err)
+	for _, d := range g.devs {
+		share := len(d.regions) * 1000 / len(m.regions) // this GPU's share of a token's bytes, in ‰
+		up := (maxBatched*geo.TokenBytes()*share + 999) / 1000
+		down := (maxSeqs*(geo.BlockBytes()+geo.BlockBytes()/sampleGroups)*share + 999) / 1000
+		for _, err := range []error{
+			g.pinned(d, &d.stage, up), g.grow(d, &d.up, &d.upCap, uint64(up)),
+			g.pinned(d, &d.host, down), g.grow(d, &d.down, &d.downCap, uint64(down)),
+		} {
+			if err != nil {
+				m.close()
+				return nil, fmt.Errorf("staging buffers on GPU %d: %w", d.dev, err)
+			}
 		}
 	}
 	return m, nil
@@ -88,31 +116,38 @@ func newGPUKVMemory(drv *cuda.Lib, dev int, geo kvlayout.Geometry, par kvlayout.
 func (g *gpuKV) close(m *kvMemory) {
 	for _, r := range m.regions {
 		if r.dptr != 0 {
-			_ = g.drv.Free(g.dev, r.dptr)
+			_ = g.drv.Free(g.devs[r.gpuAt].dev, r.dptr)
 		}
 	}
-	for _, p := range []cuda.DevicePtr{g.up, g.down} {
-		if p != 0 {
-			_ = g.drv.Free(g.dev, p)
+	for _, d := range g.devs {
+		for _, p := range []cuda.DevicePtr{d.up, d.down} {
+			if p != 0 {
+				_ = g.drv.Free(d.dev, p)
+			}
 		}
+		_ = g.drv.DestroyStream(d.dev, d.stream)
+		if d.stage != nil {
+			_ = g.drv.HostFree(d.dev, d.stage[:cap(d.stage)])
+		}
+		if d.host != nil {
+			_ = g.drv.HostFree(d.dev, d.host[:cap(d.host)])
+		}
+		d.up, d.down, d.stage, d.host = 0, 0, nil, nil
 	}
-	_ = g.drv.DestroyStream(g.dev, g.stream)
-	_ = g.drv.HostFree(g.dev, g.stage)
-	_ = g.drv.HostFree(g.dev, g.host)
-	g.up, g.down, g.stage, g.host = 0, 0, nil, nil
+	g.devs = nil
 }
 
-// grow makes *p hold at least n bytes.
-func (g *gpuKV) grow(p *cuda.DevicePtr, cap *uint64, n uint64) error {
+// grow makes *p, on d's GPU, hold at least n bytes.
+func (g *gpuKV) grow(d *gpuDev, p *cuda.DevicePtr, cap *uint64, n uint64) error {
 	if *cap >= n {
 		return nil
 	}
 	if *p != 0 {
-		_ = g.drv.Free(g.dev, *p)
+		_ = g.drv.Free(d.dev, *p)
 		*p, *cap = 0, 0
 	}
 	c := max(n, 1<<20) * 2
-	q, err := g.drv.Alloc(g.dev, c)
+	q, err := g.drv.Alloc(d.dev, c)
 	if err != nil {
 		return err
 	}
@@ -121,16 +156,16 @@ func (g *gpuKV) grow(p *cuda.DevicePtr, cap *uint64, n uint64) error {
 }
 
 // pinned makes *b a page-locked host buffer of at least n bytes.
-func (g *gpuKV) pinned(b *[]byte, n int) error {
+func (g *gpuKV) pinned(d *gpuDev, b *[]byte, n int) error {
 	if cap(*b) >= n {
 		*b = (*b)[:n]
 		return nil
 	}
 	if *b != nil {
-		_ = g.drv.HostFree(g.dev, (*b)[:cap(*b)])
+		_ = g.drv.HostFree(d.dev, (*b)[:cap(*b)])
 		*b = nil
 	}
-	nb, err := g.drv.HostAlloc(g.dev, uint64(max(n, 1<<20)*2))
+	nb, err := g.drv.HostAlloc(d.dev, uint64(max(n, 1<<20)*2))
 	if err != nil {
 		return err
 	}
@@ -139,50 +174,71 @@ func (g *gpuKV) pinned(b *[]byte, n int) error {
 }
 
 // flush generates this step's token KV on the host (in parallel: tokens
-// are independent), uploads it and scatters it with one kernel launch.
+// are independent), uploads it and scatters it with one kernel launch per
+// GPU; the GPUs work at once, and flush returns when all have finished.
 func (g *gpuKV) flush(m *kvMemory) error {
 	jobs := g.jobs
 	if len(jobs) == 0 {
 		return nil
 	}
 	defer func() { g.jobs = g.jobs[:0] }()
-	per := 0 // bytes and slot copies of one token, over every region
+	var errs []error
+	issued := make([]bool, len(g.devs))
+	for i, d := range g.devs {
+		if err := g.issueWrites(m, d, jobs); err != nil {
+			errs = append(errs, fmt.Errorf("GPU %d: %w", d.dev, err))
+			continue
+		}
+		issued[i] = true
+	}
+	for i, d := range g.devs {
+		if issued[i] {
+			if err := g.drv.Sync(d.dev, d.stream); err != nil {
+				errs = append(errs, fmt.Errorf("GPU %d: %w", d.dev, err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// issueWrites fills d's staging with the jobs' bytes for d's regions and
+// enqueues their upload and scatter on d's stream.
+func (g *gpuKV) issueWrites(m *kvMemory, d *gpuDev, jobs []tokenJob) error {
+	per := 0 // bytes and slot copies of one token, over d's regions
 	pieces := 0
-	for _, r := range m.regions {
+	for _, ri := range d.regions {
+		r := &m.regions[ri]
 		per += r.layout.NumLayers * 2 * r.layout.NumHeads * r.slotBytes
 		pieces += r.layout.NumLayers * 2 * r.layout.NumHeads
 	}
-	if err := g.pinned(&g.stage, len(jobs)*per); err != nil {
+	if err := g.pinned(d, &d.stage, len(jobs)*per); err != nil {
 		return err
 	}
-	if err := g.grow(&g.up, &g.upCap, uint64(len(g.stage))); err != nil {
+	if err := g.grow(d, &d.up, &d.upCap, uint64(len(d.stage))); err != nil {
 		return err
 	}
-	if cap(g.writes) < len(jobs)*pieces {
-		g.writes = make([]cuda.Copy, len(jobs)*pieces)
+	if cap(d.writes) < len(jobs)*pieces {
+		d.writes = make([]cuda.Copy, len(jobs)*pieces)
 	}
-	g.writes = g.writes[:len(jobs)*pieces]
+	d.writes = d.writes[:len(jobs)*pieces]
 	parallel(len(jobs), func(lo, hi int) {
 		for j := lo; j < hi; j++ {
-			m.fillToken(g.stage[j*per:(j+1)*per], g.writes[j*pieces:(j+1)*pieces], g.up+cuda.DevicePtr(j*per), jobs[j])
+			m.fillToken(d.stage[j*per:(j+1)*per], d.writes[j*pieces:(j+1)*pieces], d.up+cuda.DevicePtr(j*per), jobs[j], d.regions)
 		}
 	})
-	if err := g.drv.HtoDAsync(g.dev, g.stream, g.up, g.stage); err != nil {
+	if err := g.drv.HtoDAsync(d.dev, d.stream, d.up, d.stage); err != nil {
 		return err
 	}
-	if err := g.drv.KernelCopy(g.dev, g.stream, g.writes); err != nil {
-		return err
-	}
-	return g.drv.Sync(g.dev, g.stream)
+	return g.drv.KernelCopy(d.dev, d.stream, d.writes)
 }
 
-// fillToken writes one token's KV bytes — the same words, in the same
-// (region, layer, K/V, head) order, as writeToken does in a file — into
-// out, and the copies that put them in place into cs.
-func (m *kvMemory) fillToken(out []byte, cs []cuda.Copy, src cuda.DevicePtr, j tokenJob) {
+// fillToken writes one token's KV bytes in the listed regions — the same
+// words, in the same (region, layer, K/V, head) order, as writeToken does
+// in a file — into out, and the copies that put them in place into cs.
+func (m *kvMemory) fillToken(out []byte, cs []cuda.Copy, src cuda.DevicePtr, j tokenJob, regions []int) {
 	k := tokenKey(j.seed, j.token, j.pos)
 	at, n := 0, 0
-	for i := range m.regions {
+	for _, i := range regions {
 		r := &m.regions[i]
 		l := &r.layout
 		base := j.block*r.blockStride + j.slot*r.slotBytes
@@ -219,34 +275,37 @@ func parallel(n int, f func(lo, hi int)) {
 	wg.Wait()
 }
 
-// planReader records the reads a hash needs (returning nothing: hashSlots
-// does not hash while planning); replay then hands out the gathered bytes
-// in the same order.
+// planReader records the reads a hash needs, each on the GPU that holds
+// its region (returning nothing: hashSlots does not hash while planning);
+// replayReader then hands out the gathered bytes in the same order.
 type planReader struct {
-	m   *kvMemory
-	pos int
+	m *kvMemory
 }
 
 func (p *planReader) read(region, off, n int) []byte {
-	g := p.m.gpu
-	g.gather = append(g.gather, cuda.Copy{Src: p.m.regions[region].dptr + cuda.DevicePtr(off), Dst: cuda.DevicePtr(p.pos), Len: uint64(n)})
-	p.pos += n
+	r := &p.m.regions[region]
+	d := p.m.gpu.devs[r.gpuAt]
+	d.gather = append(d.gather, cuda.Copy{Src: r.dptr + cuda.DevicePtr(off), Dst: cuda.DevicePtr(d.pos), Len: uint64(n)})
+	d.pos += n
 	return nil
 }
 
+// replayReader reads a request's gathered bytes: pos[i] is where the next
+// read from the GPU devs[i] starts in that GPU's download.
 type replayReader struct {
-	buf []byte
-	pos int
+	m   *kvMemory
+	pos []int
 }
 
-func (r *replayReader) read(_, _, n int) []byte {
-	b := r.buf[r.pos : r.pos+n]
-	r.pos += n
+func (r *replayReader) read(region, _, n int) []byte {
+	i := r.m.regions[region].gpuAt
+	b := r.m.gpu.devs[i].host[r.pos[i] : r.pos[i]+n]
+	r.pos[i] += n
 	return b
 }
 
 // sampleSums computes each request's sampling hash (see Engine.sample):
-// on files by reading them in place, on the GPU with one gather.
+// on files by reading them in place, on GPUs with one gather per GPU.
 func (m *kvMemory) sampleSums(reqs []*request, hash func(d *xxhash.Digest, rd kvReader, r *request)) ([]uint64, error) {
 	sums := make([]uint64, len(reqs))
 	var d xxhash.Digest
@@ -259,32 +318,20 @@ func (m *kvMemory) sampleSums(reqs []*request, hash func(d *xxhash.Digest, rd kv
 		return sums, nil
 	}
 	g := m.gpu
+	for _, gd := range g.devs {
+		gd.gather, gd.pos = gd.gather[:0], 0
+	}
 	plan := &planReader{m: m}
-	g.gather = g.gather[:0]
-	starts := make([]int, len(reqs))
+	starts := make([][]int, len(reqs)) // per request, where its bytes start on each GPU
 	for i, r := range reqs {
-		starts[i] = plan.pos
+		starts[i] = make([]int, len(g.devs))
+		for k, gd := range g.devs {
+			starts[i][k] = gd.pos
+		}
 		hash(&d, plan, r)
 	}
-	if plan.pos > 0 {
-		if err := g.grow(&g.down, &g.downCap, uint64(plan.pos)); err != nil {
-			return nil, err
-		}
-		for i := range g.gather {
-			g.gather[i].Dst += g.down
-		}
-		if err := g.drv.KernelCopy(g.dev, g.stream, g.gather); err != nil {
-			return nil, err
-		}
-		if err := g.pinned(&g.host, plan.pos); err != nil {
-			return nil, err
-		}
-		if err := g.drv.DtoHAsync(g.dev, g.stream, g.host, g.down); err != nil {
-			return nil, err
-		}
-		if err := g.drv.Sync(g.dev, g.stream); err != nil {
-			return nil, err
-		}
+	if err := g.download(); err != nil {
+		return nil, err
 	}
 	// Each request's bytes start where its plan started: hash them in
 	// parallel, each with its own digest.
@@ -292,9 +339,50 @@ func (m *kvMemory) sampleSums(reqs []*request, hash func(d *xxhash.Digest, rd kv
 		var d xxhash.Digest
 		for i := lo; i < hi; i++ {
 			d.Reset()
-			hash(&d, &replayReader{buf: g.host, pos: starts[i]}, reqs[i])
+			hash(&d, &replayReader{m: m, pos: starts[i]}, reqs[i])
 			sums[i] = d.Sum64()
 		}
 	})
 	return sums, nil
+}
+
+// download runs every GPU's planned gather and brings the bytes to its
+// pinned host buffer; the GPUs work at once.
+func (g *gpuKV) download() error {
+	var errs []error
+	issued := make([]bool, len(g.devs))
+	for i, d := range g.devs {
+		if d.pos == 0 {
+			continue
+		}
+		if err := g.issueGather(d); err != nil {
+			errs = append(errs, fmt.Errorf("GPU %d: %w", d.dev, err))
+			continue
+		}
+		issued[i] = true
+	}
+	for i, d := range g.devs {
+		if issued[i] {
+			if err := g.drv.Sync(d.dev, d.stream); err != nil {
+				errs = append(errs, fmt.Errorf("GPU %d: %w", d.dev, err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (g *gpuKV) issueGather(d *gpuDev) error {
+	if err := g.grow(d, &d.down, &d.downCap, uint64(d.pos)); err != nil {
+		return err
+	}
+	for i := range d.gather {
+		d.gather[i].Dst += d.down
+	}
+	if err := g.drv.KernelCopy(d.dev, d.stream, d.gather); err != nil {
+		return err
+	}
+	if err := g.pinned(d, &d.host, d.pos); err != nil {
+		return err
+	}
+	return g.drv.DtoHAsync(d.dev, d.stream, d.host, d.down)
 }

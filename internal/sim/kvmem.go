@@ -28,6 +28,7 @@ type kvRegion struct {
 	file   *os.File // held open: the memory lives as long as this process
 	data   []byte
 	dptr   cuda.DevicePtr // GPU: the region's allocation
+	gpuAt  int            // GPU: which of gpuKV.devs holds it
 	// Strides, precomputed: the decode step touches every layer and head of
 	// every token, so this is the sim's hottest arithmetic.
 	layerStride, kvStride, blockStride, headStride, slotBytes int

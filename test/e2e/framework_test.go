@@ -20,10 +20,17 @@ func TestMigrationCases(t *testing.T) {
 		if blocks == 0 {
 			blocks = 4096
 		}
-		d := deployWith(t, deployOptions{bBlocks: blocks, aArgs: shapeArgs(o.A), bArgs: shapeArgs(o.B), bActive: o.BActive})
+		d := deployWith(t, deployOptions{bBlocks: blocks, aArgs: shapeArgs(o.A), bArgs: shapeArgs(o.B), bActive: o.BActive,
+			aRanks: ranks(o.A), bRanks: ranks(o.B)})
 		d.client = hostClient(t, d.hostURL, d.tk.admin)
 		return d
 	}, framework.Cases())
+}
+
+// ranks is shape s's TP × PP.
+func ranks(s framework.Shape) int {
+	tp, pp := s.Sizes()
+	return tp * pp
 }
 
 // shapeArgs are a sim's flags for shape s.

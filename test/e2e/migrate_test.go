@@ -40,6 +40,8 @@ type deployOptions struct {
 	bArgs    []string // extra flags of sim B only
 	hostArgs []string // extra flags of the Host
 	bActive  bool     // B's agent registers type A (active beside A)
+	// aRanks, bRanks: A's and B's TP × PP (0: 1), for VHI_E2E_SIM_RANK_GPUS.
+	aRanks, bRanks int
 }
 
 func deploy(t *testing.T, bBlocks int) *deployment {
@@ -59,6 +61,21 @@ func deployWith(t *testing.T, o deployOptions) *deployment {
 		devices = strings.Split(v, ",")
 		if len(devices) != 3 {
 			t.Fatalf("VHI_E2E_SIM_DEVICES=%q: want three devices (A, B, reference)", v)
+		}
+	}
+	// VHI_E2E_SIM_RANK_GPUS=cuda:0,cuda:1 spreads the ranks of a sim A or
+	// B of more than one rank over those GPUs (rank i on GPU i mod 2), as
+	// vLLM places its workers: a reshape then moves KV across GPUs.
+	if v := os.Getenv("VHI_E2E_SIM_RANK_GPUS"); v != "" {
+		pool := strings.Split(v, ",")
+		for i, n := range []int{o.aRanks, o.bRanks} {
+			if n > 1 {
+				ranks := make([]string, n)
+				for r := range ranks {
+					ranks[r] = pool[r%len(pool)]
+				}
+				devices[i] = strings.Join(ranks, ",")
+			}
 		}
 	}
 	simArgs := func(port int, blocks int, device string) []string {

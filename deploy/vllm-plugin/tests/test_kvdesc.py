@@ -102,9 +102,19 @@ class StridesTest(unittest.TestCase):
 class FakeDriver:
     """libcuda's three calls, over one allocation [base, base+size)."""
 
-    def __init__(self, base, size, ipc_rc=0):
-        self.base, self.size, self.ipc_rc = base, size, ipc_rc
+    def __init__(self, base, size, ipc_rc=0, uuid=bytes(range(0xA0, 0xB0))):
+        self.base, self.size, self.ipc_rc, self.uuid = base, size, ipc_rc, uuid
         self.exported = None
+        if uuid is None:
+            self.cuDeviceGetUuid_v2 = None  # a driver without it
+
+    def cuDeviceGet(self, pdev, ordinal):
+        pdev._obj.value = ordinal
+        return 0
+
+    def cuDeviceGetUuid_v2(self, out, dev):
+        ctypes.memmove(out, self.uuid, 16)
+        return 0
 
     def cuMemGetAddressRange_v2(self, pbase, psize, ptr):
         if not self.base <= ptr.value < self.base + self.size:
@@ -136,6 +146,11 @@ class CudaIPCTest(unittest.TestCase):
         self.assertEqual(base64.b64decode(mem["ipc_handle"]), bytes(range(64)))
         self.assertEqual(mem["pid"], os.getpid())
         self.assertTrue(mem["node"])
+        self.assertEqual(mem["device_uuid"], "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadaeaf")  # NVML's spelling
+
+    def test_no_uuid_where_the_driver_cannot_say(self):
+        mem = cuda_ipc_memory(0x1000, 0, lib=FakeDriver(base=0x1000, size=0x1000, uuid=None))
+        self.assertNotIn("device_uuid", mem)  # the agent falls back to the ordinal
 
     def test_driver_errors_are_named(self):
         with self.assertRaisesRegex(CudaError, "CUDA_ERROR_INVALID_VALUE"):

@@ -6,6 +6,7 @@ the GPU machines run it: python3 -m unittest discover deploy/vllm-plugin/tests""
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import unittest
@@ -59,6 +60,11 @@ class CudaIPCExportTest(unittest.TestCase):
         view[:n] = (torch.arange(n, device="cuda:0") % 251 - 125).to(torch.int8)
         torch.cuda.synchronize()
         mem = cuda_ipc_memory(view.data_ptr(), 0)
+        smi = shutil.which("nvidia-smi")
+        if smi:  # the same name NVML gives the GPU
+            uuids = subprocess.run([smi, "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True,
+                                   text=True, timeout=60).stdout.split()
+            self.assertIn(mem["device_uuid"], uuids)
         self.assertEqual(mem["device_pointer"] + mem["offset"], view.data_ptr())
         self.assertEqual(mem["offset"] % 512, 0)
         want = hashlib.sha256(view[:n].cpu().numpy().tobytes()).hexdigest()

@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import subprocess
 
 log = logging.getLogger("vllm.vllm_hi")
 
 _agent: subprocess.Popen | None = None
+
+
+def agent_env(env) -> dict:
+    """The agent's environment: the engine's, less CUDA_VISIBLE_DEVICES.
+    That variable picks the engine's GPUs; the agent copies between this
+    engine's GPUs and a peer engine's, so it must see both (CUDA IPC opens
+    memory only on a visible GPU). It finds each engine's GPU by the UUID
+    in the layout, whatever numbering the engine had."""
+    return {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}
 
 
 def start(cfg, args) -> None:
@@ -30,7 +40,7 @@ def start(cfg, args) -> None:
     if cfg.id:
         cmd += ["--id", cfg.id]
     try:
-        _agent = subprocess.Popen(cmd)
+        _agent = subprocess.Popen(cmd, env=agent_env(os.environ))
     except OSError as e:
         raise RuntimeError(f"vllm-hi: cannot start the agent ({' '.join(cmd)}): {e}; "
                            f"install vhi on PATH, set VLLM_HI_AGENT to its path, or VLLM_HI_AGENT=off "

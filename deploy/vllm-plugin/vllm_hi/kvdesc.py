@@ -130,6 +130,26 @@ def cuda_ipc_memory(ptr: int, device: int, lib=None) -> dict:
     _cuda_call(lib, lib.cuIpcGetMemHandle(handle, base.value),
                "exporting the KV through CUDA IPC (memory from cuMemCreate, e.g. vLLM's sleep-mode pool, "
                "cannot be shared this way)")
-    return {"kind": "cuda_ipc", "device": device, "ipc_handle": base64.b64encode(handle.raw).decode(),
-            "offset": ptr - base.value, "pid": os.getpid(), "node": socket.gethostname(),
-            "device_pointer": base.value}
+    mem = {"kind": "cuda_ipc", "device": device, "ipc_handle": base64.b64encode(handle.raw).decode(),
+           "offset": ptr - base.value, "pid": os.getpid(), "node": socket.gethostname(),
+           "device_pointer": base.value}
+    uuid = device_uuid(device, lib)
+    if uuid:
+        mem["device_uuid"] = uuid
+    return mem
+
+
+def device_uuid(device: int, lib) -> str | None:
+    """The GPU's UUID as NVML and nvidia-smi print it ("GPU-…"), or None
+    where the driver cannot say. The ordinal is this process's (vLLM's
+    workers run under CUDA_VISIBLE_DEVICES, so GPU 1 may be their 0); the
+    agent finds the GPU by its UUID in its own numbering."""
+    dev = ctypes.c_int()
+    if lib.cuDeviceGet(ctypes.byref(dev), device) != 0:
+        return None
+    get = getattr(lib, "cuDeviceGetUuid_v2", None) or getattr(lib, "cuDeviceGetUuid", None)
+    raw = ctypes.create_string_buffer(16)
+    if get is None or get(raw, dev) != 0:
+        return None
+    h = raw.raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
