@@ -46,7 +46,7 @@ step 1 "scattered blocks against one large copy" \
 e2e() {
   [ -n "${E2E:-}" ] || { echo "gpu2-suite: no E2E test binary: step 2 skipped" >&2; return 1; }
   VHI_E2E_BIN=$vhi VHI_E2E_SIM_DEVICES=cuda:$a,cuda:$b,cuda:$a VHI_E2E_SIM_RANK_GPUS=cuda:$a,cuda:$b \
-    "$E2E" -test.run 'TestMigrationCases|TestMigrationEveryStreamExact|TestMigrationAborts' -test.v >"$out/e2e.txt" 2>&1
+    "$E2E" -test.run 'TestMigrationCases|TestMigrationEveryStreamExact|TestEnginesWokenAfterRetirementMigrateExactly' -test.v >"$out/e2e.txt" 2>&1
   local rc=$?
   grep -E '^(--- |ok|FAIL|PASS)' "$out/e2e.txt" >&2
   return $rc
