@@ -182,10 +182,17 @@ func (g *gpuKV) flush(m *kvMemory) error {
 		return nil
 	}
 	defer func() { g.jobs = g.jobs[:0] }()
+	return g.onEveryGPU(func(d *gpuDev) error { return g.issueWrites(m, d, jobs) })
+}
+
+// onEveryGPU enqueues issue's work on every GPU's stream, then waits for
+// all of them: the GPUs work at once. A GPU whose issue fails is not
+// waited for; every failure is returned.
+func (g *gpuKV) onEveryGPU(issue func(d *gpuDev) error) error {
 	var errs []error
 	issued := make([]bool, len(g.devs))
 	for i, d := range g.devs {
-		if err := g.issueWrites(m, d, jobs); err != nil {
+		if err := issue(d); err != nil {
 			errs = append(errs, fmt.Errorf("GPU %d: %w", d.dev, err))
 			continue
 		}
@@ -349,29 +356,15 @@ func (m *kvMemory) sampleSums(reqs []*request, hash func(d *xxhash.Digest, rd kv
 // download runs every GPU's planned gather and brings the bytes to its
 // pinned host buffer; the GPUs work at once.
 func (g *gpuKV) download() error {
-	var errs []error
-	issued := make([]bool, len(g.devs))
-	for i, d := range g.devs {
-		if d.pos == 0 {
-			continue
-		}
-		if err := g.issueGather(d); err != nil {
-			errs = append(errs, fmt.Errorf("GPU %d: %w", d.dev, err))
-			continue
-		}
-		issued[i] = true
-	}
-	for i, d := range g.devs {
-		if issued[i] {
-			if err := g.drv.Sync(d.dev, d.stream); err != nil {
-				errs = append(errs, fmt.Errorf("GPU %d: %w", d.dev, err))
-			}
-		}
-	}
-	return errors.Join(errs...)
+	return g.onEveryGPU(g.issueGather)
 }
 
+// issueGather enqueues d's planned gather and its download (nothing when
+// no read was planned on d).
 func (g *gpuKV) issueGather(d *gpuDev) error {
+	if d.pos == 0 {
+		return nil
+	}
 	if err := g.grow(d, &d.down, &d.downCap, uint64(d.pos)); err != nil {
 		return err
 	}
