@@ -72,12 +72,9 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 		resp.Requests = append(resp.Requests, &v1.RequestBlocks{RequestId: mv.ID, SrcBlockIds: int32s(mv.Src), DstBlockIds: int32s(mv.Dst)})
 	}
 	tSelect := time.Now()
-	name, why, err := transfer.Pick(a.cfg.TransferBackend, srcLayout, dstLayout, a.rdmaPeers(req.GetTargetRdma()))
+	name, why, err := a.pickBackend(srcLayout, dstLayout, a.rdmaPeers(req.GetTargetRdma()))
 	if err != nil {
 		return nil, errdefs.New(errdefs.ErrConflict, err.Error())
-	}
-	if name == transfer.CUDAIPC {
-		why += a.gpuLink(srcLayout, dstLayout)
 	}
 	resp.Backend, resp.BackendReason = name, why
 	backend, err := a.backend(name)
@@ -131,6 +128,26 @@ func int32s(v []int) []int32 {
 		out[i] = int32(x)
 	}
 	return out
+}
+
+// pickBackend chooses the round's data plane (transfer.Pick) and, for
+// cuda_ipc, checks that this agent can see both engines' GPUs: CUDA IPC
+// opens memory only on a GPU the process sees, and an agent started under
+// CUDA_VISIBLE_DEVICES may not see the peer's. Chosen by auto, the round
+// then goes through tcp_shm (each agent stages its own engine's GPU);
+// asked for, it is refused before anything moves.
+func (a *Agent) pickBackend(src, dst hooks.Layout, peers transfer.RDMAPeers) (name, why string, err error) {
+	name, why, err = transfer.Pick(a.cfg.TransferBackend, src, dst, peers)
+	if err != nil || name != transfer.CUDAIPC {
+		return name, why, err
+	}
+	if err := a.gpu.sees(src, dst); err != nil {
+		if transfer.Canonical(a.cfg.TransferBackend) == transfer.CUDAIPC {
+			return "", "", fmt.Errorf("%w: cuda_ipc: %v", transfer.ErrUnsupported, err)
+		}
+		return transfer.TCPShm, fmt.Sprintf("auto: both engines' KV is in GPU memory on this node, but %v: staged through pinned host memory", err), nil
+	}
+	return name, why + a.gpuLink(src, dst), nil
 }
 
 // gpuLink names the link between the two engines' GPUs for a round's

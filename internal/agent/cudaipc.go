@@ -111,6 +111,28 @@ func (g *gpuPlane) ordinal(m hooks.Memory) (int, error) {
 	return dev, nil
 }
 
+// sees says why this agent cannot reach every GPU the layouts' regions
+// are on (nil: it can). Regions without a UUID are taken as visible: their
+// ordinal is the exporter's, and only opening them can tell.
+func (g *gpuPlane) sees(layouts ...hooks.Layout) error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, l := range layouts {
+		for _, r := range l.Regions {
+			if r.Memory.Kind != hooks.MemoryCUDAIPC || r.Memory.DeviceUUID == "" {
+				continue
+			}
+			if err := g.load(); err != nil {
+				return err
+			}
+			if _, err := g.ordinal(r.Memory); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
 // load loads the driver on first use (g.mu held).
 func (g *gpuPlane) load() error {
 	if g.drv != nil {

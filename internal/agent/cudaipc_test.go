@@ -219,3 +219,37 @@ func TestCUDARegionsAreFoundByGPUUUID(t *testing.T) {
 		t.Fatalf("%d mappings opened for a GPU the agent cannot see", f.opened-opened)
 	}
 }
+
+// cuda_ipc needs this agent to see both engines' GPUs. Chosen by auto, a
+// round whose target GPU it cannot see goes through tcp_shm instead, and
+// says why; asked for, it is refused before anything moves.
+func TestCUDAIPCNeedsBothGPUsVisible(t *testing.T) {
+	f := &fakeGPU{live: map[cuda.DevicePtr]bool{}, uuids: []string{"GPU-aaaa"}}
+	src, dst := gpuLayout(t, 1), gpuLayout(t, 2)
+	src.Regions[0].Memory.DeviceUUID = "GPU-aaaa"
+	for _, tc := range []struct {
+		want, dstGPU, name, why string
+	}{
+		{transfer.Auto, "GPU-aaaa", transfer.CUDAIPC, "auto: both engines' KV is in GPU memory"},
+		{transfer.Auto, "GPU-bbbb", transfer.TCPShm, "GPU-bbbb (its device 0) is not visible to this agent"},
+		{transfer.CUDAIPC, "GPU-aaaa", transfer.CUDAIPC, "asked for"},
+		{transfer.CUDAIPC, "GPU-bbbb", "", ""},
+	} {
+		a := &Agent{log: zap.NewNop(), cfg: Config{TransferBackend: tc.want}}
+		a.gpu = gpuPlane{drv: f, streams: map[int]cuda.Stream{0: 1}, targets: map[string]*gpuTarget{}, pairs: map[string]*ipcPair{}}
+		dst.Regions[0].Memory.DeviceUUID = tc.dstGPU
+		name, why, err := a.pickBackend(src, dst, transfer.RDMAPeers{})
+		if tc.name == "" {
+			if !errors.Is(err, transfer.ErrUnsupported) || !strings.Contains(err.Error(), "GPU-bbbb") {
+				t.Errorf("%s to an unseen GPU: %q, %v; want refused, naming the GPU", tc.want, name, err)
+			}
+			continue
+		}
+		if err != nil || name != tc.name || !strings.Contains(why, tc.why) {
+			t.Errorf("%s to %s: %q (%s), %v; want %s, saying %q", tc.want, tc.dstGPU, name, why, err, tc.name, tc.why)
+		}
+	}
+	if f.opened != 0 {
+		t.Fatalf("choosing a data plane opened %d mappings", f.opened)
+	}
+}
