@@ -192,6 +192,7 @@ func New(cfg Config, log *zap.Logger) (*Host, error) {
 		return nil, err
 	}
 	h.scaler = scale.New(cfg.Scale, h.reg, h.mig, h.proxy.Streams().On, cfg.AgentToken, h.m.scales, log.Named("scale"))
+	h.scaler.NotSpare(switchedEngines(cfg.Models))
 	if err := cfg.Autoscale.Check(); err != nil {
 		h.closeStore()
 		return nil, err

@@ -67,7 +67,7 @@ func (s *Scaler) Replicas(model string) []registry.Instance {
 func (s *Scaler) spares(model string) []registry.Instance {
 	var standby, asleep []registry.Instance
 	for _, in := range s.reg.List() {
-		if !in.Serves(model) || !in.Reachable || in.Busy.Kind != "" {
+		if !in.Serves(model) || !in.Reachable || in.Busy.Kind != "" || (s.owned != nil && s.owned(in)) {
 			continue
 		}
 		switch in.Lifecycle() {

@@ -102,7 +102,17 @@ type Scaler struct {
 	running  map[string]*op
 	sizes    map[string]int
 	launched map[string]migrate.Launched
+	// owned are instances another controller puts to sleep and wakes
+	// (NotSpare); nil: none.
+	owned func(registry.Instance) bool
 }
+
+// NotSpare names the instances that another controller owns — the engines
+// model switching puts to sleep and wakes on a GPU they share — so that a
+// replicas scale-out never takes one as a spare: waking it would put a
+// second model's weights and KV on a GPU the switcher has given to
+// another. Call it before the Host serves.
+func (s *Scaler) NotSpare(owned func(registry.Instance) bool) { s.owned = owned }
 
 // modelKey is the running key of a model's replicas operation.
 func modelKey(model string) string { return "model:" + model }
