@@ -193,6 +193,14 @@ func New(cfg Config, log *zap.Logger) (*Host, error) {
 	}
 	h.scaler = scale.New(cfg.Scale, h.reg, h.mig, h.proxy.Streams().On, cfg.AgentToken, h.m.scales, log.Named("scale"))
 	h.scaler.NotSpare(switchedEngines(cfg.Models))
+	if h.store != nil {
+		launched, err := h.store.LaunchedEngines()
+		if err != nil {
+			h.closeStore()
+			return nil, fmt.Errorf("the replicas an earlier Host launched: %w", err)
+		}
+		h.scaler.Remember(h.store, launched)
+	}
 	if err := cfg.Autoscale.Check(); err != nil {
 		h.closeStore()
 		return nil, err

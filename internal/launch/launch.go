@@ -8,6 +8,7 @@ package launch
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -16,6 +17,7 @@ import (
 	"regexp"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -102,14 +104,18 @@ func fill(s string, vars map[string]string) string {
 	})
 }
 
-// Process is a started engine.
+// Process is a started engine: one this process started, or one it
+// adopted from an earlier Host (Adopt).
 type Process struct {
-	cmd  *exec.Cmd
-	log  string
-	tail *tail
-	done chan struct{}
-	err  error // after done
-	once sync.Once
+	cmd   *exec.Cmd // nil when adopted
+	pid   int
+	start uint64 // its start time (clock ticks after boot): its identity with pid
+	argv  []string
+	log   string
+	tail  *tail
+	done  chan struct{}
+	err   error // after done
+	once  sync.Once
 }
 
 // Start runs s with vars filled in, its output appended to logFile, in a
@@ -149,13 +155,15 @@ func start(s Spec, vars map[string]string, logFile string, session bool) (*Proce
 	if err != nil {
 		return nil, err
 	}
-	p := &Process{cmd: cmd, log: logFile, tail: &tail{max: 2048}, done: make(chan struct{})}
+	p := &Process{cmd: cmd, argv: cmd.Args, log: logFile, tail: &tail{max: 2048}, done: make(chan struct{})}
 	out := io.MultiWriter(f, p.tail)
 	cmd.Stdout, cmd.Stderr = out, out
 	if err := cmd.Start(); err != nil {
 		f.Close()
 		return nil, fmt.Errorf("start %s: %w", argv[0], err)
 	}
+	p.pid = cmd.Process.Pid
+	p.start, _ = startTime(p.pid) // read before Wait can reap it
 	go func() {
 		p.err = cmd.Wait()
 		f.Close()
@@ -185,7 +193,7 @@ func (p *Process) Why() error {
 // returns when the process has exited (or after grace more).
 func (p *Process) Stop(grace time.Duration) {
 	p.once.Do(func() {
-		pg := -p.cmd.Process.Pid
+		pg := -p.pid
 		_ = syscall.Kill(pg, syscall.SIGTERM)
 		select {
 		case <-p.done:
@@ -200,10 +208,76 @@ func (p *Process) Stop(grace time.Duration) {
 }
 
 // Pid is the process's id.
-func (p *Process) Pid() int { return p.cmd.Process.Pid }
+func (p *Process) Pid() int { return p.pid }
+
+// Identity is what Adopt needs to find the process again: its pid and its
+// start time (a pid alone may have been reused).
+func (p *Process) Identity() (pid int, start uint64) { return p.pid, p.start }
+
+// LogFile is where its output goes.
+func (p *Process) LogFile() string { return p.log }
 
 // Argv is the command it runs.
-func (p *Process) Argv() []string { return p.cmd.Args }
+func (p *Process) Argv() []string { return p.argv }
+
+// ErrGone is Adopt's answer for a process that is no longer running (or
+// whose pid now names another process).
+var ErrGone = errors.New("the process is no longer running")
+
+// adoptPoll is how often an adopted process is checked for its exit (it
+// is not this process's child: nothing to wait on).
+const adoptPoll = 200 * time.Millisecond
+
+// Adopt takes over a process an earlier Host started (its Identity, kept
+// across the restart), so that it can be stopped: a process of its own
+// group, as Start makes them. ErrGone when it has exited, or when its pid
+// now names another process.
+func Adopt(pid int, start uint64, logFile string) (*Process, error) {
+	if pid <= 0 {
+		return nil, fmt.Errorf("pid %d: %w", pid, ErrGone)
+	}
+	if got, err := startTime(pid); err != nil || got != start {
+		return nil, fmt.Errorf("pid %d (started at tick %d): %w", pid, start, ErrGone)
+	}
+	p := &Process{pid: pid, start: start, log: logFile, tail: &tail{max: 2048}, done: make(chan struct{})}
+	if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid)); err == nil {
+		p.argv = strings.Split(strings.TrimRight(string(b), "\x00"), "\x00")
+	}
+	go func() {
+		defer close(p.done)
+		for {
+			if got, err := startTime(pid); err != nil || got != start {
+				return
+			}
+			time.Sleep(adoptPoll)
+		}
+	}()
+	return p, nil
+}
+
+// startTime is field 22 of /proc/pid/stat: when the process started, in
+// clock ticks after boot. A zombie still has it; a reaped process has no
+// file.
+func startTime(pid int) (uint64, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	// The command name (field 2) is in parentheses and may hold spaces:
+	// count fields after its closing one.
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0, fmt.Errorf("/proc/%d/stat: no command name", pid)
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 20 {
+		return 0, fmt.Errorf("/proc/%d/stat: %d fields after the name", pid, len(f))
+	}
+	if f[0] == "Z" {
+		return 0, fmt.Errorf("pid %d: a zombie", pid)
+	}
+	return strconv.ParseUint(f[19], 10, 64)
+}
 
 // tail keeps the last max bytes written.
 type tail struct {

@@ -1,6 +1,7 @@
 package launch
 
 import (
+	"errors"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -66,5 +67,47 @@ func TestStartAndStop(t *testing.T) {
 	}
 	if s := (Spec{Command: []string{"x", "{nope}"}}); s.Check("m") == nil {
 		t.Fatal("an unknown placeholder passed")
+	}
+}
+
+// A restarted Host adopts what an earlier one launched by pid and start
+// time, and can stop it; a pid whose start time differs (reused) or that
+// has exited is not adopted.
+func TestAdoptFindsTheSameProcessAgain(t *testing.T) {
+	dir := t.TempDir()
+	orig, err := Start(Spec{Command: []string{"sleep", "300"}, Cwd: dir}, nil, filepath.Join(dir, "a.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer orig.Stop(time.Second)
+	pid, start := orig.Identity()
+	if pid <= 0 || start == 0 {
+		t.Fatalf("identity %d, %d", pid, start)
+	}
+	if _, err := Adopt(pid, start+1, ""); !errors.Is(err, ErrGone) {
+		t.Fatalf("another start time: %v", err)
+	}
+	p, err := Adopt(pid, start, filepath.Join(dir, "a.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := p.Argv(); len(got) != 2 || got[0] != "sleep" || got[1] != "300" || p.LogFile() != filepath.Join(dir, "a.log") {
+		t.Fatalf("adopted: argv %q, log %s", got, p.LogFile())
+	}
+	select {
+	case <-p.Exited():
+		t.Fatal("adopted, and already exited")
+	case <-time.After(2 * adoptPoll):
+	}
+	p.Stop(5 * time.Second)
+	for _, q := range []*Process{p, orig} {
+		select {
+		case <-q.Exited():
+		case <-time.After(5 * time.Second):
+			t.Fatal("stopped, still running")
+		}
+	}
+	if _, err := Adopt(pid, start, ""); !errors.Is(err, ErrGone) {
+		t.Fatalf("an exited process adopted: %v", err)
 	}
 }

@@ -229,6 +229,7 @@ func (s *Scaler) scaleOut(ctx context.Context, o *op, cur []registry.Instance) e
 			o.phaseOn("launch", l.ID, tl)
 			news[i] = replica{launched: &l, err: err}
 			if err == nil {
+				s.keepLaunched(model, l)
 				news[i].inst, news[i].err = s.reg.Get(l.ID)
 			}
 		}()
@@ -258,8 +259,8 @@ func (s *Scaler) scaleOut(ctx context.Context, o *op, cur []registry.Instance) e
 	}
 	if len(problems) > 0 {
 		for _, r := range news {
-			if r.launched != nil && r.launched.Process != nil {
-				r.launched.Process.Stop(launchedStopGrace)
+			if r.launched != nil {
+				s.stopLaunched(*r.launched)
 			}
 		}
 		return fmt.Errorf("%d of %d new replicas could not be brought in (%s); none was, and the launched ones are stopped",
@@ -426,9 +427,9 @@ func (s *Scaler) scaleIn(ctx context.Context, o *op, cur []registry.Instance) er
 		l, ok := s.launched[v.ID]
 		delete(s.launched, v.ID)
 		s.mu.Unlock()
-		if ok && l.Process != nil {
+		if ok {
 			ts := time.Now()
-			l.Process.Stop(launchedStopGrace)
+			s.stopLaunched(l)
 			o.phaseOn("stop", v.ID, ts)
 		}
 	}

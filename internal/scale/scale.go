@@ -32,8 +32,10 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
+	"github.com/vllm-hi/vllm-hi/internal/launch"
 	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
+	"github.com/vllm-hi/vllm-hi/internal/store"
 	"github.com/vllm-hi/vllm-hi/internal/switching"
 )
 
@@ -105,6 +107,61 @@ type Scaler struct {
 	// owned are instances another controller puts to sleep and wakes
 	// (NotSpare); nil: none.
 	owned func(registry.Instance) bool
+	// keep holds the launched replicas across Host restarts (Remember);
+	// nil: they are known to this Host only.
+	keep LaunchedStore
+}
+
+// LaunchedStore keeps the replicas a Host launched, so that a restarted
+// Host still stops them when it takes them out (the Host's store).
+type LaunchedStore interface {
+	PutLaunched(store.Launched) error
+	DeleteLaunched(id string) error
+}
+
+// Remember keeps the replicas this Scaler launches in keep, and adopts
+// those an earlier Host launched (earlier, from keep): a later scale-in
+// stops them as if this Host had started them. Records of processes that
+// have exited (or whose pid now names another process) are dropped. Call
+// it before the Host serves.
+func (s *Scaler) Remember(keep LaunchedStore, earlier []store.Launched) {
+	s.keep = keep
+	for _, r := range earlier {
+		p, err := launch.Adopt(r.PID, r.Start, r.LogFile)
+		if err != nil {
+			s.log.Info("a replica an earlier Host launched is gone", zap.String("vllm_hi_id", r.ID), zap.Int("pid", r.PID), zap.Error(err))
+			if err := keep.DeleteLaunched(r.ID); err != nil {
+				s.log.Warn("forgetting a launched replica", zap.String("vllm_hi_id", r.ID), zap.Error(err))
+			}
+			continue
+		}
+		s.log.Info("adopted a replica an earlier Host launched", zap.String("vllm_hi_id", r.ID), zap.Int("pid", r.PID))
+		s.launched[r.ID] = migrate.Launched{ID: r.ID, Process: p, LogFile: r.LogFile}
+	}
+}
+
+// keepLaunched records a replica just launched (before it is activated:
+// a Host that dies meanwhile leaves its successor a process to stop).
+func (s *Scaler) keepLaunched(model string, l migrate.Launched) {
+	if s.keep == nil || l.Process == nil {
+		return
+	}
+	pid, start := l.Process.Identity()
+	if err := s.keep.PutLaunched(store.Launched{ID: l.ID, Model: model, PID: pid, Start: start, LogFile: l.LogFile, At: time.Now()}); err != nil {
+		s.log.Warn("keeping a launched replica's record (a restarted Host will not stop it)", zap.String("vllm_hi_id", l.ID), zap.Error(err))
+	}
+}
+
+// stopLaunched stops a launched replica and forgets its record.
+func (s *Scaler) stopLaunched(l migrate.Launched) {
+	if l.Process != nil {
+		l.Process.Stop(launchedStopGrace)
+	}
+	if s.keep != nil && l.ID != "" {
+		if err := s.keep.DeleteLaunched(l.ID); err != nil {
+			s.log.Warn("forgetting a launched replica", zap.String("vllm_hi_id", l.ID), zap.Error(err))
+		}
+	}
 }
 
 // NotSpare names the instances that another controller owns — the engines

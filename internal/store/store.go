@@ -25,6 +25,7 @@ const FileName = "state.db"
 var (
 	bucketInstances  = []byte("instances")
 	bucketMigrations = []byte("migrations")
+	bucketLaunched   = []byte("launched")
 )
 
 // Instance is what the Host keeps of one instance across restarts.
@@ -41,6 +42,19 @@ type Instance struct {
 	// a restarted agent gets its role back; it is not listed meanwhile.
 	Departed bool      `json:"departed,omitempty"`
 	LastSeen time.Time `json:"last_seen"`
+}
+
+// Launched is an engine the Host started (a replica of a scale-out) and
+// stops when it takes it out: kept so that a restarted Host still can.
+// PID and Start (its start time, in clock ticks after boot) name the
+// process; a pid alone may have been reused.
+type Launched struct {
+	ID      string    `json:"vllm_hi_id"`
+	Model   string    `json:"model"`
+	PID     int       `json:"pid"`
+	Start   uint64    `json:"start_ticks"`
+	LogFile string    `json:"log_file"`
+	At      time.Time `json:"launched_at"`
 }
 
 // Store is safe for concurrent use.
@@ -63,7 +77,7 @@ func Open(dir string) (*Store, error) {
 		return nil, fmt.Errorf("open the Host's state %s: %w", path, err)
 	}
 	err = db.Update(func(tx *bolt.Tx) error {
-		for _, b := range [][]byte{bucketInstances, bucketMigrations} {
+		for _, b := range [][]byte{bucketInstances, bucketMigrations, bucketLaunched} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
 				return err
 			}
@@ -128,6 +142,28 @@ func (s *Store) Migrations() (map[string]json.RawMessage, error) {
 	err := s.db.View(func(tx *bolt.Tx) error {
 		return tx.Bucket(bucketMigrations).ForEach(func(k, v []byte) error {
 			out[string(k)] = append(json.RawMessage(nil), v...)
+			return nil
+		})
+	})
+	return out, err
+}
+
+// PutLaunched writes a launched engine's record.
+func (s *Store) PutLaunched(l Launched) error { return put(s.db, bucketLaunched, l.ID, l) }
+
+// DeleteLaunched forgets a launched engine.
+func (s *Store) DeleteLaunched(id string) error { return del(s.db, bucketLaunched, id) }
+
+// LaunchedEngines returns every launched engine's record.
+func (s *Store) LaunchedEngines() ([]Launched, error) {
+	var out []Launched
+	err := s.db.View(func(tx *bolt.Tx) error {
+		return tx.Bucket(bucketLaunched).ForEach(func(_, v []byte) error {
+			var l Launched
+			if err := json.Unmarshal(v, &l); err != nil {
+				return err
+			}
+			out = append(out, l)
 			return nil
 		})
 	})

@@ -26,8 +26,9 @@ func TestBenchScaleSmoke(t *testing.T) {
 
 // A dense model scaled by the CLI: out to three replicas — the standby B
 // and one launched from the model's launch command, each checked by the
-// probe, streams moved onto them — and back in to one by drains, the
-// launched replica's process stopped; every stream exact.
+// probe, streams moved onto them — and, after a Host restart, back in to
+// one by drains, the launched replica's process stopped by the restarted
+// Host (which adopted it from its state); every stream exact.
 func TestReplicasByLaunchAndDrain(t *testing.T) {
 	d := deploy(t, 4096)
 	d.withLaunchers(t, "")
@@ -61,6 +62,16 @@ func TestReplicasByLaunchAndDrain(t *testing.T) {
 			}
 		}
 	}
+	d.host.kill()
+	d.host = d.startHost(t)
+	waitUntil(t, "the three replicas back with the restarted Host", func() bool {
+		for _, id := range []string{"A", "B", launched} {
+			if in := instance(t, d.hostURL, id); in.State != "active" || in.Lifecycle != "active" {
+				return false
+			}
+		}
+		return true
+	})
 	running = d.startLoad(reqs)
 	time.Sleep(700 * time.Millisecond)
 	out = scale(1)
