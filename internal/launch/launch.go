@@ -10,7 +10,6 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -112,7 +111,6 @@ type Process struct {
 	start uint64 // its start time (clock ticks after boot): its identity with pid
 	argv  []string
 	log   string
-	tail  *tail
 	done  chan struct{}
 	err   error // after done
 	once  sync.Once
@@ -155,18 +153,21 @@ func start(s Spec, vars map[string]string, logFile string, session bool) (*Proce
 	if err != nil {
 		return nil, err
 	}
-	p := &Process{cmd: cmd, argv: cmd.Args, log: logFile, tail: &tail{max: 2048}, done: make(chan struct{})}
-	out := io.MultiWriter(f, p.tail)
-	cmd.Stdout, cmd.Stderr = out, out
-	if err := cmd.Start(); err != nil {
-		f.Close()
+	p := &Process{cmd: cmd, argv: cmd.Args, log: logFile, done: make(chan struct{})}
+	// The file itself, not a pipe through this process: a pipe would
+	// break when this process exits, and the engine's next line of output
+	// would kill it with SIGPIPE — but a launched engine is to outlive the
+	// Host (or vhi launch) that started it.
+	cmd.Stdout, cmd.Stderr = f, f
+	err = cmd.Start()
+	f.Close() // the child holds its own descriptor
+	if err != nil {
 		return nil, fmt.Errorf("start %s: %w", argv[0], err)
 	}
 	p.pid = cmd.Process.Pid
 	p.start, _ = startTime(p.pid) // read before Wait can reap it
 	go func() {
 		p.err = cmd.Wait()
-		f.Close()
 		close(p.done)
 	}()
 	return p, nil
@@ -186,7 +187,7 @@ func (p *Process) Why() error {
 	if p.err != nil {
 		what = p.err.Error()
 	}
-	return fmt.Errorf("the launched target %s (log %s); its last output: %s", what, p.log, strings.TrimSpace(p.tail.String()))
+	return fmt.Errorf("the launched target %s (log %s); its last output: %s", what, p.log, strings.TrimSpace(lastBytes(p.log, whyBytes)))
 }
 
 // Stop ends the process group: SIGTERM, then SIGKILL after grace. It
@@ -239,7 +240,7 @@ func Adopt(pid int, start uint64, logFile string) (*Process, error) {
 	if got, err := startTime(pid); err != nil || got != start {
 		return nil, fmt.Errorf("pid %d (started at tick %d): %w", pid, start, ErrGone)
 	}
-	p := &Process{pid: pid, start: start, log: logFile, tail: &tail{max: 2048}, done: make(chan struct{})}
+	p := &Process{pid: pid, start: start, log: logFile, done: make(chan struct{})}
 	if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid)); err == nil {
 		p.argv = strings.Split(strings.TrimRight(string(b), "\x00"), "\x00")
 	}
@@ -279,25 +280,23 @@ func startTime(pid int) (uint64, error) {
 	return strconv.ParseUint(f[19], 10, 64)
 }
 
-// tail keeps the last max bytes written.
-type tail struct {
-	mu  sync.Mutex
-	max int
-	b   []byte
-}
+// whyBytes is how much of its log's end Why quotes.
+const whyBytes = 2048
 
-func (t *tail) Write(b []byte) (int, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.b = append(t.b, b...)
-	if len(t.b) > t.max {
-		t.b = bytes.Clone(t.b[len(t.b)-t.max:])
+// lastBytes is the end of the file at path, at most n bytes ("" where it
+// cannot be read).
+func lastBytes(path string, n int64) string {
+	f, err := os.Open(path)
+	if err != nil {
+		return ""
 	}
-	return len(b), nil
-}
-
-func (t *tail) String() string {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return string(t.b)
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return ""
+	}
+	off := max(st.Size()-n, 0)
+	b := make([]byte, st.Size()-off)
+	k, _ := f.ReadAt(b, off)
+	return string(b[:k])
 }

@@ -3,6 +3,7 @@ package launch
 import (
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -110,4 +111,37 @@ func TestAdoptFindsTheSameProcessAgain(t *testing.T) {
 	if _, err := Adopt(pid, start, ""); !errors.Is(err, ErrGone) {
 		t.Fatalf("an exited process adopted: %v", err)
 	}
+}
+
+// A launched engine outlives what launched it, however much it writes
+// afterwards: its output goes to its log file, not through a pipe that
+// breaks when the launcher exits (the engine's next line would kill it
+// with SIGPIPE). The launcher is this test binary, run again.
+func TestALaunchedProcessOutlivesItsLauncher(t *testing.T) {
+	if dir := os.Getenv("VHI_LAUNCH_HELPER_DIR"); dir != "" {
+		script := `sleep 0.3; i=0; while [ $i -lt 50 ]; do echo "line $i after the launcher exited"; i=$((i+1)); done; echo done > marker`
+		if _, err := Start(Spec{Command: []string{"sh", "-c", script}, Cwd: dir}, nil, filepath.Join(dir, "engine.log")); err != nil {
+			t.Fatal(err)
+		}
+		os.Exit(0) // at once: the launcher is gone before the engine writes
+	}
+	dir := t.TempDir()
+	cmd := exec.Command(os.Args[0], "-test.run=^TestALaunchedProcessOutlivesItsLauncher$")
+	cmd.Env = append(os.Environ(), "VHI_LAUNCH_HELPER_DIR="+dir)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("the launcher: %v\n%s", err, out)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		if b, _ := os.ReadFile(filepath.Join(dir, "marker")); strings.TrimSpace(string(b)) == "done" {
+			log, _ := os.ReadFile(filepath.Join(dir, "engine.log"))
+			if n := strings.Count(string(log), "after the launcher exited"); n != 50 {
+				t.Fatalf("the log holds %d of 50 lines", n)
+			}
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	log, _ := os.ReadFile(filepath.Join(dir, "engine.log"))
+	t.Fatalf("the launched process died after its launcher exited; its log:\n%s", log)
 }
