@@ -181,6 +181,11 @@ func (f *frameWriter) flush() error {
 func sendConn(ctx context.Context, dst Dest, src [][]byte, runs []kvlayout.CopyRun, fault transfer.Fault) error {
 	return withConn(ctx, dst, func(w *bufio.Writer, c *carriage) (uint64, uint64, error) {
 		fw := newFrameWriter(w, frameRuns, runDescSize, fault, c)
+		if fault == transfer.CutConn && len(runs) == 0 {
+			// A round with nothing to move is cut too: a test's fault must
+			// not depend on whether the engine wrote since the last round.
+			return 0, 0, errors.New("tcp_shm: injected fault: connection cut before anything was sent (an empty round)")
+		}
 		for i, r := range runs {
 			if fault == transfer.CutConn && i == len(runs)/2 {
 				return fw.frames, fw.bytes, fmt.Errorf("tcp_shm: injected fault: connection cut after %d of %d runs", i, len(runs))
@@ -218,7 +223,10 @@ func SendSlots(ctx context.Context, dst Dest, tn int, src *Memory, jobs []kvlayo
 	for _, j := range jobs {
 		total += int64(j.NumSlots) * src.SlotBytes * int64(len(places))
 	}
-	err = eachShare(tn, fault, func(i int) bool { return len(shares[i]) > 0 }, func(i int, f transfer.Fault) error {
+	// Share 0 goes even when empty, as in Send: a final round with no new
+	// token still checks that the target takes the migration (and a fault
+	// injected into it still fires).
+	err = eachShare(tn, fault, func(i int) bool { return i == 0 || len(shares[i]) > 0 }, func(i int, f transfer.Fault) error {
 		return sendSlotsConn(ctx, dst, src, places, shares[i], f)
 	})
 	if err != nil {
@@ -230,6 +238,9 @@ func SendSlots(ctx context.Context, dst Dest, tn int, src *Memory, jobs []kvlayo
 func sendSlotsConn(ctx context.Context, dst Dest, src *Memory, places []slotPlace, jobs []kvlayout.BlockCopy, fault transfer.Fault) error {
 	return withConn(ctx, dst, func(w *bufio.Writer, c *carriage) (uint64, uint64, error) {
 		fw := newFrameWriter(w, frameSlots, jobSize, fault, c)
+		if fault == transfer.CutConn && len(jobs) == 0 {
+			return 0, 0, errors.New("tcp_shm: injected fault: connection cut before anything was sent (an empty round)")
+		}
 		for i, j := range jobs {
 			if fault == transfer.CutConn && i == len(jobs)/2 {
 				return fw.frames, fw.bytes, fmt.Errorf("tcp_shm: injected fault: connection cut after %d of %d slot jobs", i, len(jobs))
