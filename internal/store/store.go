@@ -113,15 +113,18 @@ func (s *Store) PutInstance(i Instance) error { return put(s.db, bucketInstances
 func (s *Store) DeleteInstance(id string) error { return del(s.db, bucketInstances, id) }
 
 // Instances returns every instance record.
-func (s *Store) Instances() ([]Instance, error) {
-	var out []Instance
-	err := s.db.View(func(tx *bolt.Tx) error {
-		return tx.Bucket(bucketInstances).ForEach(func(_, v []byte) error {
-			var i Instance
-			if err := json.Unmarshal(v, &i); err != nil {
+func (s *Store) Instances() ([]Instance, error) { return all[Instance](s.db, bucketInstances) }
+
+// all decodes every record of bucket.
+func all[T any](db *bolt.DB, bucket []byte) ([]T, error) {
+	var out []T
+	err := db.View(func(tx *bolt.Tx) error {
+		return tx.Bucket(bucket).ForEach(func(_, v []byte) error {
+			var r T
+			if err := json.Unmarshal(v, &r); err != nil {
 				return err
 			}
-			out = append(out, i)
+			out = append(out, r)
 			return nil
 		})
 	})
@@ -155,17 +158,4 @@ func (s *Store) PutLaunched(l Launched) error { return put(s.db, bucketLaunched,
 func (s *Store) DeleteLaunched(id string) error { return del(s.db, bucketLaunched, id) }
 
 // LaunchedEngines returns every launched engine's record.
-func (s *Store) LaunchedEngines() ([]Launched, error) {
-	var out []Launched
-	err := s.db.View(func(tx *bolt.Tx) error {
-		return tx.Bucket(bucketLaunched).ForEach(func(_, v []byte) error {
-			var l Launched
-			if err := json.Unmarshal(v, &l); err != nil {
-				return err
-			}
-			out = append(out, l)
-			return nil
-		})
-	})
-	return out, err
-}
+func (s *Store) LaunchedEngines() ([]Launched, error) { return all[Launched](s.db, bucketLaunched) }
