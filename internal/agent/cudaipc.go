@@ -150,12 +150,9 @@ func (g *gpuPlane) load() error {
 }
 
 // copier returns a copier on dev's stream, made once per device (g.mu
-// held).
+// held, the driver loaded).
 func (g *gpuPlane) copier(dev int) (*cudaipc.Copier, error) {
 	var err error
-	if err := g.load(); err != nil {
-		return nil, err
-	}
 	s, ok := g.streams[dev]
 	if !ok {
 		if k, ok := g.drv.(interface{ PrepareKernels(int) error }); ok {

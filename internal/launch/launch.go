@@ -257,8 +257,8 @@ func Adopt(pid int, start uint64, logFile string) (*Process, error) {
 }
 
 // startTime is field 22 of /proc/pid/stat: when the process started, in
-// clock ticks after boot. A zombie still has it; a reaped process has no
-// file.
+// clock ticks after boot. A zombie (exited, not yet reaped) counts as
+// gone, as does a reaped process (no file).
 func startTime(pid int) (uint64, error) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {

@@ -33,6 +33,9 @@ type gpuDev struct {
 	dev     int
 	stream  cuda.Stream
 	regions []int // indices into kvMemory.regions
+	// One token's KV over these regions: its bytes and its slot copies
+	// (a step stages tokenBytes and scatters tokenPieces per token).
+	tokenBytes, tokenPieces int
 
 	stage  []byte // pinned host memory: this step's token bytes for these regions
 	writes []cuda.Copy
@@ -90,6 +93,8 @@ func newGPUKVMemory(drv *cuda.Lib, devices []int, geo kvlayout.Geometry, par kvl
 			return nil, fmt.Errorf("allocate %d bytes of KV on GPU %d: %w", l.Size(), d.dev, err)
 		}
 		d.regions = append(d.regions, len(m.regions))
+		d.tokenBytes += l.NumLayers * 2 * l.NumHeads * geo.HeadSlotBytes()
+		d.tokenPieces += l.NumLayers * 2 * l.NumHeads
 		m.regions = append(m.regions, kvRegion{
 			layout: l, dptr: p, gpuAt: at,
 			layerStride: int(l.LayerStride()), kvStride: int(l.KVStride()), blockStride: int(l.BlockStride()),
@@ -97,9 +102,10 @@ func newGPUKVMemory(drv *cuda.Lib, devices []int, geo kvlayout.Geometry, par kvl
 		})
 	}
 	for _, d := range g.devs {
-		share := len(d.regions) * 1000 / len(m.regions) // this GPU's share of a token's bytes, in ‰
-		up := (maxBatched*geo.TokenBytes()*share + 999) / 1000
-		down := (maxSeqs*(geo.BlockBytes()+geo.BlockBytes()/sampleGroups)*share + 999) / 1000
+		up := maxBatched * d.tokenBytes
+		// Sampling reads this GPU's share of each block, as its share of a
+		// token's bytes.
+		down := (maxSeqs*(geo.BlockBytes()+geo.BlockBytes()/sampleGroups)*d.tokenBytes + geo.TokenBytes() - 1) / geo.TokenBytes()
 		for _, err := range []error{
 			g.pinned(d, &d.stage, up), g.grow(d, &d.up, &d.upCap, uint64(up)),
 			g.pinned(d, &d.host, down), g.grow(d, &d.down, &d.downCap, uint64(down)),
@@ -211,13 +217,7 @@ func (g *gpuKV) onEveryGPU(issue func(d *gpuDev) error) error {
 // issueWrites fills d's staging with the jobs' bytes for d's regions and
 // enqueues their upload and scatter on d's stream.
 func (g *gpuKV) issueWrites(m *kvMemory, d *gpuDev, jobs []tokenJob) error {
-	per := 0 // bytes and slot copies of one token, over d's regions
-	pieces := 0
-	for _, ri := range d.regions {
-		r := &m.regions[ri]
-		per += r.layout.NumLayers * 2 * r.layout.NumHeads * r.slotBytes
-		pieces += r.layout.NumLayers * 2 * r.layout.NumHeads
-	}
+	per, pieces := d.tokenBytes, d.tokenPieces
 	if err := g.pinned(d, &d.stage, len(jobs)*per); err != nil {
 		return err
 	}
