@@ -172,7 +172,9 @@ func TestRoutingAndErrors(t *testing.T) {
 		var r struct {
 			ID string `json:"id"`
 		}
-		if err := json.Unmarshal([]byte(body), &r); err != nil || !strings.HasPrefix(r.ID, "cmpl-") || strings.Contains(r.ID, "abc") {
+		// The client's id by its characters, not by "abc": the Host's
+		// random hex ids hold that about once in 150.
+		if err := json.Unmarshal([]byte(body), &r); err != nil || !strings.HasPrefix(r.ID, "cmpl-") || strings.ContainsAny(r.ID, "./?=") {
 			t.Fatalf("the client's request id named the engine request: %s", body)
 		}
 		ids[r.ID] = true
