@@ -68,6 +68,9 @@ type Engine struct {
 	lastScale                   [2]time.Duration // the last scale's prepare and commit
 	lastStep                    time.Duration    // modelled duration of the last step
 	lastCompute                 time.Duration    // real compute time of the last step
+	// holdTail: requests with at most this many output tokens left are
+	// not scheduled (a test control, hold.go); 0: none held.
+	holdTail int
 }
 
 // NewEngine validates cfg, creates the KV memory and returns an engine
@@ -261,7 +264,7 @@ func (e *Engine) schedule(now time.Time) []work {
 	var batch []work
 	for i := 0; i < len(e.running) && budget > 0; i++ {
 		r := e.running[i]
-		if r.paused {
+		if r.paused || e.heldAtTail(r) {
 			continue
 		}
 		n := min(r.numTokens()-r.numComputed, budget)

@@ -169,6 +169,11 @@ func (m *kvMemory) writeToken(block, slot int, seed int64, token, pos int) {
 }
 
 // fillSlot writes one head's K or V vector of the token with key k.
+//
+// go:norace, as foldBytes: dst is KV memory (a mapped file, or the GPU
+// path's pinned staging), outside Go's heap.
+//
+//go:norace
 func fillSlot(dst []byte, k uint64, layer, kv, head int) {
 	w := 0
 	for ; (w+1)*8 <= len(dst); w++ {
@@ -253,6 +258,13 @@ func (h hostReader) read(region, off, n int) []byte { return h.m.regions[region]
 
 // foldBytes mixes b into h, 8 bytes at a time (a trailing partial word is
 // zero-padded). Any changed byte changes the result.
+//
+// go:norace: b is KV memory, mapped outside Go's heap, where the race
+// detector cannot see anything; instrumenting each word only cost time
+// (under -race the sim's steps took more than a core at 32 streams and
+// starved the migration they were meant to test: docs/architecture.md).
+//
+//go:norace
 func foldBytes(h uint64, b []byte) uint64 {
 	for len(b) >= 8 {
 		h = (h ^ binary.LittleEndian.Uint64(b)) * 0x9E3779B97F4A7C15

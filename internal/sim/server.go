@@ -92,6 +92,7 @@ func (s *Server) Handler() http.Handler {
 			writeJSON(w, http.StatusOK, map[string]string{"status": "resumed"})
 		})
 		r.Post("/scale_elastic_ep", s.scaleElasticEP)
+		r.Post("/vhi_sim/hold_tail", s.holdTail)
 		if err := s.hookRoutes(r); err != nil {
 			panic(err) // the table and the handlers disagree: a bug every test meets
 		}

@@ -3,6 +3,9 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"io"
+	"net/http"
+	"strings"
 	"testing"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
@@ -20,7 +23,11 @@ func TestMigrationCases(t *testing.T) {
 		if blocks == 0 {
 			blocks = 4096
 		}
-		d := deployWith(t, deployOptions{bBlocks: blocks, aArgs: shapeArgs(o.A), bArgs: shapeArgs(o.B), bActive: o.BActive,
+		aArgs := shapeArgs(o.A)
+		if o.SourceStep > 0 {
+			aArgs = append(aArgs, "--step-fixed", o.SourceStep.String())
+		}
+		d := deployWith(t, deployOptions{bBlocks: blocks, aArgs: aArgs, bArgs: shapeArgs(o.B), bActive: o.BActive,
 			aRanks: ranks(o.A), bRanks: ranks(o.B)})
 		d.client = hostClient(t, d.hostURL, d.tk.admin)
 		return d
@@ -56,6 +63,29 @@ func (d *deployment) Engine(id string) hooks.Engine {
 		panic(err) // the URLs are the deployment's own
 	}
 	return e
+}
+
+func (d *deployment) HoldTail(id string, tokens int) error {
+	url := d.aURL
+	if id == "B" {
+		url = d.bURL
+	}
+	req, err := http.NewRequest(http.MethodPost, url+"/vhi_sim/hold_tail", strings.NewReader(fmt.Sprintf(`{"tokens":%d}`, tokens)))
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Authorization", "Bearer "+d.tk.agent)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(resp.Body)
+		return fmt.Errorf("POST /vhi_sim/hold_tail: %s: %s", resp.Status, b)
+	}
+	return nil
 }
 
 func (d *deployment) Reference(reqs []loadgen.Request) []loadgen.Stream {

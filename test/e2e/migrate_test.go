@@ -250,9 +250,11 @@ func TestMigrationEveryStreamExact(t *testing.T) {
 	d := deploy(t, 4096)
 	reqs := load(64, 400)
 	want := d.reference(reqs)
+	release := framework.HoldStreams(t, d, "A") // every stream there to move, on any machine
 	running := d.startLoad(reqs)
 	time.Sleep(900 * time.Millisecond)
 	out, err := exec.Command(vhiBin, "migrate", "--host", d.hostURL, "--src", "A", "--dst", "B", "--wait", "--admin-token-file", d.tk.adminFile).CombinedOutput()
+	release()
 	if err != nil {
 		t.Fatalf("vhi migrate --wait: %v\n%s", err, out)
 	}
@@ -449,6 +451,7 @@ func TestDrainByCLI(t *testing.T) {
 	d := deployWith(t, deployOptions{bBlocks: 4096, bActive: true})
 	reqs := load(32, 400)
 	want := d.reference(reqs)
+	release := framework.HoldStreams(t, d, "B") // B's streams wait for the drain to move them
 	running := d.startLoad(reqs)
 	time.Sleep(900 * time.Millisecond)
 	if out, err := exec.Command(vhiBin, "drain", "nope", "--host", d.hostURL, "--admin-token-file", d.tk.adminFile).CombinedOutput(); err == nil ||
@@ -456,6 +459,7 @@ func TestDrainByCLI(t *testing.T) {
 		t.Fatalf("vhi drain of an unknown instance: %v\n%s", err, out)
 	}
 	out, err := exec.Command(vhiBin, "drain", "B", "--wait", "--host", d.hostURL, "--admin-token-file", d.tk.adminFile).CombinedOutput()
+	release()
 	if err != nil {
 		t.Fatalf("vhi drain --wait: %v\n%s", err, out)
 	}

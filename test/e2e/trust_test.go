@@ -24,6 +24,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
 	"github.com/vllm-hi/vllm-hi/internal/transfer"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/tcpshm"
+	"github.com/vllm-hi/vllm-hi/test/framework"
 )
 
 // The tests of this file reproduce what probing vllm-hi as an attacker and
@@ -33,9 +34,11 @@ import (
 // started, and checks every stream against want.
 func (d *deployment) migrateLoaded(t *testing.T, reqs []loadgen.Request, want []loadgen.Stream, req hostapi.MigrateRequest) hostapi.MigrationStatus {
 	t.Helper()
+	release := framework.HoldStreams(t, d, req.Src)
 	running := d.startLoad(reqs)
 	time.Sleep(900 * time.Millisecond)
 	st := d.waitMigration(t, req)
+	release()
 	checkExact(t, <-running, want)
 	return st
 }
@@ -213,6 +216,7 @@ func TestClientRequestIDsAreNotTrusted(t *testing.T) {
 	d := deploy(t, 4096)
 	reqs := load(8, 300)
 	want := d.reference(reqs)
+	release := framework.HoldStreams(t, d, "A")
 	running := make(chan []loadgen.Stream, 1)
 	go func() {
 		running <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: d.hostURL, Model: "m",
@@ -220,6 +224,7 @@ func TestClientRequestIDsAreNotTrusted(t *testing.T) {
 	}()
 	time.Sleep(900 * time.Millisecond)
 	st := d.waitMigration(t, hostapi.MigrateRequest{Src: "A", Dst: "B"})
+	release()
 	checkExact(t, <-running, want)
 	if st.State != "succeeded" || st.Migrated != 8 {
 		t.Fatalf("%+v", st)

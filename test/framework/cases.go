@@ -12,6 +12,12 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
 )
 
+// paced runs the source at 15 ms a step: a data-plane fault acts on what
+// the final round sends, so its case needs the source still writing when
+// the migration pauses it; at 6 ms a step a starved machine let every
+// stream reach its end (or its hold) before then.
+var paced = Options{SourceStep: 15 * time.Millisecond}
+
 // Cases are the migration tests every runner runs.
 func Cases() []Case {
 	cases := []Case{
@@ -20,9 +26,9 @@ func Cases() []Case {
 		{Name: "keep_source_active moves the longest 4", Run: keepSourceActive},
 		{Name: "an expression filter moves the tagged streams", Run: exprFilter},
 		{Name: "a target too small for every request's KV recomputes the rest", Options: Options{BBlocks: 70}, Run: scaleInOverflow},
-		{Name: "a cut data connection rolls back", Run: rollsBack("cut")},
-		{Name: "a frame that fails its checksum rolls back", Run: rollsBack("corrupt")},
-		{Name: "silent corruption is caught before the commit", Run: silentCorruption},
+		{Name: "a cut data connection rolls back", Options: paced, Run: rollsBack("cut")},
+		{Name: "a frame that fails its checksum rolls back", Options: paced, Run: rollsBack("corrupt")},
+		{Name: "silent corruption is caught before the commit", Options: paced, Run: silentCorruption},
 		{Name: "refused requests change nothing", Run: refusals},
 		{Name: "a drain moves every stream off A onto the active B and retires A", Options: Options{BActive: true}, Run: drainOnto},
 	}
@@ -43,9 +49,9 @@ func Cases() []Case {
 func RDMACases() []Case {
 	return []Case{
 		{Name: "rdma: destroy_source moves every stream exactly", Run: overRDMA},
-		{Name: "rdma: a cut data connection rolls back", Run: rollsBack("cut")},
-		{Name: "rdma: a frame that fails its checksum rolls back", Run: rollsBack("corrupt")},
-		{Name: "rdma: silent corruption is caught before the commit", Run: silentCorruption},
+		{Name: "rdma: a cut data connection rolls back", Options: paced, Run: rollsBack("cut")},
+		{Name: "rdma: a frame that fails its checksum rolls back", Options: paced, Run: rollsBack("corrupt")},
+		{Name: "rdma: silent corruption is caught before the commit", Options: paced, Run: silentCorruption},
 		{Name: "rdma: TP2 → TP1 moves every stream exactly", Options: Options{A: Shape{TP: 2}, B: Shape{TP: 1}}, Run: func(t *testing.T, c Cluster) {
 			shapeChange(Shape{TP: 2}, Shape{TP: 1})(t, c)
 		}},
@@ -317,6 +323,9 @@ func drainOnto(t *testing.T, c Cluster) {
 	}
 	reqs := Load(24, 300)
 	want := c.Reference(reqs)
+	// A's streams stay there until the drain has moved them (HoldStreams):
+	// "moved" is asserted, not left to the machine's speed.
+	release := HoldStreams(t, c, a)
 	running := make(chan []loadgen.Stream, 1)
 	go func() {
 		running <- loadgen.Run(ctx, loadgen.Config{BaseURL: c.HostURL(), Model: Model}, reqs)
@@ -337,6 +346,7 @@ func drainOnto(t *testing.T, c Cluster) {
 		t.Errorf("a second drain of A: %v, want 409", err)
 	}
 	st, err := c.Host().WaitDrain(wctx, id, 20*time.Millisecond, nil)
+	release()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -12,8 +12,11 @@ import (
 	"io"
 	"net/http"
 	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	"go.uber.org/goleak"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
@@ -30,6 +33,11 @@ type Options struct {
 	// BActive starts B active beside A (both serve the model) instead of
 	// standby.
 	BActive bool
+	// SourceStep is engine A's modelled step (0: the runner's 6 ms). A
+	// slower source writes fewer blocks per round and its streams outlast
+	// more rounds: the cases whose fault needs the source still writing
+	// in the final round run paced.
+	SourceStep time.Duration
 }
 
 // Shape is an engine's tensor- and pipeline-parallel size.
@@ -59,6 +67,11 @@ type Cluster interface {
 	Engine(id string) hooks.Engine
 	// Reference runs reqs on the reference engine: the unmigrated truth.
 	Reference(reqs []loadgen.Request) []loadgen.Stream
+	// HoldTail makes engine id (by vllm_hi_id) keep each request with at
+	// most tokens output tokens left from decoding further (vhi sim's
+	// POST /vhi_sim/hold_tail); 0 lifts the hold. What the streams
+	// generate does not change, only when.
+	HoldTail(id string, tokens int) error
 }
 
 // Runner starts a cluster for one test (stopped at the test's end).
@@ -72,9 +85,21 @@ type Case struct {
 }
 
 // Run runs every case against the runner, each on a cluster of its own.
+// A case leaves nothing running behind it: once its cluster has stopped,
+// every goroutine it started must have ended (a leaked engine loop, agent
+// or relay would slow the cases after it), or the case fails naming them.
 func Run(t *testing.T, start Runner, cases []Case) {
 	for _, c := range cases {
-		t.Run(c.Name, func(t *testing.T) { c.Run(t, start(t, c.Options)) })
+		t.Run(c.Name, func(t *testing.T) {
+			// Registered first, so it runs after the cluster's own cleanups.
+			ignore := goleak.IgnoreCurrent()
+			t.Cleanup(func() {
+				if err := goleak.Find(ignore); err != nil {
+					t.Errorf("the case left goroutines running after its cluster stopped: %v", err)
+				}
+			})
+			c.Run(t, start(t, c.Options))
+		})
 	}
 }
 
@@ -88,6 +113,35 @@ func Load(n, tokens int) []loadgen.Request {
 			MaxTokens: tokens + i%7, Seed: &seed, Temperature: float64(i%3) * 0.4, IgnoreEOS: true})
 	}
 	return reqs
+}
+
+// heldTail is how many output tokens a stream keeps when its engine holds
+// it (HoldStreams): a few steps' worth, so that the streams still write
+// KV through most of an operation on any machine.
+const heldTail = 8
+
+// HoldStreams keeps the streams on engine id alive until the returned
+// release is called (and at the test's end, whichever is first): a test
+// that asserts a migration or a drain moves every stream makes that true
+// by construction, not by the machine's speed. On a fast machine nothing
+// reaches the hold before the operation; on a slow one the streams wait
+// a few tokens short of their end until the operation moves them to an
+// engine that does not hold, or until release.
+func HoldStreams(t *testing.T, c Cluster, id string) (release func()) {
+	t.Helper()
+	if err := c.HoldTail(id, heldTail); err != nil {
+		t.Fatalf("hold the streams on %s: %v", id, err)
+	}
+	var once sync.Once
+	release = func() {
+		once.Do(func() {
+			if err := c.HoldTail(id, 0); err != nil {
+				t.Errorf("release the streams on %s: %v", id, err)
+			}
+		})
+	}
+	t.Cleanup(release)
+	return release
 }
 
 // StartLoad streams reqs through the Host in the background and returns
@@ -128,14 +182,18 @@ func CheckExact(t *testing.T, got, want []loadgen.Stream) {
 }
 
 // MigrateLoaded streams reqs, migrates mid-stream, waits for the end and
-// checks every stream against want.
+// checks every stream against want. The source holds the streams' last
+// tokens until the migration has ended (HoldStreams): every stream is
+// there to move however slowly the machine copies.
 func MigrateLoaded(t *testing.T, c Cluster, reqs []loadgen.Request, want []loadgen.Stream, req hostapi.MigrateRequest) hostapi.MigrationStatus {
 	t.Helper()
 	if req.Src == "" {
 		req.Src, req.Dst = c.A(), c.B()
 	}
+	release := HoldStreams(t, c, req.Src)
 	running := StartLoad(t, c, reqs, req.Src)
 	st := MigrateAndWait(t, c, req)
+	release()
 	CheckExact(t, <-running, want)
 	return st
 }
@@ -152,7 +210,21 @@ func MigrateAndWait(t *testing.T, c Cluster, req hostapi.MigrateRequest) hostapi
 	if err != nil {
 		t.Fatalf("migrate: %v", err)
 	}
+	t.Logf("migration %s: %s, %d moved, rounds %s", st.ID, st.State, st.Migrated, RoundsSummary(st))
 	return st
+}
+
+// RoundsSummary is a migration's rounds in one line (kind, blocks,
+// seconds): what a failure needs to say which side was slow.
+func RoundsSummary(st hostapi.MigrationStatus) string {
+	var b strings.Builder
+	for i, r := range st.Rounds {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		fmt.Fprintf(&b, "%s %d blocks %.3f s", r.Kind, r.BlockCount, r.DurationS)
+	}
+	return b.String()
 }
 
 // WaitFor polls cond for up to 20 s.

@@ -35,10 +35,17 @@ func InProcess(t *testing.T, o Options) Cluster {
 	if o.BBlocks > 0 {
 		b.NumBlocks = o.BBlocks
 	}
+	if o.SourceStep > 0 {
+		a.Step.Fixed = o.SourceStep
+	}
 	a.TP, a.PP = o.A.Sizes()
 	b.TP, b.PP = o.B.Sizes()
 	st, err := stack.Start(stack.Options{Model: Model, SimA: a, SimB: b, BActive: o.BActive, TuneHost: func(c *host.Config) {
 		c.Migration.AllowFaultInjection = true
+		// The binaries' heartbeat (test/e2e): at 200 ms, three missed
+		// beats were 0.6 s, which a starved machine under -race can miss
+		// and then refuse a migration as "not healthy".
+		c.HeartbeatInterval = 500 * time.Millisecond
 	}})
 	if err != nil {
 		t.Fatal(err)
@@ -70,6 +77,15 @@ func (c *inProcess) Engine(id string) hooks.Engine {
 		return c.st.B
 	}
 	return c.st.A
+}
+
+func (c *inProcess) HoldTail(id string, tokens int) error {
+	e := c.st.A
+	if id == c.st.BID {
+		e = c.st.B
+	}
+	e.HoldTail(tokens)
+	return nil
 }
 
 func (c *inProcess) Reference(reqs []loadgen.Request) []loadgen.Stream {
