@@ -65,6 +65,8 @@ func TestDrainWithNowhereToGoIsRefused(t *testing.T) {
 // draining — no new requests, its own finish there — until undrained.
 func TestAFailingDrainLeavesTheInstanceDraining(t *testing.T) {
 	r := newRig(t, rigOptions{bActive: true})
+	release := r.hold(r.st.AID) // streams left to move for all three tries
+	defer release()
 	done := r.loadThroughHost()
 	r.faults.mu.Lock()
 	r.faults.list = []*fault{{side: "src", method: "CopyRound", code: codes.Internal}}
@@ -76,6 +78,7 @@ func TestAFailingDrainLeavesTheInstanceDraining(t *testing.T) {
 		t.Fatal(err)
 	}
 	st, err := r.st.Client().WaitDrain(ctx, id, 10*time.Millisecond, nil)
+	release()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -129,6 +132,8 @@ func TestTheBalancerEvensOutTwoInstances(t *testing.T) {
 	if _, err := r.st.Host.Registry().SetState(r.st.BID, registry.StateDraining, registry.StateActive); err != nil {
 		t.Fatal(err)
 	}
+	release := r.hold(r.st.AID) // A's streams are there when the balancer moves them
+	defer release()
 	done := r.loadThroughHost()
 	if _, err := r.st.Client().Undrain(ctx, r.st.BID); err != nil {
 		t.Fatal(err)
@@ -156,6 +161,7 @@ func TestTheBalancerEvensOutTwoInstances(t *testing.T) {
 		t.Fatalf("decision %+v", d)
 	}
 	st, err := r.st.Client().WaitMigration(ctx, d.Migration, 10*time.Millisecond, nil)
+	release()
 	if err != nil || st.State != hostapi.StateSucceeded || st.Migrated == 0 || st.Type != hostapi.KeepSourceActive {
 		t.Fatalf("the balancer's migration: %+v %v", st, err)
 	}

@@ -166,6 +166,13 @@ func newRig(t *testing.T, o rigOptions) *rig {
 // faults set, and checks every stream against its unmigrated run.
 func (r *rig) migrate(req hostapi.MigrateRequest, fs ...*fault) (hostapi.MigrationStatus, error) {
 	r.t.Helper()
+	if req.Src == "" {
+		req.Src, req.Dst = r.st.AID, r.st.BID
+	}
+	// The source holds its streams' last tokens until the migration ends:
+	// they are there to move however slowly the machine copies (at 3 ms a
+	// step the load lasts about half a second).
+	release := r.hold(req.Src)
 	done := make(chan []loadgen.Stream, 1)
 	go func() {
 		done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: r.st.HostURL, Model: "m"}, r.reqs)
@@ -174,12 +181,10 @@ func (r *rig) migrate(req hostapi.MigrateRequest, fs ...*fault) (hostapi.Migrati
 	r.faults.mu.Lock()
 	r.faults.list = fs
 	r.faults.mu.Unlock()
-	if req.Src == "" {
-		req.Src, req.Dst = r.st.AID, r.st.BID
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	st, err := r.st.Client().MigrateAndWait(ctx, req, 10*time.Millisecond)
+	release()
 	got := <-done
 	for i := range r.reqs {
 		if got[i].Err != nil || got[i].Text != r.want[i].Text || got[i].Done != 1 {
@@ -187,6 +192,17 @@ func (r *rig) migrate(req hostapi.MigrateRequest, fs ...*fault) (hostapi.Migrati
 		}
 	}
 	return st, err
+}
+
+// hold makes engine id keep its streams' last tokens (vhi sim's hold)
+// until the returned release.
+func (r *rig) hold(id string) (release func()) {
+	e := r.st.A
+	if id == r.st.BID {
+		e = r.st.B
+	}
+	e.HoldTail(8)
+	return func() { e.HoldTail(0) }
 }
 
 // waitRunning waits (a few seconds at most) until the engines run the

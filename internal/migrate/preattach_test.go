@@ -49,6 +49,10 @@ func TestPreAttachedStreams(t *testing.T) {
 // rolling restart's drains met that: every stream broke).
 func TestStreamsMovedTwiceOverPreAttaches(t *testing.T) {
 	r := newRig(t, rigOptions{streams: 12, tokens: 480, tune: func(hc *host.Config) { hc.Migration.PreAttach = true }})
+	// Both engines hold the streams' last tokens until both hops are done.
+	releaseA, releaseB := r.hold(r.st.AID), r.hold(r.st.BID)
+	defer releaseA()
+	defer releaseB()
 	done := r.loadThroughHost()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -58,5 +62,7 @@ func TestStreamsMovedTwiceOverPreAttaches(t *testing.T) {
 			t.Fatalf("%s → %s: %+v %v", hop[0], hop[1], st, err)
 		}
 	}
+	releaseA()
+	releaseB()
 	r.exact(<-done)
 }

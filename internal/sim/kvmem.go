@@ -170,7 +170,7 @@ func (m *kvMemory) writeToken(block, slot int, seed int64, token, pos int) {
 
 // fillSlot writes one head's K or V vector of the token with key k.
 //
-// go:norace, as foldBytes: dst is KV memory (a mapped file, or the GPU
+// Not instrumented, as foldBytes: dst is KV memory (a mapped file, or the GPU
 // path's pinned staging), outside Go's heap.
 //
 //go:norace
@@ -259,7 +259,7 @@ func (h hostReader) read(region, off, n int) []byte { return h.m.regions[region]
 // foldBytes mixes b into h, 8 bytes at a time (a trailing partial word is
 // zero-padded). Any changed byte changes the result.
 //
-// go:norace: b is KV memory, mapped outside Go's heap, where the race
+// Not instrumented: b is KV memory, mapped outside Go's heap, where the race
 // detector cannot see anything; instrumenting each word only cost time
 // (under -race the sim's steps took more than a core at 32 streams and
 // starved the migration they were meant to test: docs/architecture.md).

@@ -8,6 +8,7 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
+	"github.com/vllm-hi/vllm-hi/test/framework"
 )
 
 // A rolling restart under a steady streaming load: each instance of the
@@ -20,6 +21,11 @@ func TestRollingRestartUnderLoad(t *testing.T) {
 	ctx := context.Background()
 	reqs := load(96, 300)
 	want := d.reference(reqs)
+	// Both engines hold their streams' last tokens, so a drain has
+	// streams to move however slowly the machine runs; a restarted engine
+	// holds nothing, so the streams moved onto it finish there.
+	framework.HoldStreams(t, d, "A")
+	framework.HoldStreams(t, d, "B")
 	got := make([]loadgen.Stream, len(reqs))
 	var wg sync.WaitGroup
 	sent := make(chan struct{})
