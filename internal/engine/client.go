@@ -12,6 +12,7 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
@@ -24,6 +25,12 @@ type Client struct {
 	base  string
 	token string
 	http  *http.Client
+	// coreSocket, when set, is the engine's core channel: the hooks whose
+	// whole work is the engine core's (requests, changes, pause, resume,
+	// allocate, stats) go there instead of through its API server.
+	coreSocket string
+	coreMu     sync.Mutex
+	core       *CoreChannel
 }
 
 var _ hooks.Engine = (*Client)(nil)
@@ -35,6 +42,9 @@ type Options struct {
 	Token string
 	// TLS verifies an https engine (nil: the system roots).
 	TLS *tls.Config
+	// CoreSocket is the engine's core channel (the vLLM plugin's
+	// --vllm-hi-core-socket); empty: every hook over HTTP.
+	CoreSocket string
 }
 
 // defaultTimeout bounds a call whose context has no deadline.
@@ -48,7 +58,52 @@ func NewClient(base string, o Options) (*Client, error) {
 		return nil, fmt.Errorf("engine URL %q: want http(s)://host:port", base)
 	}
 	tr := &http.Transport{Proxy: nil, TLSClientConfig: o.TLS, MaxIdleConnsPerHost: 64, IdleConnTimeout: 90 * time.Second}
-	return &Client{base: strings.TrimRight(base, "/"), token: o.Token, http: &http.Client{Transport: tr}}, nil
+	return &Client{base: strings.TrimRight(base, "/"), token: o.Token, http: &http.Client{Transport: tr}, coreSocket: o.CoreSocket}, nil
+}
+
+// coreChannel is the engine's core channel, dialled on first use; nil
+// when the client has none.
+func (c *Client) coreChannel(ctx context.Context) (*CoreChannel, error) {
+	if c.coreSocket == "" {
+		return nil, nil
+	}
+	c.coreMu.Lock()
+	defer c.coreMu.Unlock()
+	if c.core == nil {
+		ch, err := DialCore(ctx, c.coreSocket, c.token)
+		if err != nil {
+			return nil, err
+		}
+		c.core = ch
+	}
+	return c.core, nil
+}
+
+// viaCore runs op over the core channel when the client has one: ok is
+// false when it has none (the caller uses HTTP).
+func (c *Client) viaCore(ctx context.Context, op string, in, out any) (ok bool, t CoreTiming, err error) {
+	ch, err := c.coreChannel(ctx)
+	if ch == nil || err != nil {
+		return err != nil, CoreTiming{}, err
+	}
+	if _, has := ctx.Deadline(); !has {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, defaultTimeout)
+		defer cancel()
+	}
+	t, err = ch.Call(ctx, op, in, out)
+	return true, t, err
+}
+
+// Close closes the client's core channel, if it has one.
+func (c *Client) Close() error {
+	c.coreMu.Lock()
+	defer c.coreMu.Unlock()
+	if c.core != nil {
+		c.core.Close()
+		c.core = nil
+	}
+	return nil
 }
 
 // BaseURL is the engine's base URL.
@@ -167,21 +222,35 @@ func (c *Client) Layout(ctx context.Context) (out hooks.Layout, err error) {
 
 // Requests implements hooks.Engine.
 func (c *Client) Requests(ctx context.Context) (out hooks.RequestList, err error) {
+	if ok, _, err := c.viaCore(ctx, "requests", nil, &out); ok {
+		return out, err
+	}
 	return out, c.do(ctx, http.MethodGet, hooks.PathRequests, nil, &out)
 }
 
 // Changes implements hooks.Engine.
 func (c *Client) Changes(ctx context.Context, since uint64) (out hooks.Changes, err error) {
+	if ok, _, err := c.viaCore(ctx, "changes", map[string]uint64{"since": since}, &out); ok {
+		return out, err
+	}
 	return out, c.do(ctx, http.MethodGet, hooks.PathChanges+"?since="+strconv.FormatUint(since, 10), nil, &out)
 }
 
 // Pause implements hooks.Engine.
 func (c *Client) Pause(ctx context.Context, req hooks.PauseRequest) (out hooks.PauseResponse, err error) {
+	if ok, t, err := c.viaCore(ctx, "pause", req, &out); ok {
+		// The wait for the step boundary, as the engine core measured it.
+		out.StepWaitS = t.Wait.Seconds()
+		return out, err
+	}
 	return out, c.do(ctx, http.MethodPost, hooks.PathPause, req, &out)
 }
 
 // Resume implements hooks.Engine.
 func (c *Client) Resume(ctx context.Context, req hooks.ResumeRequest) (out hooks.ResumeResponse, err error) {
+	if ok, _, err := c.viaCore(ctx, "resume", req, &out); ok {
+		return out, err
+	}
 	return out, c.do(ctx, http.MethodPost, hooks.PathResume, req, &out)
 }
 
@@ -192,6 +261,9 @@ func (c *Client) Export(ctx context.Context, req hooks.ExportRequest) (out hooks
 
 // Allocate implements hooks.Engine.
 func (c *Client) Allocate(ctx context.Context, req hooks.AllocateRequest) (out hooks.AllocateResponse, err error) {
+	if ok, _, err := c.viaCore(ctx, "allocate", req, &out); ok {
+		return out, err
+	}
 	return out, c.do(ctx, http.MethodPost, hooks.PathAllocate, req, &out)
 }
 
@@ -207,6 +279,9 @@ func (c *Client) Abort(ctx context.Context, req hooks.AbortRequest) (out hooks.A
 
 // Stats implements hooks.Engine.
 func (c *Client) Stats(ctx context.Context) (out hooks.Stats, err error) {
+	if ok, _, err := c.viaCore(ctx, "stats", nil, &out); ok {
+		return out, err
+	}
 	return out, c.do(ctx, http.MethodGet, hooks.PathStats, nil, &out)
 }
 

@@ -106,13 +106,21 @@ var (
 	// token (VLLM_HI_ENGINE_TOKEN_FILE), the Host's changes the admin one.
 	agentToken, adminToken = "conformance-agent-token", "conformance-admin-token"
 	agentTokenFile         string
+	// coreSockets are engines A's and B's core channels (the plugin's
+	// --vllm-hi-core-socket), by type.
+	coreSockets = map[string]string{}
+	tokDir      string
 )
 
 func TestMain(m *testing.M) {
 	var stops []func()
-	tokDir, err := os.MkdirTemp("", "vhi-conformance-tokens-")
+	var err error
+	tokDir, err = os.MkdirTemp("", "vhi-conformance-tokens-")
 	if err != nil {
 		panic(err)
+	}
+	for _, typ := range []string{"A", "B"} {
+		coreSockets[typ] = filepath.Join(tokDir, "core-"+typ+".sock")
 	}
 	agentTokenFile = filepath.Join(tokDir, "agent-token")
 	if err := os.WriteFile(agentTokenFile, []byte(agentToken+"\n"), 0o600); err != nil {
@@ -183,7 +191,7 @@ func startVLLM(venv, model, typ string) (string, func(), error) {
 		"--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "16",
 		"--vllm-hi-type", typ)
 	cmd.Env = append(os.Environ(), "VLLM_TARGET_DEVICE=cpu", "VLLM_CPU_KVCACHE_SPACE=1", "HF_HUB_OFFLINE=1", "VLLM_HI_AGENT=off",
-		"VLLM_HI_ENGINE_TOKEN_FILE="+agentTokenFile)
+		"VLLM_HI_ENGINE_TOKEN_FILE="+agentTokenFile, "VLLM_HI_CORE_SOCKET="+coreSockets[typ])
 	cmd.Stdout, cmd.Stderr = &vllmLogs, &vllmLogs
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	start := time.Now()

@@ -38,8 +38,12 @@ func startHostWith(t *testing.T, cfg host.Config) (url, addr string, h *host.Hos
 
 func startAgent(t *testing.T, hostAddr, engineURL, typ string) {
 	t.Helper()
+	// The vLLM engines serve their core channel: the agent takes the
+	// engine core's hooks (pause, resume, list, changes, allocate, stats)
+	// through it, as a deployment with --vllm-hi-core-socket does.
+	core := map[string]string{vllmURL: coreSockets["A"], vllmBURL: coreSockets["B"]}[engineURL]
 	a, err := agent.New(agent.Config{Type: typ, HostAddr: hostAddr, EngineURL: engineURL, Listen: "127.0.0.1:0",
-		AdvertiseHost: "127.0.0.1", TP: 1, PP: 1, EngineWait: time.Minute, AgentToken: agentToken}, zap.NewNop())
+		AdvertiseHost: "127.0.0.1", TP: 1, PP: 1, EngineWait: time.Minute, AgentToken: agentToken, EngineCoreSocket: core}, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -24,8 +24,8 @@ func TestRollingRestartUnderLoad(t *testing.T) {
 	// Both engines hold their streams' last tokens, so a drain has
 	// streams to move however slowly the machine runs; a restarted engine
 	// holds nothing, so the streams moved onto it finish there.
-	framework.HoldStreams(t, d, "A")
-	framework.HoldStreams(t, d, "B")
+	releaseA := framework.HoldStreams(t, d, "A")
+	releaseB := framework.HoldStreams(t, d, "B")
 	got := make([]loadgen.Stream, len(reqs))
 	var wg sync.WaitGroup
 	sent := make(chan struct{})
@@ -65,6 +65,10 @@ func TestRollingRestartUnderLoad(t *testing.T) {
 			return instance(t, d.hostURL, id).Lifecycle == "active"
 		})
 	}
+	// The restarted engines hold nothing; lift the holds while they are up
+	// (the restarts' own cleanups stop them before the test's end).
+	releaseA()
+	releaseB()
 	<-sent
 	wg.Wait()
 	checkExact(t, got, want)

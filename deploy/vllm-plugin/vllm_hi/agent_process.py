@@ -39,6 +39,8 @@ def start(cfg, args) -> None:
         cmd += ["--type", cfg.type]
     if cfg.id:
         cmd += ["--id", cfg.id]
+    if cfg.core_socket:
+        cmd += ["--engine-core-socket", cfg.core_socket]
     try:
         _agent = subprocess.Popen(cmd, env=agent_env(os.environ))
     except OSError as e:

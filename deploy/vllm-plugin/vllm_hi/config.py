@@ -25,6 +25,9 @@ ENV_HOOK_LEASE = "VLLM_HI_HOOK_LEASE_S"
 # Unset: the agent-token a vhi host on this machine keeps in its default
 # data directory, if there is one; else the hooks are open (and say so).
 ENV_ENGINE_TOKEN_FILE = "VLLM_HI_ENGINE_TOKEN_FILE"
+# The core channel's Unix socket (core_channel.py): the agent's direct line
+# into the EngineCore process. Unset: no channel (the hooks over HTTP only).
+ENV_CORE_SOCKET = "VLLM_HI_CORE_SOCKET"
 
 
 class ConfigError(ValueError):
@@ -43,6 +46,7 @@ class Config:
     token: str = ""       # the agent token the hooks require ("" = open)
     token_file: str = ""  # where it came from
     id: str = ""          # the vllm_hi_id to register as (a Host-launched target's {id})
+    core_socket: str = ""  # the core channel's Unix socket ("" = no channel)
 
     @property
     def enabled(self) -> bool:
@@ -83,11 +87,17 @@ def load(env=None) -> Config:
     except ValueError:
         raise ConfigError(f"{ENV_HOOK_LEASE}: not a number") from None
     token, token_file = _engine_token(env)
+    core_socket = env.get(ENV_CORE_SOCKET, "").strip()
+    if core_socket and not os.path.isabs(core_socket):
+        raise ConfigError(f"--vllm-hi-core-socket / {ENV_CORE_SOCKET}: {core_socket!r} is not an absolute path")
+    if len(core_socket.encode()) > 107:
+        raise ConfigError(f"--vllm-hi-core-socket / {ENV_CORE_SOCKET}: a Unix socket path is at most 107 bytes, "
+                          f"{core_socket!r} has {len(core_socket.encode())}")
     return Config(type=typ, host=host,
                   data_port=_port(env.get(ENV_DATA_PORT, "0") or "0", f"--vllm-hi-data-port / {ENV_DATA_PORT}"),
                   backend=backend, agent=env.get(ENV_AGENT, "vhi"),
                   shm_dir=env.get(ENV_SHM_DIR, "/dev/shm"), hook_lease_s=lease, token=token, token_file=token_file,
-                  id=env.get(ENV_ID, "").strip())
+                  id=env.get(ENV_ID, "").strip(), core_socket=core_socket)
 
 
 def default_data_dir(env) -> str:
@@ -159,6 +169,14 @@ def add_cli_args(parser) -> None:
                    check=lambda v: _port(v, "--vllm-hi-data-port"),
                    default=os.environ.get(ENV_DATA_PORT), metavar="PORT",
                    help="the agent's KV data-plane TCP port (0: any free port)")
+
+    def sock(v):
+        load({ENV_CORE_SOCKET: v})
+
+    g.add_argument("--vllm-hi-core-socket", action=_EnvAction, env_name=ENV_CORE_SOCKET, check=sock,
+                   default=os.environ.get(ENV_CORE_SOCKET), metavar="PATH",
+                   help="serve the core channel (the agent's direct line into the engine core, "
+                        "answered at step boundaries) on this Unix socket")
 
 
 _enabled_cache: list[bool] = []

@@ -1,10 +1,11 @@
 """Engine-core side of the hooks: runs in vLLM's EngineCore process.
 
 The API server reaches it through one utility method added to EngineCore,
-`vllm_hi_hook(op, payload)` (JSON in, JSON out). Utility calls run on the
-EngineCore busy loop between steps; vllm-hi requires synchronous
-scheduling (no step in flight between two utility calls), so every hook
-acts exactly at a step boundary.
+`vllm_hi_hook(op, payload)` (JSON in, JSON out); the agent can also reach
+it directly through the core channel (core_channel.py) when the engine
+serves one (--vllm-hi-core-socket). Both run on the EngineCore busy loop
+between steps; vllm-hi requires synchronous scheduling (no step in flight
+between two utility calls), so every hook acts exactly at a step boundary.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 
 import msgspec
 
+from .core_channel import Boundary, ChannelServer, Snapshot
 from .wire import HookError, Leases, WriteLog
 
 _RESERVATION_LEASE_S = 10.0
@@ -36,6 +38,12 @@ class CoreState:
         self.uncommitted: dict[str, tuple[object, int]] = {}  # id -> (Request, num_computed_tokens)
         self.steps = 0
         scheduler.kv_cache_manager._vhi_log = self.log
+        # The core channel's commands, run by the busy loop at step
+        # boundaries; its server (if any) and what the loop publishes for
+        # questions that need no boundary.
+        self.boundary = Boundary()
+        self.snapshot = Snapshot()
+        self.channel = None
 
     # ---- helpers -------------------------------------------------------
 
@@ -263,6 +271,18 @@ class CoreState:
         self.leases.resume(aborted)
         return {"aborted": aborted}
 
+    def publish(self) -> None:
+        """What the core channel answers without a step boundary: the state
+        at the last boundary (its cursor says which)."""
+        self.snapshot.publish({"stats": self.stats()})
+
+    def sleeping(self) -> bool:
+        """vLLM's own is_sleeping (what the HTTP stats hook asks): two
+        attribute reads, safe from the channel's thread, and always fresh
+        (a sleep completes without a step to publish it)."""
+        fn = getattr(self, "is_sleeping", None)
+        return bool(fn()) if fn is not None else False
+
     def stats(self) -> dict:
         reqs = [r for r in self.sched.requests.values() if not r.is_finished()]
         free, total = self.free_blocks(), self.total_blocks()
@@ -302,6 +322,7 @@ def patch_scheduler() -> None:
         if not enabled():
             return orig_schedule(self, *args, **kwargs)
         st = _state(self)
+        st.boundary.begin_step()
         st.expire(time.time())
         hidden = []
         if len(st.leases):
@@ -337,6 +358,7 @@ def patch_scheduler() -> None:
         finally:
             st.steps += 1
             st.log.end_step()
+            st.boundary.end_step(st.publish if st.channel is not None else None)
 
     def free(self, request):
         log = getattr(self, "_vhi_log", None)
@@ -354,10 +376,12 @@ def patch_scheduler() -> None:
 
 
 def patch_engine_core() -> None:
-    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.engine.core import DPEngineCoreProc, EngineCore, EngineCoreProc
 
     if hasattr(EngineCore, "vllm_hi_hook"):
         return
+    _patch_core_channel(EngineCoreProc, DPEngineCoreProc)
+    _record_external_ids()
 
     def vllm_hi_hook(self, op: str, payload: str) -> str:
         t0 = time.perf_counter()
@@ -445,3 +469,199 @@ def _release(core, st) -> dict:
         return {"released": False, "busy": 1}
     sizes = core.model_executor.collective_rpc(worker.release_kv)
     return {"released": True, "bytes": sum(sizes)}
+
+
+# ---- the core channel --------------------------------------------------------
+
+
+def _record_external_ids() -> None:
+    """Keeps each engine-core request's external id (the API server's, which
+    the Host's id derives from) on the request: the core channel speaks the
+    Host's ids without asking the API server."""
+    from vllm.v1.request import Request
+
+    orig = Request.from_engine_core_request
+    if getattr(orig, "_vllm_hi", False):
+        return
+    fn = orig.__func__
+
+    def from_engine_core_request(cls, request, *args, **kwargs):
+        req = fn(cls, request, *args, **kwargs)
+        ext = getattr(request, "external_req_id", None)
+        if ext:
+            req._vhi_ext = ext
+        return req
+
+    from_engine_core_request._vllm_hi = True
+    Request.from_engine_core_request = classmethod(from_engine_core_request)
+
+
+def host_id_of(req) -> str:
+    """The Host's id of an engine-core request: the API server's external id
+    ("cmpl-{id}-0" for a completion's one prompt, the id itself for a chat),
+    or the id itself for a request a migration installed here."""
+    ext = getattr(req, "_vhi_ext", None) or req.request_id
+    if ext.startswith("cmpl-") and ext.endswith("-0"):
+        return ext[:-2]
+    return ext
+
+
+def _is_stream(req) -> bool:
+    """A streaming client's request: the API server asks for deltas."""
+    sp = req.sampling_params
+    kind = getattr(sp, "output_kind", None) if sp is not None else None
+    return getattr(kind, "name", "") == "DELTA"
+
+
+class HostIDs:
+    """The core channel's ids: the Host's, mapped to the engine core's at
+    each boundary (a request's internal id is its external one plus vLLM's
+    random suffix)."""
+
+    def __init__(self, st: CoreState):
+        self.st = st
+        self.seen: dict[str, str] = {}  # internal -> host id, for owners of freed blocks
+
+    def host(self, rid: str) -> str:
+        req = self.st.sched.requests.get(rid)
+        if req is None:
+            return self.seen.get(rid, rid)
+        hid = self.seen[rid] = host_id_of(req)
+        if len(self.seen) > 65536:
+            self.seen.clear()
+        return hid
+
+    def internal(self, hids) -> list[str]:
+        by_host = {host_id_of(r): rid for rid, r in self.st.sched.requests.items() if not r.is_finished()}
+        for rid in self.st.reserved:
+            by_host.setdefault(rid, rid)  # installed or reserved here: the Host's id already
+        return [by_host.get(h, h) for h in hids]
+
+
+def _ch_requests(st, ids: HostIDs, p: dict) -> dict:
+    out = st.requests()
+    for r in out["requests"]:
+        req = st.sched.requests[r["request_id"]]
+        r["stream"] = _is_stream(req)
+        r["request_id"] = ids.host(r["request_id"])
+    return out
+
+
+def _ch_changes(st, ids: HostIDs, p: dict) -> dict:
+    out = st.changes(int(p.get("since", 0)))
+    for w in out["written"]:
+        w["request_id"] = ids.host(w["request_id"])
+    return out
+
+
+def _ch_pause(st, ids: HostIDs, p: dict) -> dict:
+    internal = ids.internal(p.get("request_ids") or [])
+    out = st.pause(internal, int(p.get("lease_ms") or 0))
+    out["paused"] = [ids.host(i) for i in out["paused"]]
+    out.pop("paused_at", None)  # the channel's own wait_ms says how long the boundary took
+    return out
+
+
+def _ch_resume(st, ids: HostIDs, p: dict) -> dict:
+    out = st.resume(ids.internal(p.get("request_ids") or []))
+    out["resumed"] = [ids.host(i) for i in out["resumed"]]
+    return out
+
+# The marker a channel command puts on the busy loop's input queue to wake
+# it: vLLM's WAKEUP sentinel, which its handler ignores; ours drains the
+# channel's commands first.
+_WAKE_MARK = "vllm_hi"
+
+
+def _patch_core_channel(proc_cls, dp_cls) -> None:
+    """Starts the core channel in each EngineCoreProc that is configured
+    for one, and drains its commands when the loop is woken for them.
+
+    The channel starts as the busy loop does: vLLM loads this plugin from
+    inside EngineCore.__init__ (so a patched __init__ would come too late
+    for the engine being built), and the loop is what runs its commands."""
+    from vllm.v1.engine import EngineCoreRequestType
+
+    orig_handle = proc_cls._handle_client_request
+
+    def with_channel(orig_loop):
+        def run_busy_loop(self):
+            from .config import enabled, load
+
+            if enabled():
+                cfg = load()
+                if cfg.core_socket and _state(self.scheduler).channel is None:
+                    start_channel(self, cfg)
+            return orig_loop(self)
+
+        return run_busy_loop
+
+    def _handle_client_request(self, request_type, request):
+        if request_type == EngineCoreRequestType.WAKEUP and request == _WAKE_MARK:
+            st = getattr(self.scheduler, "_vhi", None)
+            if st is not None:
+                st.boundary.drain()
+                if st.channel is not None:
+                    st.publish()
+            return None
+        out = orig_handle(self, request_type, request)
+        st = getattr(self.scheduler, "_vhi", None)
+        if st is not None and st.channel is not None:
+            # An input between steps (an abort, a utility call) changes
+            # what an idle engine's snapshot says.
+            st.publish()
+        return out
+
+    proc_cls.run_busy_loop = with_channel(proc_cls.run_busy_loop)
+    if "run_busy_loop" in vars(dp_cls):
+        dp_cls.run_busy_loop = with_channel(dp_cls.run_busy_loop)
+    proc_cls._handle_client_request = _handle_client_request
+
+
+def start_channel(core, cfg) -> ChannelServer:
+    """Serves the core channel for core (an EngineCoreProc) on
+    cfg.core_socket. Its commands are the hooks' engine-core side, plus
+    combined ones that save a round trip inside a migration's pause."""
+    from vllm.v1.engine import EngineCoreRequestType
+
+    st = _state(core.scheduler)
+    if not hasattr(st, "block_hasher"):
+        st.block_hasher = getattr(core, "request_block_hasher", None)
+    # What vLLM's own /is_sleeping answers (the HTTP stats hook asks it).
+    st.is_sleeping = getattr(core, "is_sleeping", None)
+    st.boundary.wake = lambda: core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, _WAKE_MARK))
+
+    def op(name):
+        return lambda p: _dispatch(core, name, p)
+
+    # The engine core's side of each hook, in its own ids ("core_" ops),
+    # and the hooks the agent can take from here whole, in the Host's ids.
+    ops = {"core_" + name: op(name) for name in _OPS}
+    ops["core_pause_export"] = lambda p: _pause_export(core, st, p)
+    ids = HostIDs(st)
+    for name, fn in (("requests", _ch_requests), ("changes", _ch_changes), ("pause", _ch_pause), ("resume", _ch_resume)):
+        ops[name] = (lambda f: lambda p: f(st, ids, p))(fn)
+    ops["allocate"] = op("allocate")  # reservations are named by the Host's ids already
+    snapshot_ops = {
+        "stats": lambda p, snap: dict(snap.get("stats") or {}, sleeping=st.sleeping()),
+        "ping": lambda p, snap: {"steps": st.boundary.steps, "snapshot_at": st.snapshot.at},
+    }
+    st.publish()
+    st.channel = ChannelServer(cfg.core_socket, cfg.token, st.boundary, ops, snapshot_ops, st.snapshot)
+    st.channel.start()
+    return st.channel
+
+
+def _pause_export(core, st, p: dict) -> dict:
+    """A source's side of the pause in one boundary: pause the requests and
+    export their state (what changed since the last round is `changes`,
+    in the same boundary when since is given)."""
+    ids = p.get("request_ids") or []
+    paused = st.pause(ids, int(p.get("lease_ms") or 0))
+    out = _export(core, st, {"request_ids": paused["paused"]})
+    out["paused"] = paused["paused"]
+    out["lease_expires_at"] = paused["lease_expires_at"]
+    out["paused_at"] = paused["paused_at"]
+    if p.get("since") is not None:
+        out["changes"] = st.changes(int(p["since"]))
+    return out

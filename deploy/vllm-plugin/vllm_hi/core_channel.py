@@ -1,0 +1,301 @@
+"""The core channel: the agent's direct line into vLLM's EngineCore process.
+
+The hooks behind `/vllm_hi/engine/*` travel HTTP -> the API server -> an
+engine-core utility call, which the busy loop picks up only at the top of
+an iteration and answers through the asyncio loop that also serves every
+client stream: under load a call whose own work is a millisecond waits
+tens of milliseconds (docs/benchmarks.md). The core channel skips the API
+server. A server thread in the engine-core process listens on a Unix
+socket; the busy-loop thread runs each command at the next step boundary
+(an idle loop is woken for it), and questions that need no boundary are
+answered from a snapshot the loop publishes after every step.
+
+Wire: each frame is a 4-byte big-endian length and a JSON object. A
+connection opens with {"op": "hello", "token": T, "version": 1}, answered
+{"ok": {"version": 1, "pid": P}} or an error and a close. Then each
+request {"id": N, "op": OP, "payload": {...}} gets one answer
+{"id": N, "ok": ..., "core_ms": C, "wait_ms": W} (C: the command's own
+time on the loop thread; W: how long it waited for a step boundary) or
+{"id": N, "error": {"status", "message", "param"}}. Requests on one
+connection are answered in order; a client opens several connections to
+overlap them.
+
+Nothing here imports vLLM: tests/test_core_channel.py runs it alone.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from .wire import HookError
+
+LOG = logging.getLogger("vllm.vllm_hi")
+
+VERSION = 1
+MAX_FRAME = 64 << 20  # a request's JSON: an install of 256 requests' tokens fits many times over
+# How long a command waits for a step boundary before it is answered 504:
+# the busy loop reaches one within a step unless the engine is wedged.
+BOUNDARY_TIMEOUT_S = 10.0
+
+
+class Boundary:
+    """Runs commands on the busy-loop thread at a step boundary.
+
+    Every command runs on the loop's own thread, as a utility call does, so
+    nothing the scheduler or the executor does runs beside it. The patched
+    scheduler drains the queue at the top of schedule() and at the end of
+    update_from_output(): with synchronous scheduling nothing is in flight
+    at either point. A command submitted between steps (the engine idle, or
+    handling its input) wakes the loop through its input queue (wake), and
+    the patched input handler drains it there.
+    """
+
+    def __init__(self, wake=None, timeout_s: float = BOUNDARY_TIMEOUT_S):
+        self.mu = threading.Lock()
+        self.pending: deque = deque()
+        self.wake = wake  # puts a marker on the loop's input queue
+        self.timeout_s = timeout_s
+        self.steps = 0
+
+    def submit(self, fn):
+        """Runs fn at the next boundary; returns (result, wait_ms, core_ms).
+        fn's exceptions propagate; a boundary that does not come within
+        timeout_s raises HookError 504 (and fn never runs)."""
+        fut: Future = Future()
+        with self.mu:
+            self.pending.append((fn, fut, time.perf_counter()))
+        if self.wake is not None:
+            self.wake()
+        try:
+            return fut.result(self.timeout_s)
+        except FutureTimeout:
+            if fut.cancel():  # not started: it never will
+                raise HookError(504, f"the engine reached no step boundary within {self.timeout_s:.0f} s") from None
+            return fut.result()  # started just now: its answer comes
+
+    def drain(self) -> None:
+        """Runs every pending command (on the loop's thread)."""
+        while True:
+            with self.mu:
+                if not self.pending:
+                    return
+                fn, fut, t0 = self.pending.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            t1 = time.perf_counter()
+            try:
+                out = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+                continue
+            fut.set_result((out, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
+
+    def begin_step(self) -> None:
+        if self.pending:
+            self.drain()
+
+    def end_step(self, publish=None) -> None:
+        self.steps += 1
+        if self.pending:
+            self.drain()
+        if publish is not None:
+            publish()
+
+
+class Snapshot:
+    """The latest state the loop published: replaced whole, read without a
+    lock (a reference swap is atomic)."""
+
+    def __init__(self):
+        self.value: dict = {}
+        self.at = 0.0
+
+    def publish(self, value: dict) -> None:
+        self.value, self.at = value, time.time()
+
+
+def _read_exact(conn: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def read_frame(conn: socket.socket):
+    """One frame's JSON, or None at a clean end of stream."""
+    hdr = _read_exact(conn, 4)
+    if hdr is None:
+        return None
+    (n,) = struct.unpack(">I", hdr)
+    if n > MAX_FRAME:
+        raise HookError(413, f"a frame of {n} bytes is over the limit of {MAX_FRAME}")
+    body = _read_exact(conn, n)
+    if body is None:
+        raise HookError(400, "the connection ended inside a frame")
+    try:
+        msg = json.loads(body)
+    except ValueError as e:
+        raise HookError(400, f"a frame is not JSON: {e}") from None
+    if not isinstance(msg, dict):
+        raise HookError(400, "a frame must be a JSON object")
+    return msg
+
+
+def write_frame(conn: socket.socket, msg: dict) -> None:
+    body = json.dumps(msg, separators=(",", ":")).encode()
+    conn.sendall(struct.pack(">I", len(body)) + body)
+
+
+def _error(e: HookError, rid=None) -> dict:
+    out = {"error": {"status": e.status, "message": e.message, "param": e.param}}
+    if rid is not None:
+        out["id"] = rid
+    return out
+
+
+class ChannelServer:
+    """Serves the core channel on a Unix socket.
+
+    boundary_ops: op -> fn(payload) run at a step boundary, on the
+    loop's thread.
+    snapshot_ops: op -> fn(payload, snapshot dict) answered at once.
+    """
+
+    def __init__(self, path: str, token: str, boundary: Boundary, boundary_ops: dict, snapshot_ops: dict,
+                 snapshot: Snapshot):
+        self.path = path
+        self.token = token
+        self.boundary = boundary
+        self.boundary_ops = boundary_ops
+        self.snapshot_ops = snapshot_ops
+        self.snapshot = snapshot
+        self.sock: socket.socket | None = None
+        self.closed = threading.Event()
+        self.conns: set = set()
+        self.mu = threading.Lock()
+
+    def start(self) -> None:
+        d = os.path.dirname(self.path) or "."
+        os.makedirs(d, exist_ok=True)
+        try:
+            os.unlink(self.path)  # a stale socket of an earlier engine
+        except FileNotFoundError:
+            pass
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket is the owner's alone: 0600
+        try:
+            s.bind(self.path)
+        finally:
+            os.umask(old)
+        s.listen(64)
+        self.sock = s
+        threading.Thread(target=self._accept, name="vllm-hi-core-channel", daemon=True).start()
+        LOG.info("vllm_hi core channel on %s (%s)", self.path, "token required" if self.token else "no token: open to this machine's users")
+
+    def close(self) -> None:
+        self.closed.set()
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+        with self.mu:
+            conns = list(self.conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with self.mu:
+                self.conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="vllm-hi-core-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            if not self._hello(conn):
+                return
+            while True:
+                try:
+                    msg = read_frame(conn)
+                except HookError as e:
+                    write_frame(conn, _error(e))
+                    return
+                if msg is None:
+                    return
+                write_frame(conn, self.handle(msg))
+        except OSError:
+            pass
+        finally:
+            with self.mu:
+                self.conns.discard(conn)
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def _hello(self, conn: socket.socket) -> bool:
+        try:
+            msg = read_frame(conn)
+        except HookError as e:
+            write_frame(conn, _error(e))
+            return False
+        if msg is None:
+            return False
+        if msg.get("op") != "hello":
+            write_frame(conn, _error(HookError(400, "a connection opens with a hello")))
+            return False
+        if msg.get("version") != VERSION:
+            write_frame(conn, _error(HookError(400, f"core channel version {msg.get('version')!r}: this engine speaks {VERSION}", "version")))
+            return False
+        tok = str(msg.get("token") or "")
+        if self.token and not hmac.compare_digest(tok.encode(), self.token.encode()):
+            write_frame(conn, _error(HookError(401, "the core channel needs the agent's credential", "token")))
+            return False
+        write_frame(conn, {"ok": {"version": VERSION, "pid": os.getpid()}})
+        return True
+
+    def handle(self, msg: dict) -> dict:
+        rid = msg.get("id")
+        op = msg.get("op")
+        payload = msg.get("payload") or {}
+        if not isinstance(payload, dict):
+            return _error(HookError(400, "payload must be a JSON object", "payload"), rid)
+        try:
+            if op in self.snapshot_ops:
+                t0 = time.perf_counter()
+                out = self.snapshot_ops[op](payload, self.snapshot.value)
+                return {"id": rid, "ok": out, "core_ms": (time.perf_counter() - t0) * 1e3, "wait_ms": 0.0}
+            fn = self.boundary_ops.get(op)
+            if fn is None:
+                raise HookError(404, f"unknown core channel op {op!r}", "op")
+            out, wait_ms, core_ms = self.boundary.submit(lambda: fn(payload))
+            return {"id": rid, "ok": out, "core_ms": core_ms, "wait_ms": wait_ms}
+        except HookError as e:
+            return _error(e, rid)
+        except Exception as e:  # noqa: BLE001 - an engine-side bug answers 500, the channel lives on
+            LOG.exception("vllm_hi core channel op %s failed", op)
+            return _error(HookError(500, f"{op}: {type(e).__name__}: {e}"), rid)

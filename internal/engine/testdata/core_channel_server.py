@@ -1,0 +1,34 @@
+"""The plugin's core channel server on a loop that steps every 5 ms, for
+corechannel_test.go: python3 core_channel_server.py PLUGIN_DIR SOCKET TOKEN"""
+
+import sys
+import threading
+import time
+
+sys.path.insert(0, sys.argv[1])
+
+from vllm_hi.core_channel import Boundary, ChannelServer, Snapshot  # noqa: E402
+from vllm_hi.wire import HookError  # noqa: E402
+
+b = Boundary()
+snap = Snapshot()
+state = {"paused": []}
+
+
+def pause(p):
+    ids = p.get("request_ids") or []
+    if "missing" in ids:
+        raise HookError(404, "Request missing is not running here.", "request_ids")
+    state["paused"] = ids
+    return {"paused": ids, "thread": threading.current_thread().name}
+
+
+srv = ChannelServer(sys.argv[2], sys.argv[3], b, {"pause": pause}, {"stats": lambda p, s: s}, snap)
+srv.start()
+print("ready", flush=True)
+steps = 0
+while True:
+    b.begin_step()
+    time.sleep(0.005)
+    steps += 1
+    b.end_step(lambda: snap.publish({"steps": steps, "paused": len(state["paused"])}))
