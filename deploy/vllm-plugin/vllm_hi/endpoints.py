@@ -41,8 +41,11 @@ class VhiEndpoints:
                                f"this is vLLM {vllm.__version__}")
         sc = engine_client.vllm_config.scheduler_config
         if getattr(sc, "async_scheduling", False):
-            raise RuntimeError("vllm-hi needs synchronous scheduling so hooks act between steps: "
-                               "start vllm serve with --no-async-scheduling")
+            # vLLM's default: a step is in flight at every boundary, so a
+            # pause answers once the paused requests' last step came back
+            # (engine_core._pause_op) and the write log's cursor follows the
+            # oldest step in flight (wire.WriteLog).
+            log.info("vllm-hi: asynchronous scheduling is on: a pause lands when the step in flight comes back")
         patches.patch_serving()
         patches.wrap_prompt_len()
         if not cfg.token:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import base64
 import json
 import time
+from concurrent.futures import Future
 
 import msgspec
 
-from .core_channel import Boundary, ChannelServer, Snapshot
+from .core_channel import Boundary, ChannelServer, Deferred, Snapshot
 from .wire import HookError, Leases, WriteLog
 
 _RESERVATION_LEASE_S = 10.0
@@ -112,13 +113,23 @@ class CoreState:
         # downtime.
         return {"paused": ids, "cursor": self.log.cursor, "lease_expires_at": exp, "paused_at": time.time()}
 
+    def quiescent(self, ids) -> bool:
+        """No step in flight touches these requests: their last scheduled
+        step came back (with asynchronous scheduling the next step is
+        scheduled before the last one's output arrives)."""
+        for rid in ids:
+            req = self.sched.requests.get(rid)
+            if req is not None and (getattr(req, "num_in_flight_tokens", 0) or getattr(req, "num_output_placeholders", 0)):
+                return False
+        return True
+
     def resume(self, ids) -> dict:
         pending = [i for i in (ids or list(self.uncommitted)) if i in self.uncommitted]
         for rid in pending:
             req, computed = self.uncommitted.pop(rid)
             self._commit(rid, req, computed)
-        if pending and not self.log.in_step:
-            self.log.cursor += 1
+        if pending:
+            self.log.mutation()
         return {"resumed": pending + self.leases.resume(ids or None)}
 
     def _known(self, ids) -> list[str]:
@@ -234,8 +245,7 @@ class CoreState:
                 self.reserved[rid] = (ph, time.time() + lease)
                 self.uncommitted[rid] = (req, computed)
             installed.append(rid)
-        if not self.log.in_step:
-            self.log.cursor += 1
+        self.log.mutation()
         return {"installed": installed}
 
     def _commit(self, rid: str, req, computed: int) -> None:
@@ -247,7 +257,7 @@ class CoreState:
         if computed:
             # Mark the installed slots written, so a later migration off
             # this engine sees them.
-            gen = self.log.next_gen()
+            gen = self.log.mutation()
             self.log.stamp_tokens(rid, self.block_ids(rid), 0, computed, gen)
 
     def abort(self, ids, ignore_missing: bool) -> dict:
@@ -383,15 +393,36 @@ def patch_engine_core() -> None:
     _patch_core_channel(EngineCoreProc, DPEngineCoreProc)
     _record_external_ids()
 
-    def vllm_hi_hook(self, op: str, payload: str) -> str:
+    def vllm_hi_hook(self, op: str, payload: str):
         t0 = time.perf_counter()
-        try:
-            ok = _dispatch(self, op, json.loads(payload or "{}"))
+
+        def answer(ok, err):
+            if err is not None:
+                if isinstance(err, HookError):
+                    return json.dumps({"error": {"status": err.status, "message": err.message, "param": err.param}})
+                raise err
             # core_ms: the hook's own time in the engine core, which the API
             # server's timings tell apart from the wait for a step to end.
             return json.dumps({"ok": ok, "core_ms": (time.perf_counter() - t0) * 1e3})
+
+        try:
+            ok = _dispatch(self, op, json.loads(payload or "{}"))
         except HookError as e:
-            return json.dumps({"error": {"status": e.status, "message": e.message, "param": e.param}})
+            return answer(None, e)
+        if not isinstance(ok, Deferred):
+            return answer(ok, None)
+        # A pause with a step still in flight (asynchronous scheduling):
+        # vLLM sends a utility's answer when the Future it returned is done.
+        fut: Future = Future()
+
+        def fire(out, err):
+            try:
+                fut.set_result(answer(out, err))
+            except BaseException as e:  # noqa: BLE001 - the utility call reports it
+                fut.set_exception(e)
+
+        _state(self.scheduler).boundary.watch(ok, fire)
+        return fut
 
     EngineCore.vllm_hi_hook = vllm_hi_hook
 
@@ -430,7 +461,7 @@ def _regions(core, st, p: dict):
 _OPS = {
     "requests": lambda core, st, p: st.requests(),
     "changes": lambda core, st, p: st.changes(int(p.get("since", 0))),
-    "pause": lambda core, st, p: st.pause(p.get("request_ids") or [], int(p.get("lease_ms") or 0)),
+    "pause": lambda core, st, p: _pause_op(st, p),
     "resume": lambda core, st, p: st.resume(p.get("request_ids") or []),
     "export": _export,
     "allocate": lambda core, st, p: st.allocate(p.get("requests") or [], int(p.get("lease_ms") or 0)),
@@ -440,6 +471,23 @@ _OPS = {
     "regions": _regions,
     "release": lambda core, st, p: _release(core, st),
 }
+
+
+def _pause_op(st, p: dict):
+    """Pauses at this boundary; answers once no step in flight touches the
+    paused requests: at once with synchronous scheduling, with asynchronous
+    scheduling (a step is in flight at every boundary) once their last
+    step's output came back, the next step having left them out."""
+    out = st.pause(p.get("request_ids") or [], int(p.get("lease_ms") or 0))
+    if st.quiescent(out["paused"]):
+        return out
+
+    def done():
+        out["cursor"] = st.log.cursor  # their last step's writes have landed by now
+        out["paused_at"] = time.time()
+        return out
+
+    return Deferred(lambda: st.quiescent(out["paused"]), done)
 
 
 def _dispatch(core, op: str, p: dict):
@@ -554,12 +602,24 @@ def _ch_changes(st, ids: HostIDs, p: dict) -> dict:
     return out
 
 
-def _ch_pause(st, ids: HostIDs, p: dict) -> dict:
+def _ch_pause(st, ids: HostIDs, p: dict):
+    """Pauses at this boundary; the answer comes once no step in flight
+    touches the paused requests (at once with synchronous scheduling; with
+    asynchronous scheduling when their last step's output came back, the
+    next step having left them out)."""
     internal = ids.internal(p.get("request_ids") or [])
     out = st.pause(internal, int(p.get("lease_ms") or 0))
     out["paused"] = [ids.host(i) for i in out["paused"]]
     out.pop("paused_at", None)  # the channel's own wait_ms says how long the boundary took
-    return out
+    paused = list(internal) or [r for r in st.sched.requests]
+    if st.quiescent(paused):
+        return out
+
+    def done():
+        out["cursor"] = st.log.cursor  # the writes of their last step have landed by now
+        return out
+
+    return Deferred(lambda: st.quiescent(paused), done)
 
 
 def _ch_resume(st, ids: HostIDs, p: dict) -> dict:
@@ -652,16 +712,21 @@ def start_channel(core, cfg) -> ChannelServer:
     return st.channel
 
 
-def _pause_export(core, st, p: dict) -> dict:
-    """A source's side of the pause in one boundary: pause the requests and
-    export their state (what changed since the last round is `changes`,
-    in the same boundary when since is given)."""
+def _pause_export(core, st, p: dict):
+    """A source's side of the pause in one call: pause the requests and,
+    once no step in flight touches them, export their state (and what
+    changed since the last round, when since is given)."""
     ids = p.get("request_ids") or []
     paused = st.pause(ids, int(p.get("lease_ms") or 0))
-    out = _export(core, st, {"request_ids": paused["paused"]})
-    out["paused"] = paused["paused"]
-    out["lease_expires_at"] = paused["lease_expires_at"]
-    out["paused_at"] = paused["paused_at"]
-    if p.get("since") is not None:
-        out["changes"] = st.changes(int(p["since"]))
-    return out
+
+    def export():
+        out = _export(core, st, {"request_ids": paused["paused"]})
+        out["paused"] = paused["paused"]
+        out["lease_expires_at"] = paused["lease_expires_at"]
+        if p.get("since") is not None:
+            out["changes"] = st.changes(int(p["since"]))
+        return out
+
+    if st.quiescent(paused["paused"]):
+        return export()
+    return Deferred(lambda: st.quiescent(paused["paused"]), export)

