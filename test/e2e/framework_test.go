@@ -3,14 +3,14 @@ package e2e
 import (
 	"context"
 	"fmt"
-	"io"
 	"net/http"
-	"strings"
 	"testing"
+	"time"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/engine"
+	"github.com/vllm-hi/vllm-hi/internal/httpjson"
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
 	"github.com/vllm-hi/vllm-hi/test/framework"
 )
@@ -70,20 +70,15 @@ func (d *deployment) HoldTail(id string, tokens int) error {
 	if id == "B" {
 		url = d.bURL
 	}
-	req, err := http.NewRequest(http.MethodPost, url+"/vhi_sim/hold_tail", strings.NewReader(fmt.Sprintf(`{"tokens":%d}`, tokens)))
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	status, b, err := httpjson.Do(ctx, http.DefaultClient, http.MethodPost, url+"/vhi_sim/hold_tail", d.tk.agent,
+		[]byte(fmt.Sprintf(`{"tokens":%d}`, tokens)), 1<<20)
 	if err != nil {
 		return err
 	}
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("Authorization", "Bearer "+d.tk.agent)
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		b, _ := io.ReadAll(resp.Body)
-		return fmt.Errorf("POST /vhi_sim/hold_tail: %s: %s", resp.Status, b)
+	if status != http.StatusOK {
+		return fmt.Errorf("POST /vhi_sim/hold_tail: %d: %s", status, b)
 	}
 	return nil
 }

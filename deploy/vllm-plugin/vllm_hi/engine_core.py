@@ -4,8 +4,9 @@ The API server reaches it through one utility method added to EngineCore,
 `vllm_hi_hook(op, payload)` (JSON in, JSON out); the agent can also reach
 it directly through the core channel (core_channel.py) when the engine
 serves one (--vllm-hi-core-socket). Both run on the EngineCore busy loop
-between steps; vllm-hi requires synchronous scheduling (no step in flight
-between two utility calls), so every hook acts exactly at a step boundary.
+between steps. With asynchronous scheduling a step is in flight at every
+boundary: a pause answers once no step in flight touches the paused
+requests (_pause_op), and the write log follows the steps in flight.
 """
 
 from __future__ import annotations
@@ -603,23 +604,17 @@ def _ch_changes(st, ids: HostIDs, p: dict) -> dict:
 
 
 def _ch_pause(st, ids: HostIDs, p: dict):
-    """Pauses at this boundary; the answer comes once no step in flight
-    touches the paused requests (at once with synchronous scheduling; with
-    asynchronous scheduling when their last step's output came back, the
-    next step having left them out)."""
-    internal = ids.internal(p.get("request_ids") or [])
-    out = st.pause(internal, int(p.get("lease_ms") or 0))
-    out["paused"] = [ids.host(i) for i in out["paused"]]
-    out.pop("paused_at", None)  # the channel's own wait_ms says how long the boundary took
-    paused = list(internal) or [r for r in st.sched.requests]
-    if st.quiescent(paused):
+    """The pause hook (_pause_op) in the Host's ids."""
+    res = _pause_op(st, {"request_ids": ids.internal(p.get("request_ids") or []), "lease_ms": p.get("lease_ms")})
+
+    def in_host_ids(out: dict) -> dict:
+        out["paused"] = [ids.host(i) for i in out["paused"]]
+        out.pop("paused_at", None)  # the channel's own wait_ms says how long the boundary took
         return out
 
-    def done():
-        out["cursor"] = st.log.cursor  # the writes of their last step have landed by now
-        return out
-
-    return Deferred(lambda: st.quiescent(paused), done)
+    if isinstance(res, Deferred):
+        return Deferred(res.ready, lambda: in_host_ids(res.result()))
+    return in_host_ids(res)
 
 
 def _ch_resume(st, ids: HostIDs, p: dict) -> dict:
@@ -713,13 +708,12 @@ def start_channel(core, cfg) -> ChannelServer:
 
 
 def _pause_export(core, st, p: dict):
-    """A source's side of the pause in one call: pause the requests and,
-    once no step in flight touches them, export their state (and what
-    changed since the last round, when since is given)."""
-    ids = p.get("request_ids") or []
-    paused = st.pause(ids, int(p.get("lease_ms") or 0))
+    """A source's side of the pause in one call: pause the requests
+    (_pause_op) and, once no step in flight touches them, export their
+    state (and what changed since the last round, when since is given)."""
+    res = _pause_op(st, p)
 
-    def export():
+    def export(paused: dict) -> dict:
         out = _export(core, st, {"request_ids": paused["paused"]})
         out["paused"] = paused["paused"]
         out["lease_expires_at"] = paused["lease_expires_at"]
@@ -727,6 +721,6 @@ def _pause_export(core, st, p: dict):
             out["changes"] = st.changes(int(p["since"]))
         return out
 
-    if st.quiescent(paused["paused"]):
-        return export()
-    return Deferred(lambda: st.quiescent(paused["paused"]), export)
+    if isinstance(res, Deferred):
+        return Deferred(res.ready, lambda: export(res.result()))
+    return export(res)
