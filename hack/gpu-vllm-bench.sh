@@ -33,6 +33,8 @@
 #   SCHED          vLLM's scheduling: async (vLLM's default) or sync (--no-async-scheduling) [async]
 #   CORE_CHANNEL   1: each engine serves its core channel (--vllm-hi-core-socket) and its agent
 #                  takes the engine core's hooks through it; 0: every hook over HTTP [1]
+#   HOST_FLAGS     more vhi host flags [--migration-pre-attach: the target's streams open
+#                  before the pause]; HOST_FLAGS= for the plain switch
 #   BASE_PORT      engines on BASE_PORT+1, +2, the Host on BASE_PORT [18000]
 #   HEALTH_WAIT_S  how long an engine may take to become healthy [900]
 #
@@ -90,7 +92,8 @@ wait_healthy() {
   echo "gpu-vllm-bench: $name healthy after $((SECONDS - t0))s" >&2
 }
 
-setsid "$vhi" host --listen "$host_addr" --data-dir "$out/host" --log-level warn >"$out/host.log" 2>&1 &
+# shellcheck disable=SC2086 # HOST_FLAGS is a list of flags
+setsid "$vhi" host --listen "$host_addr" --data-dir "$out/host" --log-level warn ${HOST_FLAGS---migration-pre-attach} >"$out/host.log" 2>&1 &
 pids+=($!)
 wait_healthy host "$host_url/health" "$!" "$out/host.log"
 

@@ -354,6 +354,13 @@ type InstallRequest struct {
 // InstallResponse lists what was installed.
 type InstallResponse struct {
 	Installed []string `json:"installed"`
+	// VisibleText is, by request id, how much text (code points) the
+	// request's client had got once every moved output token went out —
+	// where the Host's relay cuts the source's stream over. An engine that
+	// derives the text itself (vLLM's detokenizer, replayed over the moved
+	// token ids) says it here; absent, the Host reads it from the export's
+	// text offsets.
+	VisibleText map[string]int `json:"visible_text,omitempty"`
 }
 
 // AbortRequest drops requests and frees their blocks. Silent aborts end the

@@ -4,8 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"net/http"
-	"strconv"
 	"sync"
 	"time"
 
@@ -50,15 +48,7 @@ func (s *agentService) Hook(ctx context.Context, req *v1.HookRequest) (*v1.HookR
 	if !ok || !route.Relayed {
 		return nil, errdefs.Newf(errdefs.ErrInvalidArgument, "unknown hook %q", req.GetName())
 	}
-	path := route.Path
-	if route.Name == hooks.HookChanges {
-		path += "?since=" + strconv.FormatUint(req.GetSince(), 10)
-	}
-	body := req.GetBody()
-	if route.Method == http.MethodPost && len(body) == 0 {
-		body = []byte("{}")
-	}
-	out, err := s.a.eng.Raw(ctx, route.Method, path, body)
+	out, err := s.a.eng.Hook(ctx, route, req.GetSince(), req.GetBody())
 	if err != nil {
 		return nil, err
 	}

@@ -258,7 +258,14 @@ func (res *scenarioResult) divergence(s, ref loadgen.Stream) (where string, befo
 	if before {
 		when = "before the migration began"
 	}
-	return fmt.Sprintf("from byte %d of %d (token event %d), %s", off, len(ref.Text), at, when), before
+	return fmt.Sprintf("from byte %d of %d (token event %d), %s: %q where the unmigrated run has %q", off, len(ref.Text), at, when,
+		around(s.Text, off), around(ref.Text, off)), before
+}
+
+// around is the text near byte off, to show where two streams part.
+func around(text string, off int) string {
+	lo, hi := max(0, off-24), min(len(text), off+24)
+	return text[lo:hi]
 }
 
 // judge compares the migrated run with the reference and measures the

@@ -95,6 +95,65 @@ func (c *Client) viaCore(ctx context.Context, op string, in, out any) (ok bool, 
 	return true, t, err
 }
 
+// Hook relays one hook (api/hooks' routes) with a ready JSON body and
+// returns the answer's bytes. With a core channel, the hooks whose whole
+// work is the engine core's go there — the pause path's calls reach the
+// engine at its next step boundary without waiting on the API server's
+// event loop, which also serves every client stream; a snapshot export
+// (it carries the streams' metadata, which only the API server has), the
+// install (the target's API server registers each stream), stage and
+// abort go over HTTP.
+func (c *Client) Hook(ctx context.Context, route hooks.Route, since uint64, body []byte) ([]byte, error) {
+	if op, ok := c.coreOp(route.Name, body); ok {
+		var payload any = json.RawMessage(body)
+		if route.Name == hooks.HookChanges {
+			payload = map[string]uint64{"since": since}
+		} else if len(body) == 0 {
+			payload = nil
+		}
+		var out json.RawMessage
+		handled, t, err := c.viaCore(ctx, op, payload, &out)
+		if handled {
+			if err != nil || route.Name != hooks.HookPause {
+				return out, err
+			}
+			// The wait for the step boundary, as the engine core measured it.
+			var p hooks.PauseResponse
+			if err := json.Unmarshal(out, &p); err != nil {
+				return nil, fmt.Errorf("engine core pause: decode: %w", err)
+			}
+			p.StepWaitS = t.Wait.Seconds()
+			return json.Marshal(p)
+		}
+	}
+	path := route.Path
+	if route.Name == hooks.HookChanges {
+		path += "?since=" + strconv.FormatUint(since, 10)
+	}
+	if route.Method == http.MethodPost && len(body) == 0 {
+		body = []byte("{}")
+	}
+	return c.Raw(ctx, route.Method, path, body)
+}
+
+// coreOp is the core channel's op for a hook call, if the channel takes it.
+func (c *Client) coreOp(name string, body []byte) (string, bool) {
+	if c.coreSocket == "" {
+		return "", false
+	}
+	switch name {
+	case hooks.HookRequests, hooks.HookChanges, hooks.HookPause, hooks.HookResume, hooks.HookAllocate, hooks.HookStats:
+		return name, true
+	case hooks.HookExport:
+		var req hooks.ExportRequest
+		if json.Unmarshal(body, &req) != nil || req.Snapshot {
+			return "", false
+		}
+		return name, true
+	}
+	return "", false
+}
+
 // Close closes the client's core channel, if it has one.
 func (c *Client) Close() error {
 	c.coreMu.Lock()

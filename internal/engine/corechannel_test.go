@@ -3,13 +3,18 @@ package engine
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"errors"
+	"net/http"
+	"net/http/httptest"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 )
 
@@ -116,5 +121,75 @@ func TestCoreChannelTalksToThePluginsServer(t *testing.T) {
 		if err := <-errs; err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// TestHookGoesThroughTheCoreChannel: the agent relays the pause path's
+// hooks over the core channel, and the rest (a snapshot export, which
+// needs the API server's stream metadata; the install) over HTTP.
+func TestHookGoesThroughTheCoreChannel(t *testing.T) {
+	sock := startCoreServer(t, "tok")
+	var httpPaths []string
+	var mu sync.Mutex
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		httpPaths = append(httpPaths, r.URL.Path)
+		mu.Unlock()
+		_, _ = w.Write([]byte(`{"via":"http"}`))
+	}))
+	defer srv.Close()
+	c, err := NewClient(srv.URL, Options{Token: "tok", CoreSocket: sock})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	route := func(name string) hooks.Route {
+		r, ok := hooks.RouteOf(name)
+		if !ok {
+			t.Fatalf("no route %s", name)
+		}
+		return r
+	}
+
+	out, err := c.Hook(ctx, route(hooks.HookPause), 0, []byte(`{"request_ids":["a"]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var p hooks.PauseResponse
+	if err := json.Unmarshal(out, &p); err != nil || len(p.Paused) != 1 || p.Paused[0] != "a" {
+		t.Fatalf("pause over the channel answered %s (%v)", out, err)
+	}
+	if !strings.Contains(string(out), `"step_wait_s"`) {
+		t.Fatalf("the pause's answer has no step wait: %s", out)
+	}
+	out, err = c.Hook(ctx, route(hooks.HookExport), 0, []byte(`{"request_ids":["a"]}`))
+	if err != nil || !strings.Contains(string(out), "core channel") {
+		t.Fatalf("an export of paused requests went %s (%v), want the core channel", out, err)
+	}
+	for _, call := range []struct {
+		name string
+		body string
+	}{{hooks.HookExport, `{"request_ids":["a"],"snapshot":true}`}, {hooks.HookInstall, `{"requests":[]}`}} {
+		out, err := c.Hook(ctx, route(call.name), 0, []byte(call.body))
+		if err != nil || string(out) != `{"via":"http"}` {
+			t.Fatalf("%s %s went %s (%v), want HTTP", call.name, call.body, out, err)
+		}
+	}
+	mu.Lock()
+	seen := strings.Join(httpPaths, " ")
+	mu.Unlock()
+	if seen != hooks.PathExport+" "+hooks.PathInstall {
+		t.Fatalf("HTTP saw %v", seen)
+	}
+
+	// Without a channel every hook goes over HTTP.
+	plain, err := NewClient(srv.URL, Options{Token: "tok"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out, err := plain.Hook(ctx, route(hooks.HookPause), 0, nil); err != nil || string(out) != `{"via":"http"}` {
+		t.Fatalf("pause without a channel went %s (%v)", out, err)
 	}
 }

@@ -267,20 +267,36 @@ func (m *migration) moveChunk(ctx context.Context, ids []string) ([]movedState, 
 	// {"cursor":…,"requests":[…]} → {"resume":false,"lease_ms":…,"cursor":…,"requests":[…]}
 	head := fmt.Sprintf(`{"resume":false,"lease_ms":%d,`, m.o.cfg.PauseLease/time.Millisecond)
 	install := append([]byte(head), raw[1:]...)
-	installed := make(chan error, 1)
+	type installResult struct {
+		raw []byte
+		err error
+	}
+	installed := make(chan installResult, 1)
 	go func() {
-		_, err := m.dstA.Engine.Raw(ctx, hooks.HookInstall, install)
-		installed <- err
+		out, err := m.dstA.Engine.Raw(ctx, hooks.HookInstall, install)
+		installed <- installResult{out, err}
 	}()
 	var exp struct {
 		Requests []movedState `json:"requests"`
 	}
 	perr := json.Unmarshal(raw, &exp)
-	if err := <-installed; err != nil {
-		return nil, fmt.Errorf("install on the target: %w", err)
+	res := <-installed
+	if res.err != nil {
+		return nil, fmt.Errorf("install on the target: %w", res.err)
 	}
 	if perr != nil {
 		return nil, fmt.Errorf("export the source's state: unreadable answer: %v", perr)
+	}
+	var ans hooks.InstallResponse
+	if err := json.Unmarshal(res.raw, &ans); err != nil {
+		return nil, fmt.Errorf("install on the target: unreadable answer: %v", err)
+	}
+	for i := range exp.Requests {
+		st := &exp.Requests[i]
+		st.visible = -1
+		if v, ok := ans.VisibleText[st.RequestID]; ok {
+			st.visible = v
+		}
 	}
 	return exp.Requests, nil
 }
@@ -291,11 +307,18 @@ type movedState struct {
 	OutputTokenIDs    hooks.IntList `json:"output_token_ids"`
 	TextOffsets       hooks.IntList `json:"text_offsets"`
 	NumComputedTokens int           `json:"num_computed_tokens"`
+	// visible is the text the target's install said the client had got
+	// (hooks.InstallResponse.VisibleText); -1 when it said nothing.
+	visible int
 }
 
 // visibleText is how much text (code points) the source's client stream
-// carries once every exported output token went out.
+// carries once every exported output token went out: as the target's
+// install derived it, else as the source's export said.
 func visibleText(st movedState) int {
+	if st.visible >= 0 {
+		return st.visible
+	}
 	if len(st.TextOffsets) != len(st.OutputTokenIDs) {
 		return -1
 	}

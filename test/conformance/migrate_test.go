@@ -30,6 +30,9 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 	vllmA := needVLLM(t)
 	cfg := host.DefaultConfig()
 	cfg.Migration.AllowFaultInjection = true
+	// The target's streams open before each pause, as docs/vllm-plugin.md
+	// recommends for vLLM (the plain attach is the fallback when one fails).
+	cfg.Migration.PreAttach = true
 	hostURL, hostAddr, h := startHostWith(t, cfg)
 	startAgent(t, hostAddr, vllmA, "A")
 	startAgent(t, hostAddr, vllmBURL, "B")
@@ -82,6 +85,27 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 		})
 		src, dst = dst, src // preserve_source made the target active
 	}
+
+	// A stream moves there and back: the second migration exports a
+	// request that the first installed (its client's whole output, not
+	// the joined prompt the engine core holds), each switch reads the
+	// target's stream that the Host opened before the pause, and a stop
+	// string keeps the detokenizer holding text back across both moves.
+	t.Run("a stream moves there and back, pre-attached, with a stop string held back", func(t *testing.T) {
+		const sampling = `"temperature":0,"stop":["zzzq","qqqqqz"]`
+		want := runStreamsOf(t, hostURL, 0, 2, 470, sampling, 0, nil)
+		var sts []hostapi.MigrationStatus
+		got := runStreamsOf(t, hostURL, 0, 2, 470, sampling, 30*time.Millisecond, func() {
+			sts = append(sts, migrateAndWait(t, hostURL, hostapi.MigrateRequest{Src: src, Dst: dst, Type: hostapi.PreserveSource}))
+			sts = append(sts, migrateAndWait(t, hostURL, hostapi.MigrateRequest{Src: dst, Dst: src, Type: hostapi.PreserveSource}))
+		})
+		for i, st := range sts {
+			if st.State != "succeeded" || st.Migrated != 2 || st.PreAttached != 2 {
+				t.Fatalf("hop %d: migration %s (%s), %d requests moved, %d switched pre-attached", i+1, st.State, st.Error, st.Migrated, st.PreAttached)
+			}
+		}
+		sameStreams(t, want, got)
+	})
 
 	// A seeded sampled stream keeps its random stream: the source's
 	// torch.Generator state moves with the request.
@@ -262,27 +286,43 @@ func runStreamsFrom(t *testing.T, hostURL string, first, n int, during func()) [
 // runStreamsWith is runStreamsFrom with the given sampling parameters.
 func runStreamsWith(t *testing.T, hostURL string, first, n int, sampling string, during func()) []streamResult {
 	t.Helper()
+	return runStreamsOf(t, hostURL, first, n, 460, sampling, 300*time.Millisecond, during)
+}
+
+// runStreamsOf runs n streams of maxTokens tokens each (sampling: more
+// request fields), calling during once each has had its first token for
+// delay. A stream the engine refuses is an error (and no deadlock).
+func runStreamsOf(t *testing.T, hostURL string, first, n, maxTokens int, sampling string, delay time.Duration, during func()) []streamResult {
+	t.Helper()
 	out := make([]streamResult, n)
 	var wg sync.WaitGroup
 	started := make(chan struct{}, n)
 	for j := 0; j < n; j++ {
 		i := first + j
 		path := "/v1/completions"
-		body := fmt.Sprintf(`{"model":"tiny","prompt":"hello number %d hello","max_tokens":460,%s,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, i, sampling)
+		body := fmt.Sprintf(`{"model":"tiny","prompt":"hello number %d hello","max_tokens":%d,%s,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, i, maxTokens, sampling)
 		if i%2 == 1 {
 			path = "/v1/chat/completions"
-			body = fmt.Sprintf(`{"model":"tiny","messages":[{"role":"user","content":"chat %d"}],"max_tokens":460,%s,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, i, sampling)
+			body = fmt.Sprintf(`{"model":"tiny","messages":[{"role":"user","content":"chat %d"}],"max_tokens":%d,%s,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, i, maxTokens, sampling)
 		}
 		wg.Add(1)
 		go func(i int) {
 			defer wg.Done()
+			var once sync.Once
+			start := func() { once.Do(func() { started <- struct{}{} }) }
+			defer start()
 			resp, err := http.Post(hostURL+path, "application/json", strings.NewReader(body))
 			if err != nil {
 				t.Error(err)
 				return
 			}
 			defer resp.Body.Close()
-			events := readEvents(resp.Body, func() { started <- struct{}{} })
+			if resp.StatusCode != http.StatusOK {
+				b, _ := io.ReadAll(resp.Body)
+				t.Errorf("stream %d: HTTP %d: %s", i, resp.StatusCode, b)
+				return
+			}
+			events := readEvents(resp.Body, start)
 			r := streamResult{text: textOf(events), done: len(events) > 0 && events[len(events)-1] == "[DONE]"}
 			for _, e := range events {
 				if strings.Contains(e, `"usage":{`) {
@@ -296,7 +336,7 @@ func runStreamsWith(t *testing.T, hostURL string, first, n int, sampling string,
 		for i := 0; i < n; i++ {
 			<-started
 		}
-		time.Sleep(300 * time.Millisecond) // some tokens out, most to come
+		time.Sleep(delay) // some tokens out, most to come
 		during()
 	}
 	wg.Wait()

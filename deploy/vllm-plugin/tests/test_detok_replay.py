@@ -104,6 +104,37 @@ class ReplayTest(unittest.TestCase):
             checked += 1
         self.assertEqual(checked, 300)
 
+    def test_staged_text_is_what_the_source_sent(self):
+        """Staged.step derives, from the token ids alone, the text the
+        source's stream sent after each output token: what vLLM's own
+        update() and get_next_output_text() (delta, the streaming kind)
+        produce, stop strings held back included."""
+        from vllm_hi import hooks
+
+        rng = random.Random(11)
+        for trial in range(120):
+            prompt = [rng.randrange(3, self.vocab) for _ in range(rng.randrange(1, 20))]
+            output = [rng.randrange(3, self.vocab) for _ in range(rng.randrange(1, 80))]
+            stop = ["zzzzq", "no such"] if trial % 2 else None
+            sp = SamplingParams(max_tokens=4096, stop=stop)
+            req = EngineCoreRequest(request_id="r", prompt_token_ids=list(prompt), mm_features=None,
+                                    sampling_params=sp, pooling_params=None, arrival_time=0.0, lora_request=None,
+                                    cache_salt=None, data_parallel_rank=None)
+            source = IncrementalDetokenizer.from_new_request(self.tok, req)
+            sent, want = "", []
+            for t in output:
+                source.update([t], False)
+                sent += source.get_next_output_text(False, True)
+                want.append(len(sent))
+            staged = hooks.Staged(prompt, {}, 0.0)
+            staged.detokenizer = IncrementalDetokenizer.from_new_request(self.tok, req)
+            cut = rng.randrange(0, len(output) + 1)
+            staged.step(output[:cut])  # the stage hook's snapshot
+            staged.step(output[cut:])  # the install's tokens since
+            self.assertEqual(staged.visible, want, f"trial {trial}")
+            self.assertEqual(staged.text, source.output_text, f"trial {trial}")
+            self.assertEqual(staged.text[:want[-1]], sent, f"trial {trial}")
+
 
 if __name__ == "__main__":
     unittest.main()

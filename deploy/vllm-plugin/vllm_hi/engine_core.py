@@ -19,7 +19,7 @@ from concurrent.futures import Future
 import msgspec
 
 from .core_channel import Boundary, ChannelServer, Deferred, Snapshot
-from .wire import HookError, Leases, WriteLog
+from .wire import HookError, Leases, WriteLog, encode_ints
 
 _RESERVATION_LEASE_S = 10.0
 
@@ -153,21 +153,29 @@ class CoreState:
         for rid in ids:
             req = self.sched.requests[rid]
             sp = req.sampling_params
+            prompt, output = list(req.prompt_token_ids or []), list(req.output_token_ids)
+            sp_b64 = base64.b64encode(msgspec.msgpack.encode(sp)).decode()
+            origin = getattr(req, "_vhi_origin", None)
+            if origin is not None:
+                # Moved here by a migration: the output since its client's
+                # first token, and its sampling parameters as sent.
+                plen, sp_b64 = origin
+                prompt, output = prompt[:plen], prompt[plen:] + output
             out.append({
                 "request_id": rid,
-                "prompt_token_ids": list(req.prompt_token_ids or []),
-                "output_token_ids": list(req.output_token_ids),
+                "prompt_token_ids": prompt,
+                "output_token_ids": output,
                 "num_computed_tokens": req.num_computed_tokens,
                 "sampling_params": {
                     "temperature": sp.temperature, "top_p": sp.top_p, "seed": sp.seed or 0,
                     "max_tokens": sp.max_tokens or 0, "ignore_eos": sp.ignore_eos,
                     "stop": list(sp.stop or []), "stop_token_ids": list(sp.stop_token_ids or []),
                 },
-                "rng_position": req.num_output_tokens,
+                "rng_position": len(output),
                 "arrival_time": req.arrival_time, "priority": req.priority,
                 "block_ids": self.block_ids(rid),
                 "engine_state": {
-                    "sampling_params": base64.b64encode(msgspec.msgpack.encode(sp)).decode(),
+                    "sampling_params": sp_b64,
                     "num_preemptions": req.num_preemptions,
                 },
             })
@@ -237,6 +245,10 @@ class CoreState:
                           sampling_params=sp, pooling_params=None, arrival_time=st.get("arrival_time"),
                           priority=st.get("priority", 0),
                           block_hasher=getattr(self, "block_hasher", None))
+            # What the request was before it moved here: an export of it
+            # (the next move) gives its client's whole output and original
+            # limits again, not the joined prompt and shrunk ones.
+            req._vhi_origin = (len(prompt), es["sampling_params"])
             ph, _ = self.reserved[rid]
             # No KV came for a recompute reservation: nothing is computed.
             computed = st["num_computed_tokens"] if ph is not None else 0
@@ -617,6 +629,27 @@ def _ch_pause(st, ids: HostIDs, p: dict):
     return in_host_ids(res)
 
 
+def _ch_export(core, st, ids: HostIDs, p: dict) -> dict:
+    """The export hook of paused requests in the Host's ids and its wire
+    shape, without the API server: token ids, blocks and sampling state
+    come from here; the text a client already got is the target's to
+    derive (its install replays the detokenizer over the same token ids),
+    and each stream's response metadata reached the target with the
+    snapshot it staged before the pause."""
+    if p.get("snapshot"):
+        raise HookError(400, "a snapshot export carries its streams' metadata: ask the API server's export hook",
+                        "snapshot")
+    hids = list(p.get("request_ids") or [])
+    out = _export(core, st, {"request_ids": ids.internal(hids)})
+    for r, hid in zip(out["requests"], hids):
+        r["request_id"] = hid
+        r["engine_state"]["prompt_len"] = len(r["prompt_token_ids"])
+        r["prompt_token_ids"] = encode_ints(r["prompt_token_ids"])
+        r["output_token_ids"] = encode_ints(r["output_token_ids"])
+        r["block_ids"] = encode_ints(r["block_ids"])
+    return out
+
+
 def _ch_resume(st, ids: HostIDs, p: dict) -> dict:
     out = st.resume(ids.internal(p.get("request_ids") or []))
     out["resumed"] = [ids.host(i) for i in out["resumed"]]
@@ -697,6 +730,7 @@ def start_channel(core, cfg) -> ChannelServer:
     for name, fn in (("requests", _ch_requests), ("changes", _ch_changes), ("pause", _ch_pause), ("resume", _ch_resume)):
         ops[name] = (lambda f: lambda p: f(st, ids, p))(fn)
     ops["allocate"] = op("allocate")  # reservations are named by the Host's ids already
+    ops["export"] = lambda p: _ch_export(core, st, ids, p)
     snapshot_ops = {
         "stats": lambda p, snap: dict(snap.get("stats") or {}, sleeping=st.sleeping()),
         "ping": lambda p, snap: {"steps": st.boundary.steps, "snapshot_at": st.snapshot.at},

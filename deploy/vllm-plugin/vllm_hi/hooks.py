@@ -67,12 +67,11 @@ class Phases:
 class Installed:
     """A request this engine received by migration."""
 
-    def __init__(self, st: dict, queue, prompt_len: int, meta: dict):
+    def __init__(self, output_ids: list[int], text: str, offsets: list[int], queue, prompt_len: int, meta: dict):
         self.queue = queue
-        self.output_ids = decode_ints(st["output_token_ids"])
-        self.text = st.get("output_text", "")
-        offs = decode_ints(st.get("text_offsets"))
-        self.offsets = offs if len(offs) == len(self.output_ids) else [len(self.text)] * len(self.output_ids)
+        self.output_ids = output_ids
+        self.text = text
+        self.offsets = offsets if len(offsets) == len(output_ids) else [len(text)] * len(output_ids)
         self.prompt_len = prompt_len
         self.meta = meta
 
@@ -84,9 +83,10 @@ class Hooks:
         self.args = args
         self.token = token
         self.installed: dict[str, Installed] = {}
-        # Detokenizers prepared by the stage hook, by request id:
-        # (detokenizer, prompt ids, output ids it stepped through, when).
-        self.staged: dict[str, tuple] = {}
+        # What the stage hook prepared, by request id (Staged).
+        self.staged: dict[str, Staged] = {}
+        # Pre-attached streams waiting for their request's install.
+        self.awaiting: dict[str, asyncio.Event] = {}
 
     def authorized(self, header: str | None) -> bool:
         """The hooks need the agent's credential (Authorization: Bearer,
@@ -197,7 +197,12 @@ class Hooks:
             iids = {self.internal(i): i for i in hids}
             out = await self.core("export", {"request_ids": list(iids), "snapshot": True})
             for r in out["requests"]:
-                r["request_id"] = iids.get(r["request_id"], r["request_id"])
+                hid = r["request_id"] = iids.get(r["request_id"], r["request_id"])
+                # The stream's metadata lives in this process only: the
+                # target keeps it from here, so that the export inside the
+                # pause can come from the engine core alone.
+                r["response"] = self._response(hid)
+                r["engine_state"]["prompt_len"] = r["response"].pop("prompt_len", len(r["prompt_token_ids"]))
                 r["prompt_token_ids"] = encode_ints(r["prompt_token_ids"])
                 r["output_token_ids"] = encode_ints(r["output_token_ids"])
                 r["block_ids"] = encode_ints(r["block_ids"])
@@ -227,7 +232,8 @@ class Hooks:
                 d = st.detokenizer
                 text = base_text + d.output_text
                 visible = len(base_text) + max(0, len(d.output_text) - getattr(d, "stop_buffer_length", 0))
-            meta = STREAMS.get(hid) or (inst.meta if inst else {})
+            resp = self._response(hid)
+            r["engine_state"]["prompt_len"] = resp.pop("prompt_len", len(r["prompt_token_ids"]))
             r["prompt_token_ids"] = encode_ints(r["prompt_token_ids"])
             r["output_token_ids"] = encode_ints(r["output_token_ids"])
             r["block_ids"] = encode_ints(r["block_ids"])
@@ -235,14 +241,23 @@ class Hooks:
             # vLLM keeps no per-token text offsets; every token maps to the
             # visible text so far, which is what a splice compares against.
             r["text_offsets"] = encode_ints([visible] * n)
-            r["response"] = {"kind": meta.get("kind", "completion"), "response_id": hid,
-                             "model": meta.get("model", ""), "created": meta.get("created", 0),
-                             "stream": True, "include_usage": meta.get("include_usage", False),
-                             "continuous_usage": meta.get("continuous_usage", False)}
-            r["engine_state"]["prompt_len"] = meta.get("prompt_len", len(decode_ints(r["prompt_token_ids"])))
+            r["response"] = resp
         ph.add("waiting for the API server's outputs", waited * 1e3)
         ph.add("encoding", ph.since_start() - ph.total())
         ph.log_if_slow("export", len(hids))
+        return out
+
+    def _response(self, hid: str) -> dict:
+        """A stream's response metadata as an export carries it (and its
+        prompt's length, under prompt_len, for the engine state)."""
+        inst = self.installed.get(hid)
+        meta = STREAMS.get(hid) or (inst.meta if inst else {})
+        out = {"kind": meta.get("kind", "completion"), "response_id": hid,
+               "model": meta.get("model", ""), "created": meta.get("created", 0),
+               "stream": True, "include_usage": meta.get("include_usage", False),
+               "continuous_usage": meta.get("continuous_usage", False)}
+        if "prompt_len" in meta:
+            out["prompt_len"] = meta["prompt_len"]
         return out
 
     async def allocate(self, body: dict) -> dict:
@@ -250,58 +265,78 @@ class Hooks:
 
     async def stage(self, body: dict) -> dict:
         """Prepares, before the pause, what an install derives from a
-        request's tokens alone: its detokenizer, stepped through the output
-        of a snapshot of the running source. The install then steps only
-        through the tokens generated since (or everything, when the
-        snapshot does not lead to the state it installs)."""
+        request's snapshot alone: its stream's response metadata, and its
+        detokenizer stepped through the snapshot's output (with the text
+        each token added). The install then steps only through the tokens
+        generated since (or everything, when the snapshot does not lead to
+        the state it installs)."""
         from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
         now = time.monotonic()
-        for rid in [r for r, s in self.staged.items() if now - s[3] > STAGED_TTL_S]:
+        for rid in [r for r, s in self.staged.items() if now - s.at > STAGED_TTL_S]:
             del self.staged[rid]
         staged = []
         for st in body.get("requests") or []:
             rid, prompt, output, ecr = _core_request(st)
-            tok = self.op.tokenizer if ecr.sampling_params.detokenize else None
-            if tok is None or rid in self.installed:
+            if rid in self.installed:
                 continue
-            d = IncrementalDetokenizer.from_new_request(tokenizer=tok, request=ecr)
-            _replay_detokenizer(_Detok(d), prompt, output)
-            self.staged[rid] = (d, prompt, output, now)
+            ahead = Staged(prompt, _meta(st), now)
+            if ecr.sampling_params.detokenize and self.op.tokenizer is not None:
+                ahead.detokenizer = IncrementalDetokenizer.from_new_request(tokenizer=self.op.tokenizer, request=ecr)
+                ahead.step(output)
+            self.staged[rid] = ahead
             staged.append(rid)
         return {"staged": staged}
 
     async def install(self, body: dict) -> dict:
+        """Registers each moved request with this API server's output
+        processor (its detokenizer brought to the source's state, the text
+        its client already got derived from the token ids) and installs it
+        in the engine core. The answer says how much text each client got
+        for the moved tokens (visible_text), where the Host's relay cuts
+        the source's stream over to this engine's."""
         from vllm.v1.engine.output_processor import RequestOutputCollector
 
         states = body.get("requests") or []
-        added = []
+        added, visible = [], {}
         ph = Phases()
         try:
             for st in states:
                 rid, prompt, output, ecr = _core_request(st)
+                ahead = self.staged.pop(rid, None)
+                meta = _meta(st) if st.get("response") else (ahead.meta if ahead is not None else None)
+                if meta is None:
+                    raise HookError(409, f"Request {rid} came without its stream's metadata and was not staged here "
+                                         "(an export from the engine core alone needs the stage hook first).",
+                                    "requests")
                 q = RequestOutputCollector(ecr.sampling_params.output_kind, rid)
                 self.op.add_request(ecr, None, None, 0, q)
                 state = self.op.request_states[rid]
-                ahead = self.staged.pop(rid, None)
-                if ahead is not None and state.detokenizer is not None and ahead[1] == prompt \
-                        and output[:len(ahead[2])] == ahead[2]:
-                    # Staged before the pause: only the tokens since.
-                    state.detokenizer = ahead[0]
-                    _replay_detokenizer(state, prompt, output[len(ahead[2]):])
-                else:
-                    _replay_detokenizer(state, prompt, output)
-                resp = st.get("response") or {}
-                meta = {"kind": resp.get("kind", "completion"), "model": resp.get("model", ""),
-                        "created": resp.get("created", 0), "include_usage": resp.get("include_usage", False),
-                        "continuous_usage": resp.get("continuous_usage", False),
-                        "prompt_len": st["engine_state"].get("prompt_len", len(prompt))}
-                self.installed[rid] = Installed(st, q, meta["prompt_len"], meta)
+                replay = Staged(prompt, meta, 0.0)
+                if state.detokenizer is not None:
+                    if ahead is not None and ahead.detokenizer is not None and ahead.prompt == prompt \
+                            and output[:len(ahead.output)] == ahead.output:
+                        # Staged before the pause: only the tokens since.
+                        replay = ahead
+                    else:
+                        replay.detokenizer = state.detokenizer
+                    replay.step(output[len(replay.output):])
+                    d = state.detokenizer = replay.detokenizer
+                    shown = visible[rid] = replay.visible[-1] if replay.visible else 0
+                    if hasattr(d, "output_text"):
+                        # As the source's stood: a stop string that spans
+                        # the move still matches, and what the source held
+                        # back for one goes out with the next output.
+                        d.output_text = replay.text
+                        d._last_output_text_offset = shown
+                self.installed[rid] = Installed(output, replay.text, replay.visible, q, meta["prompt_len"], meta)
                 added.append(rid)
                 st["prompt_token_ids"], st["output_token_ids"] = prompt, output
             ph.add("registering and replaying the detokenizers", ph.since_start())
             out = await self.core("install", {"requests": states, "resume": bool(body.get("resume")),
                                               "lease_ms": int(body.get("lease_ms") or 0)}, ph)
+            out["visible_text"] = {h: visible[h] for h in out.get("installed", []) if h in visible}
+            self._wake_pre_attached(out.get("installed", []))
             ph.log_if_slow("install", len(states))
             return out
         except BaseException:
@@ -434,7 +469,36 @@ class Hooks:
         s = getattr(self.state, "openai_serving_chat" if kind == "chat" else "openai_serving_completion", None)
         return getattr(s, "system_fingerprint", None)
 
-    async def attach(self, hid: str, start: int):
+    def _wake_pre_attached(self, hids) -> None:
+        """Answers the pre-attached streams of requests just installed."""
+        for h in hids:
+            ev = self.awaiting.get(h)
+            if ev is not None:
+                ev.set()
+
+    async def attach(self, hid: str, start: int, wait_ms: int = 0):
+        """The stream of a request installed here from output index start;
+        start -1 is a pre-attach: the Host opens the stream before the
+        migration pauses the source, and it answers once the install
+        came (within wait_ms), from where the install put the request."""
+        if start < -1:
+            raise HookError(400, "from must be a token index, or -1 with wait_ms (a pre-attach)", "from")
+        if start == -1:
+            if not 1 <= wait_ms <= 600_000:
+                raise HookError(400, "a pre-attach (from=-1) needs wait_ms in 1..600000", "wait_ms")
+            if hid not in self.installed:
+                ev = self.awaiting.setdefault(hid, asyncio.Event())
+                try:
+                    await asyncio.wait_for(ev.wait(), wait_ms / 1000.0)
+                except asyncio.TimeoutError:
+                    raise HookError(404, f"Request {hid} was not installed here within {wait_ms} ms.",
+                                    "request_id") from None
+                finally:
+                    if self.awaiting.get(hid) is ev:
+                        del self.awaiting[hid]
+            inst = self.installed.get(hid)
+            if inst is not None:
+                start = len(inst.output_ids)
         inst = self.installed.get(hid)
         if inst is None:
             raise HookError(404, f"Request {hid} was not installed here.", "request_id")
@@ -482,9 +546,52 @@ def _core_request(st: dict):
     return rid, prompt, output, ecr
 
 
-# How long a staged detokenizer waits for its install (a migration that
-# never paused leaves it behind).
+def _meta(st: dict) -> dict:
+    """The response metadata of an exported request's stream."""
+    resp = st.get("response") or {}
+    return {"kind": resp.get("kind", "completion"), "model": resp.get("model", ""),
+            "created": resp.get("created", 0), "include_usage": resp.get("include_usage", False),
+            "continuous_usage": resp.get("continuous_usage", False),
+            "prompt_len": (st.get("engine_state") or {}).get("prompt_len", len(decode_ints(st["prompt_token_ids"])))}
+
+
+# How long a staged request waits for its install (a migration that never
+# paused leaves it behind).
 STAGED_TTL_S = 300.0
+
+
+class Staged:
+    """A moved request's detokenizer as it is brought to the source's
+    state, with the text its client got: text is what the output tokens
+    stepped so far decode to, visible[i] how much of it (code points) the
+    source's stream had sent after output token i (vLLM holds back the
+    last stop_buffer_length characters while stop strings may still
+    match). Prepared by the stage hook, or by the install itself."""
+
+    def __init__(self, prompt: list[int], meta: dict, at: float):
+        self.prompt = prompt
+        self.meta = meta
+        self.at = at
+        self.detokenizer = None
+        self.output: list[int] = []
+        self.text = ""
+        self.visible: list[int] = []
+
+    def step(self, tokens: list[int]) -> None:
+        d = self.detokenizer
+        if d is None or not tokens:
+            return
+        hold = int(getattr(d, "stop_buffer_length", 0) or 0)
+        parts = [self.text]
+        n = len(self.text)
+        shown = self.visible[-1] if self.visible else 0
+        for piece in _replay_detokenizer(_Detok(d), self.prompt, tokens):
+            parts.append(piece)
+            n += len(piece)
+            shown = max(shown, n - hold)
+            self.visible.append(shown)
+        self.text = "".join(parts)
+        self.output += tokens
 
 
 class _Detok:
@@ -494,7 +601,7 @@ class _Detok:
         self.detokenizer = d
 
 
-def _replay_detokenizer(req_state, prompt_ids, output_ids) -> None:
+def _replay_detokenizer(req_state, prompt_ids, output_ids) -> list[str]:
     """Brings a new request's incremental detokenizer to the state the
     source's was in after output_ids, by stepping through them as the
     source did (its decode stream was primed with the prompt only). The
@@ -504,15 +611,16 @@ def _replay_detokenizer(req_state, prompt_ids, output_ids) -> None:
     decode stream holds every token since its last complete character,
     and a model can emit any number of tokens that complete none (bytes of
     invalid UTF-8), so stepping only the last few is not the same state
-    (tests/test_detok_replay.py shows it)."""
+    (tests/test_detok_replay.py shows it). It returns the text each token
+    added, as the source's detokenizer appended it to its output text."""
     d = req_state.detokenizer
     if d is None or not output_ids:
-        return
+        return []
     if hasattr(d, "stream"):  # FastIncrementalDetokenizer
-        for tid in output_ids:
-            d.decode_next(tid)
-        return
+        return [d.decode_next(tid) or "" for tid in output_ids]
     # SlowIncrementalDetokenizer decodes from the token list it keeps.
+    out = []
     for tid in output_ids:
         d.token_ids.append(tid)
-        d.decode_next(tid)
+        out.append(d.decode_next(tid) or "")
+    return out

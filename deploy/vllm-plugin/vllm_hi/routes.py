@@ -56,7 +56,11 @@ async def _attach(hooks, request):
         start = int(request.query_params.get("from", "0"))
     except ValueError:
         raise HookError(400, "from must be an integer", "from") from None
-    return await hooks.attach(request.path_params["request_id"], start)
+    try:
+        wait_ms = int(request.query_params.get("wait_ms", "0"))
+    except ValueError:
+        raise HookError(400, "wait_ms must be an integer (milliseconds)", "wait_ms") from None
+    return await hooks.attach(request.path_params["request_id"], start, wait_ms)
 
 
 # The handler of each route, by hook name: (hooks, request) → the answer.

@@ -23,7 +23,11 @@ def pause(p):
     return {"paused": ids, "thread": threading.current_thread().name}
 
 
-srv = ChannelServer(sys.argv[2], sys.argv[3], b, {"pause": pause}, {"stats": lambda p, s: s}, snap)
+def export(p):
+    return {"cursor": 7, "requests": [{"request_id": i, "via": "core channel"} for i in p.get("request_ids") or []]}
+
+
+srv = ChannelServer(sys.argv[2], sys.argv[3], b, {"pause": pause, "export": export}, {"stats": lambda p, s: s}, snap)
 srv.start()
 print("ready", flush=True)
 steps = 0

@@ -1,0 +1,67 @@
+"""A pre-attach (attach from=-1): the Host opens a moving stream on the
+target before the pause; the target answers once the install came, from
+where it put the request, and says so when it never came (no vLLM
+needed)."""
+
+import asyncio
+import sys
+import unittest
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm_hi import hooks  # noqa: E402
+from vllm_hi.wire import HookError  # noqa: E402
+
+
+def _hooks():
+    return hooks.Hooks(engine_client=None, state=None, args=None)
+
+
+def _installed(n):
+    return hooks.Installed(list(range(n)), "x" * n, list(range(1, n + 1)), queue=None, prompt_len=3, meta={})
+
+
+class PreAttachTest(unittest.TestCase):
+    def test_answers_once_installed_from_where_the_install_put_it(self):
+        async def run():
+            h = _hooks()
+            pending = asyncio.ensure_future(h.attach("cmpl-1", -1, 5000))
+            await asyncio.sleep(0.05)
+            self.assertFalse(pending.done(), "a pre-attach answered before the install")
+            self.assertIn("cmpl-1", h.awaiting)
+            h.installed["cmpl-1"] = _installed(7)
+            h._wake_pre_attached(["cmpl-1"])
+            gen = await asyncio.wait_for(pending, 1)
+            self.assertNotIn("cmpl-1", h.awaiting)
+            # From index 7: the client already has the 7 moved tokens' text.
+            self.assertTrue(hasattr(gen, "__anext__"))
+            await gen.aclose()
+
+        asyncio.run(run())
+
+    def test_an_install_that_never_comes_is_a_404_in_time(self):
+        async def run():
+            h = _hooks()
+            with self.assertRaises(HookError) as e:
+                await asyncio.wait_for(h.attach("cmpl-2", -1, 50), 2)
+            self.assertEqual(e.exception.status, 404)
+            self.assertEqual(h.awaiting, {})
+
+        asyncio.run(run())
+
+    def test_a_pre_attach_needs_a_wait(self):
+        async def run():
+            for wait in (0, 600_001):
+                with self.assertRaises(HookError) as e:
+                    await _hooks().attach("cmpl-3", -1, wait)
+                self.assertEqual((e.exception.status, e.exception.param), (400, "wait_ms"))
+            with self.assertRaises(HookError) as e:
+                await _hooks().attach("cmpl-3", -2)
+            self.assertEqual(e.exception.status, 400)
+
+        asyncio.run(run())
+
+
+if __name__ == "__main__":
+    unittest.main()
