@@ -33,8 +33,7 @@
 #   SCHED          vLLM's scheduling: async (vLLM's default) or sync (--no-async-scheduling) [async]
 #   CORE_CHANNEL   1: each engine serves its core channel (--vllm-hi-core-socket) and its agent
 #                  takes the engine core's hooks through it; 0: every hook over HTTP [1]
-#   HOST_FLAGS     more vhi host flags [--migration-pre-attach: the target's streams open
-#                  before the pause]; HOST_FLAGS= for the plain switch
+#   HOST_FLAGS     more vhi host flags, e.g. "--log-level info" []
 #   BASE_PORT      engines on BASE_PORT+1, +2, the Host on BASE_PORT [18000]
 #   HEALTH_WAIT_S  how long an engine may take to become healthy [900]
 #
@@ -93,7 +92,7 @@ wait_healthy() {
 }
 
 # shellcheck disable=SC2086 # HOST_FLAGS is a list of flags
-setsid "$vhi" host --listen "$host_addr" --data-dir "$out/host" --log-level warn ${HOST_FLAGS---migration-pre-attach} >"$out/host.log" 2>&1 &
+setsid "$vhi" host --listen "$host_addr" --data-dir "$out/host" --log-level warn ${HOST_FLAGS:-} >"$out/host.log" 2>&1 &
 pids+=($!)
 wait_healthy host "$host_url/health" "$!" "$out/host.log"
 

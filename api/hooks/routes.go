@@ -76,6 +76,15 @@ func PreAttachPath(requestID string, wait time.Duration) string {
 	return strings.Replace(PathAttach, "{request_id}", url.PathEscape(requestID), 1) + "?from=-1&wait_ms=" + strconv.FormatInt(wait.Milliseconds(), 10)
 }
 
+// AttachCutPath is PathAttach for one request, from token index from,
+// opening with the request's text from code point textFrom on: the text
+// its client lacks when the Host's relay stopped reading the source early
+// (an engine that derives the moved tokens' text serves it; see
+// InstallResponse.VisibleText).
+func AttachCutPath(requestID string, from, textFrom int) string {
+	return AttachPath(requestID, from) + "&text_from=" + strconv.Itoa(textFrom)
+}
+
 // AttachPath is PathAttach for one request, from token index from.
 func AttachPath(requestID string, from int) string {
 	return strings.Replace(PathAttach, "{request_id}", url.PathEscape(requestID), 1) + "?from=" + strconv.Itoa(from)

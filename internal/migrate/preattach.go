@@ -16,7 +16,12 @@ const preAttachMaxWait = 2 * time.Minute
 // the target's first tokens from a connection already open. The target
 // waits for the install until the migration's deadline at most.
 func (m *migration) preAttach() {
-	if !m.o.cfg.PreAttach || m.o.proxy == nil {
+	// A target that derives the moved text (vLLM: dstStages) is switched
+	// to by a cut, whose stream opens at the code point its client has,
+	// known only then; a stream opened before would start reading the
+	// target's outputs the moment it resumes, whether or not the relay
+	// ends up reading it.
+	if !m.o.cfg.PreAttach || m.o.proxy == nil || m.dstStages {
 		return
 	}
 	wait := min(max(time.Until(m.deadline), time.Second), preAttachMaxWait)

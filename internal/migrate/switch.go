@@ -62,7 +62,13 @@ func (m *migration) switchStreams(states []movedState) (spliced []*proxy.Stream,
 			continue
 		}
 		spliced = append(spliced, s)
-		waits = append(waits, s.Splice(m.dst.Engine.URL, m.dst.ID, len(st.OutputTokenIDs), visibleText(st)))
+		if st.visible >= 0 {
+			// The target derived the text: the relay cuts the source now
+			// and the target sends what its client still lacked.
+			waits = append(waits, s.Cut(m.dst.Engine.URL, m.dst.ID, len(st.OutputTokenIDs), st.visible))
+		} else {
+			waits = append(waits, s.Splice(m.dst.Engine.URL, m.dst.ID, len(st.OutputTokenIDs), visibleText(st)))
+		}
 	}
 	timeout := time.After(m.o.cfg.SpliceTimeout)
 wait:
@@ -80,6 +86,7 @@ wait:
 			// Their clients read slowly: the relay switches each once it
 			// has written everything the source produced.
 			m.log.Warn("streams still moving at the splice timeout", zap.Int("streams", len(waits)-i))
+			m.logStuckSplices(spliced[i:])
 			break wait
 		}
 	}
@@ -92,6 +99,24 @@ wait:
 		cancel()
 	}
 	return spliced, failed, firstErr
+}
+
+// logStuckSplices says, for a few streams whose switch is still pending,
+// how far the source's stream got against the cut it waits for.
+func (m *migration) logStuckSplices(streams []*proxy.Stream) {
+	logged := 0
+	for _, s := range streams {
+		tokens, text, wantTokens, wantText, ok := s.SpliceProgress()
+		if !ok {
+			continue
+		}
+		m.log.Warn("a stream's switch waits for its source", zap.String("request_id", s.ID),
+			zap.Int("tokens_relayed", tokens), zap.Int("tokens_exported", wantTokens),
+			zap.Int("text_relayed", text), zap.Int("text_at_cut", wantText))
+		if logged++; logged == 4 {
+			return
+		}
+	}
 }
 
 // measureClientGap records the longest gap a moved stream's client saw

@@ -439,13 +439,22 @@ func (p *Proxy) trySwitch(ctx context.Context, s *Stream) (next io.ReadCloser, o
 	s.mu.Lock()
 	sp := s.splice
 	due := s.spliceDueLocked()
+	cut, textFrom := s.cutLocked(), s.text
 	s.mu.Unlock()
-	if !due {
+	if !due && !cut {
 		return nil, false
 	}
-	resp, cancel := s.takePreAttach(ctx, sp.instance)
+	var resp *http.Response
+	var cancel context.CancelFunc
 	var err error
-	if resp == nil {
+	if cut {
+		// The client lacks the text from textFrom on: the target sends it
+		// first. A pre-attached stream starts after it, so it goes.
+		s.dropPreAttachFor(sp.instance)
+		var actx context.Context
+		actx, cancel = context.WithCancel(ctx)
+		resp, err = p.openAttachURL(actx, sp, s.ID, cutURL(sp.url, s.ID, sp.from, textFrom))
+	} else if resp, cancel = s.takePreAttach(ctx, sp.instance); resp == nil {
 		var actx context.Context
 		actx, cancel = context.WithCancel(ctx)
 		resp, err = p.openAttach(actx, sp, s.ID)

@@ -75,8 +75,12 @@ func (pa *preAttach) drop() {
 type spliceTarget struct {
 	url      string // the target engine's base URL
 	instance string
-	from     int        // the source's output tokens: the target streams from this index
-	text     int        // the source's visible text length after them; -1 when unknown
+	from     int // the source's output tokens: the target streams from this index
+	text     int // the source's visible text length after them; -1 when unknown
+	// cut: the target can send the text the client lacks (attach's
+	// text_from), so the relay stops reading the source at once instead of
+	// waiting for it to deliver everything up to the cut.
+	cut      bool
 	switched chan error // receives once: nil when the stream reads from the target
 	at       time.Time  // when the first target event was relayed
 }
@@ -147,6 +151,23 @@ func (t *Streams) Len() int {
 // The returned channel gets nil once the stream reads from the target, or
 // an error.
 func (s *Stream) Splice(baseURL, instance string, from, text int) <-chan error {
+	return s.requestSplice(&spliceTarget{url: baseURL, instance: instance, from: from, text: text})
+}
+
+// Cut is Splice onto a target that derives the moved tokens' text itself
+// (an install that answered visible_text): the relay stops reading the
+// source at once — an engine's API server can lag its engine core by
+// seconds under load, and waiting for it to deliver its last tokens would
+// be the clients' gap — and the target's stream opens with the text the
+// client still lacked, from the exact code point the client has. A source
+// that delivered everything already switches as Splice does (a
+// pre-attached stream included).
+func (s *Stream) Cut(baseURL, instance string, from, text int) <-chan error {
+	return s.requestSplice(&spliceTarget{url: baseURL, instance: instance, from: from, text: text, cut: text >= 0})
+}
+
+func (s *Stream) requestSplice(sp *spliceTarget) <-chan error {
+	from, text := sp.from, sp.text
 	ch := make(chan error, 1)
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -168,11 +189,19 @@ func (s *Stream) Splice(baseURL, instance string, from, text int) <-chan error {
 		ch <- fmt.Errorf("stream %s already relayed %d characters, more than the %d the source produced", s.ID, s.text, text)
 		return ch
 	}
-	s.splice = &spliceTarget{url: baseURL, instance: instance, from: from, text: text, switched: ch}
-	if s.spliceDueLocked() && s.cancelA != nil {
-		s.cancelA() // everything from the source is relayed: stop waiting on it
+	sp.switched = ch
+	s.splice = sp
+	if (sp.cut || s.spliceDueLocked()) && s.cancelA != nil {
+		s.cancelA() // everything from the source is relayed, or the target fills in: stop reading it
 	}
 	return ch
+}
+
+// cutLocked reports whether a pending splice switches now with the target
+// filling in the text the client lacks (from code point s.text).
+func (s *Stream) cutLocked() bool {
+	sp := s.splice
+	return sp != nil && sp.switched != nil && sp.cut && !s.spliceDueLocked()
 }
 
 // spliceDueLocked reports whether a requested splice may switch now: all
@@ -257,9 +286,28 @@ func (s *Stream) SwitchGap() (lastSource, firstTarget time.Time) {
 	return s.lastSourceToken, s.splice.at
 }
 
+// SpliceProgress says where a pending splice stands: the tokens and text
+// (code points) relayed from the source so far against the cut the splice
+// waits for (wantText −1: by tokens alone), for a log line about a switch
+// that takes long. ok is false when no splice is pending.
+func (s *Stream) SpliceProgress() (tokens, text, wantTokens, wantText int, ok bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.splice == nil || s.splice.switched == nil {
+		return s.tokens, s.text, 0, 0, false
+	}
+	return s.tokens, s.text, s.splice.from, s.splice.text, true
+}
+
 // attachURL is the engine hook that streams a request from token index k.
 func attachURL(base, id string, from int) string {
 	return strings.TrimRight(base, "/") + hooks.AttachPath(id, from)
+}
+
+// cutURL is the engine hook that streams a request from token index from,
+// opening with its text from code point textFrom (what the client lacks).
+func cutURL(base, id string, from, textFrom int) string {
+	return strings.TrimRight(base, "/") + hooks.AttachCutPath(id, from, textFrom)
 }
 
 // PreAttach opens the stream of request id on the target engine at
@@ -305,10 +353,13 @@ func (p *Proxy) PreAttach(id, baseURL, instance string, wait time.Duration) {
 // DropPreAttach ends the pre-attach of stream id to instance, if any: the
 // migration it was for did not commit.
 func (p *Proxy) DropPreAttach(id, instance string) {
-	s := p.streams.Get(id)
-	if s == nil {
-		return
+	if s := p.streams.Get(id); s != nil {
+		s.dropPreAttachFor(instance)
 	}
+}
+
+// dropPreAttachFor ends the stream's pre-attach to instance, if any.
+func (s *Stream) dropPreAttachFor(instance string) {
 	s.mu.Lock()
 	pa := s.pre
 	if pa != nil && pa.instance == instance {
@@ -372,6 +423,11 @@ func (s *Stream) takePreAttach(ctx context.Context, instance string) (*http.Resp
 // (a connection refused or reset is worth a retry; the target holds the
 // request either way).
 func (p *Proxy) openAttach(ctx context.Context, t *spliceTarget, id string) (*http.Response, error) {
+	return p.openAttachURL(ctx, t, id, attachURL(t.url, id, t.from))
+}
+
+// openAttachURL opens the target's stream at url (see openAttach).
+func (p *Proxy) openAttachURL(ctx context.Context, t *spliceTarget, id, url string) (*http.Response, error) {
 	var last error
 	for attempt := 0; attempt < 3; attempt++ {
 		if attempt > 0 {
@@ -381,7 +437,7 @@ func (p *Proxy) openAttach(ctx context.Context, t *spliceTarget, id string) (*ht
 			case <-time.After(time.Duration(attempt) * 50 * time.Millisecond):
 			}
 		}
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, attachURL(t.url, id, t.from), nil)
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 		if err != nil {
 			return nil, err
 		}

@@ -252,3 +252,69 @@ func TestSpliceFencesASourceThatGoesOn(t *testing.T) {
 		t.Fatalf("client saw:\n%s\nwant:\n%s", body, want)
 	}
 }
+
+// A cut does not wait for a source that lags (an API server that has not
+// sent its last tokens yet): the relay stops reading it at once and the
+// target's stream opens with the text the client lacks, from the exact
+// code point the client has.
+func TestCutSwitchesAtOnceAndTheTargetFillsTheGap(t *testing.T) {
+	const k, sent, total = 6, 4, 9 // the source produced k tokens; its client got sent
+	a := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for i := 0; i < sent; i++ {
+			_, _ = io.WriteString(w, tokenEvent(i))
+			w.(http.Flusher).Flush()
+		}
+		<-r.Context().Done() // its last k-sent tokens never come
+	}))
+	defer a.Close()
+	var from, textFrom string
+	gap := " t4 t5"
+	b := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		from, textFrom = r.URL.Query().Get("from"), r.URL.Query().Get("text_from")
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = fmt.Fprintf(w, "data: {\"id\":\"cmpl-x\",\"choices\":[{\"index\":0,\"text\":%q,\"finish_reason\":null}]}\n\n", gap)
+		for i := k; i < total; i++ {
+			_, _ = io.WriteString(w, tokenEvent(i))
+		}
+		_, _ = io.WriteString(w, "data: [DONE]\n\n")
+	}))
+	defer b.Close()
+	p := New(Options{}, testMetrics(), zap.NewNop())
+	got := streamThrough(t, p, a.URL)
+	s := waitStream(t, p, sent)
+	visible := len(" t0 t1 t2 t3 t4 t5")
+	start := time.Now()
+	select {
+	case err := <-s.Cut(b.URL, "B", k, visible):
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the cut waited for the source")
+	}
+	if took := time.Since(start); took > 2*time.Second {
+		t.Fatalf("the cut took %v", took)
+	}
+	want := ""
+	for i := 0; i < sent; i++ {
+		want += tokenEvent(i)
+	}
+	want += fmt.Sprintf("data: {\"id\":\"cmpl-x\",\"choices\":[{\"index\":0,\"text\":%q,\"finish_reason\":null}]}\n\n", gap)
+	for i := k; i < total; i++ {
+		want += tokenEvent(i)
+	}
+	want += "data: [DONE]\n\n"
+	if body := <-got; body != want {
+		t.Fatalf("client saw:\n%s\nwant:\n%s", body, want)
+	}
+	if from != fmt.Sprint(k) || textFrom != fmt.Sprint(len(" t0 t1 t2 t3")) {
+		t.Fatalf("attached from %q text_from %q, want %d and %d", from, textFrom, k, len(" t0 t1 t2 t3"))
+	}
+	// A cut onto a target whose text is unknown waits like a splice.
+	s2 := &Stream{ID: "y", done: make(chan struct{})}
+	s2.Cut("http://b", "B", 3, -1)
+	if s2.splice == nil || s2.splice.cut {
+		t.Fatalf("a cut without the text: %+v, want a plain splice", s2.splice)
+	}
+}

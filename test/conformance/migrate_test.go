@@ -30,9 +30,6 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 	vllmA := needVLLM(t)
 	cfg := host.DefaultConfig()
 	cfg.Migration.AllowFaultInjection = true
-	// The target's streams open before each pause, as docs/vllm-plugin.md
-	// recommends for vLLM (the plain attach is the fallback when one fails).
-	cfg.Migration.PreAttach = true
 	hostURL, hostAddr, h := startHostWith(t, cfg)
 	startAgent(t, hostAddr, vllmA, "A")
 	startAgent(t, hostAddr, vllmBURL, "B")
@@ -88,10 +85,11 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 
 	// A stream moves there and back: the second migration exports a
 	// request that the first installed (its client's whole output, not
-	// the joined prompt the engine core holds), each switch reads the
-	// target's stream that the Host opened before the pause, and a stop
-	// string keeps the detokenizer holding text back across both moves.
-	t.Run("a stream moves there and back, pre-attached, with a stop string held back", func(t *testing.T) {
+	// the joined prompt the engine core holds), each switch is a cut (the
+	// target derived the text and sends what the client lacks), and a
+	// stop string keeps the detokenizer holding text back across both
+	// moves.
+	t.Run("a stream moves there and back, cut over, with a stop string held back", func(t *testing.T) {
 		const sampling = `"temperature":0,"stop":["zzzq","qqqqqz"]`
 		want := runStreamsOf(t, hostURL, 0, 2, 470, sampling, 0, nil)
 		var sts []hostapi.MigrationStatus
@@ -100,8 +98,8 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 			sts = append(sts, migrateAndWait(t, hostURL, hostapi.MigrateRequest{Src: dst, Dst: src, Type: hostapi.PreserveSource}))
 		})
 		for i, st := range sts {
-			if st.State != "succeeded" || st.Migrated != 2 || st.PreAttached != 2 {
-				t.Fatalf("hop %d: migration %s (%s), %d requests moved, %d switched pre-attached", i+1, st.State, st.Error, st.Migrated, st.PreAttached)
+			if st.State != "succeeded" || st.Migrated != 2 {
+				t.Fatalf("hop %d: migration %s (%s), %d requests moved", i+1, st.State, st.Error, st.Migrated)
 			}
 		}
 		sameStreams(t, want, got)

@@ -63,5 +63,52 @@ class PreAttachTest(unittest.TestCase):
         asyncio.run(run())
 
 
+class _Queue:
+    """RequestOutputCollector's interface, fed by the test."""
+
+    def __init__(self):
+        self.items = asyncio.Queue()
+
+    def get_nowait(self):
+        return None if self.items.empty() else self.items.get_nowait()
+
+    async def get(self):
+        return await self.items.get()
+
+
+class _Out:
+    def __init__(self, text, finished=False):
+        self.finished = finished
+        self.outputs = [type("O", (), {"token_ids": [1], "text": text, "finish_reason": "length" if finished else None,
+                                       "stop_reason": None})()]
+
+
+class CutTest(unittest.TestCase):
+    def test_a_cut_opens_with_the_text_the_client_lacks_and_ends_the_older_reader(self):
+        async def run():
+            h = _hooks()
+            h.chunk = lambda inst, hid, text, finish, stop, n: f"[{text}]"
+            inst = hooks.Installed([5, 6, 7], "abcdef", [2, 4, 6], _Queue(), prompt_len=3,
+                                   meta={"include_usage": False})
+            h.installed["cmpl-9"] = inst
+            first = await h.attach("cmpl-9", 3)  # say a pre-attach the Host then left unused
+            reading = asyncio.ensure_future(first.__anext__())
+            await asyncio.sleep(0.01)
+            self.assertFalse(reading.done(), "the first stream yielded with nothing to send")
+            with self.assertRaises(HookError) as e:
+                await h.attach("cmpl-9", 3, text_from=7)
+            self.assertEqual(e.exception.param, "text_from")
+            second = await h.attach("cmpl-9", 3, text_from=2)  # the client has "ab"
+            await asyncio.sleep(0.01)
+            self.assertTrue(reading.cancelled() or reading.done(), "the older reader still waits for outputs")
+            self.assertEqual(await second.__anext__(), "[cdef]")
+            await inst.queue.items.put(_Out("g"))
+            await inst.queue.items.put(_Out("h", finished=True))
+            rest = [c async for c in second]
+            self.assertEqual(rest, ["[g]", "[h]", "data: [DONE]\n\n"])
+
+        asyncio.run(run())
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -74,6 +74,10 @@ class Installed:
         self.offsets = offsets if len(offsets) == len(output_ids) else [len(text)] * len(output_ids)
         self.prompt_len = prompt_len
         self.meta = meta
+        # The attach stream reading the output queue: a newer attach of
+        # the same request ends it, so two never take outputs from it.
+        self.reader = None
+        self.attaches = 0
 
 
 class Hooks:
@@ -476,13 +480,18 @@ class Hooks:
             if ev is not None:
                 ev.set()
 
-    async def attach(self, hid: str, start: int, wait_ms: int = 0):
+    async def attach(self, hid: str, start: int, wait_ms: int = 0, text_from: int = -1):
         """The stream of a request installed here from output index start;
         start -1 is a pre-attach: the Host opens the stream before the
         migration pauses the source, and it answers once the install
-        came (within wait_ms), from where the install put the request."""
+        came (within wait_ms), from where the install put the request.
+        text_from ≥ 0 opens the stream with the moved tokens' text from
+        that code point on: what the client lacked when the Host's relay
+        cut the source (whose API server may lag its engine core)."""
         if start < -1:
             raise HookError(400, "from must be a token index, or -1 with wait_ms (a pre-attach)", "from")
+        if text_from < -1:
+            raise HookError(400, "text_from must be a code point offset", "text_from")
         if start == -1:
             if not 1 <= wait_ms <= 600_000:
                 raise HookError(400, "a pre-attach (from=-1) needs wait_ms in 1..600000", "wait_ms")
@@ -504,12 +513,25 @@ class Hooks:
             raise HookError(404, f"Request {hid} was not installed here.", "request_id")
         if start < 0 or start > len(inst.output_ids):
             raise HookError(400, f"from={start} is outside 0..{len(inst.output_ids)}.", "from")
+        n = len(inst.output_ids)
+        hi = inst.offsets[n - 1] if n > 0 else 0
+        if text_from > hi:
+            raise HookError(400, f"text_from={text_from} is past the {hi} code points the moved tokens show.",
+                            "text_from")
+        # This stream takes over the request's outputs from any earlier one
+        # (say a pre-attach the Host left unused): that one ends now, before
+        # it can take an output this one would then miss.
+        inst.attaches += 1
+        me = inst.attaches
+        if inst.reader is not None and not inst.reader.done():
+            inst.reader.cancel()
 
         async def gen():
-            n = len(inst.output_ids)
+            if inst.attaches != me:
+                return  # a newer attach took over before this one started
+            inst.reader = asyncio.current_task()
             done_tokens = n
-            lo = inst.offsets[start - 1] if start > 0 else 0
-            hi = inst.offsets[n - 1] if n > 0 else 0
+            lo = text_from if text_from >= 0 else (inst.offsets[start - 1] if start > 0 else 0)
             if inst.text[lo:hi]:
                 yield self.chunk(inst, hid, inst.text[lo:hi], None, None, done_tokens)
             while True:

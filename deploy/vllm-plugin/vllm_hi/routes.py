@@ -60,7 +60,11 @@ async def _attach(hooks, request):
         wait_ms = int(request.query_params.get("wait_ms", "0"))
     except ValueError:
         raise HookError(400, "wait_ms must be an integer (milliseconds)", "wait_ms") from None
-    return await hooks.attach(request.path_params["request_id"], start, wait_ms)
+    try:
+        text_from = int(request.query_params.get("text_from", "-1"))
+    except ValueError:
+        raise HookError(400, "text_from must be an integer (code points)", "text_from") from None
+    return await hooks.attach(request.path_params["request_id"], start, wait_ms, text_from)
 
 
 # The handler of each route, by hook name: (hooks, request) → the answer.
