@@ -286,6 +286,11 @@ type ExportRequest struct {
 	// Snapshot exports running (not paused) requests as they are now:
 	// token ids and sampling state only, for the target's stage hook.
 	Snapshot bool `json:"snapshot,omitempty"`
+	// TokensOnly (with Snapshot) leaves out what only an engine's API
+	// server knows (each stream's response metadata): a snapshot that
+	// tops up a stage the target holds already. The vLLM plugin answers
+	// it from its engine core, over the core channel.
+	TokensOnly bool `json:"tokens_only,omitempty"`
 }
 
 // StageRequest is the stage hook's body: the requests' state as a

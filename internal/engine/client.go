@@ -100,9 +100,9 @@ func (c *Client) viaCore(ctx context.Context, op string, in, out any) (ok bool, 
 // work is the engine core's go there — the pause path's calls reach the
 // engine at its next step boundary without waiting on the API server's
 // event loop, which also serves every client stream; a snapshot export
-// (it carries the streams' metadata, which only the API server has), the
-// install (the target's API server registers each stream), stage and
-// abort go over HTTP.
+// with the streams' metadata (only the API server has it), the install
+// (the target's API server registers each stream), stage and abort go
+// over HTTP.
 func (c *Client) Hook(ctx context.Context, route hooks.Route, since uint64, body []byte) ([]byte, error) {
 	if op, ok := c.coreOp(route.Name, body); ok {
 		var payload any = json.RawMessage(body)
@@ -145,8 +145,9 @@ func (c *Client) coreOp(name string, body []byte) (string, bool) {
 	case hooks.HookRequests, hooks.HookChanges, hooks.HookPause, hooks.HookResume, hooks.HookAllocate, hooks.HookStats:
 		return name, true
 	case hooks.HookExport:
+		// A snapshot with its streams' metadata needs the API server.
 		var req hooks.ExportRequest
-		if json.Unmarshal(body, &req) != nil || req.Snapshot {
+		if json.Unmarshal(body, &req) != nil || req.Snapshot && !req.TokensOnly {
 			return "", false
 		}
 		return name, true

@@ -164,9 +164,11 @@ func TestHookGoesThroughTheCoreChannel(t *testing.T) {
 	if !strings.Contains(string(out), `"step_wait_s"`) {
 		t.Fatalf("the pause's answer has no step wait: %s", out)
 	}
-	out, err = c.Hook(ctx, route(hooks.HookExport), 0, []byte(`{"request_ids":["a"]}`))
-	if err != nil || !strings.Contains(string(out), "core channel") {
-		t.Fatalf("an export of paused requests went %s (%v), want the core channel", out, err)
+	for _, body := range []string{`{"request_ids":["a"]}`, `{"request_ids":["a"],"snapshot":true,"tokens_only":true}`} {
+		out, err = c.Hook(ctx, route(hooks.HookExport), 0, []byte(body))
+		if err != nil || !strings.Contains(string(out), "core channel") {
+			t.Fatalf("export %s went %s (%v), want the core channel", body, out, err)
+		}
 	}
 	for _, call := range []struct {
 		name string

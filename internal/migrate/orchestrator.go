@@ -161,6 +161,9 @@ func (m *migration) run() {
 	}
 	if staged != nil {
 		<-staged
+		if err == nil {
+			m.topUpStage(ctx)
+		}
 	}
 	var c committed
 	if err == nil {

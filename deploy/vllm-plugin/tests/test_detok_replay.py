@@ -135,6 +135,54 @@ class ReplayTest(unittest.TestCase):
             self.assertEqual(staged.text, source.output_text, f"trial {trial}")
             self.assertEqual(staged.text[:want[-1]], sent, f"trial {trial}")
 
+    def test_a_top_up_stage_steps_only_the_tokens_since(self):
+        """The Host stages a snapshot beside the check of the copied KV, then
+        tops it up with a tokens-only snapshot just before the pause: the
+        staged detokenizer ends where one replay of the whole output ends,
+        with the first snapshot's stream metadata."""
+        import asyncio
+        import base64
+
+        import msgspec
+
+        from vllm_hi import hooks
+        from vllm_hi.wire import encode_ints
+
+        class _EC:
+            class output_processor:  # noqa: N801 - stands in for vLLM's attribute
+                pass
+
+        _EC.output_processor.tokenizer = self.tok
+        h = hooks.Hooks(_EC(), state=None, args=None)
+        rng = random.Random(3)
+        prompt = [rng.randrange(3, self.vocab) for _ in range(12)]
+        output = [rng.randrange(3, self.vocab) for _ in range(90)]
+        sp = base64.b64encode(msgspec.msgpack.encode(SamplingParams(max_tokens=500, stop=["zzzq"]))).decode()
+
+        def state(n, response):
+            st = {"request_id": "cmpl-7", "prompt_token_ids": encode_ints(prompt),
+                  "output_token_ids": encode_ints(output[:n]), "engine_state": {"sampling_params": sp, "prompt_len": 12}}
+            if response:
+                st["response"] = {"kind": "completion", "model": "m", "created": 5}
+            return st
+
+        async def run():
+            self.assertEqual(await h.stage({"requests": [state(40, True)]}), {"staged": ["cmpl-7"]})
+            self.assertEqual(await h.stage({"requests": [state(75, False)]}), {"staged": ["cmpl-7"]})
+            # A tokens-only snapshot of a request never staged is passed over.
+            other = dict(state(10, False), request_id="cmpl-8")
+            self.assertEqual(await h.stage({"requests": [other]}), {"staged": []})
+
+        asyncio.run(run())
+        staged = h.staged["cmpl-7"]
+        self.assertEqual(staged.output, output[:75])
+        self.assertEqual(staged.meta["model"], "m")
+        whole = hooks.Staged(prompt, {}, 0.0)
+        whole.detokenizer = self.detok(prompt)
+        whole.detokenizer.stop_buffer_length = staged.detokenizer.stop_buffer_length
+        whole.step(output[:75])
+        self.assertEqual((staged.text, staged.visible), (whole.text, whole.visible))
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -660,14 +660,17 @@ def _ch_export(core, st, ids: HostIDs, p: dict) -> dict:
     come from here; the text a client already got is the target's to
     derive (its install replays the detokenizer over the same token ids),
     and each stream's response metadata reached the target with the
-    snapshot it staged before the pause."""
-    if p.get("snapshot"):
-        raise HookError(400, "a snapshot export carries its streams' metadata: ask the API server's export hook",
-                        "snapshot")
+    snapshot it staged before the pause. A tokens_only snapshot (of running
+    requests, without that metadata) tops up such a stage."""
+    snapshot = bool(p.get("snapshot"))
+    if snapshot and not p.get("tokens_only"):
+        raise HookError(400, "a snapshot export with its streams' metadata comes from the API server's export hook "
+                             "(tokens_only: without it)", "snapshot")
     hids = list(p.get("request_ids") or [])
-    out = _export(core, st, {"request_ids": ids.internal(hids)})
-    for r, hid in zip(out["requests"], hids):
-        r["request_id"] = hid
+    by_internal = dict(zip(ids.internal(hids), hids))
+    out = _export(core, st, {"request_ids": list(by_internal), "snapshot": snapshot})
+    for r in out["requests"]:
+        r["request_id"] = by_internal.get(r["request_id"], r["request_id"])
         r["engine_state"]["prompt_len"] = len(r["prompt_token_ids"])
         r["prompt_token_ids"] = encode_ints(r["prompt_token_ids"])
         r["output_token_ids"] = encode_ints(r["output_token_ids"])

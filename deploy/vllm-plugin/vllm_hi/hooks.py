@@ -284,6 +284,17 @@ class Hooks:
             rid, prompt, output, ecr = _core_request(st)
             if rid in self.installed:
                 continue
+            ahead = self.staged.get(rid)
+            if ahead is not None and not st.get("response") and ahead.prompt == prompt \
+                    and output[:len(ahead.output)] == ahead.output:
+                # A top-up (a tokens-only snapshot, taken later): step only
+                # through the tokens since, keeping the stream's metadata.
+                ahead.step(output[len(ahead.output):])
+                ahead.at = now
+                staged.append(rid)
+                continue
+            if not st.get("response"):
+                continue  # nothing staged to top up, and no metadata to stage with
             ahead = Staged(prompt, _meta(st), now)
             if ecr.sampling_params.detokenize and self.op.tokenizer is not None:
                 ahead.detokenizer = IncrementalDetokenizer.from_new_request(tokenizer=self.op.tokenizer, request=ecr)

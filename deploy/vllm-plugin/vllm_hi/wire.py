@@ -135,8 +135,9 @@ class WriteLog:
             slots = self.slot_gen.get(b)
             if slots is None:
                 slots = self.slot_gen[b] = [0] * bs
-            for s in range(slot, slot + (upto - pos)):
-                slots[s] = gen
+            # One slice per block: an install stamps every token of 256
+            # requests (~260k slots) inside the commit.
+            slots[slot:slot + (upto - pos)] = [gen] * (upto - pos)
             self.block_gen[b] = gen
             self.owner[b] = request_id
             pos = upto
