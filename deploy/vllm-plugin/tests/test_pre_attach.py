@@ -103,9 +103,10 @@ class CutTest(unittest.TestCase):
             self.assertTrue(reading.cancelled() or reading.done(), "the older reader still waits for outputs")
             self.assertEqual(await second.__anext__(), "[cdef]")
             await inst.queue.items.put(_Out("g"))
+            await inst.queue.items.put(_Out(""))  # a token with no text yet is an event too
             await inst.queue.items.put(_Out("h", finished=True))
             rest = [c async for c in second]
-            self.assertEqual(rest, ["[g]", "[h]", "data: [DONE]\n\n"])
+            self.assertEqual(rest, ["[g]", "[]", "[h]", "data: [DONE]\n\n"])
 
         asyncio.run(run())
 

@@ -549,7 +549,11 @@ class Hooks:
                 out = inst.queue.get_nowait() or await inst.queue.get()
                 o = out.outputs[0]
                 done_tokens += len(o.token_ids)
-                if o.text or o.finish_reason is not None:
+                # A token whose text is empty (its characters are not
+                # complete yet, or it decodes to nothing) is still an event,
+                # as in vLLM's own streams: a client that gets no event for
+                # minutes would call the stream dead.
+                if o.text or o.token_ids or o.finish_reason is not None:
                     yield self.chunk(inst, hid, o.text, o.finish_reason, o.stop_reason, done_tokens)
                 if out.finished:
                     break
