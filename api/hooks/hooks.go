@@ -354,6 +354,13 @@ type InstallRequest struct {
 	Requests []RequestState `json:"requests"`
 	Resume   bool           `json:"resume"`
 	LeaseMS  int            `json:"lease_ms,omitempty"`
+	// TextFrom is, by request id, where the Host's relay holds the
+	// request's client stream (code points it got from the source): a
+	// stream pre-attached on this engine opens with the moved text from
+	// there, so that the switch after the commit only reads a connection
+	// already open. For an engine that derives the moved text
+	// (InstallResponse.VisibleText).
+	TextFrom map[string]int `json:"text_from,omitempty"`
 }
 
 // InstallResponse lists what was installed.
@@ -366,6 +373,9 @@ type InstallResponse struct {
 	// token ids) says it here; absent, the Host reads it from the export's
 	// text offsets.
 	VisibleText map[string]int `json:"visible_text,omitempty"`
+	// TextFrom echoes the InstallRequest.TextFrom entries the engine took:
+	// their pre-attached streams open with the moved text from there.
+	TextFrom map[string]int `json:"text_from,omitempty"`
 }
 
 // AbortRequest drops requests and frees their blocks. Silent aborts end the

@@ -264,8 +264,12 @@ func (m *migration) moveChunk(ctx context.Context, ids []string) ([]movedState, 
 	if len(raw) < 2 || raw[0] != '{' {
 		return nil, fmt.Errorf("export the source's state: unreadable answer")
 	}
-	// {"cursor":…,"requests":[…]} → {"resume":false,"lease_ms":…,"cursor":…,"requests":[…]}
+	// {"cursor":…,"requests":[…]} → {"resume":false,"lease_ms":…,"text_from":{…},"cursor":…,"requests":[…]}
 	head := fmt.Sprintf(`{"resume":false,"lease_ms":%d,`, m.o.cfg.PauseLease/time.Millisecond)
+	if at := m.hold(ids); len(at) > 0 {
+		b, _ := json.Marshal(at)
+		head += `"text_from":` + string(b) + `,`
+	}
 	install := append([]byte(head), raw[1:]...)
 	type installResult struct {
 		raw []byte
@@ -293,9 +297,12 @@ func (m *migration) moveChunk(ctx context.Context, ids []string) ([]movedState, 
 	}
 	for i := range exp.Requests {
 		st := &exp.Requests[i]
-		st.visible = -1
+		st.visible, st.armed = -1, -1
 		if v, ok := ans.VisibleText[st.RequestID]; ok {
 			st.visible = v
+		}
+		if a, ok := ans.TextFrom[st.RequestID]; ok {
+			st.armed = a
 		}
 	}
 	return exp.Requests, nil
@@ -310,6 +317,9 @@ type movedState struct {
 	// visible is the text the target's install said the client had got
 	// (hooks.InstallResponse.VisibleText); -1 when it said nothing.
 	visible int
+	// armed is where the target's pre-attached stream opens
+	// (hooks.InstallResponse.TextFrom); -1: not armed.
+	armed int
 }
 
 // visibleText is how much text (code points) the source's client stream

@@ -25,12 +25,15 @@ type migration struct {
 	op       registry.Operation // what holds both instances in the registry
 	// preAttached are the streams opened on the target before the pause.
 	preAttached []string
-	req         hostapi.MigrateRequest
-	filter      Filter
-	src, dst    registry.Instance
-	srcA        agentclient.Agent
-	dstA        agentclient.Agent
-	log         *zap.Logger
+	// held are the streams whose relay holds their client where the
+	// target's pre-attached stream opens (heldCut).
+	held     []string
+	req      hostapi.MigrateRequest
+	filter   Filter
+	src, dst registry.Instance
+	srcA     agentclient.Agent
+	dstA     agentclient.Agent
+	log      *zap.Logger
 
 	// secret authenticates the migration's data-plane connections; only
 	// the two agents get it.

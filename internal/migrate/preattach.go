@@ -11,17 +11,12 @@ import (
 const preAttachMaxWait = 2 * time.Minute
 
 // preAttach opens every moving stream on the target just before the
-// pause (cfg.PreAttach): the HTTP request and the engine's handler then
+// pause (cfg.PreAttach, or a held cut): the HTTP request and the engine's handler then
 // cost nothing inside the clients' gap — the switch after the commit reads
 // the target's first tokens from a connection already open. The target
 // waits for the install until the migration's deadline at most.
 func (m *migration) preAttach() {
-	// A target that derives the moved text (vLLM: dstStages) is switched
-	// to by a cut, whose stream opens at the code point its client has,
-	// known only then; a stream opened before would start reading the
-	// target's outputs the moment it resumes, whether or not the relay
-	// ends up reading it.
-	if !m.o.cfg.PreAttach || m.o.proxy == nil || m.dstStages {
+	if !(m.o.cfg.PreAttach || m.heldCut()) || m.o.proxy == nil {
 		return
 	}
 	wait := min(max(time.Until(m.deadline), time.Second), preAttachMaxWait)
@@ -32,6 +27,55 @@ func (m *migration) preAttach() {
 	m.mu.Lock()
 	m.preAttached = ids
 	m.mu.Unlock()
+}
+
+// heldCut reports whether the final round holds the moving streams for a
+// switch over their pre-attached streams: a target that derives the moved
+// text (vLLM: dstStages) opens a pre-attached stream at the code point its
+// client has — where the relay holds it (proxy.Stream.Hold) once the
+// source's state is exported — so that after the commit each stream only
+// switches connections. (Without the hold that place is known only at
+// the commit, and the cut sends one attach per stream inside the gap.)
+// Always so for such a target: --migration-pre-attach is for the others.
+func (m *migration) heldCut() bool {
+	return m.dstStages && m.o.proxy != nil
+}
+
+// hold holds the streams of ids where they are (heldCut): it returns,
+// by request id, the text their clients have, for the install's TextFrom.
+func (m *migration) hold(ids []string) map[string]int {
+	if !m.heldCut() {
+		return nil
+	}
+	at := map[string]int{}
+	var held []string
+	for _, id := range ids {
+		if s := m.o.streams.Get(id); s != nil {
+			if text, ok := s.Hold(); ok {
+				at[id] = text
+				held = append(held, id)
+			}
+		}
+	}
+	m.mu.Lock()
+	m.held = append(m.held, held...)
+	m.mu.Unlock()
+	return at
+}
+
+// releaseHolds lets the held streams' relays go on from the source (the
+// migration did not commit, or their requests did not move); a stream the
+// switch cut over is no longer held.
+func (m *migration) releaseHolds() {
+	m.mu.Lock()
+	ids := m.held
+	m.held = nil
+	m.mu.Unlock()
+	for _, id := range ids {
+		if s := m.o.streams.Get(id); s != nil {
+			s.Release()
+		}
+	}
 }
 
 // dropPreAttach ends the pre-attached streams of a migration that did not

@@ -19,6 +19,7 @@ import (
 func (m *migration) switchOver(c committed) {
 	m.step(stepSwitch)
 	spliced, failed, firstErr := m.switchStreams(c.states)
+	m.releaseHolds() // the held streams that did not move (their clients left)
 	m.dropSourceCopies(c)
 	m.step(stepApply)
 	m.applyType()
@@ -65,7 +66,7 @@ func (m *migration) switchStreams(states []movedState) (spliced []*proxy.Stream,
 		if st.visible >= 0 {
 			// The target derived the text: the relay cuts the source now
 			// and the target sends what its client still lacked.
-			waits = append(waits, s.Cut(m.dst.Engine.URL, m.dst.ID, len(st.OutputTokenIDs), st.visible))
+			waits = append(waits, s.Cut(m.dst.Engine.URL, m.dst.ID, len(st.OutputTokenIDs), st.visible, st.armed))
 		} else {
 			waits = append(waits, s.Splice(m.dst.Engine.URL, m.dst.ID, len(st.OutputTokenIDs), visibleText(st)))
 		}

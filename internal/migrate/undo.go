@@ -41,6 +41,9 @@ func (m *migration) undo() {
 func (m *migration) undoSource() {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*m.o.cfg.RPCTimeout)
 	defer cancel()
+	// The held streams go on from the source: what it sent before the
+	// pause first, then what it makes once resumed.
+	m.releaseHolds()
 	if m.pausedSrc {
 		m.resumeOnSource(ctx, m.ids())
 		m.pausedSrc = false

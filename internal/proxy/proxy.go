@@ -449,11 +449,17 @@ func (p *Proxy) trySwitch(ctx context.Context, s *Stream) (next io.ReadCloser, o
 	var err error
 	if cut {
 		// The client lacks the text from textFrom on: the target sends it
-		// first. A pre-attached stream starts after it, so it goes.
-		s.dropPreAttachFor(sp.instance)
-		var actx context.Context
-		actx, cancel = context.WithCancel(ctx)
-		resp, err = p.openAttachURL(actx, sp, s.ID, cutURL(sp.url, s.ID, sp.from, textFrom))
+		// first — over the pre-attached stream when it opens there (the
+		// stream was held at textFrom), else over a new attach.
+		if sp.armed >= 0 && sp.armed == textFrom {
+			resp, cancel = s.takePreAttach(ctx, sp.instance)
+		}
+		if resp == nil {
+			s.dropPreAttachFor(sp.instance)
+			var actx context.Context
+			actx, cancel = context.WithCancel(ctx)
+			resp, err = p.openAttachURL(actx, sp, s.ID, cutURL(sp.url, s.ID, sp.from, textFrom))
+		}
 	} else if resp, cancel = s.takePreAttach(ctx, sp.instance); resp == nil {
 		var actx context.Context
 		actx, cancel = context.WithCancel(ctx)

@@ -50,6 +50,17 @@ type Stream struct {
 	// the last switch did.
 	pre     *preAttach
 	preUsed bool
+	// held: the relay reads nothing more from the source (see Hold).
+	held *hold
+}
+
+// hold keeps a stream's client at a fixed place while a migration's
+// commit is pending: the text the client has (text) does not change until
+// the hold is released (the relay goes on from the source) or a cut takes
+// the stream to the target, whose pre-attached stream opens there.
+type hold struct {
+	text     int
+	released chan struct{} // closed when the hold ends either way
 }
 
 // preAttach is a target stream opened ahead of a splice.
@@ -80,7 +91,12 @@ type spliceTarget struct {
 	// cut: the target can send the text the client lacks (attach's
 	// text_from), so the relay stops reading the source at once instead of
 	// waiting for it to deliver everything up to the cut.
-	cut      bool
+	cut bool
+	// armed is the code point the target's pre-attached stream opens
+	// with (hooks.InstallResponse.TextFrom); -1: it opens at the tokens
+	// after from, with none of the moved text. A cut reads the
+	// pre-attach only when armed is where the client is.
+	armed    int
 	switched chan error // receives once: nil when the stream reads from the target
 	at       time.Time  // when the first target event was relayed
 }
@@ -151,7 +167,7 @@ func (t *Streams) Len() int {
 // The returned channel gets nil once the stream reads from the target, or
 // an error.
 func (s *Stream) Splice(baseURL, instance string, from, text int) <-chan error {
-	return s.requestSplice(&spliceTarget{url: baseURL, instance: instance, from: from, text: text})
+	return s.requestSplice(&spliceTarget{url: baseURL, instance: instance, from: from, text: text, armed: -1})
 }
 
 // Cut is Splice onto a target that derives the moved tokens' text itself
@@ -161,9 +177,50 @@ func (s *Stream) Splice(baseURL, instance string, from, text int) <-chan error {
 // be the clients' gap — and the target's stream opens with the text the
 // client still lacked, from the exact code point the client has. A source
 // that delivered everything already switches as Splice does (a
-// pre-attached stream included).
-func (s *Stream) Cut(baseURL, instance string, from, text int) <-chan error {
-	return s.requestSplice(&spliceTarget{url: baseURL, instance: instance, from: from, text: text, cut: text >= 0})
+// pre-attached stream included). armed ≥ 0 says the target's
+// pre-attached stream opens with the moved text from that code point
+// (hooks.InstallResponse.TextFrom): a stream held there (Hold) switches by
+// reading it, with no request sent inside the clients' gap.
+func (s *Stream) Cut(baseURL, instance string, from, text, armed int) <-chan error {
+	return s.requestSplice(&spliceTarget{url: baseURL, instance: instance, from: from, text: text, cut: text >= 0, armed: armed})
+}
+
+// Hold stops relaying the source's events to the client until Release or
+// a Cut: the relay reads on, but the next token event waits. It returns
+// the code points of text the client has, which stay so — where the
+// target's pre-attached stream can open (hooks.InstallRequest.TextFrom)
+// before the commit. ok is false for a stream that ended or is being
+// moved already.
+func (s *Stream) Hold() (text int, ok bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	select {
+	case <-s.done:
+		return 0, false
+	default:
+	}
+	if s.splice != nil && s.splice.switched != nil {
+		return 0, false
+	}
+	if s.held == nil {
+		s.held = &hold{text: s.text, released: make(chan struct{})}
+	}
+	return s.held.text, true
+}
+
+// Release ends a hold without a switch: the relay goes on from the source
+// (a migration that did not commit).
+func (s *Stream) Release() {
+	s.mu.Lock()
+	s.releaseLocked()
+	s.mu.Unlock()
+}
+
+func (s *Stream) releaseLocked() {
+	if s.held != nil {
+		close(s.held.released)
+		s.held = nil
+	}
 }
 
 func (s *Stream) requestSplice(sp *spliceTarget) <-chan error {
@@ -191,6 +248,9 @@ func (s *Stream) requestSplice(sp *spliceTarget) <-chan error {
 	}
 	sp.switched = ch
 	s.splice = sp
+	// A held stream's client is still where the hold put it: the relay
+	// waiting on the hold drops the source's next event and switches.
+	s.releaseLocked()
 	if (sp.cut || s.spliceDueLocked()) && s.cancelA != nil {
 		s.cancelA() // everything from the source is relayed, or the target fills in: stop reading it
 	}
@@ -229,7 +289,25 @@ func (s *Stream) spliceDueLocked() bool {
 func (s *Stream) countToken(textLen int, onTarget bool, read time.Time) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if !onTarget && s.beyondSpliceLocked(textLen) {
+	for !onTarget && s.held != nil {
+		released := s.held.released
+		var left <-chan struct{} // the client's request ended
+		if s.ctx != nil {
+			left = s.ctx.Done()
+		}
+		s.mu.Unlock()
+		select {
+		case <-released:
+		case <-left:
+		}
+		s.mu.Lock()
+		if s.ctx != nil && s.ctx.Err() != nil {
+			return false // the client left: the relay ends
+		}
+	}
+	if !onTarget && (s.beyondSpliceLocked(textLen) || s.cutLocked()) {
+		// Past the fence, or a cut is pending: the target sends the text
+		// the client lacks from where it is now.
 		return false
 	}
 	s.tokens++

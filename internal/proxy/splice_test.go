@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -286,7 +287,7 @@ func TestCutSwitchesAtOnceAndTheTargetFillsTheGap(t *testing.T) {
 	visible := len(" t0 t1 t2 t3 t4 t5")
 	start := time.Now()
 	select {
-	case err := <-s.Cut(b.URL, "B", k, visible):
+	case err := <-s.Cut(b.URL, "B", k, visible, -1):
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -313,8 +314,96 @@ func TestCutSwitchesAtOnceAndTheTargetFillsTheGap(t *testing.T) {
 	}
 	// A cut onto a target whose text is unknown waits like a splice.
 	s2 := &Stream{ID: "y", done: make(chan struct{})}
-	s2.Cut("http://b", "B", 3, -1)
+	s2.Cut("http://b", "B", 3, -1, -1)
 	if s2.splice == nil || s2.splice.cut {
 		t.Fatalf("a cut without the text: %+v, want a plain splice", s2.splice)
+	}
+}
+
+// A held stream relays nothing more from its source: a commit's cut then
+// switches over the pre-attached stream, which opens with the text from
+// where the hold kept the client, and no attach is sent; a hold released
+// instead (no commit) relays what the source sent meanwhile and goes on.
+func TestHoldThenCutReadsThePreAttachedStream(t *testing.T) {
+	const k, sent, total = 6, 4, 9 // the source produced k tokens; its client got sent before the hold
+	for _, commit := range []bool{true, false} {
+		t.Run(fmt.Sprintf("commit=%v", commit), func(t *testing.T) {
+			held := make(chan struct{})
+			a := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("Content-Type", "text/event-stream")
+				for i := 0; i < total; i++ {
+					if i == sent {
+						<-held // the rest lags: it comes after the hold
+					}
+					_, _ = io.WriteString(w, tokenEvent(i))
+					w.(http.Flusher).Flush()
+					if commit && i == k-1 {
+						<-r.Context().Done() // paused: nothing past what it exported
+						return
+					}
+				}
+				_, _ = io.WriteString(w, "data: [DONE]\n\n")
+			}))
+			defer a.Close()
+			var attaches []string
+			var mu sync.Mutex
+			gap := " t4 t5"
+			b := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				mu.Lock()
+				attaches = append(attaches, r.URL.RawQuery)
+				mu.Unlock()
+				w.Header().Set("Content-Type", "text/event-stream")
+				_, _ = fmt.Fprintf(w, "data: {\"id\":\"cmpl-x\",\"choices\":[{\"index\":0,\"text\":%q,\"finish_reason\":null}]}\n\n", gap)
+				for i := k; i < total; i++ {
+					_, _ = io.WriteString(w, tokenEvent(i))
+				}
+				_, _ = io.WriteString(w, "data: [DONE]\n\n")
+			}))
+			defer b.Close()
+			p := New(Options{}, testMetrics(), zap.NewNop())
+			got := streamThrough(t, p, a.URL)
+			s := waitStream(t, p, sent)
+			at, ok := s.Hold()
+			if !ok || at != len(" t0 t1 t2 t3") {
+				t.Fatalf("hold at %d (%v), want %d", at, ok, len(" t0 t1 t2 t3"))
+			}
+			p.PreAttach(s.ID, b.URL, "B", 5*time.Second)
+			close(held)
+			time.Sleep(100 * time.Millisecond) // the source's lagging tokens reach the relay
+			if n := s.Tokens(); n != sent {
+				t.Fatalf("a held stream relayed %d tokens, want %d", n, sent)
+			}
+			want := ""
+			if !commit {
+				s.Release()
+				for i := 0; i < total; i++ {
+					want += tokenEvent(i)
+				}
+				want += "data: [DONE]\n\n"
+				if body := <-got; body != want {
+					t.Fatalf("client saw:\n%s\nwant:\n%s", body, want)
+				}
+				p.DropPreAttach(s.ID, "B")
+				return
+			}
+			visible := len(" t0 t1 t2 t3 t4 t5")
+			waitSplice(t, s.Cut(b.URL, "B", k, visible, at))
+			for i := 0; i < sent; i++ {
+				want += tokenEvent(i)
+			}
+			want += fmt.Sprintf("data: {\"id\":\"cmpl-x\",\"choices\":[{\"index\":0,\"text\":%q,\"finish_reason\":null}]}\n\n", gap)
+			for i := k; i < total; i++ {
+				want += tokenEvent(i)
+			}
+			want += "data: [DONE]\n\n"
+			if body := <-got; body != want {
+				t.Fatalf("client saw:\n%s\nwant:\n%s", body, want)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if len(attaches) != 1 || !strings.Contains(attaches[0], "from=-1") || !s.PreAttached() {
+				t.Fatalf("attaches %q (pre-attach used: %v), want the one pre-attach", attaches, s.PreAttached())
+			}
+		})
 	}
 }

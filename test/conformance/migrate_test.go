@@ -135,6 +135,9 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 		if st.Staged == 0 {
 			t.Fatalf("the target staged none of the %d requests before the pause", n)
 		}
+		if st.PreAttached != n {
+			t.Fatalf("%d of %d streams switched over a stream opened before the pause (held at the cut)", st.PreAttached, n)
+		}
 		sameStreams(t, baseline, got)
 	})
 	src, dst = dst, src

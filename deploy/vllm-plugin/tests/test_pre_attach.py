@@ -110,6 +110,24 @@ class CutTest(unittest.TestCase):
 
         asyncio.run(run())
 
+    def test_a_pre_attach_held_by_the_host_opens_where_the_install_said(self):
+        async def run():
+            h = _hooks()
+            h.chunk = lambda inst, hid, text, finish, stop, n: f"[{text}]"
+            pending = asyncio.ensure_future(h.attach("cmpl-8", -1, 5000))
+            await asyncio.sleep(0.01)
+            inst = hooks.Installed([5, 6, 7], "abcdef", [2, 4, 6], _Queue(), prompt_len=3,
+                                   meta={"include_usage": False})
+            inst.text_from = 3  # the Host's relay holds the client at "abc"
+            h.installed["cmpl-8"] = inst
+            h._wake_pre_attached(["cmpl-8"])
+            gen = await asyncio.wait_for(pending, 1)
+            self.assertEqual(await gen.__anext__(), "[def]")
+            await inst.queue.items.put(_Out("g", finished=True))
+            self.assertEqual([c async for c in gen], ["[g]", "data: [DONE]\n\n"])
+
+        asyncio.run(run())
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -78,6 +78,10 @@ class Installed:
         # the same request ends it, so two never take outputs from it.
         self.reader = None
         self.attaches = 0
+        # Where a pre-attached stream opens in the moved text (code
+        # points): where the Host's relay holds the client (the install's
+        # text_from); -1: after the moved tokens.
+        self.text_from = -1
 
 
 class Hooks:
@@ -313,6 +317,7 @@ class Hooks:
         from vllm.v1.engine.output_processor import RequestOutputCollector
 
         states = body.get("requests") or []
+        text_from = body.get("text_from") or {}
         added, visible = [], {}
         ph = Phases()
         try:
@@ -344,13 +349,20 @@ class Hooks:
                         # back for one goes out with the next output.
                         d.output_text = replay.text
                         d._last_output_text_offset = shown
-                self.installed[rid] = Installed(output, replay.text, replay.visible, q, meta["prompt_len"], meta)
+                inst = self.installed[rid] = Installed(output, replay.text, replay.visible, q, meta["prompt_len"], meta)
+                at = text_from.get(rid)
+                if isinstance(at, int) and 0 <= at <= (inst.offsets[-1] if inst.offsets else 0):
+                    inst.text_from = at
                 added.append(rid)
                 st["prompt_token_ids"], st["output_token_ids"] = prompt, output
             ph.add("registering and replaying the detokenizers", ph.since_start())
             out = await self.core("install", {"requests": states, "resume": bool(body.get("resume")),
                                               "lease_ms": int(body.get("lease_ms") or 0)}, ph)
             out["visible_text"] = {h: visible[h] for h in out.get("installed", []) if h in visible}
+            armed = {h: self.installed[h].text_from for h in out.get("installed", [])
+                     if h in self.installed and self.installed[h].text_from >= 0}
+            if armed:
+                out["text_from"] = armed
             self._wake_pre_attached(out.get("installed", []))
             ph.log_if_slow("install", len(states))
             return out
@@ -519,6 +531,9 @@ class Hooks:
             inst = self.installed.get(hid)
             if inst is not None:
                 start = len(inst.output_ids)
+                # Held by the Host's relay where the install said: the
+                # stream opens with the moved text the client lacks.
+                text_from = inst.text_from
         inst = self.installed.get(hid)
         if inst is None:
             raise HookError(404, f"Request {hid} was not installed here.", "request_id")

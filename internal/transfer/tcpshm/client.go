@@ -178,13 +178,28 @@ func (f *frameWriter) flush() error {
 	return nil
 }
 
+// emptyRoundFault is an injected fault's failure in a round with nothing
+// to move: a test's fault must not depend on whether the engine wrote
+// since the last round. A cut fails as it would halfway; a corrupt frame,
+// which the target would refuse, fails here (an empty round has no frame
+// to damage).
+func emptyRoundFault(fault transfer.Fault) error {
+	switch fault {
+	case transfer.CutConn:
+		return errors.New("tcp_shm: injected fault: connection cut before anything was sent (an empty round)")
+	case transfer.CorruptFrame:
+		return errors.New("tcp_shm: injected fault: a corrupt frame in a round with nothing to move")
+	}
+	return nil
+}
+
 func sendConn(ctx context.Context, dst Dest, src [][]byte, runs []kvlayout.CopyRun, fault transfer.Fault) error {
 	return withConn(ctx, dst, func(w *bufio.Writer, c *carriage) (uint64, uint64, error) {
 		fw := newFrameWriter(w, frameRuns, runDescSize, fault, c)
-		if fault == transfer.CutConn && len(runs) == 0 {
-			// A round with nothing to move is cut too: a test's fault must
-			// not depend on whether the engine wrote since the last round.
-			return 0, 0, errors.New("tcp_shm: injected fault: connection cut before anything was sent (an empty round)")
+		if len(runs) == 0 {
+			if err := emptyRoundFault(fault); err != nil {
+				return 0, 0, err
+			}
 		}
 		for i, r := range runs {
 			if fault == transfer.CutConn && i == len(runs)/2 {
@@ -238,8 +253,10 @@ func SendSlots(ctx context.Context, dst Dest, tn int, src *Memory, jobs []kvlayo
 func sendSlotsConn(ctx context.Context, dst Dest, src *Memory, places []slotPlace, jobs []kvlayout.BlockCopy, fault transfer.Fault) error {
 	return withConn(ctx, dst, func(w *bufio.Writer, c *carriage) (uint64, uint64, error) {
 		fw := newFrameWriter(w, frameSlots, jobSize, fault, c)
-		if fault == transfer.CutConn && len(jobs) == 0 {
-			return 0, 0, errors.New("tcp_shm: injected fault: connection cut before anything was sent (an empty round)")
+		if len(jobs) == 0 {
+			if err := emptyRoundFault(fault); err != nil {
+				return 0, 0, err
+			}
 		}
 		for i, j := range jobs {
 			if fault == transfer.CutConn && i == len(jobs)/2 {
