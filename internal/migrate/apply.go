@@ -12,7 +12,8 @@ import (
 )
 
 // applyRoles flips the roles as the migration type says, right after the
-// commit (a Host that dies from here on restarts with them).
+// commit, while the streams switch (a Host that dies from here on restarts
+// with them).
 func (m *migration) applyRoles() {
 	reg := m.o.reg
 	switch m.req.Type {

@@ -109,7 +109,6 @@ func (m *migration) final(ctx context.Context, since uint64) (committed, error) 
 	m.st.PauseWaitS = wait.Seconds()
 	m.st.Migrated = len(c.states)
 	m.mu.Unlock()
-	m.applyRoles()
 	return c, nil
 }
 

@@ -18,10 +18,18 @@ import (
 // error event), succeeded otherwise.
 func (m *migration) switchOver(c committed) {
 	m.step(stepSwitch)
+	// The roles flip (and are stored) while the relays switch: neither
+	// waits for the other.
+	roles := make(chan struct{})
+	go func() {
+		defer close(roles)
+		m.applyRoles()
+	}()
 	spliced, failed, firstErr := m.switchStreams(c.states)
 	m.releaseHolds() // the held streams that did not move (their clients left)
-	m.dropSourceCopies(c)
+	<-roles
 	m.step(stepApply)
+	m.dropSourceCopies(c)
 	m.applyType()
 	m.measureClientGap(spliced, c.pauseCall)
 	m.countPreAttached(spliced)
