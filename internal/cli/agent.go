@@ -55,7 +55,7 @@ VLLM_HI_ENGINE_TOKEN_FILE naming the same file.`,
 			if tokenFile == "" {
 				tokenFile = legacyToken
 			}
-			if cfg.AgentToken, err = tokenFromFlag(tokenFile, credentials.AgentTokenFile, "--token-file", true); err != nil {
+			if cfg.AgentToken, err = credentials.Resolve(tokenFile, credentials.AgentTokenFile, "--token-file", true); err != nil {
 				return err
 			}
 			a, err := agent.New(cfg, log.Named("agent"))

@@ -2,14 +2,13 @@ package cli
 
 import (
 	"github.com/spf13/cobra"
+
+	"github.com/vllm-hi/vllm-hi/internal/bench"
 )
 
-func newBenchCommand(g *globalFlags) *cobra.Command {
-	cmd := &cobra.Command{
-		Use:   "bench",
-		Short: "Benchmarks (results belong in docs/benchmarks.md)",
-	}
-	cmd.AddCommand(newBenchSimCommand(g), newBenchProxyCommand(), newBenchUpstreamCommand(), newBenchMigrateCommand(g), newBenchSeedCommand(g), newBenchCUDACopyCommand(),
-		newBenchDrainCommand(g), newBenchFailoverCommand(g), newBenchRebalanceCommand(g), newBenchSwitchCommand(g), newBenchScaleCommand(g), newBenchAutoscaleCommand(g))
-	return cmd
-}
+// benchOptions hands the benchmarks what they take from the root flags.
+func benchOptions(g *globalFlags) *bench.Options { return &bench.Options{Logger: g.logger} }
+
+func newBenchCommand(g *globalFlags) *cobra.Command { return bench.NewCommand(benchOptions(g)) }
+
+func newDemoCommand(g *globalFlags) *cobra.Command { return bench.NewDemoCommand(benchOptions(g)) }

@@ -32,7 +32,7 @@ func (h *hostClientFlags) add(cmd *cobra.Command) {
 // client returns the typed Host client. changes: the command changes
 // something, so the admin token is required (reads send it when known).
 func (h *hostClientFlags) client(changes bool, timeout time.Duration) (*hostapi.Client, error) {
-	tok, err := tokenFromFlag(h.tokenFile, credentials.AdminTokenFile, "--admin-token-file", changes)
+	tok, err := credentials.Resolve(h.tokenFile, credentials.AdminTokenFile, "--admin-token-file", changes)
 	if err != nil {
 		return nil, err
 	}

@@ -1,9 +1,7 @@
 package cli
 
 import (
-	"errors"
 	"fmt"
-	"io/fs"
 	"os"
 	"path/filepath"
 
@@ -54,35 +52,6 @@ func hostTokens(dataDir, adminFile, agentFile string, log *zap.Logger) (admin, a
 	return admin, agent, nil
 }
 
-// localToken reads a token a Host on this machine keeps in the default
-// data directory, if there is one. found is false when there is none.
-func localToken(name string) (tok string, found bool, err error) {
-	path := filepath.Join(credentials.DefaultDataDir(), name)
-	tok, err = credentials.ReadToken(path)
-	if errors.Is(err, fs.ErrNotExist) {
-		return "", false, nil
-	}
-	return tok, err == nil, err
-}
-
-// tokenFromFlag reads the token file a flag (or its env default) names,
-// else the local Host's token of that name; required makes its absence an
-// error that says what to pass.
-func tokenFromFlag(file, name, flag string, required bool) (string, error) {
-	if file != "" {
-		return credentials.ReadToken(file)
-	}
-	tok, found, err := localToken(name)
-	switch {
-	case err != nil:
-		return "", err
-	case !found && required:
-		return "", fmt.Errorf("no %s: pass %s (the Host keeps it as %s in its data directory, %s by default)",
-			name, flag, name, credentials.DefaultDataDir())
-	}
-	return tok, nil
-}
-
 // tlsFlags adds the TLS file flags of a server process.
 func tlsFlags(cmd *cobra.Command, f *credentials.TLSFiles) {
 	fl := cmd.Flags()
@@ -102,7 +71,7 @@ func engineToken(file string) (tok string, source string, err error) {
 		tok, err = credentials.ReadToken(file)
 		return tok, file, err
 	}
-	tok, found, err := localToken(credentials.AgentTokenFile)
+	tok, found, err := credentials.LocalToken(credentials.AgentTokenFile)
 	if !found || err != nil {
 		return "", "", err
 	}

@@ -39,7 +39,7 @@ them. Send traffic only once it has succeeded.`,
 				return fmt.Errorf("%s has no models: to launch", configFile)
 			}
 			o.Models, o.Controller, o.Log, o.Out = file.Models, file.Controller, log, cmd.OutOrStdout()
-			if o.Token, err = tokenFromFlag(tokenFile, credentials.AgentTokenFile, "--token-file", false); err != nil {
+			if o.Token, err = credentials.Resolve(tokenFile, credentials.AgentTokenFile, "--token-file", false); err != nil {
 				return err
 			}
 			_, err = pool.Launch(cmd.Context(), o)

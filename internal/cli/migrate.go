@@ -5,13 +5,12 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"strings"
-	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/internal/report"
 )
 
 func newMigrateCommand() *cobra.Command {
@@ -72,7 +71,7 @@ ends with a summary table (state, requests moved, downtime, rounds, KV moved); i
 			if hf.output == "json" {
 				_ = printJSON(cmd, st)
 			} else {
-				printMigration(out, st)
+				report.Migration(out, st)
 			}
 			if st.State != hostapi.StateSucceeded {
 				err := exitError{code: 1, err: fmt.Errorf("migration %s %s: %s", st.ID, st.State, st.Error)}
@@ -115,70 +114,8 @@ func roundPrinter(out io.Writer, id string) func(hostapi.MigrationStatus) {
 			if r.DurationS > 0 {
 				rate = float64(r.Bytes) / r.DurationS / 1e9
 			}
-			fmt.Fprintf(out, "[%s] round %d %-11s %6d blocks %10s %7.2f GB/s %8.1f ms\n", id, r.Round, r.Kind, r.BlockCount, humanBytes(r.Bytes), rate, r.DurationS*1000)
+			fmt.Fprintf(out, "[%s] round %d %-11s %6d blocks %10s %7.2f GB/s %8.1f ms\n", id, r.Round, r.Kind, r.BlockCount, report.Bytes(r.Bytes), rate, r.DurationS*1000)
 		}
-	}
-}
-
-func humanBytes(n int64) string {
-	switch {
-	case n >= 1<<30:
-		return fmt.Sprintf("%.2f GiB", float64(n)/(1<<30))
-	case n >= 1<<20:
-		return fmt.Sprintf("%.2f MiB", float64(n)/(1<<20))
-	case n >= 1<<10:
-		return fmt.Sprintf("%.1f KiB", float64(n)/(1<<10))
-	}
-	return fmt.Sprintf("%d B", n)
-}
-
-// printMigration prints the summary table of a migration.
-func printMigration(out io.Writer, st hostapi.MigrationStatus) {
-	var blocks int
-	var bytes int64
-	for _, r := range st.Rounds {
-		blocks += r.BlockCount
-		bytes += r.Bytes
-	}
-	tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "migration\tstate\tsource\ttarget\ttype\trequests\tdowntime (s)\tclient downtime (s)\trounds\tKV blocks\tdata size (GB)")
-	fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d/%d\t%.4f\t%.4f\t%d\t%d\t%.3f\n", st.ID, st.State, st.Src, st.Dst, st.Type,
-		st.Migrated, st.Requests, st.DowntimeS, st.ClientDowntimeS, len(st.Rounds), blocks, float64(bytes)/1e9)
-	_ = tw.Flush()
-	var parts []string
-	for _, r := range st.Rounds {
-		parts = append(parts, fmt.Sprintf("%s %d / %s", r.Kind, r.BlockCount, humanBytes(r.Bytes)))
-	}
-	if len(parts) > 0 {
-		fmt.Fprintf(out, "rounds (blocks / bytes): %s\n", strings.Join(parts, " | "))
-		for _, r := range st.Rounds {
-			if r.SharedBlocks > 0 && r.BlockCount > 0 {
-				fmt.Fprintf(out, "shared prefixes: %d of round %d's %d block copies are of a source block another moving request holds too (%.1f %% of its bytes sent more than once)\n",
-					r.SharedBlocks, r.Round, r.BlockCount, 100*float64(r.SharedBlocks)/float64(r.BlockCount))
-			}
-		}
-		if n := len(st.Recomputed); n > 0 {
-			fmt.Fprintf(out, "moved as state only (the target had no room for their KV and recomputes it): %d of %d requests\n", n, st.Migrated)
-		}
-		if st.TransferBackend != "" {
-			fmt.Fprintf(out, "data plane: %s (%s)\n", st.TransferBackend, st.TransferBackendReason)
-		}
-	}
-	if v := st.Verification; v != nil && v.Mode != hostapi.VerifyOff {
-		fmt.Fprintf(out, "checked before the commit (%s): %d blocks, %s on each side, %.1f ms\n", v.Mode, v.Blocks, humanBytes(v.Bytes), v.DurationS*1000)
-	}
-	if st.SourceKV != "" && st.SourceKV != hostapi.SourceKVKept {
-		note := ""
-		if st.SourceKVNote != "" {
-			note = " (" + st.SourceKVNote + ")"
-		}
-		fmt.Fprintf(out, "source KV: %s%s\n", strings.ReplaceAll(st.SourceKV, "_", " "), note)
-	}
-	if st.PauseWaitS > 0 {
-		fmt.Fprintf(out, "the pause first waited %.1f ms for the source's step in flight (not downtime: the source decoded meanwhile)\n", st.PauseWaitS*1000)
-	}
-	if st.Error != "" {
-		fmt.Fprintf(out, "error: %s\n", st.Error)
 	}
 }
 
@@ -198,7 +135,7 @@ func newMigrationCommand() *cobra.Command {
 				if hf.output == "json" {
 					return printJSON(cmd, st)
 				}
-				printMigration(cmd.OutOrStdout(), st)
+				report.Migration(cmd.OutOrStdout(), st)
 				for _, s := range st.StepHistory {
 					fmt.Fprintf(cmd.OutOrStdout(), "  %-20s %s  %8.1f ms\n", s.Step, s.StartedAt.Format("15:04:05.000"), s.DurationS*1000)
 				}

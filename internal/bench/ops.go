@@ -1,4 +1,4 @@
-package cli
+package bench
 
 import (
 	"context"
@@ -150,7 +150,7 @@ func (c streamCheck) err(what string) error {
 	if c.Failed == 0 && c.Inexact == 0 {
 		return nil
 	}
-	return exitError{code: 1, err: fmt.Errorf("%s: %s", what, c)}
+	return fmt.Errorf("%s: %s", what, c)
 }
 
 // maxGapBetween is the longest inter-token gap of any stream that ended

@@ -1,4 +1,4 @@
-package cli
+package bench
 
 import (
 	"context"
@@ -36,7 +36,7 @@ type scaleBench struct {
 	maxNumSeqs               int
 }
 
-func newBenchScaleCommand(g *globalFlags) *cobra.Command {
+func newBenchScaleCommand(g *Options) *cobra.Command {
 	b := scaleBench{}
 	cmd := &cobra.Command{
 		Use:   "scale",
@@ -51,7 +51,7 @@ and commit, the Host's downtime and total, what the Host added to the commit, th
 and the errors each client saw; --plot writes a PNG of downtime and total per mode.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := g.logger()
+			log, err := g.Logger()
 			if err != nil {
 				return err
 			}
@@ -120,7 +120,7 @@ func runBenchScale(ctx context.Context, out io.Writer, b scaleBench) error {
 	}
 	for _, r := range runs {
 		if r.status.State != hostapi.StateSucceeded || r.hostErrs > 0 {
-			return exitError{code: 1, err: fmt.Errorf("%s: scale %s, %d client errors through the Host", r.mode, r.status.State, r.hostErrs)}
+			return fmt.Errorf("%s: scale %s, %d client errors through the Host", r.mode, r.status.State, r.hostErrs)
 		}
 	}
 	return nil

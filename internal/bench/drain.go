@@ -1,4 +1,4 @@
-package cli
+package bench
 
 import (
 	"context"
@@ -13,7 +13,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/stack"
 )
 
-func newBenchDrainCommand(g *globalFlags) *cobra.Command {
+func newBenchDrainCommand(g *Options) *cobra.Command {
 	var o opsBench
 	cmd := &cobra.Command{
 		Use:   "drain",
@@ -27,7 +27,7 @@ against the reference. The goal (docs/operations.md): the drain within two migra
 no stream failed or inexact.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := g.logger()
+			log, err := g.Logger()
 			if err != nil {
 				return err
 			}

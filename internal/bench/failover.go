@@ -1,4 +1,4 @@
-package cli
+package bench
 
 import (
 	"context"
@@ -16,7 +16,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/sim"
 )
 
-func newBenchFailoverCommand(g *globalFlags) *cobra.Command {
+func newBenchFailoverCommand(g *Options) *cobra.Command {
 	var o opsBench
 	var interval time.Duration
 	var modes []string
@@ -39,7 +39,7 @@ and the text it had sent) is timed: the goal is a p99 gap within detection (here
 connection, at once) plus that prefill.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := g.logger()
+			log, err := g.Logger()
 			if err != nil {
 				return err
 			}
@@ -124,7 +124,7 @@ func runBenchFailover(ctx context.Context, out io.Writer, o opsBench, interval t
 			toks, msText(ttft), prefillCtx.contextTokens, (prefillCtx.contextTokens+c.MaxNumBatchedTokens-1)/c.MaxNumBatchedTokens, c.MaxNumBatchedTokens)
 	}
 	if len(failed) > 0 {
-		return exitError{code: 1, err: fmt.Errorf("failover runs with failed or inexact streams: %s", strings.Join(failed, ", "))}
+		return fmt.Errorf("failover runs with failed or inexact streams: %s", strings.Join(failed, ", "))
 	}
 	return nil
 }

@@ -1,4 +1,4 @@
-package cli
+package bench
 
 import (
 	"bufio"
@@ -18,7 +18,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
 )
 
-func newBenchSimCommand(_ *globalFlags) *cobra.Command {
+func newBenchSimCommand(_ *Options) *cobra.Command {
 	var (
 		streams, maxTokens, promptWords int
 		simArgs                         []string

@@ -1,4 +1,4 @@
-package cli
+package bench
 
 import (
 	"context"
@@ -15,11 +15,13 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/internal/credentials"
+	"github.com/vllm-hi/vllm-hi/internal/report"
 	"github.com/vllm-hi/vllm-hi/internal/sim"
 	"github.com/vllm-hi/vllm-hi/internal/transfer"
 )
 
-func newBenchMigrateCommand(g *globalFlags) *cobra.Command {
+func newBenchMigrateCommand(g *Options) *cobra.Command {
 	sc := scenario{Type: hostapi.DestroySource}
 	var grans, verifies, preAttach, backends []string
 	var jsonOut string
@@ -43,7 +45,7 @@ deployment is left with an active and a standby instance, as it was found. The H
 such a deployment and runs this.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := g.logger()
+			log, err := g.Logger()
 			if err != nil {
 				return err
 			}
@@ -122,8 +124,11 @@ type externalFlags struct {
 
 // resolve finds the source and target among the Host's instances.
 func (x externalFlags) resolve(ctx context.Context) (*externalDeployment, error) {
-	hc := hostClientFlags{url: x.host, tokenFile: x.tokenFile}
-	c, err := hc.client(true, 30*time.Second)
+	tok, err := credentials.Resolve(x.tokenFile, credentials.AdminTokenFile, "--admin-token-file", true)
+	if err != nil {
+		return nil, err
+	}
+	c, err := hostapi.New(x.host, hostapi.Options{AdminToken: tok, Timeout: 30 * time.Second})
 	if err != nil {
 		return nil, err
 	}
@@ -291,7 +296,7 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 			r[0] = "the Host's"
 		}
 		fmt.Fprintf(out, "\n== final round: %s, check before the commit: %s, pre-attach %s (%d streams), data plane %s ==\n", r[1], r[0], r[2], st.PreAttached, st.TransferBackend)
-		printMigration(out, st)
+		report.Migration(out, st)
 		var steps []string
 		for _, s := range st.StepHistory {
 			switch s.Step {
@@ -335,13 +340,13 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 			}
 		}
 		if st.State == hostapi.StateSucceeded && st.Migrated == 0 {
-			return exitError{code: 1, err: fmt.Errorf("the migration moved no request, so it proves nothing: the streams ended before it began (raise --max-tokens or lower --delay)")}
+			return fmt.Errorf("the migration moved no request, so it proves nothing: the streams ended before it began (raise --max-tokens or lower --delay)")
 		}
 		if st.State != hostapi.StateSucceeded || len(res.Mismatches) > 0 {
-			return exitError{code: 1, err: fmt.Errorf("migration %s with %d mismatches", st.State, len(res.Mismatches))}
+			return fmt.Errorf("migration %s with %d mismatches", st.State, len(res.Mismatches))
 		}
 		if len(res.Unjudged) == len(res.Streams) {
-			return exitError{code: 1, err: fmt.Errorf("every stream differed from its reference before the migration began: the engine is not deterministic for this load, so nothing was checked")}
+			return fmt.Errorf("every stream differed from its reference before the migration began: the engine is not deterministic for this load, so nothing was checked")
 		}
 	}
 	return nil

@@ -1,4 +1,4 @@
-package cli
+package bench
 
 import (
 	"context"
@@ -56,7 +56,7 @@ const (
 	deployElastic = "elastic"
 )
 
-func newBenchAutoscaleCommand(g *globalFlags) *cobra.Command {
+func newBenchAutoscaleCommand(g *Options) *cobra.Command {
 	b := autoscaleBench{}
 	cmd := &cobra.Command{
 		Use:   "autoscale",
@@ -75,7 +75,7 @@ completed and failed, the largest rolling p95 TTFT and the time it spent over th
 writes the rolling p95 over time for the three, as the seed's figure 3.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := g.logger()
+			log, err := g.Logger()
 			if err != nil {
 				return err
 			}
@@ -217,7 +217,7 @@ func runBenchAutoscale(ctx context.Context, out io.Writer, b autoscaleBench) err
 	}
 	for _, r := range runs {
 		if r.name == deployElastic && (r.fails > 0 || r.overSLO > 0) {
-			return exitError{code: 1, err: fmt.Errorf("elastic: %d requests failed, %.1f s over the SLO", r.fails, r.overSLO.Seconds())}
+			return fmt.Errorf("elastic: %d requests failed, %.1f s over the SLO", r.fails, r.overSLO.Seconds())
 		}
 	}
 	return nil

@@ -1,4 +1,4 @@
-package cli
+package bench
 
 import (
 	"context"
@@ -40,7 +40,7 @@ type switchBench struct {
 	log                             *zap.Logger
 }
 
-func newBenchSwitchCommand(g *globalFlags) *cobra.Command {
+func newBenchSwitchCommand(g *Options) *cobra.Command {
 	b := switchBench{}
 	cmd := &cobra.Command{
 		Use:   "switch",
@@ -61,7 +61,7 @@ Reports failed requests, TTFT p50/p99/max of every request and of the first requ
 phase (what a switch costs a client), and the Host's switch times.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := g.logger()
+			log, err := g.Logger()
 			if err != nil {
 				return err
 			}
@@ -208,7 +208,7 @@ func runBenchSwitch(ctx context.Context, out io.Writer, b switchBench) error {
 	}
 	for _, r := range results {
 		if strings.HasPrefix(r.name, "vllm-hi") && len(r.failed) > 0 {
-			return exitError{code: 1, err: fmt.Errorf("%s: %d requests failed", r.name, len(r.failed))}
+			return fmt.Errorf("%s: %d requests failed", r.name, len(r.failed))
 		}
 	}
 	return nil

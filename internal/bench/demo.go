@@ -1,4 +1,4 @@
-package cli
+package bench
 
 import (
 	"context"
@@ -10,10 +10,11 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/internal/report"
 	"github.com/vllm-hi/vllm-hi/internal/sim"
 )
 
-func newDemoCommand(g *globalFlags) *cobra.Command {
+func NewDemoCommand(g *Options) *cobra.Command {
 	sc := scenario{Type: hostapi.DestroySource, FinalGranularity: "slot"}
 	cmd := &cobra.Command{
 		Use:   "demo",
@@ -26,7 +27,7 @@ It prints the migration summary table and exits 0 only if every stream is exact.
 runs in this process and is stopped on exit or Ctrl-C.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := g.logger()
+			log, err := g.Logger()
 			if err != nil {
 				return err
 			}
@@ -62,11 +63,11 @@ func runDemo(ctx context.Context, out io.Writer, sc scenario) error {
 	}
 	st := res.Status
 	fmt.Fprintln(out)
-	printMigration(out, st)
+	report.Migration(out, st)
 	fmt.Fprintf(out, "client inter-token gap: median %v, max while migrating %v (the pause clients felt)\n", res.MedianGap.Round(100*time.Microsecond), res.MaxGapDuringMigration.Round(100*time.Microsecond))
 	fmt.Fprintf(out, "after the run: %s\n", res.StatsA)
 	if err := demoVerdict(out, res, sc.Streams); err != nil {
-		return exitError{code: 1, err: err}
+		return err
 	}
 	fmt.Fprintf(out, "OK: all %d streams equal their unmigrated runs token for token (%d moved to B mid-stream), one [DONE] each, usage correct\n",
 		sc.Streams, st.Migrated)

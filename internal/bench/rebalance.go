@@ -1,4 +1,4 @@
-package cli
+package bench
 
 import (
 	"context"
@@ -22,7 +22,7 @@ type rebalanceBench struct {
 	policy      rebalance.Config
 }
 
-func newBenchRebalanceCommand(g *globalFlags) *cobra.Command {
+func newBenchRebalanceCommand(g *Options) *cobra.Command {
 	b := rebalanceBench{policy: rebalance.DefaultConfig()}
 	cmd := &cobra.Command{
 		Use:   "rebalance",
@@ -38,7 +38,7 @@ the long ones' completion time, the balancer's decisions, and checks that every 
 run with the policy on equals the same stream with it off.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := g.logger()
+			log, err := g.Logger()
 			if err != nil {
 				return err
 			}
@@ -129,7 +129,7 @@ func runBenchRebalance(ctx context.Context, out io.Writer, b rebalanceBench) err
 		return err
 	}
 	if on.moves == 0 {
-		return exitError{code: 1, err: fmt.Errorf("the balancer moved nothing, so the run compares nothing: the load was not skewed enough (more --streams or --max-tokens)")}
+		return fmt.Errorf("the balancer moved nothing, so the run compares nothing: the load was not skewed enough (more --streams or --max-tokens)")
 	}
 	return nil
 }

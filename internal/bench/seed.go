@@ -1,4 +1,4 @@
-package cli
+package bench
 
 import (
 	"context"
@@ -57,7 +57,7 @@ type seedFlags struct {
 	deviceA, deviceB, granular string
 }
 
-func newBenchSeedCommand(g *globalFlags) *cobra.Command {
+func newBenchSeedCommand(g *Options) *cobra.Command {
 	var f seedFlags
 	var geo simGeometryFlags
 	cmd := &cobra.Command{
@@ -73,7 +73,7 @@ migration's status and the token-rate series) and ROW.png (the clients' token ra
 baseline beside it).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := g.logger()
+			log, err := g.Logger()
 			if err != nil {
 				return err
 			}
@@ -187,8 +187,8 @@ func runBenchSeed(ctx context.Context, out io.Writer, log *zap.Logger, f seedFla
 			if len(r.Mismatches) > 0 {
 				first = ": " + r.Mismatches[0]
 			}
-			return exitError{code: 1, err: fmt.Errorf("%s/%s: migration %s, %d of %d requests moved, %d mismatches%s",
-				r.Load, r.Row, r.Status.State, r.Status.Migrated, r.Status.Requests, len(r.Mismatches), first)}
+			return fmt.Errorf("%s/%s: migration %s, %d of %d requests moved, %d mismatches%s",
+				r.Load, r.Row, r.Status.State, r.Status.Migrated, r.Status.Requests, len(r.Mismatches), first)
 		}
 	}
 	return nil
