@@ -7,6 +7,8 @@
 FROM golang:1.26 AS build
 WORKDIR /src
 COPY go.mod go.sum ./
+# api/ is a module of its own that go.mod replaces with the local copy.
+COPY api/go.mod api/go.sum ./api/
 RUN go mod download
 COPY . .
 ARG VERSION=0.1.0-dev

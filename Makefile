@@ -48,7 +48,8 @@ FUZZTIME ?= 5000x
 fuzz-smoke:
 	@for t in $(FUZZ_TARGETS); do pkg=$${t%%:*}; name=$${t##*:}; \
 		echo "fuzz $$name ($$pkg) for $(FUZZTIME)"; \
-		$(GO) test -run='^$$' -fuzz="^$$name$$" -fuzztime=$(FUZZTIME) ./$$pkg >/tmp/vhi-fuzz.log 2>&1 || { cat /tmp/vhi-fuzz.log; exit 1; }; \
+		dir=.; case $$pkg in api/*) dir=api; pkg=$${pkg#api/};; esac; \
+		(cd $$dir && $(GO) test -run='^$$' -fuzz="^$$name$$" -fuzztime=$(FUZZTIME) ./$$pkg) >/tmp/vhi-fuzz.log 2>&1 || { cat /tmp/vhi-fuzz.log; exit 1; }; \
 	done
 FUZZ_LONG ?= 10m
 fuzz:
@@ -65,6 +66,7 @@ unit: vllm-env ucx
 	python3 -m unittest discover -s deploy/vllm-plugin/tests
 	$$(hack/vllm-env.sh 0.26.0)/bin/python -m unittest discover -s deploy/vllm-plugin/tests -p 'test_worker_vllm.py'
 	for v in 0.26.0 0.32.0; do for p in test_detok_replay.py test_async_pause_vllm.py; do $$(hack/vllm-env.sh $$v)/bin/python -m unittest discover -s deploy/vllm-plugin/tests -p $$p || exit 1; done; done
+	cd api && $(GO) test -race -count=1 ./...
 	VHI_REQUIRE_UCX=1 VHI_VLLM_VENV=$$(hack/vllm-env.sh 0.32.0) $(GO) test -race -count=1 -p 1 -timeout 30m ./...
 	VHI_VLLM_VENV=$$(hack/vllm-env.sh 0.26.0) $(GO) test -race -count=1 -timeout 20m -run 'TestMigrateBetweenVLLMServers|TestHostRoutesToVLLM|TestVLLMOutputDependsOnItsKV|TestCoreChannelOnVLLM' ./test/conformance
 
@@ -79,11 +81,15 @@ fmtcheck:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
 
+# api/ is a module of its own (the contract, importable alone): each
+# target covers both modules.
 vet:
 	$(GO) vet ./...
+	cd api && $(GO) vet ./...
 
 staticcheck:
 	$(GO) run honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION) ./...
+	cd api && $(GO) run honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION) ./...
 
 demo: build
 	./$(BIN) demo

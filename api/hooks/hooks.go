@@ -7,8 +7,7 @@ package hooks
 import (
 	"context"
 	"encoding/json"
-
-	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
+	"fmt"
 )
 
 // Version is the hook contract version an engine reports in its layout.
@@ -69,16 +68,72 @@ const (
 	MemoryCUDAIPC = "cuda_ipc" // a CUDA IPC handle of the base allocation + offset
 )
 
+// Geometry is the model-side shape of a whole model's KV cache, as the
+// layout hook reports it (internal/kvlayout computes with it).
+type Geometry struct {
+	Layers     int    `json:"num_layers"`
+	KVHeads    int    `json:"num_kv_heads"`
+	HeadDim    int    `json:"head_dim"`
+	DTypeBytes int    `json:"dtype_bytes"`
+	DType      string `json:"dtype"`
+	BlockSize  int    `json:"block_size"`
+	NumBlocks  int    `json:"num_blocks"`
+}
+
+// Parallel is how the engine shards the model: tensor- and
+// pipeline-parallel sizes.
+type Parallel struct {
+	TP int `json:"tp"`
+	PP int `json:"pp"`
+}
+
+// Validate checks that the geometry is usable.
+func (g Geometry) Validate() error {
+	switch {
+	case g.Layers < 1, g.KVHeads < 1, g.HeadDim < 1, g.DTypeBytes < 1:
+		return fmt.Errorf("invalid KV geometry %+v: every dimension must be ≥ 1", g)
+	case g.BlockSize < 1 || g.BlockSize > 1024:
+		return fmt.Errorf("block size %d out of range 1..1024", g.BlockSize)
+	case g.NumBlocks < 2:
+		return fmt.Errorf("num blocks %d: need at least 2 (block 0 is the reserved null block)", g.NumBlocks)
+	}
+	return nil
+}
+
+// HeadSlotBytes is the size of one head's K (or V) vector for one token.
+func (g Geometry) HeadSlotBytes() int { return g.HeadDim * g.DTypeBytes }
+
+// TokenBytes is the KV size of one token across the whole model (K and V,
+// every layer and head).
+func (g Geometry) TokenBytes() int { return 2 * g.Layers * g.KVHeads * g.HeadSlotBytes() }
+
+// BlockBytes is the KV size of one block across the whole model.
+func (g Geometry) BlockBytes() int { return g.TokenBytes() * g.BlockSize }
+
+// Validate checks that g can be sharded as p.
+func (p Parallel) Validate(g Geometry) error {
+	if p.TP < 1 || p.PP < 1 {
+		return fmt.Errorf("tp %d and pp %d must be ≥ 1", p.TP, p.PP)
+	}
+	if g.KVHeads%p.TP != 0 {
+		return fmt.Errorf("tp %d must divide num KV heads %d", p.TP, g.KVHeads)
+	}
+	if p.PP > g.Layers {
+		return fmt.Errorf("pp %d exceeds num layers %d", p.PP, g.Layers)
+	}
+	return nil
+}
+
 // Layout describes the engine's model geometry and where its KV lives.
 type Layout struct {
-	Engine        string            `json:"engine"` // "vhi-sim" or "vllm"
-	EngineVersion string            `json:"engine_version"`
-	HooksVersion  int               `json:"hooks_version"`
-	Model         string            `json:"model"`
-	ServedModels  []string          `json:"served_model_names"`
-	Geometry      kvlayout.Geometry `json:"geometry"`
-	Parallel      kvlayout.Parallel `json:"parallel"`
-	KVLayout      string            `json:"kv_layout"` // "HND": (2, blocks, heads, block_size, head_dim) per layer
+	Engine        string   `json:"engine"` // "vhi-sim" or "vllm"
+	EngineVersion string   `json:"engine_version"`
+	HooksVersion  int      `json:"hooks_version"`
+	Model         string   `json:"model"`
+	ServedModels  []string `json:"served_model_names"`
+	Geometry      Geometry `json:"geometry"`
+	Parallel      Parallel `json:"parallel"`
+	KVLayout      string   `json:"kv_layout"` // "HND": (2, blocks, heads, block_size, head_dim) per layer
 	// OpaqueBlocks says a block's bytes are laid out by the engine in a
 	// way the strides describe only as a whole: copy whole blocks, never
 	// single token slots (vLLM's CPU attention tiles slots inside a block).

@@ -11,7 +11,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/vllm-hi/vllm-hi/internal/httpjson"
+	"github.com/vllm-hi/vllm-hi/api/httpjson"
 )
 
 // Client talks to one Host's REST API.

@@ -31,7 +31,7 @@ func TestStagedHashMatchesTheCanonicalWalk(t *testing.T) {
 	// TP2: heads 0-1 and 2-3 in regions of their own (head-major).
 	var tp hooks.Layout
 	tp.Geometry = g
-	for _, sh := range (kvlayout.Parallel{TP: 2, PP: 1}).Shards() {
+	for _, sh := range kvlayout.Shards(kvlayout.Parallel{TP: 2, PP: 1}) {
 		rl := kvlayout.NewRegionLayout(g, sh)
 		tp.Regions = append(tp.Regions, hooks.Region{FirstLayer: rl.FirstLayer, NumLayers: rl.NumLayers, FirstHead: rl.FirstHead, NumHeads: rl.NumHeads,
 			Size: rl.Size(), LayerStride: rl.LayerStride(), KVStride: rl.KVStride(), BlockStride: rl.BlockStride(), HeadStride: rl.HeadStride(), SlotStride: hs})

@@ -16,8 +16,8 @@ import (
 	"time"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
+	"github.com/vllm-hi/vllm-hi/api/httpjson"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
-	"github.com/vllm-hi/vllm-hi/internal/httpjson"
 )
 
 // Client talks to one engine.

@@ -8,18 +8,17 @@ import (
 	"fmt"
 	"sort"
 	"strings"
+
+	"github.com/vllm-hi/vllm-hi/api/hooks"
 )
 
-// Geometry is the model-side shape of the KV cache of a whole model.
-type Geometry struct {
-	Layers     int    `json:"num_layers"`
-	KVHeads    int    `json:"num_kv_heads"`
-	HeadDim    int    `json:"head_dim"`
-	DTypeBytes int    `json:"dtype_bytes"`
-	DType      string `json:"dtype"`
-	BlockSize  int    `json:"block_size"`
-	NumBlocks  int    `json:"num_blocks"`
-}
+// Geometry is the model-side shape of the KV cache of a whole model: the
+// layout hook's type (api/hooks), named here where everything computes
+// with it.
+type Geometry = hooks.Geometry
+
+// Parallel is a TP×PP shape (api/hooks).
+type Parallel = hooks.Parallel
 
 // Profile is a named model geometry before scaling.
 type Profile struct {
@@ -75,29 +74,6 @@ func (p Profile) Scaled(headDimDivisor, blockSize, numBlocks int) (Geometry, err
 	return g, g.Validate()
 }
 
-// Validate checks that the geometry is usable.
-func (g Geometry) Validate() error {
-	switch {
-	case g.Layers < 1, g.KVHeads < 1, g.HeadDim < 1, g.DTypeBytes < 1:
-		return fmt.Errorf("invalid KV geometry %+v: every dimension must be ≥ 1", g)
-	case g.BlockSize < 1 || g.BlockSize > 1024:
-		return fmt.Errorf("block size %d out of range 1..1024", g.BlockSize)
-	case g.NumBlocks < 2:
-		return fmt.Errorf("num blocks %d: need at least 2 (block 0 is the reserved null block)", g.NumBlocks)
-	}
-	return nil
-}
-
-// HeadSlotBytes is the size of one head's K (or V) vector for one token.
-func (g Geometry) HeadSlotBytes() int { return g.HeadDim * g.DTypeBytes }
-
-// TokenBytes is the KV size of one token across the whole model (K and V,
-// every layer and head).
-func (g Geometry) TokenBytes() int { return 2 * g.Layers * g.KVHeads * g.HeadSlotBytes() }
-
-// BlockBytes is the KV size of one block across the whole model.
-func (g Geometry) BlockBytes() int { return g.TokenBytes() * g.BlockSize }
-
 // Shard is one rank × stage of a TP×PP deployment.
 type Shard struct {
 	TPRank  int `json:"tp_rank"`
@@ -106,28 +82,8 @@ type Shard struct {
 	PPSize  int `json:"pp_size"`
 }
 
-// Parallel is a TP×PP shape.
-type Parallel struct {
-	TP int `json:"tp"`
-	PP int `json:"pp"`
-}
-
-// Validate checks that g can be sharded as p.
-func (p Parallel) Validate(g Geometry) error {
-	if p.TP < 1 || p.PP < 1 {
-		return fmt.Errorf("tp %d and pp %d must be ≥ 1", p.TP, p.PP)
-	}
-	if g.KVHeads%p.TP != 0 {
-		return fmt.Errorf("tp %d must divide num KV heads %d", p.TP, g.KVHeads)
-	}
-	if p.PP > g.Layers {
-		return fmt.Errorf("pp %d exceeds num layers %d", p.PP, g.Layers)
-	}
-	return nil
-}
-
 // Shards lists every rank × stage, stage-major.
-func (p Parallel) Shards() []Shard {
+func Shards(p Parallel) []Shard {
 	out := make([]Shard, 0, p.TP*p.PP)
 	for s := 0; s < p.PP; s++ {
 		for r := 0; r < p.TP; r++ {

@@ -10,7 +10,7 @@ func guardFor(t *testing.T, g Geometry, p Parallel, allowed []int) (*BlockGuard,
 	var specs []RegionSpec
 	var sizes []int64
 	var layouts []RegionLayout
-	for _, s := range p.Shards() {
+	for _, s := range Shards(p) {
 		r := NewRegionLayout(g, s)
 		specs = append(specs, r.Spec())
 		sizes = append(sizes, r.Size())

@@ -50,14 +50,14 @@ func TestLayerRange(t *testing.T) {
 // up to the model's KV.
 func TestShardsPartitionTheModel(t *testing.T) {
 	g := Geometry{Layers: 6, KVHeads: 4, HeadDim: 4, DTypeBytes: 2, BlockSize: 4, NumBlocks: 5}
-	for _, par := range []Parallel{{1, 1}, {2, 1}, {4, 1}, {1, 2}, {2, 3}, {4, 6}} {
+	for _, par := range []Parallel{{TP: 1, PP: 1}, {TP: 2, PP: 1}, {TP: 4, PP: 1}, {TP: 1, PP: 2}, {TP: 2, PP: 3}, {TP: 4, PP: 6}} {
 		if err := par.Validate(g); err != nil {
 			t.Fatal(err)
 		}
 		type key struct{ l, kv, h, b, s int }
 		seen := map[key]bool{}
 		var total int64
-		for _, sh := range par.Shards() {
+		for _, sh := range Shards(par) {
 			r := NewRegionLayout(g, sh)
 			total += r.Size()
 			used := make([]bool, r.Size())

@@ -11,7 +11,7 @@ func value(l, kv, h, b, s, i int) byte { return byte(l*131 + kv*71 + h*37 + b*17
 func fill(g Geometry, par Parallel) ([][]byte, []RegionSpec) {
 	var mem [][]byte
 	var specs []RegionSpec
-	for _, sh := range par.Shards() {
+	for _, sh := range Shards(par) {
 		r := NewRegionLayout(g, sh)
 		buf := make([]byte, r.Size())
 		for l := 0; l < r.NumLayers; l++ {
@@ -39,14 +39,14 @@ func fill(g Geometry, par Parallel) ([][]byte, []RegionSpec) {
 // merges consecutive blocks.
 func TestPlanMovesExactlyTheAskedSlots(t *testing.T) {
 	g := Geometry{Layers: 4, KVHeads: 4, HeadDim: 2, DTypeBytes: 2, BlockSize: 4, NumBlocks: 12}
-	shapes := []Parallel{{1, 1}, {2, 1}, {4, 1}, {1, 2}, {2, 2}, {1, 4}}
+	shapes := []Parallel{{TP: 1, PP: 1}, {TP: 2, PP: 1}, {TP: 4, PP: 1}, {TP: 1, PP: 2}, {TP: 2, PP: 2}, {TP: 1, PP: 4}}
 	rng := rand.New(rand.NewPCG(1, 2))
 	for _, sp := range shapes {
 		for _, dp := range shapes {
 			src, srcSpecs := fill(g, sp)
 			dst := make([][]byte, 0)
 			var dstSpecs []RegionSpec
-			for _, sh := range dp.Shards() {
+			for _, sh := range Shards(dp) {
 				r := NewRegionLayout(g, sh)
 				dst = append(dst, make([]byte, r.Size()))
 				dstSpecs = append(dstSpecs, r.Spec())
@@ -68,7 +68,7 @@ func TestPlanMovesExactlyTheAskedSlots(t *testing.T) {
 			for _, r := range runs {
 				copy(dst[r.DstRegion][r.DstOffset:r.DstOffset+r.Length], src[r.SrcRegion][r.SrcOffset:r.SrcOffset+r.Length])
 			}
-			for ri, sh := range dp.Shards() {
+			for ri, sh := range Shards(dp) {
 				r := NewRegionLayout(g, sh)
 				for l := 0; l < r.NumLayers; l++ {
 					for kv := 0; kv < 2; kv++ {
@@ -125,7 +125,7 @@ func TestPlanHandlesInterleavedKV(t *testing.T) {
 		Block: 2 * hs * int64(g.BlockSize*g.KVHeads), Layer: 2 * hs * int64(g.BlockSize*g.KVHeads*g.NumBlocks)}}
 	size := inter.Strides.Layer * int64(g.Layers)
 	hnd := NewRegionLayout(g, Shard{TPSize: 1, PPSize: 1})
-	src, _ := fill(g, Parallel{1, 1})
+	src, _ := fill(g, Parallel{TP: 1, PP: 1})
 	copies := []BlockCopy{{Src: 1, Dst: 4, FirstSlot: 1, NumSlots: 3}, {Src: 2, Dst: 5, NumSlots: 4}}
 	there := make([]byte, size)
 	runs, err := Plan(g.Layers, g.KVHeads, hs, []RegionSpec{hnd.Spec()}, []RegionSpec{inter}, copies)
@@ -185,7 +185,7 @@ func TestPlanSlotMajorLayouts(t *testing.T) {
 	}
 
 	hnd := NewRegionLayout(g, Shard{TPSize: 1, PPSize: 1})
-	src, _ := fill(g, Parallel{1, 1})
+	src, _ := fill(g, Parallel{TP: 1, PP: 1})
 	there := make([]byte, size)
 	runs, err = Plan(g.Layers, g.KVHeads, hs, []RegionSpec{hnd.Spec()}, []RegionSpec{nhd}, whole)
 	if err != nil {
@@ -373,8 +373,8 @@ func BenchmarkPlanQwen3_8B(b *testing.B) {
 // in-process shape tests' round 0 took 4 s when it did.
 func TestPlanAcrossTPMovesHeadsWhole(t *testing.T) {
 	g := Geometry{Layers: 2, KVHeads: 4, HeadDim: 4, DTypeBytes: 2, BlockSize: 16, NumBlocks: 8}
-	_, one := fill(g, Parallel{1, 1})
-	_, two := fill(g, Parallel{2, 1})
+	_, one := fill(g, Parallel{TP: 1, PP: 1})
+	_, two := fill(g, Parallel{TP: 2, PP: 1})
 	copies := []BlockCopy{{Src: 1, Dst: 4, NumSlots: 16}, {Src: 6, Dst: 2, FirstSlot: 3, NumSlots: 5}}
 	for _, dir := range [][2][]RegionSpec{{one, two}, {two, one}} {
 		runs, err := Plan(g.Layers, g.KVHeads, int64(g.HeadSlotBytes()), dir[0], dir[1], copies)

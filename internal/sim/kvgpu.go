@@ -65,7 +65,7 @@ func newGPUKVMemory(drv *cuda.Lib, devices []int, geo kvlayout.Geometry, par kvl
 	if geo.HeadSlotBytes()%16 != 0 {
 		return nil, fmt.Errorf("--device cuda needs head_dim × dtype bytes to be a multiple of 16 (it is %d)", geo.HeadSlotBytes())
 	}
-	shards := par.Shards()
+	shards := kvlayout.Shards(par)
 	if len(devices) != 1 && len(devices) != len(shards) {
 		return nil, fmt.Errorf("--device lists %d GPUs for %d ranks: give one, or one per rank", len(devices), len(shards))
 	}

@@ -45,13 +45,13 @@ type kvRegion struct {
 func newKVMemory(geo kvlayout.Geometry, par kvlayout.Parallel, dir, prefix string) (*kvMemory, error) {
 	m := &kvMemory{geo: geo}
 	var total int64
-	for _, s := range par.Shards() {
+	for _, s := range kvlayout.Shards(par) {
 		total += kvlayout.NewRegionLayout(geo, s).Size()
 	}
 	if err := checkRoom(dir, total); err != nil {
 		return nil, err
 	}
-	for _, s := range par.Shards() {
+	for _, s := range kvlayout.Shards(par) {
 		l := kvlayout.NewRegionLayout(geo, s)
 		path := filepath.Join(dir, fmt.Sprintf("%s-tp%d-pp%d.kv", prefix, s.TPRank, s.PPStage))
 		f, data, err := mapFile(path, l.Size())

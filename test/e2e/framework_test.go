@@ -9,8 +9,8 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/api/httpjson"
 	"github.com/vllm-hi/vllm-hi/internal/engine"
-	"github.com/vllm-hi/vllm-hi/internal/httpjson"
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
 	"github.com/vllm-hi/vllm-hi/test/framework"
 )

@@ -36,7 +36,7 @@ func openPlane(t testing.TB) *Plane {
 func memoryOf(g kvlayout.Geometry, par kvlayout.Parallel, seed uint64) *tcpshm.Memory {
 	m := &tcpshm.Memory{Layers: g.Layers, Heads: g.KVHeads, SlotBytes: int64(g.HeadSlotBytes())}
 	rng := rand.New(rand.NewPCG(seed, 1))
-	for _, sh := range par.Shards() {
+	for _, sh := range kvlayout.Shards(par) {
 		r := kvlayout.NewRegionLayout(g, sh)
 		b := make([]byte, r.Size())
 		if seed != 0 {

@@ -26,7 +26,7 @@ var testSecret = []byte("0123456789abcdef0123456789abcdef")
 func memoryOf(g kvlayout.Geometry, p kvlayout.Parallel, fill bool) *Memory {
 	m := &Memory{Layers: g.Layers, Heads: g.KVHeads, SlotBytes: int64(g.HeadSlotBytes())}
 	rng := rand.New(rand.NewPCG(7, 9))
-	for _, sh := range p.Shards() {
+	for _, sh := range kvlayout.Shards(p) {
 		r := kvlayout.NewRegionLayout(g, sh)
 		b := make([]byte, r.Size())
 		if fill {
