@@ -14,6 +14,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/internal/engine"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
 	"github.com/vllm-hi/vllm-hi/internal/switching"
@@ -31,7 +32,7 @@ func (h *Host) newSwitcher(cfg Config) (*switching.Switcher, error) {
 		Models: cfg.Models, Controller: cfg.Controller, Metrics: met, Log: h.log.Named("switch"),
 		Mover: switchMover{h},
 		Backend: func(alias string, m switching.Model) switching.Backend {
-			return switching.NewHTTPBackend(m.BackendURL, m.ServedName(alias), cfg.AgentToken, client)
+			return engine.NewAdmin(m.BackendURL, m.ServedName(alias), cfg.AgentToken, client)
 		},
 	})
 	if err != nil {

@@ -21,6 +21,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/vllm-hi/vllm-hi/internal/engine"
 	"github.com/vllm-hi/vllm-hi/internal/launch"
 	"github.com/vllm-hi/vllm-hi/internal/switching"
 )
@@ -69,7 +70,7 @@ func Launch(ctx context.Context, o LaunchOptions) (PIDFile, error) {
 	sort.Strings(aliases)
 	for _, alias := range aliases {
 		m := o.Models[alias]
-		be := switching.NewHTTPBackend(m.BackendURL, m.ServedName(alias), o.Token, client)
+		be := engine.NewAdmin(m.BackendURL, m.ServedName(alias), o.Token, client)
 		if len(m.LaunchCommand) == 0 {
 			fmt.Fprintf(o.Out, "%s: no launch_command, managed elsewhere: not started\n", alias)
 			continue
@@ -109,7 +110,7 @@ func Launch(ctx context.Context, o LaunchOptions) (PIDFile, error) {
 	}
 	if st := o.Controller.StartupAwakeModel; st != "" {
 		m := o.Models[st]
-		be := switching.NewHTTPBackend(m.BackendURL, m.ServedName(st), o.Token, client)
+		be := engine.NewAdmin(m.BackendURL, m.ServedName(st), o.Token, client)
 		t0 := time.Now()
 		sctx, cancel := context.WithTimeout(ctx, o.Ready)
 		err := switching.WakeAndVerify(sctx, be, m)

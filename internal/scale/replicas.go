@@ -15,7 +15,6 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
-	"github.com/vllm-hi/vllm-hi/internal/switching"
 )
 
 // A replicas scale brings a dense model (no elastic EP) to N active
@@ -184,7 +183,7 @@ func ids(l []registry.Instance) []string {
 }
 
 func (s *Scaler) probe(ctx context.Context, in registry.Instance, model string) (string, error) {
-	return switching.NewHTTPBackend(in.Engine.URL, model, s.token, s.client).Probe(ctx, s.cfg.ProbePrompt)
+	return s.admin(in, model).Probe(ctx, s.cfg.ProbePrompt)
 }
 
 // replica is a new replica being brought up.

@@ -13,13 +13,10 @@
 package scale
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"sort"
 	"strings"
@@ -31,12 +28,12 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/internal/engine"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/launch"
 	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
 	"github.com/vllm-hi/vllm-hi/internal/store"
-	"github.com/vllm-hi/vllm-hi/internal/switching"
 )
 
 // Config tunes scaling.
@@ -78,9 +75,6 @@ const (
 	CauseOperator   = "operator"
 	CauseAutoscaler = "autoscaler"
 )
-
-// scalingBody is what vLLM answers while it commits.
-var scalingBody = []byte("currently scaling")
 
 // Scaler runs the scale operations.
 type Scaler struct {
@@ -325,27 +319,9 @@ func (s *Scaler) resolve(req hostapi.ScaleRequest) (registry.Instance, error) {
 	return found[0], nil
 }
 
-func (s *Scaler) post(ctx context.Context, base, path string, body any) (int, []byte, error) {
-	var rd io.Reader
-	if body != nil {
-		b, _ := json.Marshal(body)
-		rd = bytes.NewReader(b)
-	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(base, "/")+path, rd)
-	if err != nil {
-		return 0, nil, err
-	}
-	req.Header.Set("Content-Type", "application/json")
-	if s.token != "" {
-		req.Header.Set("Authorization", "Bearer "+s.token)
-	}
-	resp, err := s.client.Do(req)
-	if err != nil {
-		return 0, nil, err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(io.LimitReader(resp.Body, 1<<16))
-	return resp.StatusCode, b, err
+// admin is the engine admin client of inst.
+func (s *Scaler) admin(inst registry.Instance, model string) *engine.Admin {
+	return engine.NewAdmin(inst.Engine.URL, model, s.token, s.client)
 }
 
 // phase records one phase of o.
@@ -393,7 +369,7 @@ func (s *Scaler) awaitHealthy(id string) {
 
 // scale runs the operation's phases and says how it ended.
 func (s *Scaler) scale(ctx context.Context, o *op, inst registry.Instance) (string, error) {
-	probe := switching.NewHTTPBackend(inst.Engine.URL, o.st.Model, s.token, s.client)
+	probe := s.admin(inst, o.st.Model)
 	tc := time.Now()
 	before, err := probe.Probe(ctx, s.cfg.ProbePrompt)
 	o.phase("check", tc, time.Since(tc))
@@ -452,24 +428,16 @@ func (s *Scaler) scale(ctx context.Context, o *op, inst registry.Instance) (stri
 // polling: prepare until the engine first answers 503, commit from then
 // until its answer.
 func (s *Scaler) reconfigure(ctx context.Context, o *op, inst registry.Instance, to int) error {
-	type answer struct {
-		code int
-		body []byte
-		err  error
-	}
-	done := make(chan answer, 1)
+	admin := s.admin(inst, "")
+	done := make(chan error, 1)
 	t0 := time.Now()
-	go func() {
-		code, b, err := s.post(ctx, inst.Engine.URL, "/scale_elastic_ep",
-			map[string]int{"new_data_parallel_size": to, "drain_timeout": max(1, int(s.cfg.DrainTimeout.Seconds()))})
-		done <- answer{code, b, err}
-	}()
+	go func() { done <- admin.ScaleElasticEP(ctx, to, s.cfg.DrainTimeout) }()
 	var commitAt time.Time
 	tick := time.NewTicker(5 * time.Millisecond)
 	defer tick.Stop()
 	for {
 		select {
-		case a := <-done:
+		case err := <-done:
 			end := time.Now()
 			if commitAt.IsZero() {
 				commitAt = end // a commit too short to see between two polls
@@ -480,21 +448,15 @@ func (s *Scaler) reconfigure(ctx context.Context, o *op, inst registry.Instance,
 			o.mu.Lock()
 			o.st.DowntimeS += end.Sub(commitAt).Seconds()
 			o.mu.Unlock()
-			switch {
-			case a.err != nil:
-				return fmt.Errorf("POST /scale_elastic_ep: %w", a.err)
-			case a.code != http.StatusOK:
-				return fmt.Errorf("POST /scale_elastic_ep: %d %s", a.code, strings.TrimSpace(string(a.body)))
-			}
-			return nil
+			return err
 		case <-tick.C:
 			if !commitAt.IsZero() {
 				continue
 			}
 			pctx, cancel := context.WithTimeout(ctx, time.Second)
-			code, b, err := s.post(pctx, inst.Engine.URL, "/is_scaling_elastic_ep", nil)
+			state, _ := admin.IsScalingElasticEP(pctx)
 			cancel()
-			if err == nil && code == http.StatusServiceUnavailable && bytes.Contains(b, scalingBody) {
+			if state == engine.ScalingCommitting {
 				commitAt = time.Now()
 			}
 		case <-ctx.Done():
@@ -507,7 +469,7 @@ func (s *Scaler) reconfigure(ctx context.Context, o *op, inst registry.Instance,
 // elastic-EP commit's, wait for the commit to end (bounded) and say the
 // request may be sent again.
 func (s *Scaler) Hold(ctx context.Context, instance string, body []byte) bool {
-	if !bytes.Contains(body, scalingBody) {
+	if !engine.IsScalingAnswer(body) {
 		return false
 	}
 	if s.held.Add(1) > int64(s.cfg.MaxHeld) {
@@ -537,9 +499,9 @@ func (s *Scaler) Hold(ctx context.Context, instance string, body []byte) bool {
 	if err != nil {
 		return false
 	}
+	admin := s.admin(inst, "")
 	for {
-		code, _, err := s.post(hctx, inst.Engine.URL, "/is_scaling_elastic_ep", nil)
-		if err == nil && code == http.StatusOK {
+		if state, _ := admin.IsScalingElasticEP(hctx); state == engine.ScalingServing {
 			return true
 		}
 		select {

@@ -92,7 +92,6 @@ const (
 	defaultSwitchTimeout  = 120 * time.Second
 	defaultMaxPrewarm     = time.Hour
 	defaultProbePrompt    = "The capital of France is"
-	probeTokens           = 8
 )
 
 func (c Controller) requestTimeout() time.Duration {
