@@ -145,21 +145,15 @@ func (m switchMover) MoveAway(ctx context.Context, alias string, model switching
 	if err != nil {
 		return nil, fmt.Sprintf("a migration to %s was refused: %v", dst.ID, err), false
 	}
-	for {
-		st, ok := m.h.mig.Get(id)
-		if ok && st.State != hostapi.StateRunning {
-			if st.State != hostapi.StateSucceeded {
-				return nil, fmt.Sprintf("the migration %s to %s %s: %s", id, dst.ID, st.State, st.Error), false
-			}
-			onBackend := func() int { return m.h.proxy.Streams().On(src.ID) }
-			return onBackend, fmt.Sprintf("moved %d streams to %s by migration %s in %.2f s", st.Migrated, dst.ID, id, time.Since(t0).Seconds()), true
-		}
-		select {
-		case <-ctx.Done():
-			return nil, fmt.Sprintf("the migration %s to %s outlasted the switch", id, dst.ID), false
-		case <-time.After(20 * time.Millisecond):
-		}
+	st, _ := m.h.mig.Wait(ctx, id)
+	switch {
+	case !st.Ended():
+		return nil, fmt.Sprintf("the migration %s to %s outlasted the switch", id, dst.ID), false
+	case st.State != hostapi.StateSucceeded:
+		return nil, fmt.Sprintf("the migration %s to %s %s: %s", id, dst.ID, st.State, st.Error), false
 	}
+	onBackend := func() int { return m.h.proxy.Streams().On(src.ID) }
+	return onBackend, fmt.Sprintf("moved %d streams to %s by migration %s in %.2f s", st.Migrated, dst.ID, id, time.Since(t0).Seconds()), true
 }
 
 // adminState is GET /admin/state.

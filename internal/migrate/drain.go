@@ -393,20 +393,12 @@ func (d *drain) migrate(ctx context.Context, target string, ids []string) (hosta
 	if err != nil {
 		return hostapi.MigrationStatus{}, err
 	}
-	t := time.NewTicker(20 * time.Millisecond)
-	defer t.Stop()
-	for {
-		st, ok := d.o.Get(id)
-		if ok && st.Ended() {
-			return st, nil
-		}
-		select {
-		case <-ctx.Done():
-			// The migration has its own deadline; the drain stops waiting.
-			return st, fmt.Errorf("migration %s still running: %w", id, ctx.Err())
-		case <-t.C:
-		}
+	st, _ := d.o.Wait(ctx, id)
+	if !st.Ended() {
+		// The migration has its own deadline; the drain stops waiting.
+		return st, fmt.Errorf("migration %s still running: %w", id, ctx.Err())
 	}
+	return st, nil
 }
 
 // share is one target's part of a pass.
@@ -462,6 +454,7 @@ func (d *drain) finish(ctx context.Context) {
 		s.State, s.SourceKV, s.SourceKVNote, s.FinishedAt = hostapi.StateSucceeded, state, note, time.Now().UTC()
 	})
 	o.met.drainEnded(hostapi.StateSucceeded)
+	o.signalEnd()
 	st := d.status()
 	d.log.Info("drained", zap.String("cause", st.Cause), zap.Int("moved", st.Moved), zap.Int("finished", st.Finished),
 		zap.Strings("migrations", st.Migration), zap.String("source_kv", state))
@@ -474,6 +467,7 @@ func (d *drain) fail(err error) {
 		s.State, s.Error, s.FinishedAt = hostapi.StateFailed, err.Error(), time.Now().UTC()
 	})
 	d.o.met.drainEnded(hostapi.StateFailed)
+	d.o.signalEnd()
 	d.log.Warn("the drain failed; the instance stays draining", zap.Error(err))
 }
 

@@ -38,6 +38,7 @@ type Orchestrator struct {
 	// drains by id, and their ids oldest first (drain.go).
 	drains     map[string]*drain
 	drainOrder []string
+	ends       *ended // wait.go
 	wg         sync.WaitGroup
 }
 
@@ -48,7 +49,7 @@ func New(cfg Config, reg *registry.Registry, px *proxy.Proxy, met *Metrics, reco
 		return nil, err
 	}
 	o := &Orchestrator{cfg: cfg, reg: reg, proxy: px, streams: px.Streams(), met: met, log: log,
-		agents: agentclient.NewPool(cfg.AgentToken, cfg.AgentTLS, cfg.AgentDialOptions...), all: map[string]*migration{}, launching: map[string]*hostapi.MigrationStatus{}, drains: map[string]*drain{}}
+		agents: agentclient.NewPool(cfg.AgentToken, cfg.AgentTLS, cfg.AgentDialOptions...), all: map[string]*migration{}, launching: map[string]*hostapi.MigrationStatus{}, drains: map[string]*drain{}, ends: newEnded()}
 	o.ctx, o.cancel = context.WithCancel(context.Background())
 	o.rec = newRecorder(records, o, log)
 	if err := o.restore(); err != nil {

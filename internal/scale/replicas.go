@@ -33,8 +33,10 @@ import (
 type Mover interface {
 	Start(hostapi.MigrateRequest) (string, error)
 	Get(id string) (hostapi.MigrationStatus, bool)
+	// Wait and WaitDrain return once the migration (drain) ended, or ctx did.
+	Wait(ctx context.Context, id string) (hostapi.MigrationStatus, bool)
 	StartDrain(id string, req hostapi.DrainRequest) (string, error)
-	Drain(id string) (hostapi.DrainStatus, bool)
+	WaitDrain(ctx context.Context, id string) (hostapi.DrainStatus, bool)
 	Wake(ctx context.Context, id string) (registry.Instance, error)
 	CanLaunch(model string) bool
 	LaunchReplica(model string, like registry.Instance) (migrate.Launched, error)
@@ -43,11 +45,8 @@ type Mover interface {
 var _ Mover = (*migrate.Orchestrator)(nil)
 
 // launchedStopGrace is how long a launched replica taken out gets to exit
-// after SIGTERM; pollEvery how often a migration or a drain is looked at.
-const (
-	launchedStopGrace = 20 * time.Second
-	pollEvery         = 20 * time.Millisecond
-)
+// after SIGTERM.
+const launchedStopGrace = 20 * time.Second
 
 // Replicas are the instances serving model now (lifecycle active), by id.
 func (s *Scaler) Replicas(model string) []registry.Instance {
@@ -348,7 +347,7 @@ func (s *Scaler) even(ctx context.Context, o *op, cur, added []registry.Instance
 				s.log.Warn("moving streams to a new replica was refused", zap.String("src", src), zap.String("dst", dst.ID), zap.Error(err))
 				continue
 			}
-			st := awaitEnd(ctx, s.mover.Get, id)
+			st, _ := s.mover.Wait(ctx, id)
 			o.phaseOn("move", dst.ID, tm)
 			o.update(func(sc *hostapi.ScaleStatus) {
 				sc.Migrations = append(sc.Migrations, id)
@@ -361,18 +360,6 @@ func (s *Scaler) even(ctx context.Context, o *op, cur, added []registry.Instance
 				s.log.Warn("moving streams to a new replica failed; they stay where they were", zap.String("migration_id", id), zap.String("error", st.Error))
 			}
 		}
-	}
-}
-
-// awaitEnd polls get(id) until the operation (a migration, a drain)
-// ends, is gone, or ctx ends.
-func awaitEnd[S interface{ Ended() bool }](ctx context.Context, get func(string) (S, bool), id string) S {
-	for {
-		st, ok := get(id)
-		if !ok || st.Ended() || ctx.Err() != nil {
-			return st
-		}
-		time.Sleep(pollEvery)
 	}
 }
 
@@ -401,7 +388,7 @@ func (s *Scaler) scaleIn(ctx context.Context, o *op, cur []registry.Instance) er
 			o.phaseOn("drain", v.ID, td)
 			return fmt.Errorf("draining %s was refused: %w", v.ID, err)
 		}
-		st := awaitEnd(ctx, s.mover.Drain, did)
+		st, _ := s.mover.WaitDrain(ctx, did)
 		o.phaseOn("drain", v.ID, td)
 		down := 0.0
 		for _, mid := range st.Migration {
