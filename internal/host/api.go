@@ -150,7 +150,7 @@ func (h *Host) drain(w http.ResponseWriter, r *http.Request) {
 		err = decodeStrict(bytes.NewReader(body), &req)
 	}
 	if err != nil {
-		proxy.WriteError(w, http.StatusBadRequest, "BadRequestError", "malformed drain body: "+err.Error())
+		fail(w, errdefs.Newf(errdefs.ErrInvalidArgument, "malformed drain body: %v", err))
 		return
 	}
 	id, err := h.mig.StartDrain(chi.URLParam(r, "id"), req)
@@ -167,7 +167,7 @@ func (h *Host) drain(w http.ResponseWriter, r *http.Request) {
 func (h *Host) drainStatus(w http.ResponseWriter, r *http.Request) {
 	s, ok := h.mig.Drain(chi.URLParam(r, "id"))
 	if !ok {
-		proxy.WriteError(w, http.StatusNotFound, "NotFoundError", "unknown drain "+chi.URLParam(r, "id"))
+		fail(w, errdefs.Newf(errdefs.ErrNotFound, "unknown drain %s", chi.URLParam(r, "id")))
 		return
 	}
 	writeJSON(w, http.StatusOK, s)
@@ -231,7 +231,7 @@ func (h *Host) migrate(w http.ResponseWriter, r *http.Request) {
 	var req hostapi.MigrateRequest
 	if err := decodeStrict(io.LimitReader(r.Body, 1<<20), &req); err != nil {
 		h.m.migrations.Refused()
-		proxy.WriteError(w, http.StatusBadRequest, "BadRequestError", "malformed migrate body: "+err.Error())
+		fail(w, errdefs.Newf(errdefs.ErrInvalidArgument, "malformed migrate body: %v", err))
 		return
 	}
 	id, err := h.mig.Start(req)
@@ -245,7 +245,7 @@ func (h *Host) migrate(w http.ResponseWriter, r *http.Request) {
 func (h *Host) migrationStatus(w http.ResponseWriter, r *http.Request) {
 	s, ok := h.mig.Get(chi.URLParam(r, "id"))
 	if !ok {
-		proxy.WriteError(w, http.StatusNotFound, "NotFoundError", "unknown migration "+chi.URLParam(r, "id"))
+		fail(w, errdefs.Newf(errdefs.ErrNotFound, "unknown migration %s", chi.URLParam(r, "id")))
 		return
 	}
 	writeJSON(w, http.StatusOK, s)
@@ -259,7 +259,7 @@ func (h *Host) migrations(w http.ResponseWriter, _ *http.Request) {
 func (h *Host) scale(w http.ResponseWriter, r *http.Request) {
 	var req hostapi.ScaleRequest
 	if err := decodeStrict(io.LimitReader(r.Body, 1<<16), &req); err != nil {
-		proxy.WriteError(w, http.StatusBadRequest, "BadRequestError", "malformed scale body: "+err.Error())
+		fail(w, errdefs.Newf(errdefs.ErrInvalidArgument, "malformed scale body: %v", err))
 		return
 	}
 	id, err := h.scaler.Start(req)
@@ -273,7 +273,7 @@ func (h *Host) scale(w http.ResponseWriter, r *http.Request) {
 func (h *Host) scaleStatus(w http.ResponseWriter, r *http.Request) {
 	st, ok := h.scaler.Get(chi.URLParam(r, "id"))
 	if !ok {
-		proxy.WriteError(w, http.StatusNotFound, "NotFoundError", "no such scale operation")
+		fail(w, errdefs.New(errdefs.ErrNotFound, "no such scale operation"))
 		return
 	}
 	writeJSON(w, http.StatusOK, st)

@@ -15,6 +15,7 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/engine"
+	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
 	"github.com/vllm-hi/vllm-hi/internal/switching"
@@ -59,19 +60,16 @@ func switchedEngines(models map[string]switching.Model) func(registry.Instance) 
 func (h *Host) switched(w http.ResponseWriter, r *http.Request, body []byte, alias string, stream bool, sent func()) {
 	lease, err := h.switcher.Acquire(r.Context(), alias, stream)
 	if err != nil {
-		status, typ := http.StatusServiceUnavailable, "ServiceUnavailableError"
-		switch {
-		case errors.Is(err, context.Canceled):
-			status = 499
-		case errors.Is(err, switching.ErrQueueTimeout):
-			status, typ = http.StatusGatewayTimeout, "TimeoutError"
-		default:
+		if errors.Is(err, context.Canceled) {
+			h.count(alias, 499) // the client left: nobody to answer
+			return
+		}
+		err = switchFailure(err)
+		if !errors.Is(err, switching.ErrQueueTimeout) {
 			w.Header().Set("Retry-After", "1")
 		}
-		h.count(alias, status)
-		if status != 499 {
-			proxy.WriteError(w, status, typ, err.Error())
-		}
+		h.count(alias, errdefs.HTTPStatus(err))
+		fail(w, err)
 		return
 	}
 	defer lease.Release()
@@ -172,14 +170,14 @@ func (h *Host) adminSwitch(w http.ResponseWriter, r *http.Request) {
 	}
 	alias := chi.URLParam(r, "model")
 	if !h.switcher.Has(alias) {
-		proxy.WriteError(w, http.StatusNotFound, "NotFoundError", fmt.Sprintf("no switched model %q", alias))
+		fail(w, errdefs.Newf(errdefs.ErrNotFound, "no switched model %q", alias))
 		return
 	}
 	t0 := time.Now()
 	rep, err := h.switcher.Switch(r.Context(), alias)
 	if err != nil {
 		h.log.Warn("admin switch failed", zap.String("model", alias), zap.Error(err))
-		proxy.WriteError(w, http.StatusServiceUnavailable, "ServiceUnavailableError", err.Error())
+		fail(w, switchFailure(err))
 		return
 	}
 	writeJSON(w, http.StatusOK, hostapi.SwitchResult{Model: alias, State: h.switcher.State()[alias].State,
@@ -193,21 +191,21 @@ func (h *Host) adminPrewarm(w http.ResponseWriter, r *http.Request) {
 	}
 	var req hostapi.PrewarmRequest
 	if err := decodeStrict(io.LimitReader(r.Body, 1<<16), &req); err != nil {
-		proxy.WriteError(w, http.StatusBadRequest, "BadRequestError", err.Error())
+		fail(w, errdefs.Newf(errdefs.ErrInvalidArgument, "malformed prewarm body: %v", err))
 		return
 	}
 	if !h.switcher.Has(req.Model) {
-		proxy.WriteError(w, http.StatusNotFound, "NotFoundError", fmt.Sprintf("no switched model %q", req.Model))
+		fail(w, errdefs.Newf(errdefs.ErrNotFound, "no switched model %q", req.Model))
 		return
 	}
 	until, err := h.switcher.Prewarm(r.Context(), req.Model, time.Duration(req.TTLS*float64(time.Second)))
 	var se *switching.SwitchError
 	switch {
 	case errors.As(err, &se):
-		proxy.WriteError(w, http.StatusServiceUnavailable, "ServiceUnavailableError", err.Error())
+		fail(w, switchFailure(err))
 		return
 	case err != nil:
-		proxy.WriteError(w, http.StatusBadRequest, "BadRequestError", err.Error())
+		fail(w, errdefs.Newf(errdefs.ErrInvalidArgument, "%w", err))
 		return
 	}
 	writeJSON(w, http.StatusOK, hostapi.PrewarmResult{Model: req.Model, State: h.switcher.State()[req.Model].State, PinnedUntil: until})
@@ -215,8 +213,20 @@ func (h *Host) adminPrewarm(w http.ResponseWriter, r *http.Request) {
 
 func (h *Host) switchingOn(w http.ResponseWriter) bool {
 	if h.switcher == nil {
-		proxy.WriteError(w, http.StatusNotFound, "NotFoundError", "model switching is not configured (vhi host --config FILE with models:)")
+		fail(w, errdefs.New(errdefs.ErrNotFound, "model switching is not configured (vhi host --config FILE with models:)"))
 		return false
 	}
 	return true
+}
+
+// switchFailure is the kind a failed switch answers with: an engine that
+// failed to sleep or wake (a SwitchError), or anything the switcher did
+// not give a kind, is unavailable for now (503, try again); the
+// switcher's own errors keep theirs (a queue timeout is 504).
+func switchFailure(err error) error {
+	var se *switching.SwitchError
+	if errors.As(err, &se) || errdefs.Kind(err) == errdefs.ErrInternal {
+		return errdefs.Newf(errdefs.ErrUnavailable, "%w", err)
+	}
+	return err
 }

@@ -2,7 +2,6 @@ package switching
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sort"
 	"strings"
@@ -10,6 +9,8 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 )
 
 // States of a model, as GET /admin/state reports them.
@@ -22,12 +23,13 @@ const (
 	StateError              = "error"
 )
 
-// Errors a request or an admin call meets.
+// Errors a request or an admin call meets, of the project's kinds
+// (internal/errdefs), which the Host's REST edge translates.
 var (
-	ErrUnknownModel = errors.New("no such model")
+	ErrUnknownModel = errdefs.New(errdefs.ErrNotFound, "no such model")
 	// ErrQueueTimeout: the model was not awake within the request timeout.
-	ErrQueueTimeout = errors.New("the model did not become awake within the request timeout")
-	ErrClosed       = errors.New("the Host is shutting down")
+	ErrQueueTimeout = errdefs.New(errdefs.ErrDeadlineExceeded, "the model did not become awake within the request timeout")
+	ErrClosed       = errdefs.New(errdefs.ErrUnavailable, "the Host is shutting down")
 )
 
 // SwitchError is a failed switch as the requests queued for it see it.
