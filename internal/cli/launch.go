@@ -8,11 +8,11 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/internal/credentials"
 	"github.com/vllm-hi/vllm-hi/internal/hostconfig"
-	"github.com/vllm-hi/vllm-hi/internal/pool"
+	"github.com/vllm-hi/vllm-hi/internal/launch"
 )
 
 func newLaunchCommand(g *globalFlags) *cobra.Command {
-	var o pool.LaunchOptions
+	var o launch.BackendsOptions
 	var configFile, tokenFile string
 	cmd := &cobra.Command{
 		Use:   "launch --config FILE --pid-file F",
@@ -42,7 +42,7 @@ them. Send traffic only once it has succeeded.`,
 			if o.Token, err = credentials.Resolve(tokenFile, credentials.AgentTokenFile, "--token-file", false); err != nil {
 				return err
 			}
-			_, err = pool.Launch(cmd.Context(), o)
+			_, err = launch.Backends(cmd.Context(), o)
 			return err
 		},
 	}
@@ -59,7 +59,7 @@ them. Send traffic only once it has succeeded.`,
 }
 
 func newStopCommand() *cobra.Command {
-	var o pool.StopOptions
+	var o launch.StopOptions
 	cmd := &cobra.Command{
 		Use:   "stop --pid-file F",
 		Short: "Stop the backends vhi launch started, after checking each is still the process it started",
@@ -73,7 +73,7 @@ touched.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			o.Out = cmd.OutOrStdout()
-			return pool.Stop(o)
+			return launch.Stop(o)
 		},
 	}
 	cmd.Flags().StringVar(&o.PIDFile, "pid-file", "", "vhi launch's PID file")

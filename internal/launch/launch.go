@@ -3,11 +3,13 @@
 // from a configured command. The command's argv and environment carry
 // placeholders the Host fills ({id}, {tp}, …); the process runs in its own
 // process group, its output goes to a log file, and it is stopped as a
-// group (SIGTERM, then SIGKILL after a grace period).
+// group (SIGTERM, then SIGKILL after a grace period). The same for the
+// backends of switched models, which `vhi launch` starts one after another
+// and `vhi stop` stops after checking they are still the processes it
+// started (backends.go).
 package launch
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"os"
@@ -16,7 +18,6 @@ import (
 	"regexp"
 	"slices"
 	"sort"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -256,28 +257,12 @@ func Adopt(pid int, start uint64, logFile string) (*Process, error) {
 	return p, nil
 }
 
-// startTime is field 22 of /proc/pid/stat: when the process started, in
-// clock ticks after boot. A zombie (exited, not yet reaped) counts as
-// gone, as does a reaped process (no file).
+// startTime is when process pid started, in clock ticks after boot
+// (field 22 of /proc/pid/stat). A zombie (exited, not yet reaped) counts
+// as gone, as does a reaped process.
 func startTime(pid int) (uint64, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0, err
-	}
-	// The command name (field 2) is in parentheses and may hold spaces:
-	// count fields after its closing one.
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 {
-		return 0, fmt.Errorf("/proc/%d/stat: no command name", pid)
-	}
-	f := strings.Fields(string(b[i+1:]))
-	if len(f) < 20 {
-		return 0, fmt.Errorf("/proc/%d/stat: %d fields after the name", pid, len(f))
-	}
-	if f[0] == "Z" {
-		return 0, fmt.Errorf("pid %d: a zombie", pid)
-	}
-	return strconv.ParseUint(f[19], 10, 64)
+	info, err := readProc(pid)
+	return info.StartTime, err
 }
 
 // whyBytes is how much of its log's end Why quotes.

@@ -13,8 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vllm-hi/vllm-hi/internal/launch"
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
-	"github.com/vllm-hi/vllm-hi/internal/pool"
 )
 
 // vhiRun runs one vhi command to its end and returns its output.
@@ -186,12 +186,12 @@ controller:
 
 	// vhi stop: a PID file whose start time another process would have is
 	// refused whole, nothing signalled; the real one stops the pool.
-	f, err := pool.ReadPIDFile(pidFile)
+	f, err := launch.ReadPIDFile(pidFile)
 	if err != nil {
 		t.Fatal(err)
 	}
 	stale := f
-	stale.Backends = append([]pool.Backend(nil), f.Backends...)
+	stale.Backends = append([]launch.Backend(nil), f.Backends...)
 	stale.Backends[1].StartTime++
 	b, _ := json.Marshal(stale)
 	staleFile := filepath.Join(dir, "stale.json")

@@ -1,4 +1,4 @@
-package pool
+package launch
 
 import (
 	"encoding/json"

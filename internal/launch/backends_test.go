@@ -1,4 +1,4 @@
-package pool
+package launch
 
 import (
 	"bytes"
@@ -18,9 +18,9 @@ import (
 )
 
 // TestMain doubles as a minimal engine with vLLM's sleep routes when the
-// launcher starts the test binary with POOL_FAKE_ENGINE=ADDR.
+// launcher starts the test binary with LAUNCH_FAKE_ENGINE=ADDR.
 func TestMain(m *testing.M) {
-	if addr := os.Getenv("POOL_FAKE_ENGINE"); addr != "" {
+	if addr := os.Getenv("LAUNCH_FAKE_ENGINE"); addr != "" {
 		fakeEngine(addr)
 		return
 	}
@@ -52,7 +52,7 @@ func freeAddr(t *testing.T) string {
 func fakeModel(t *testing.T) switching.Model {
 	addr := freeAddr(t)
 	return switching.Model{BackendURL: "http://" + addr, Group: "gpu0",
-		LaunchCommand: []string{os.Args[0], "-test.run=^$"}, Env: map[string]string{"POOL_FAKE_ENGINE": addr}}
+		LaunchCommand: []string{os.Args[0], "-test.run=^$"}, Env: map[string]string{"LAUNCH_FAKE_ENGINE": addr}}
 }
 
 func isSleeping(t *testing.T, base string) bool {
@@ -77,7 +77,7 @@ func TestLaunchAndStop(t *testing.T) {
 	models := map[string]switching.Model{"chat": fakeModel(t), "coder": fakeModel(t),
 		"external": {BackendURL: "http://127.0.0.1:1", Group: "gpu0"}}
 	var out bytes.Buffer
-	f, err := Launch(context.Background(), LaunchOptions{Models: models, Controller: switching.Controller{StartupAwakeModel: "chat"},
+	f, err := Backends(context.Background(), BackendsOptions{Models: models, Controller: switching.Controller{StartupAwakeModel: "chat"},
 		PIDFile: pidFile, Ready: 20 * time.Second, Grace: 2 * time.Second, Out: &out})
 	if err != nil {
 		t.Fatalf("%v\n%s", err, out.String())
@@ -94,7 +94,7 @@ func TestLaunchAndStop(t *testing.T) {
 		t.Fatalf("the PID file: %+v %v", read, err)
 	}
 	// A second launch over a running pool is refused.
-	if _, err := Launch(context.Background(), LaunchOptions{Models: models, PIDFile: pidFile, Ready: time.Second}); err == nil ||
+	if _, err := Backends(context.Background(), BackendsOptions{Models: models, PIDFile: pidFile, Ready: time.Second}); err == nil ||
 		!strings.Contains(err.Error(), "still runs") {
 		t.Fatalf("a launch over a running pool: %v", err)
 	}
@@ -120,7 +120,7 @@ func TestAFailedLaunchStopsWhatItStarted(t *testing.T) {
 	good := fakeModel(t)
 	bad := switching.Model{BackendURL: "http://" + freeAddr(t), LaunchCommand: []string{"sh", "-c", "echo no GPU left >&2; exit 3"}}
 	var out bytes.Buffer
-	_, err := Launch(context.Background(), LaunchOptions{Models: map[string]switching.Model{"a": good, "b": bad},
+	_, err := Backends(context.Background(), BackendsOptions{Models: map[string]switching.Model{"a": good, "b": bad},
 		PIDFile: pidFile, Ready: 10 * time.Second, Grace: 2 * time.Second, Out: &out})
 	if err == nil || !strings.Contains(err.Error(), "no GPU left") {
 		t.Fatalf("launch: %v\n%s", err, out.String())

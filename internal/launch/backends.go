@@ -1,10 +1,11 @@
-// Package pool is the seed's launcher and verified stop for the engines
-// of switched models: vhi launch starts each model's backend in turn
-// (start, healthy, put to sleep and checked, next), wakes the startup
-// model, and only then writes its PID file, atomically; vhi stop signals
-// a process group only after checking, from /proc, that the PID is still
-// the process it started (same process group, same start time).
-package pool
+package launch
+
+// The backends of switched models (`vhi launch`, `vhi stop`): Backends
+// starts each model's backend in turn (start, healthy, put to sleep and
+// checked, next), wakes the startup model, and only then writes its PID
+// file, atomically; Stop signals a process group only after checking,
+// from /proc, that the PID is still the process it started (same process
+// group, same start time).
 
 import (
 	"context"
@@ -22,12 +23,11 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/internal/engine"
-	"github.com/vllm-hi/vllm-hi/internal/launch"
 	"github.com/vllm-hi/vllm-hi/internal/switching"
 )
 
-// LaunchOptions configure Launch.
-type LaunchOptions struct {
+// BackendsOptions configure Backends.
+type BackendsOptions struct {
 	Models     map[string]switching.Model
 	Controller switching.Controller
 	PIDFile    string
@@ -41,7 +41,7 @@ type LaunchOptions struct {
 
 // Launch starts the pool and writes the PID file once it is ready. On any
 // failure it stops what it started, writes nothing and says why.
-func Launch(ctx context.Context, o LaunchOptions) (PIDFile, error) {
+func Backends(ctx context.Context, o BackendsOptions) (PIDFile, error) {
 	if o.Out == nil {
 		o.Out = io.Discard
 	}
@@ -56,7 +56,7 @@ func Launch(ctx context.Context, o LaunchOptions) (PIDFile, error) {
 	}
 	client := &http.Client{}
 	out := PIDFile{Format: Format, LauncherPID: os.Getpid()}
-	var started []*launch.Process
+	var started []*Process
 	fail := func(err error) (PIDFile, error) {
 		for i := len(started) - 1; i >= 0; i-- {
 			started[i].Stop(o.Grace)
@@ -77,7 +77,7 @@ func Launch(ctx context.Context, o LaunchOptions) (PIDFile, error) {
 		}
 		logFile := filepath.Join(o.LogDir, alias+".log")
 		t0 := time.Now()
-		p, err := launch.StartSession(launch.Spec{Command: m.LaunchCommand, Env: m.Env, Cwd: m.Cwd}, logFile)
+		p, err := StartSession(Spec{Command: m.LaunchCommand, Env: m.Env, Cwd: m.Cwd}, logFile)
 		if err != nil {
 			return fail(fmt.Errorf("%s: %w", alias, err))
 		}
@@ -152,7 +152,7 @@ func checkPrevious(path string) error {
 
 // waitHealthy polls GET /health until it answers 200, the process exits
 // or the ready timeout passes.
-func waitHealthy(ctx context.Context, client *http.Client, base string, p *launch.Process, ready time.Duration) error {
+func waitHealthy(ctx context.Context, client *http.Client, base string, p *Process, ready time.Duration) error {
 	deadline := time.Now().Add(ready)
 	url := strings.TrimRight(base, "/") + "/health"
 	for {
