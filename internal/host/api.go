@@ -153,7 +153,7 @@ func (h *Host) drain(w http.ResponseWriter, r *http.Request) {
 		fail(w, errdefs.Newf(errdefs.ErrInvalidArgument, "malformed drain body: %v", err))
 		return
 	}
-	id, err := h.mig.StartDrain(chi.URLParam(r, "id"), req)
+	id, err := h.drainer.Start(chi.URLParam(r, "id"), req)
 	if err != nil {
 		fail(w, err)
 		return
@@ -165,7 +165,7 @@ func (h *Host) drain(w http.ResponseWriter, r *http.Request) {
 }
 
 func (h *Host) drainStatus(w http.ResponseWriter, r *http.Request) {
-	s, ok := h.mig.Drain(chi.URLParam(r, "id"))
+	s, ok := h.drainer.Get(chi.URLParam(r, "id"))
 	if !ok {
 		fail(w, errdefs.Newf(errdefs.ErrNotFound, "unknown drain %s", chi.URLParam(r, "id")))
 		return
@@ -174,7 +174,7 @@ func (h *Host) drainStatus(w http.ResponseWriter, r *http.Request) {
 }
 
 func (h *Host) drains(w http.ResponseWriter, _ *http.Request) {
-	writeJSON(w, http.StatusOK, hostapi.DrainList{Drains: h.mig.Drains()})
+	writeJSON(w, http.StatusOK, hostapi.DrainList{Drains: h.drainer.List()})
 }
 
 // rebalanceDecisions lists the balancer's latest decisions, newest first

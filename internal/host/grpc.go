@@ -86,7 +86,7 @@ func (s *registryService) Drain(_ context.Context, req *v1.DrainSelfRequest) (*v
 	if err := s.h.reg.Owned(req.GetVllmHiId(), req.GetSession()); err != nil {
 		return nil, err
 	}
-	st, err := s.h.mig.DrainInstance(req.GetVllmHiId())
+	st, err := s.h.drainer.ForStop(req.GetVllmHiId())
 	if err != nil {
 		return nil, err
 	}

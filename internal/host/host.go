@@ -24,8 +24,10 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
+	"github.com/vllm-hi/vllm-hi/internal/agentclient"
 	"github.com/vllm-hi/vllm-hi/internal/autoscale"
 	"github.com/vllm-hi/vllm-hi/internal/credentials"
+	"github.com/vllm-hi/vllm-hi/internal/drain"
 	"github.com/vllm-hi/vllm-hi/internal/failover"
 	"github.com/vllm-hi/vllm-hi/internal/grpcauth"
 	"github.com/vllm-hi/vllm-hi/internal/migrate"
@@ -103,14 +105,18 @@ func DefaultConfig() Config {
 
 // Host is one vhi host.
 type Host struct {
-	cfg      Config
-	log      *zap.Logger
-	store    *store.Store // nil without a data directory
-	reg      *registry.Registry
-	prom     *prometheus.Registry
-	m        *metrics
-	proxy    *proxy.Proxy
+	cfg   Config
+	log   *zap.Logger
+	store *store.Store // nil without a data directory
+	reg   *registry.Registry
+	prom  *prometheus.Registry
+	m     *metrics
+	proxy *proxy.Proxy
+	// agents are the Host's connections to agents, which the orchestrator,
+	// the drains and failover share.
+	agents   *agentclient.Pool
 	mig      *migrate.Orchestrator
+	drainer  *drain.Drainer
 	balancer *rebalance.Balancer
 	// ttft is the rolling TTFT per model the autoscaler reads (nil when
 	// it is off).
@@ -166,14 +172,17 @@ func New(cfg Config, log *zap.Logger) (*Host, error) {
 		StreamIdleTimeout: cfg.StreamIdleTimeout, EngineToken: cfg.AgentToken, TLS: agentTLS}, h.m.proxy, log.Named("proxy"))
 	mcfg := cfg.Migration
 	mcfg.AgentToken, mcfg.AgentTLS = cfg.AgentToken, agentTLS
-	var records2 migrate.RecordStore
+	var migrationRecords migrate.RecordStore
 	if h.store != nil {
-		records2 = h.store
+		migrationRecords = h.store
 	}
-	if h.mig, err = migrate.New(mcfg, h.reg, h.proxy, h.m.migrations, records2, log.Named("migrate")); err != nil {
+	h.agents = agentclient.NewPool(cfg.AgentToken, agentTLS, mcfg.AgentDialOptions...)
+	if h.mig, err = migrate.New(mcfg, h.reg, h.proxy, h.agents, h.m.migrations, migrationRecords, log.Named("migrate")); err != nil {
 		h.closeStore()
 		return nil, err
 	}
+	h.drainer = drain.New(drain.Config{Timeout: mcfg.DrainTimeout, RPCTimeout: mcfg.RPCTimeout}, h.reg, h.mig, h.agents,
+		h.proxy.Streams(), h.m.drains, log.Named("drain"))
 	if err := cfg.Rebalance.Check(); err != nil {
 		h.closeStore()
 		return nil, err
@@ -183,7 +192,7 @@ func New(cfg Config, log *zap.Logger) (*Host, error) {
 		h.closeStore()
 		return nil, err
 	}
-	h.failover = failover.New(cfg.Failover, h.reg, h.mig.Agents(), h.proxy.Streams(), h.m.failover, log.Named("failover"))
+	h.failover = failover.New(cfg.Failover, h.reg, h.agents, h.proxy.Streams(), h.m.failover, log.Named("failover"))
 	if h.failover.Enabled() {
 		h.proxy.SetRecover(h.failover.Recover)
 	}
@@ -191,7 +200,7 @@ func New(cfg Config, log *zap.Logger) (*Host, error) {
 		h.closeStore()
 		return nil, err
 	}
-	h.scaler = scale.New(cfg.Scale, h.reg, h.mig, h.proxy.Streams().On, cfg.AgentToken, h.m.scales, log.Named("scale"))
+	h.scaler = scale.New(cfg.Scale, h.reg, scaleMover{h.mig, h.drainer}, h.proxy.Streams().On, cfg.AgentToken, h.m.scales, log.Named("scale"))
 	h.scaler.NotSpare(switchedEngines(cfg.Models))
 	if h.store != nil {
 		launched, err := h.store.LaunchedEngines()
@@ -359,8 +368,10 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 	stopBackground() // no new migrations from here
 	background.Wait()
 	mctx, mcancel := context.WithTimeout(context.Background(), h.cfg.ShutdownTimeout)
+	h.drainer.Close(mctx) // before the migrations: a drain starts them
 	h.mig.Close(mctx)
 	mcancel()
+	h.agents.Close()
 	h.proxy.Close()
 	return nil
 }
@@ -388,4 +399,20 @@ func (h *Host) requireAdmin(next http.Handler) http.Handler {
 	return credentials.Require(h.cfg.AdminToken, func(w http.ResponseWriter) {
 		proxy.WriteError(w, http.StatusUnauthorized, "AuthenticationError", "missing or wrong admin token (Authorization: Bearer …)")
 	}, next)
+}
+
+// scaleMover is what the scaler drives: migrations and drains.
+type scaleMover struct {
+	*migrate.Orchestrator
+	drains *drain.Drainer
+}
+
+var _ scale.Mover = scaleMover{}
+
+func (m scaleMover) StartDrain(id string, req hostapi.DrainRequest) (string, error) {
+	return m.drains.Start(id, req)
+}
+
+func (m scaleMover) WaitDrain(ctx context.Context, id string) (hostapi.DrainStatus, bool) {
+	return m.drains.Wait(ctx, id)
 }

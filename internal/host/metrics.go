@@ -4,6 +4,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/vllm-hi/vllm-hi/internal/autoscale"
+	"github.com/vllm-hi/vllm-hi/internal/drain"
 	"github.com/vllm-hi/vllm-hi/internal/failover"
 	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
@@ -19,6 +20,7 @@ type metrics struct {
 	registrations *prometheus.CounterVec
 	proxy         *proxy.Metrics
 	migrations    *migrate.Metrics
+	drains        *drain.Metrics
 	rebalance     *prometheus.CounterVec
 	scales        *prometheus.CounterVec
 	failover      *failover.Metrics
@@ -39,6 +41,7 @@ func newMetrics(reg prometheus.Registerer, instances *registry.Registry) *metric
 		}, []string{"result"}),
 		proxy:      proxy.NewMetrics(),
 		migrations: migrate.NewMetrics(),
+		drains:     drain.NewMetrics(),
 		rebalance:  rebalance.NewMetric(),
 		scales:     scale.NewMetric(),
 		failover:   failover.NewMetrics(),
@@ -54,6 +57,7 @@ func newMetrics(reg prometheus.Registerer, instances *registry.Registry) *metric
 	reg.MustRegister(m.requests, m.heartbeats, m.registrations, m.rebalance, m.scales, &stateCollector{vec: instancesByState, reg: instances})
 	reg.MustRegister(m.proxy.Collectors()...)
 	reg.MustRegister(m.migrations.Collectors()...)
+	reg.MustRegister(m.drains.Collectors()...)
 	reg.MustRegister(m.failover.Collectors()...)
 	reg.MustRegister(m.autoscale.Collectors()...)
 	reg.MustRegister(m.ttft)

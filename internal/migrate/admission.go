@@ -107,7 +107,7 @@ func (o *Orchestrator) admit(req hostapi.MigrateRequest, id string) (*migration,
 		return nil, refuse(conflict, "target %s is %s: it takes no new requests", dst.ID, dst.Lifecycle())
 	case dst.Retired || dst.Stats.Sleeping:
 		return nil, refuse(conflict, "target %s is %s: wake it first (vhi wake %s)", dst.ID, dst.Lifecycle(), dst.ID)
-	case !sameModels(src, dst):
+	case !dst.ServesModelsOf(src):
 		return nil, refuse(conflict, "target %s does not serve the source's models %v", dst.ID, src.Engine.ServedModels)
 	case req.TargetTP != nil && *req.TargetTP != dst.Engine.TP, req.TargetPP != nil && *req.TargetPP != dst.Engine.PP:
 		return nil, refuse(conflict, "target %s runs tp %d pp %d; start a target with the shape you ask for", dst.ID, dst.Engine.TP, dst.Engine.PP)
@@ -132,13 +132,4 @@ func (o *Orchestrator) admit(req hostapi.MigrateRequest, id string) (*migration,
 	m.st = hostapi.MigrationStatus{ID: id, State: hostapi.StateRunning, Src: src.ID, Dst: dst.ID, Type: req.Type, RequestFilter: filter.String(),
 		TN: req.TN, CreatedAt: now, Deadline: m.deadline, StepHistory: []hostapi.Step{}, Rounds: []hostapi.Round{}, Dropped: []string{}}
 	return m, nil
-}
-
-func sameModels(a, b registry.Instance) bool {
-	for _, m := range a.Engine.ServedModels {
-		if !b.Serves(m) {
-			return false
-		}
-	}
-	return true
 }

@@ -44,14 +44,14 @@ func (m *migration) applyType() {
 	o.wg.Add(1)
 	go func() {
 		defer o.wg.Done()
-		m.setSourceKV(o.retireEngine(o.ctx, m.src))
+		m.setSourceKV(o.Retire(o.ctx, m.src))
 	}()
 }
 
-// retireEngine asks an instance's engine to release its KV once the
+// Retire asks an instance's engine to release its KV once the
 // requests left on it finish (at most RetireWait), and says what came of
 // it: a source_kv state and its note.
-func (o *Orchestrator) retireEngine(ctx context.Context, inst registry.Instance) (state, note string) {
+func (o *Orchestrator) Retire(ctx context.Context, inst registry.Instance) (state, note string) {
 	a, err := o.agents.Get(inst.AgentAddress, inst.TLS)
 	if err != nil {
 		return hostapi.SourceKVNotReleased, "reaching its agent failed: " + err.Error()

@@ -24,9 +24,6 @@ type Metrics struct {
 	// IntegrityFailures counts migrations aborted because the target did
 	// not hold what the source held.
 	IntegrityFailures prometheus.Counter
-	// Drains counts drains by how they ended: succeeded (the instance
-	// emptied and retired), failed, or refused (nothing changed).
-	Drains *prometheus.CounterVec
 }
 
 // NewMetrics makes the orchestrator's instruments, named vhi_migration*.
@@ -57,15 +54,12 @@ func NewMetrics() *Metrics {
 		IntegrityFailures: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "vhi_migration_integrity_failures_total", Help: "Migrations rolled back because the target did not hold what the source held (the check before the commit).",
 		}),
-		Drains: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "vhi_drains_total", Help: "Drains by outcome (succeeded: every request moved or finished and the instance retired, failed, refused: nothing changed).",
-		}, []string{"state"}),
 	}
 }
 
 // Collectors lists the instruments for registration.
 func (m *Metrics) Collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.Migrations, m.Downtime, m.ClientDowntime, m.Duration, m.Bytes, m.Requests, m.IntegrityFailures, m.Drains}
+	return []prometheus.Collector{m.Migrations, m.Downtime, m.ClientDowntime, m.Duration, m.Bytes, m.Requests, m.IntegrityFailures}
 }
 
 // integrity counts a migration that a check before its commit stopped
@@ -80,13 +74,6 @@ func (m *Metrics) integrity(err error) {
 func (m *Metrics) Refused() {
 	if m != nil {
 		m.Migrations.WithLabelValues("refused").Inc()
-	}
-}
-
-// drainEnded counts a drain by its outcome (refused: answered 4xx).
-func (m *Metrics) drainEnded(state string) {
-	if m != nil {
-		m.Drains.WithLabelValues(state).Inc()
 	}
 }
 

@@ -19,8 +19,9 @@ import (
 	"crypto/tls"
 	"encoding/hex"
 	"fmt"
-	"github.com/vllm-hi/vllm-hi/internal/launch"
 	"time"
+
+	"github.com/vllm-hi/vllm-hi/internal/launch"
 
 	"google.golang.org/grpc"
 
@@ -55,10 +56,11 @@ type Config struct {
 	DrainTimeout time.Duration
 	// MaxHistory bounds the migrations kept (oldest finished ones go).
 	MaxHistory int
-	AgentToken string
-	AgentTLS   *tls.Config // dialing agents that serve TLS
-	// AgentDialOptions are added to every agent connection's (tests put
-	// fault-injecting interceptors here).
+	// The Host's agent connections (its agentclient.Pool) are made with
+	// these: the agent credential, TLS, and dial options added to every
+	// connection's (tests put fault-injecting interceptors there).
+	AgentToken       string
+	AgentTLS         *tls.Config // dialing agents that serve TLS
 	AgentDialOptions []grpc.DialOption
 	// AllowFaultInjection accepts the inject_fault field (tests only).
 	AllowFaultInjection bool

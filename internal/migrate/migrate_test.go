@@ -3,7 +3,6 @@ package migrate
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -14,6 +13,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
+	"github.com/vllm-hi/vllm-hi/internal/agentclient"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
@@ -99,7 +99,7 @@ func TestStartRefusals(t *testing.T) {
 			Geometry: registry.Geometry{Layers: 2, KVHeads: 8, HeadDim: 128, DTypeBytes: 2, BlockSize: 16}}}); err != nil {
 		t.Fatal(err)
 	}
-	o, err := New(DefaultConfig(), reg, proxy.New(proxy.Options{}, nil, zap.NewNop()), nil, nil, zap.NewNop())
+	o, err := New(DefaultConfig(), reg, proxy.New(proxy.Options{}, nil, zap.NewNop()), agentclient.NewPool("", nil), nil, nil, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -188,7 +188,7 @@ func TestRecordsSurviveAndStayBounded(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.MaxHistory = 3
 	reg := registry.New(registry.Options{})
-	o, err := New(cfg, reg, proxy.New(proxy.Options{}, nil, zap.NewNop()), nil, store, zap.NewNop())
+	o, err := New(cfg, reg, proxy.New(proxy.Options{}, nil, zap.NewNop()), agentclient.NewPool("", nil), nil, store, zap.NewNop())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -229,32 +229,5 @@ func TestVerifyPicks(t *testing.T) {
 				t.Fatalf("k=%d n=%d: %v", k, n, got)
 			}
 		}
-	}
-}
-
-// A drain spreads its requests by the targets' free KV: the longest goes
-// first to the emptiest target, and a target that has little room gets
-// little.
-func TestDrainSpreadsByFreeKV(t *testing.T) {
-	geo := registry.Instance{}
-	geo.Engine.Geometry.BlockSize = 16
-	big, small := geo, geo
-	big.ID, big.Stats.FreeBlocks = "big", 100
-	small.ID, small.Stats.FreeBlocks = "small", 40
-	var reqs []hooks.RequestInfo
-	for i, tokens := range []int{320, 160, 160, 160, 160, 160, 16} {
-		reqs = append(reqs, hooks.RequestInfo{RequestID: fmt.Sprint("r", i), NumPromptTokens: tokens, MaxTokens: 0})
-	}
-	got := map[string][]string{}
-	for _, s := range spread(reqs, []registry.Instance{big, small}) {
-		got[s.target] = s.ids
-	}
-	// r0 (21 blocks) → big (79 left), r1 → big (68), r2 → big (57),
-	// r3 → big (46), r4 → big (35), r5 → small (29), r6 → big (33).
-	if want := []string{"r0", "r1", "r2", "r3", "r4", "r6"}; fmt.Sprint(got["big"]) != fmt.Sprint(want) {
-		t.Fatalf("big got %v, want %v", got["big"], want)
-	}
-	if want := []string{"r5"}; fmt.Sprint(got["small"]) != fmt.Sprint(want) {
-		t.Fatalf("small got %v, want %v", got["small"], want)
 	}
 }

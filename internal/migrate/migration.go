@@ -2,10 +2,11 @@ package migrate
 
 import (
 	"context"
-	"github.com/vllm-hi/vllm-hi/internal/launch"
 	"sort"
 	"sync"
 	"time"
+
+	"github.com/vllm-hi/vllm-hi/internal/launch"
 
 	"go.uber.org/zap"
 

@@ -35,21 +35,19 @@ type Orchestrator struct {
 	// yet admitted (launch.go).
 	launching map[string]*hostapi.MigrationStatus
 	order     []string // migration ids, oldest first
-	// drains by id, and their ids oldest first (drain.go).
-	drains     map[string]*drain
-	drainOrder []string
-	ends       *ended // wait.go
-	wg         sync.WaitGroup
+	ends      *ended   // wait.go
+	wg        sync.WaitGroup
 }
 
-// New returns an orchestrator; met and records may be nil (nothing is
-// then counted, or kept across restarts).
-func New(cfg Config, reg *registry.Registry, px *proxy.Proxy, met *Metrics, records RecordStore, log *zap.Logger) (*Orchestrator, error) {
+// New returns an orchestrator that reaches agents through agents (the
+// Host's pool); met and records may be nil (nothing is then counted, or
+// kept across restarts).
+func New(cfg Config, reg *registry.Registry, px *proxy.Proxy, agents *agentclient.Pool, met *Metrics, records RecordStore, log *zap.Logger) (*Orchestrator, error) {
 	if err := cfg.check(); err != nil {
 		return nil, err
 	}
 	o := &Orchestrator{cfg: cfg, reg: reg, proxy: px, streams: px.Streams(), met: met, log: log,
-		agents: agentclient.NewPool(cfg.AgentToken, cfg.AgentTLS, cfg.AgentDialOptions...), all: map[string]*migration{}, launching: map[string]*hostapi.MigrationStatus{}, drains: map[string]*drain{}, ends: newEnded()}
+		agents: agents, all: map[string]*migration{}, launching: map[string]*hostapi.MigrationStatus{}, ends: newEnded()}
 	o.ctx, o.cancel = context.WithCancel(context.Background())
 	o.rec = newRecorder(records, o, log)
 	if err := o.restore(); err != nil {
@@ -58,14 +56,10 @@ func New(cfg Config, reg *registry.Registry, px *proxy.Proxy, met *Metrics, reco
 	return o, nil
 }
 
-// Agents is the orchestrator's pool of agent connections (shared with
-// the Host's other users of the agents).
-func (o *Orchestrator) Agents() *agentclient.Pool { return o.agents }
-
 // Close stops background work, waits — until ctx ends — for running
-// migrations to roll back or finish, writes the last records and closes
-// the agent connections. A migration still running then ends with its
-// engines' leases (the source resumes, the target frees its blocks).
+// migrations to roll back or finish, and writes the last records. A
+// migration still running then ends with its engines' leases (the source
+// resumes, the target frees its blocks).
 func (o *Orchestrator) Close(ctx context.Context) {
 	o.cancel()
 	done := make(chan struct{})
@@ -76,7 +70,6 @@ func (o *Orchestrator) Close(ctx context.Context) {
 		o.log.Warn("migrations still running at shutdown; their engines' leases will end them", zap.Int("running", o.running()))
 	}
 	o.rec.close()
-	o.agents.Close()
 }
 
 // running counts the migrations not ended.

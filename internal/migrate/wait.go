@@ -6,9 +6,9 @@ import (
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 )
 
-// ended is closed, and replaced, each time a migration or a drain ends:
-// what Wait and WaitDrain sleep on (the orchestrator's users waited by
-// polling each status every 20 ms).
+// ended is closed, and replaced, each time a migration ends: what Wait
+// sleeps on (the orchestrator's users waited by polling each status every
+// 20 ms).
 type ended struct{ ch chan struct{} }
 
 func newEnded() *ended { return &ended{ch: make(chan struct{})} }
@@ -37,11 +37,6 @@ func (o *Orchestrator) next() <-chan struct{} {
 // know the id (or no longer keeps it).
 func (o *Orchestrator) Wait(ctx context.Context, id string) (hostapi.MigrationStatus, bool) {
 	return waitFor(ctx, o, o.Get, id)
-}
-
-// WaitDrain is Wait for a drain.
-func (o *Orchestrator) WaitDrain(ctx context.Context, id string) (hostapi.DrainStatus, bool) {
-	return waitFor(ctx, o, o.Drain, id)
 }
 
 func waitFor[S interface{ Ended() bool }](ctx context.Context, o *Orchestrator, get func(string) (S, bool), id string) (S, bool) {

@@ -212,6 +212,17 @@ func (i Instance) Serves(model string) bool {
 	return false
 }
 
+// ServesModelsOf reports whether i serves every model o serves (where o's
+// requests can go).
+func (i Instance) ServesModelsOf(o Instance) bool {
+	for _, m := range o.Engine.ServedModels {
+		if !i.Serves(m) {
+			return false
+		}
+	}
+	return true
+}
+
 // Persister keeps instance records durable (the Host's store).
 type Persister interface {
 	PutInstance(store.Instance) error

@@ -42,8 +42,6 @@ type Mover interface {
 	LaunchReplica(model string, like registry.Instance) (migrate.Launched, error)
 }
 
-var _ Mover = (*migrate.Orchestrator)(nil)
-
 // launchedStopGrace is how long a launched replica taken out gets to exit
 // after SIGTERM.
 const launchedStopGrace = 20 * time.Second

@@ -1,4 +1,10 @@
-package migrate
+// Package drain empties an instance without ending a stream: it stops
+// routing new requests to it, moves its running streams onto the other
+// active instances of its models by keep_source_active migrations (spread
+// by their free KV), lets what cannot move finish or move in a later
+// pass, and retires the instance once nothing is left on it. It drives
+// the migration orchestrator through Mover, as rebalancing and scaling do.
+package drain
 
 import (
 	"context"
@@ -16,18 +22,74 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/internal/agentclient"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
+	"github.com/vllm-hi/vllm-hi/internal/proxy"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
 )
 
-// A drain empties an active instance without ending a stream: it stops
-// routing new requests to it, moves its running streams onto the other
-// active instances of its models by keep_source_active migrations (spread
-// by their free KV), lets what cannot move (non-streaming requests, those
-// still waiting for a seat) finish or start and move in a later pass, and
-// retires the instance once nothing is left on it.
+// Mover is what a drain needs of the migration orchestrator.
+type Mover interface {
+	Start(hostapi.MigrateRequest) (string, error)
+	Wait(ctx context.Context, id string) (hostapi.MigrationStatus, bool)
+	// Retire asks inst's engine to release its KV, as destroy_source
+	// does: the status's source_kv and its note.
+	Retire(ctx context.Context, inst registry.Instance) (state, note string)
+}
+
+// Config bounds a drain and its calls.
+type Config struct {
+	// Timeout bounds a drain: moving its requests and waiting for what
+	// cannot move to finish.
+	Timeout time.Duration
+	// RPCTimeout bounds each call to an agent.
+	RPCTimeout time.Duration
+}
+
+// Drainer runs the drains and keeps their statuses.
+type Drainer struct {
+	cfg     Config
+	reg     *registry.Registry
+	mover   Mover
+	agents  *agentclient.Pool
+	streams *proxy.Streams
+	met     *Metrics
+	log     *zap.Logger
+	ctx     context.Context // ends at Close
+	cancel  context.CancelFunc
+	wg      sync.WaitGroup
+
+	mu     sync.Mutex
+	drains map[string]*drain
+	order  []string      // drain ids, oldest first
+	ends   chan struct{} // closed, and replaced, when a drain ends (Wait)
+}
+
+// New returns a Drainer; met may be nil.
+func New(cfg Config, reg *registry.Registry, mover Mover, agents *agentclient.Pool, streams *proxy.Streams, met *Metrics, log *zap.Logger) *Drainer {
+	d := &Drainer{cfg: cfg, reg: reg, mover: mover, agents: agents, streams: streams, met: met, log: log,
+		drains: map[string]*drain{}, ends: make(chan struct{})}
+	d.ctx, d.cancel = context.WithCancel(context.Background())
+	return d
+}
+
+// Close stops the running drains (each ends failed; its instance stays
+// draining) and waits for them until ctx ends.
+func (o *Drainer) Close(ctx context.Context) {
+	o.cancel()
+	done := make(chan struct{})
+	go func() { o.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-ctx.Done():
+	}
+}
+
+// A drain empties an active instance (see the package doc); what cannot
+// move (non-streaming requests, those still waiting for a seat) finishes
+// or starts and moves in a later pass.
 type drain struct {
-	o   *Orchestrator
+	o   *Drainer
 	log *zap.Logger
 	src registry.Instance
 	// to are the targets the operator named (nil: every eligible one,
@@ -48,22 +110,22 @@ const (
 	drainMaxFailures = 3
 )
 
-// StartDrain checks that instance id can be drained onto to (or onto
-// every other active instance of its models), marks it draining, and
-// drains it in the background. A refusal changes nothing.
-func (o *Orchestrator) StartDrain(id string, req hostapi.DrainRequest) (string, error) {
+// Start checks that instance id can be drained onto to (or onto every
+// other active instance of its models), marks it draining, and drains it
+// in the background. A refusal changes nothing.
+func (o *Drainer) Start(id string, req hostapi.DrainRequest) (string, error) {
 	return o.startDrainFor(id, req, hostapi.DrainCauseOperator)
 }
 
-func (o *Orchestrator) startDrainFor(id string, req hostapi.DrainRequest, cause string) (string, error) {
+func (o *Drainer) startDrainFor(id string, req hostapi.DrainRequest, cause string) (string, error) {
 	did, err := o.startDrain(id, req, cause)
 	if err != nil {
-		o.met.drainEnded("refused")
+		o.met.ended("refused")
 	}
 	return did, err
 }
 
-func (o *Orchestrator) startDrain(id string, req hostapi.DrainRequest, cause string) (string, error) {
+func (o *Drainer) startDrain(id string, req hostapi.DrainRequest, cause string) (string, error) {
 	src, err := o.reg.Get(id)
 	if err != nil {
 		return "", err
@@ -114,7 +176,7 @@ func (o *Orchestrator) startDrain(id string, req hostapi.DrainRequest, cause str
 	d.log = o.log.With(zap.String("drain_id", d.st.ID), zap.String("vllm_hi_id", id))
 	o.mu.Lock()
 	o.drains[d.st.ID] = d
-	o.drainOrder = append(o.drainOrder, d.st.ID)
+	o.order = append(o.order, d.st.ID)
 	o.mu.Unlock()
 	d.log.Info("draining", zap.Strings("targets", d.st.Targets))
 	o.wg.Add(1)
@@ -125,12 +187,12 @@ func (o *Orchestrator) startDrain(id string, req hostapi.DrainRequest, cause str
 	return d.st.ID, nil
 }
 
-// DrainInstance starts a drain of instance id, or, while the instance is
+// ForStop starts a drain of instance id, or, while the instance is
 // draining already, returns its latest drain's status: the call of an
 // agent being stopped, which repeats it to follow the drain.
-func (o *Orchestrator) DrainInstance(id string) (hostapi.DrainStatus, error) {
+func (o *Drainer) ForStop(id string) (hostapi.DrainStatus, error) {
 	if inst, err := o.reg.Get(id); err == nil && inst.State == registry.StateDraining {
-		for _, s := range o.Drains() {
+		for _, s := range o.List() {
 			if s.Instance == id {
 				return s, nil
 			}
@@ -140,12 +202,12 @@ func (o *Orchestrator) DrainInstance(id string) (hostapi.DrainStatus, error) {
 	if err != nil {
 		return hostapi.DrainStatus{}, err
 	}
-	s, _ := o.Drain(did)
+	s, _ := o.Get(did)
 	return s, nil
 }
 
-// Drain returns a drain's status.
-func (o *Orchestrator) Drain(id string) (hostapi.DrainStatus, bool) {
+// Get returns a drain's status.
+func (o *Drainer) Get(id string) (hostapi.DrainStatus, bool) {
 	o.mu.Lock()
 	d := o.drains[id]
 	o.mu.Unlock()
@@ -155,14 +217,14 @@ func (o *Orchestrator) Drain(id string) (hostapi.DrainStatus, bool) {
 	return d.status(), true
 }
 
-// Drains lists every drain, newest first.
-func (o *Orchestrator) Drains() []hostapi.DrainStatus {
+// List lists every drain, newest first.
+func (o *Drainer) List() []hostapi.DrainStatus {
 	o.mu.Lock()
-	order := slices.Clone(o.drainOrder)
+	order := slices.Clone(o.order)
 	o.mu.Unlock()
 	out := make([]hostapi.DrainStatus, 0, len(order))
 	for i := len(order) - 1; i >= 0; i-- {
-		if s, ok := o.Drain(order[i]); ok {
+		if s, ok := o.Get(order[i]); ok {
 			out = append(out, s)
 		}
 	}
@@ -170,8 +232,8 @@ func (o *Orchestrator) Drains() []hostapi.DrainStatus {
 }
 
 // drainOf is the running drain of instance id ("" if none).
-func (o *Orchestrator) drainOf(id string) string {
-	for _, s := range o.Drains() {
+func (o *Drainer) drainOf(id string) string {
+	for _, s := range o.List() {
 		if s.Instance == id && !s.Ended() {
 			return s.ID
 		}
@@ -183,7 +245,7 @@ func (o *Orchestrator) drainOf(id string) string {
 // ones (to) or every other one serving src's models, each active,
 // healthy, migratable and of src's KV geometry. why says what ruled the
 // others out.
-func (o *Orchestrator) drainTargets(src registry.Instance, to []string) ([]registry.Instance, string) {
+func (o *Drainer) drainTargets(src registry.Instance, to []string) ([]registry.Instance, string) {
 	var out []registry.Instance
 	var why []string
 	for _, t := range o.reg.List() {
@@ -191,7 +253,7 @@ func (o *Orchestrator) drainTargets(src registry.Instance, to []string) ([]regis
 			continue
 		}
 		if reason := drainTargetProblem(src, t); reason != "" {
-			if len(to) > 0 || sameModels(src, t) {
+			if len(to) > 0 || t.ServesModelsOf(src) {
 				why = append(why, t.ID+": "+reason)
 			}
 			continue
@@ -208,7 +270,7 @@ func (o *Orchestrator) drainTargets(src registry.Instance, to []string) ([]regis
 func drainTargetProblem(src, t registry.Instance) string {
 	sg, tg := src.Engine.Geometry, t.Engine.Geometry
 	switch {
-	case !sameModels(src, t):
+	case !t.ServesModelsOf(src):
 		return fmt.Sprintf("does not serve %v", src.Engine.ServedModels)
 	case t.Role != registry.RoleActive || t.Lifecycle() != registry.LifecycleActive:
 		return "is " + string(t.Lifecycle()) + ", not active"
@@ -247,7 +309,7 @@ func (d *drain) update(fn func(*hostapi.DrainStatus)) {
 // then retires it.
 func (d *drain) run() {
 	o := d.o
-	ctx, cancel := context.WithTimeout(o.ctx, o.cfg.DrainTimeout)
+	ctx, cancel := context.WithTimeout(o.ctx, o.cfg.Timeout)
 	defer cancel()
 	failures := 0
 	seen := map[string]bool{}  // every request id ever listed on the source
@@ -298,7 +360,7 @@ func (d *drain) run() {
 		}
 		select {
 		case <-ctx.Done():
-			d.fail(fmt.Errorf("the drain did not end within %v: %d requests left on %s", o.cfg.DrainTimeout, len(list.Requests), d.src.ID))
+			d.fail(fmt.Errorf("the drain did not end within %v: %d requests left on %s", o.cfg.Timeout, len(list.Requests), d.src.ID))
 			return
 		case <-time.After(drainPoll):
 		}
@@ -388,12 +450,12 @@ func (d *drain) pass(ctx context.Context, reqs []hooks.RequestInfo) ([]string, i
 
 // migrate moves ids to target and waits for the migration's end.
 func (d *drain) migrate(ctx context.Context, target string, ids []string) (hostapi.MigrationStatus, error) {
-	id, err := d.o.Start(hostapi.MigrateRequest{Src: d.src.ID, Dst: target, Type: hostapi.KeepSourceActive,
+	id, err := d.o.mover.Start(hostapi.MigrateRequest{Src: d.src.ID, Dst: target, Type: hostapi.KeepSourceActive,
 		RequestFilter: "ids:" + strings.Join(ids, ",")})
 	if err != nil {
 		return hostapi.MigrationStatus{}, err
 	}
-	st, _ := d.o.Wait(ctx, id)
+	st, _ := d.o.mover.Wait(ctx, id)
 	if !st.Ended() {
 		// The migration has its own deadline; the drain stops waiting.
 		return st, fmt.Errorf("migration %s still running: %w", id, ctx.Err())
@@ -445,7 +507,7 @@ func (d *drain) finish(ctx context.Context) {
 	if d.retire {
 		state, note = hostapi.SourceKVNotReleased, "the engine has no vllm-hi hooks"
 		if d.src.Engine.Migratable {
-			state, note = o.retireEngine(ctx, d.src)
+			state, note = o.mover.Retire(ctx, d.src)
 		}
 		_ = o.reg.SetRole(d.src.ID, registry.RoleStandby)
 		_, _ = o.reg.SetRetired(d.src.ID, true)
@@ -453,7 +515,7 @@ func (d *drain) finish(ctx context.Context) {
 	d.update(func(s *hostapi.DrainStatus) {
 		s.State, s.SourceKV, s.SourceKVNote, s.FinishedAt = hostapi.StateSucceeded, state, note, time.Now().UTC()
 	})
-	o.met.drainEnded(hostapi.StateSucceeded)
+	o.met.ended(hostapi.StateSucceeded)
 	o.signalEnd()
 	st := d.status()
 	d.log.Info("drained", zap.String("cause", st.Cause), zap.Int("moved", st.Moved), zap.Int("finished", st.Finished),
@@ -466,7 +528,7 @@ func (d *drain) fail(err error) {
 	d.update(func(s *hostapi.DrainStatus) {
 		s.State, s.Error, s.FinishedAt = hostapi.StateFailed, err.Error(), time.Now().UTC()
 	})
-	d.o.met.drainEnded(hostapi.StateFailed)
+	d.o.met.ended(hostapi.StateFailed)
 	d.o.signalEnd()
 	d.log.Warn("the drain failed; the instance stays draining", zap.Error(err))
 }
@@ -475,4 +537,31 @@ func newDrainID() string {
 	var b [8]byte
 	_, _ = rand.Read(b[:])
 	return "drain-" + hex.EncodeToString(b[:])
+}
+
+// signalEnd wakes those waiting for a drain's end (Wait).
+func (o *Drainer) signalEnd() {
+	o.mu.Lock()
+	close(o.ends)
+	o.ends = make(chan struct{})
+	o.mu.Unlock()
+}
+
+// Wait returns drain id's status once it ended, or when ctx ends first
+// (its status then, not ended). ok is false for an unknown id.
+func (o *Drainer) Wait(ctx context.Context, id string) (hostapi.DrainStatus, bool) {
+	for {
+		o.mu.Lock()
+		ch := o.ends // taken before the status: an end between the two still wakes this
+		o.mu.Unlock()
+		st, ok := o.Get(id)
+		if !ok || st.Ended() {
+			return st, ok
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return st, ok
+		}
+	}
 }
