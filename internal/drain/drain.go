@@ -23,6 +23,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/agentclient"
+	"github.com/vllm-hi/vllm-hi/internal/ends"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
@@ -61,14 +62,14 @@ type Drainer struct {
 
 	mu     sync.Mutex
 	drains map[string]*drain
-	order  []string      // drain ids, oldest first
-	ends   chan struct{} // closed, and replaced, when a drain ends (Wait)
+	order  []string    // drain ids, oldest first
+	ends   ends.Signal // a drain ended (Wait)
 }
 
 // New returns a Drainer; met may be nil.
 func New(cfg Config, reg *registry.Registry, mover Mover, agents *agentclient.Pool, streams *proxy.Streams, met *Metrics, log *zap.Logger) *Drainer {
 	d := &Drainer{cfg: cfg, reg: reg, mover: mover, agents: agents, streams: streams, met: met, log: log,
-		drains: map[string]*drain{}, ends: make(chan struct{})}
+		drains: map[string]*drain{}}
 	d.ctx, d.cancel = context.WithCancel(context.Background())
 	return d
 }
@@ -516,7 +517,7 @@ func (d *drain) finish(ctx context.Context) {
 		s.State, s.SourceKV, s.SourceKVNote, s.FinishedAt = hostapi.StateSucceeded, state, note, time.Now().UTC()
 	})
 	o.met.ended(hostapi.StateSucceeded)
-	o.signalEnd()
+	o.ends.Ended()
 	st := d.status()
 	d.log.Info("drained", zap.String("cause", st.Cause), zap.Int("moved", st.Moved), zap.Int("finished", st.Finished),
 		zap.Strings("migrations", st.Migration), zap.String("source_kv", state))
@@ -529,7 +530,7 @@ func (d *drain) fail(err error) {
 		s.State, s.Error, s.FinishedAt = hostapi.StateFailed, err.Error(), time.Now().UTC()
 	})
 	d.o.met.ended(hostapi.StateFailed)
-	d.o.signalEnd()
+	d.o.ends.Ended()
 	d.log.Warn("the drain failed; the instance stays draining", zap.Error(err))
 }
 
@@ -539,29 +540,8 @@ func newDrainID() string {
 	return "drain-" + hex.EncodeToString(b[:])
 }
 
-// signalEnd wakes those waiting for a drain's end (Wait).
-func (o *Drainer) signalEnd() {
-	o.mu.Lock()
-	close(o.ends)
-	o.ends = make(chan struct{})
-	o.mu.Unlock()
-}
-
 // Wait returns drain id's status once it ended, or when ctx ends first
 // (its status then, not ended). ok is false for an unknown id.
 func (o *Drainer) Wait(ctx context.Context, id string) (hostapi.DrainStatus, bool) {
-	for {
-		o.mu.Lock()
-		ch := o.ends // taken before the status: an end between the two still wakes this
-		o.mu.Unlock()
-		st, ok := o.Get(id)
-		if !ok || st.Ended() {
-			return st, ok
-		}
-		select {
-		case <-ch:
-		case <-ctx.Done():
-			return st, ok
-		}
-	}
+	return ends.Wait(ctx, &o.ends, o.Get, id)
 }

@@ -117,7 +117,7 @@ func (o *Orchestrator) launchAndMigrate(req hostapi.MigrateRequest, st *hostapi.
 		now := time.Now().UTC()
 		endStep(st, now)
 		st.State, st.CurrentStep, st.Error, st.FinishedAt = hostapi.StateFailed, "done", err.Error(), now
-		o.signalEndLocked()
+		o.ends.Ended()
 	}
 	p, err := launch.Start(spec, vars, st.Launched.LogFile)
 	if err != nil {

@@ -9,6 +9,7 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/agentclient"
+	"github.com/vllm-hi/vllm-hi/internal/ends"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
@@ -34,8 +35,8 @@ type Orchestrator struct {
 	// launching are the migrations whose target is being launched, not
 	// yet admitted (launch.go).
 	launching map[string]*hostapi.MigrationStatus
-	order     []string // migration ids, oldest first
-	ends      *ended   // wait.go
+	order     []string    // migration ids, oldest first
+	ends      ends.Signal // a migration ended (Wait)
 	wg        sync.WaitGroup
 }
 
@@ -47,7 +48,7 @@ func New(cfg Config, reg *registry.Registry, px *proxy.Proxy, agents *agentclien
 		return nil, err
 	}
 	o := &Orchestrator{cfg: cfg, reg: reg, proxy: px, streams: px.Streams(), met: met, log: log,
-		agents: agents, all: map[string]*migration{}, launching: map[string]*hostapi.MigrationStatus{}, ends: newEnded()}
+		agents: agents, all: map[string]*migration{}, launching: map[string]*hostapi.MigrationStatus{}}
 	o.ctx, o.cancel = context.WithCancel(context.Background())
 	o.rec = newRecorder(records, o, log)
 	if err := o.restore(); err != nil {

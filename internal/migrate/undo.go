@@ -105,6 +105,6 @@ func (m *migration) finish(state, errMsg string) {
 	m.o.met.ended(st)
 	m.o.rec.save(st.ID)
 	m.o.reg.Release(m.op, m.src.ID)
-	m.o.signalEnd()
+	m.o.ends.Ended()
 	m.log.Info("migration finished", zap.String("state", state), zap.String("error", errMsg))
 }

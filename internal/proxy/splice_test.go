@@ -270,16 +270,9 @@ func TestCutSwitchesAtOnceAndTheTargetFillsTheGap(t *testing.T) {
 	}))
 	defer a.Close()
 	var from, textFrom string
-	gap := " t4 t5"
-	b := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	b := cutTarget(k, total, func(r *http.Request) {
 		from, textFrom = r.URL.Query().Get("from"), r.URL.Query().Get("text_from")
-		w.Header().Set("Content-Type", "text/event-stream")
-		_, _ = fmt.Fprintf(w, "data: {\"id\":\"cmpl-x\",\"choices\":[{\"index\":0,\"text\":%q,\"finish_reason\":null}]}\n\n", gap)
-		for i := k; i < total; i++ {
-			_, _ = io.WriteString(w, tokenEvent(i))
-		}
-		_, _ = io.WriteString(w, "data: [DONE]\n\n")
-	}))
+	})
 	defer b.Close()
 	p := New(Options{}, testMetrics(), zap.NewNop())
 	got := streamThrough(t, p, a.URL)
@@ -297,15 +290,7 @@ func TestCutSwitchesAtOnceAndTheTargetFillsTheGap(t *testing.T) {
 	if took := time.Since(start); took > 2*time.Second {
 		t.Fatalf("the cut took %v", took)
 	}
-	want := ""
-	for i := 0; i < sent; i++ {
-		want += tokenEvent(i)
-	}
-	want += fmt.Sprintf("data: {\"id\":\"cmpl-x\",\"choices\":[{\"index\":0,\"text\":%q,\"finish_reason\":null}]}\n\n", gap)
-	for i := k; i < total; i++ {
-		want += tokenEvent(i)
-	}
-	want += "data: [DONE]\n\n"
+	want := cutBody(sent, k, total)
 	if body := <-got; body != want {
 		t.Fatalf("client saw:\n%s\nwant:\n%s", body, want)
 	}
@@ -347,18 +332,11 @@ func TestHoldThenCutReadsThePreAttachedStream(t *testing.T) {
 			defer a.Close()
 			var attaches []string
 			var mu sync.Mutex
-			gap := " t4 t5"
-			b := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			b := cutTarget(k, total, func(r *http.Request) {
 				mu.Lock()
 				attaches = append(attaches, r.URL.RawQuery)
 				mu.Unlock()
-				w.Header().Set("Content-Type", "text/event-stream")
-				_, _ = fmt.Fprintf(w, "data: {\"id\":\"cmpl-x\",\"choices\":[{\"index\":0,\"text\":%q,\"finish_reason\":null}]}\n\n", gap)
-				for i := k; i < total; i++ {
-					_, _ = io.WriteString(w, tokenEvent(i))
-				}
-				_, _ = io.WriteString(w, "data: [DONE]\n\n")
-			}))
+			})
 			defer b.Close()
 			p := New(Options{}, testMetrics(), zap.NewNop())
 			got := streamThrough(t, p, a.URL)
@@ -388,15 +366,7 @@ func TestHoldThenCutReadsThePreAttachedStream(t *testing.T) {
 			}
 			visible := len(" t0 t1 t2 t3 t4 t5")
 			waitSplice(t, s.Cut(b.URL, "B", k, visible, at))
-			for i := 0; i < sent; i++ {
-				want += tokenEvent(i)
-			}
-			want += fmt.Sprintf("data: {\"id\":\"cmpl-x\",\"choices\":[{\"index\":0,\"text\":%q,\"finish_reason\":null}]}\n\n", gap)
-			for i := k; i < total; i++ {
-				want += tokenEvent(i)
-			}
-			want += "data: [DONE]\n\n"
-			if body := <-got; body != want {
+			if body, want := <-got, cutBody(sent, k, total); body != want {
 				t.Fatalf("client saw:\n%s\nwant:\n%s", body, want)
 			}
 			mu.Lock()
@@ -406,4 +376,41 @@ func TestHoldThenCutReadsThePreAttachedStream(t *testing.T) {
 			}
 		})
 	}
+}
+
+// cutGap is the text a cut's target opens with: the moved tokens t4 and
+// t5 that the source produced but never sent its client.
+const cutGap = " t4 t5"
+
+// cutTarget is a target engine whose attach opens with cutGap and then
+// streams tokens k … total-1; seen sees each attach request.
+func cutTarget(k, total int, seen func(*http.Request)) *httptest.Server {
+	return httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		seen(r)
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, gapEvent())
+		for i := k; i < total; i++ {
+			_, _ = io.WriteString(w, tokenEvent(i))
+		}
+		_, _ = io.WriteString(w, "data: [DONE]\n\n")
+	}))
+}
+
+func gapEvent() string {
+	return fmt.Sprintf("data: {\"id\":\"cmpl-x\",\"choices\":[{\"index\":0,\"text\":%q,\"finish_reason\":null}]}\n\n", cutGap)
+}
+
+// cutBody is what the client of a stream cut over to cutTarget gets:
+// the sent tokens from the source, the gap, then the target's tokens.
+func cutBody(sent, k, total int) string {
+	var b strings.Builder
+	for i := 0; i < sent; i++ {
+		b.WriteString(tokenEvent(i))
+	}
+	b.WriteString(gapEvent())
+	for i := k; i < total; i++ {
+		b.WriteString(tokenEvent(i))
+	}
+	b.WriteString("data: [DONE]\n\n")
+	return b.String()
 }

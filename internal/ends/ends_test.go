@@ -1,4 +1,4 @@
-package migrate
+package ends
 
 import (
 	"context"
@@ -16,7 +16,7 @@ func (s fakeStatus) Ended() bool { return s.ended }
 // a context that ends first returns the status not ended; an unknown id
 // returns at once.
 func TestWaitWakesAtTheEnd(t *testing.T) {
-	o := &Orchestrator{ends: newEnded()}
+	var s Signal
 	var ended, reads atomic.Int32
 	get := func(id string) (fakeStatus, bool) {
 		reads.Add(1)
@@ -27,27 +27,27 @@ func TestWaitWakesAtTheEnd(t *testing.T) {
 	}
 	go func() {
 		time.Sleep(50 * time.Millisecond)
-		o.signalEnd() // another operation's end: the waiter looks again and sleeps on
+		s.Ended() // another operation's end: the waiter looks again and sleeps on
 		time.Sleep(50 * time.Millisecond)
 		ended.Store(1)
-		o.signalEnd()
+		s.Ended()
 	}()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	st, ok := waitFor(ctx, o, get, "mig-1")
+	st, ok := Wait(ctx, &s, get, "mig-1")
 	if !ok || !st.Ended() {
 		t.Fatalf("wait returned %+v %v before the end", st, ok)
 	}
 	if n := reads.Load(); n != 3 {
 		t.Fatalf("the status was read %d times, want 3 (once at the start, once per end signalled)", n)
 	}
-	if _, ok := waitFor(ctx, o, get, "gone"); ok {
+	if _, ok := Wait(ctx, &s, get, "gone"); ok {
 		t.Fatal("an unknown id was found")
 	}
 	ended.Store(0)
 	short, cancelShort := context.WithTimeout(context.Background(), 30*time.Millisecond)
 	defer cancelShort()
-	if st, ok := waitFor(short, o, get, "mig-2"); !ok || st.Ended() {
+	if st, ok := Wait(short, &s, get, "mig-2"); !ok || st.Ended() {
 		t.Fatalf("a wait whose context ended: %+v %v", st, ok)
 	}
 }
