@@ -33,6 +33,10 @@ func insufficient(format string, a ...any) error {
 	return &Error{Status: http.StatusInsufficientStorage, Type: "InsufficientCapacityError", Message: fmt.Sprintf(format, a...)}
 }
 
+func unavailable(format string, a ...any) error {
+	return &Error{Status: http.StatusServiceUnavailable, Type: "ServiceUnavailableError", Message: fmt.Sprintf(format, a...)}
+}
+
 // asError maps any error to an *Error (500 when it is not one).
 func asError(err error) *Error {
 	var e *Error

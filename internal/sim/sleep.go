@@ -93,8 +93,9 @@ func (e *Engine) releaseLocked(level int) {
 }
 
 // WakeUp is vLLM's POST /wake_up: after the configured wake-up time the
-// parts tags name (none: all) are back — the KV memory recreated, empty —
-// and queued requests run once nothing is asleep.
+// parts tags name (none: all) are back — the KV memory recreated, empty;
+// the engine takes requests again once nothing is asleep (until then they
+// are answered 503, as vLLM's sleep mode answers them).
 func (e *Engine) WakeUp(ctx context.Context, tags ...string) error {
 	for _, t := range tags {
 		if t != TagWeights && t != TagKVCache {

@@ -42,6 +42,12 @@ func (e *Engine) Submit(nr NewRequest) error {
 		arrival: now, priority: nr.Priority, state: stateWaiting,
 	}
 	e.mu.Lock()
+	if e.sleeping || e.kv == nil {
+		// As vLLM's sleep mode answers the routes that need the model: at
+		// once, with the reason, never a request left waiting.
+		e.mu.Unlock()
+		return unavailable("The model is sleeping: its KV cache is released (POST /wake_up, or vhi wake for an engine a migration retired, brings it back).")
+	}
 	if _, dup := e.requests[r.id]; dup {
 		e.mu.Unlock()
 		return badRequest("request_id", "Request id %s is already running.", r.id)
