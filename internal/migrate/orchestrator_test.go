@@ -520,3 +520,37 @@ func TestOpaqueShapeChangesAreRefused(t *testing.T) {
 	}
 	r.unchanged()
 }
+
+// A source agent that fails inside the pause costs its clients the time
+// the Host takes to notice, not the engine's pause lease: the rollback
+// resumes the source through its engine's resume hook directly. At the
+// abort's report the source has nothing paused (the lease here is 2 s).
+func TestRollbackResumesTheSourceWithoutItsAgent(t *testing.T) {
+	r := newRig(t, rigOptions{})
+	release := r.hold(r.st.AID)
+	done := r.loadThroughHost()
+	r.faults.mu.Lock()
+	r.faults.list = []*fault{
+		{side: "src", method: "Hook", hook: hooks.HookExport, code: codes.Internal},
+		{side: "src", method: "Hook", hook: hooks.HookResume, code: codes.Unavailable},
+	}
+	r.faults.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	st, err := r.st.Client().MigrateAndWait(ctx, hostapi.MigrateRequest{Src: r.st.AID, Dst: r.st.BID}, 10*time.Millisecond)
+	ended := time.Now()
+	a, _ := r.st.A.Stats(ctx)
+	release()
+	r.exact(<-done)
+	if err != nil || st.State != hostapi.StateAborted || !strings.Contains(st.Error, "export the source's state") {
+		t.Fatalf("%+v %v", st, err)
+	}
+	if a.NumPaused != 0 {
+		t.Fatalf("the source still had %d requests paused when the abort was reported (waiting for its pause lease)", a.NumPaused)
+	}
+	t.Logf("the source resumed before the abort's report, %v after the migration began", ended.Sub(st.CreatedAt).Round(time.Millisecond))
+	r.faults.mu.Lock()
+	r.faults.list = nil
+	r.faults.mu.Unlock()
+	r.unchanged()
+}

@@ -8,6 +8,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
+	"github.com/vllm-hi/vllm-hi/internal/engine"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 )
 
@@ -98,7 +99,7 @@ func (m *migration) resumeOnSource(ctx context.Context, ids []string) {
 	}
 	resume, _, err := m.splitOnSource(ctx, ids, func(r hooks.RequestInfo) bool { return r.Paused })
 	if err != nil {
-		m.log.Error("resuming the source failed (its pause lease will resume the requests)", zap.Strings("request_ids", ids), zap.Error(err))
+		m.resumeSourceDirectly(ctx, ids, err)
 		return
 	}
 	if len(resume) == 0 {
@@ -107,6 +108,27 @@ func (m *migration) resumeOnSource(ctx context.Context, ids []string) {
 	cctx, cancel := m.call(ctx)
 	defer cancel()
 	if _, err := m.srcA.Engine.Resume(cctx, hooks.ResumeRequest{RequestIDs: resume}); err != nil {
-		m.log.Error("resuming the source failed (its pause lease will resume the requests)", zap.Strings("request_ids", resume), zap.Error(err))
+		m.resumeSourceDirectly(ctx, resume, err)
 	}
+}
+
+// resumeSourceDirectly resumes the source's paused requests through its
+// engine's own resume hook, from the Host, when its agent failed to (it
+// died inside the pause, say): the clients then wait for that failure,
+// not for the engine's pause lease. The Host holds the credential the
+// engine's hooks take (it reads the engines' streams with it too).
+func (m *migration) resumeSourceDirectly(ctx context.Context, ids []string, agentErr error) {
+	log := m.log.With(zap.Strings("request_ids", ids), zap.NamedError("agent_error", agentErr))
+	c, err := engine.NewClient(m.src.Engine.URL, engine.Options{Token: m.o.cfg.AgentToken, TLS: m.o.cfg.AgentTLS})
+	if err == nil {
+		defer c.Close()
+		cctx, cancel := m.call(ctx)
+		defer cancel()
+		_, err = c.Resume(cctx, hooks.ResumeRequest{RequestIDs: ids})
+	}
+	if err != nil {
+		log.Error("resuming the source failed through its agent and directly (its pause lease will resume the requests)", zap.Error(err))
+		return
+	}
+	log.Warn("resumed the source's requests through its engine directly: its agent could not")
 }
