@@ -91,7 +91,11 @@ func (m *migration) final(ctx context.Context, since uint64) (committed, error) 
 		if time.Now().After(fence) {
 			return c, fmt.Errorf("the commit would come after the source's pause lease (%v) could end; rolled back instead", m.o.cfg.PauseLease)
 		}
-		if _, err := m.dstA.Engine.Resume(fctx, hooks.ResumeRequest{RequestIDs: moved}); err != nil {
+		rctx, rcancel := m.pausedCall(fctx)
+		_, err := m.dstA.Engine.Resume(rctx, hooks.ResumeRequest{RequestIDs: moved})
+		err = m.slowPausedCall(fctx, rctx, err)
+		rcancel()
+		if err != nil {
 			// Whether or not the target resumed, its copies are aborted
 			// with the reservations and the source resumes: no client was
 			// switched yet, so nothing the target produced was seen.
@@ -173,7 +177,7 @@ func (m *migration) finalRound(ctx context.Context, since uint64) ([]movedState,
 		}
 	}
 	if len(gone) > 0 {
-		actx, acancel := m.call(ctx)
+		actx, acancel := m.pausedCall(ctx)
 		defer acancel()
 		if _, err := m.dstA.Engine.Abort(actx, hooks.AbortRequest{RequestIDs: gone, Silent: true, IgnoreMissing: true}); err != nil {
 			return nil, fmt.Errorf("take requests the copy dropped off the target: %w", err)
@@ -248,8 +252,12 @@ func (m *migration) moveChunk(ctx context.Context, ids []string) ([]movedState, 
 			return nil, nil
 		}
 		b, _ := json.Marshal(hooks.ExportRequest{RequestIDs: ids})
+		ectx, ecancel := m.pausedCall(ctx)
 		var err error
-		if raw, err = m.srcA.Engine.Raw(ctx, hooks.HookExport, b); err == nil {
+		raw, err = m.srcA.Engine.Raw(ectx, hooks.HookExport, b)
+		err = m.slowPausedCall(ctx, ectx, err)
+		ecancel()
+		if err == nil {
 			break
 		}
 		if !errdefs.IsNotFound(err) || attempt > 3 {
@@ -276,8 +284,10 @@ func (m *migration) moveChunk(ctx context.Context, ids []string) ([]movedState, 
 	}
 	installed := make(chan installResult, 1)
 	go func() {
-		out, err := m.dstA.Engine.Raw(ctx, hooks.HookInstall, install)
-		installed <- installResult{out, err}
+		ictx, icancel := m.pausedCall(ctx)
+		defer icancel()
+		out, err := m.dstA.Engine.Raw(ictx, hooks.HookInstall, install)
+		installed <- installResult{out, m.slowPausedCall(ctx, ictx, err)}
 	}()
 	var exp struct {
 		Requests []movedState `json:"requests"`

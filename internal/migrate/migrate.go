@@ -40,6 +40,14 @@ type Config struct {
 	// RPCTimeout bounds one control call to an agent (list, pause,
 	// abort…); copy rounds are bounded by the migration's deadline.
 	RPCTimeout time.Duration
+	// PauseCallTimeout bounds each control call while the source is
+	// paused (the pause itself, the export, the target's install, the
+	// commit): a frozen or dead engine or agent costs the paused clients
+	// this, not the rest of the pause lease. The final copy and the check
+	// are bounded by the lease's fence only (their time grows with the
+	// bytes). The lease's fence bounds every call too, whichever ends
+	// first.
+	PauseCallTimeout time.Duration
 	// PreAttach opens the moving streams on the target just before the
 	// pause, so the switch reads the target's first tokens from
 	// connections already open (engines that cannot: attached after).
@@ -75,7 +83,7 @@ type Config struct {
 // DefaultConfig returns the defaults.
 func DefaultConfig() Config {
 	return Config{MaxIncrRounds: 8, StallRounds: 2, DefaultTN: 2, PauseLease: 10 * time.Second, ReservationLease: 60 * time.Second,
-		SpliceTimeout: 5 * time.Second, RPCTimeout: 10 * time.Second, Verify: hostapi.VerifySample, VerifySamples: 2,
+		SpliceTimeout: 5 * time.Second, RPCTimeout: 10 * time.Second, PauseCallTimeout: 2 * time.Second, Verify: hostapi.VerifySample, VerifySamples: 2,
 		RetireWait: 10 * time.Minute, DrainTimeout: 10 * time.Minute, MaxHistory: 1000}
 }
 
@@ -91,7 +99,7 @@ func (c Config) check() error {
 		return fmt.Errorf("the migration pause lease %v is too short (at least 2s)", c.PauseLease)
 	case c.ReservationLease < 2*time.Second:
 		return fmt.Errorf("the migration reservation lease %v is too short (at least 2s)", c.ReservationLease)
-	case c.RPCTimeout <= 0 || c.SpliceTimeout <= 0 || c.DrainTimeout <= 0:
+	case c.RPCTimeout <= 0 || c.SpliceTimeout <= 0 || c.DrainTimeout <= 0 || c.PauseCallTimeout <= 0:
 		return fmt.Errorf("migration timeouts must be positive")
 	case c.Verify != hostapi.VerifySample && c.Verify != hostapi.VerifyFull && c.Verify != hostapi.VerifyOff:
 		return fmt.Errorf("migration verify %q: want sample, full or off", c.Verify)

@@ -2,6 +2,8 @@ package migrate
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"sort"
 	"sync"
 	"time"
@@ -106,4 +108,19 @@ func (m *migration) ids() []string {
 // caller's context).
 func (m *migration) call(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(ctx, m.o.cfg.RPCTimeout)
+}
+
+// pausedCall bounds one control call made while the source is paused
+// (Config.PauseCallTimeout).
+func (m *migration) pausedCall(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, m.o.cfg.PauseCallTimeout)
+}
+
+// slowPausedCall turns the error of a call that pausedCall's bound cut
+// (its parent still live) into one that says so.
+func (m *migration) slowPausedCall(parent, call context.Context, err error) error {
+	if err != nil && parent.Err() == nil && errors.Is(call.Err(), context.DeadlineExceeded) {
+		return fmt.Errorf("%w (no answer within the pause's call timeout, %v: --migration-pause-call-timeout)", err, m.o.cfg.PauseCallTimeout)
+	}
+	return err
 }

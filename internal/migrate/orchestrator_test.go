@@ -554,3 +554,31 @@ func TestRollbackResumesTheSourceWithoutItsAgent(t *testing.T) {
 	r.faults.mu.Unlock()
 	r.unchanged()
 }
+
+// A target that stops answering inside the pause costs the paused clients
+// the pause's call timeout, not the rest of the pause lease: its install
+// gets no answer within --migration-pause-call-timeout, and the migration
+// rolls back then, saying so.
+func TestAFrozenTargetInThePauseRollsBackAtTheCallTimeout(t *testing.T) {
+	const callTimeout = 300 * time.Millisecond
+	r := newRig(t, rigOptions{tune: func(hc *host.Config) {
+		hc.Migration.PauseLease = 10 * time.Second // the fence would wait ~8 s
+		hc.Migration.PauseCallTimeout = callTimeout
+	}})
+	st, err := r.migrate(hostapi.MigrateRequest{}, &fault{side: "dst", method: "Hook", hook: hooks.HookInstall, delay: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.rolledBack(st, "pause's call timeout")
+	var paused time.Duration
+	for _, s := range st.StepHistory {
+		if s.Step == "pause_source" || s.Step == "final_round" {
+			paused += time.Duration(s.DurationS * float64(time.Second))
+		}
+	}
+	// Generous for a loaded 2-core machine: the fence is ~8 s away.
+	if paused > 4*time.Second {
+		t.Fatalf("the source stayed paused %v before the rollback (the call timeout is %v)", paused, callTimeout)
+	}
+	t.Logf("paused %v before the rollback (call timeout %v, pause lease 10 s)", paused.Round(time.Millisecond), callTimeout)
+}

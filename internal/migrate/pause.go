@@ -18,8 +18,9 @@ import (
 func (m *migration) pauseSource(ctx context.Context) (wait time.Duration, err error) {
 	ids := m.ids()
 	for attempt := 0; len(ids) > 0; attempt++ {
-		cctx, cancel := m.call(ctx)
+		cctx, cancel := m.pausedCall(ctx)
 		p, err := m.srcA.Engine.Pause(cctx, hooks.PauseRequest{RequestIDs: ids, LeaseMS: int(m.o.cfg.PauseLease / time.Millisecond)})
+		err = m.slowPausedCall(ctx, cctx, err)
 		cancel()
 		if err == nil {
 			m.pausedSrc = true
