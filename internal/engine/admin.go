@@ -3,13 +3,10 @@ package engine
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"net/http"
 	"strings"
 	"time"
-
-	"github.com/vllm-hi/vllm-hi/api/httpjson"
 )
 
 // Admin is the one client of an engine's administration routes, as vLLM
@@ -37,19 +34,12 @@ func NewAdmin(base, model, token string, client *http.Client) *Admin {
 const adminAnswerLimit = 1 << 20
 
 // call sends body (nil: none) and returns the status and the answer.
-func (a *Admin) call(ctx context.Context, method, path string, body any) (int, []byte, error) {
-	var raw []byte
-	if body != nil {
-		var err error
-		if raw, err = json.Marshal(body); err != nil {
-			return 0, nil, err
-		}
-	}
-	status, b, err := httpjson.Do(ctx, a.http, method, a.base+path, a.token, raw, adminAnswerLimit)
+func (a *Admin) call(ctx context.Context, method, path string, in any) (int, []byte, error) {
+	body, err := marshal(in)
 	if err != nil {
-		return status, b, fmt.Errorf("%s %s: %w", method, path, err)
+		return 0, nil, err
 	}
-	return status, b, nil
+	return send(ctx, a.http, a.base, a.token, method, path, body, adminAnswerLimit)
 }
 
 // do is call for a route whose answer must be a 2xx, decoded into out
@@ -62,12 +52,7 @@ func (a *Admin) do(ctx context.Context, method, path string, body, out any) erro
 	if status/100 != 2 {
 		return fmt.Errorf("%s %s: %d %s", method, path, status, strings.TrimSpace(string(b)))
 	}
-	if out != nil {
-		if err := json.Unmarshal(b, out); err != nil {
-			return fmt.Errorf("%s %s: the answer is not JSON: %w", method, path, err)
-		}
-	}
-	return nil
+	return decode(method, path, b, out)
 }
 
 // Sleep is vLLM's POST /sleep?level=N.

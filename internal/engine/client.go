@@ -193,9 +193,9 @@ func (c *Client) Raw(ctx context.Context, method, path string, body []byte) ([]b
 		ctx, cancel = context.WithTimeout(ctx, defaultTimeout)
 		defer cancel()
 	}
-	status, b, err := httpjson.Do(ctx, c.http, method, c.base+path, c.token, body, 256<<20)
+	status, b, err := send(ctx, c.http, c.base, c.token, method, path, body, 256<<20)
 	if err != nil {
-		return nil, fmt.Errorf("%s %s: %w", method, path, err)
+		return nil, err
 	}
 	if status/100 != 2 {
 		return nil, &HTTPError{Status: status, Message: errorMessage(b)}
@@ -204,17 +204,38 @@ func (c *Client) Raw(ctx context.Context, method, path string, body []byte) ([]b
 }
 
 func (c *Client) do(ctx context.Context, method, path string, in, out any) error {
-	var body []byte
-	if in != nil {
-		var err error
-		if body, err = json.Marshal(in); err != nil {
-			return err
-		}
+	body, err := marshal(in)
+	if err != nil {
+		return err
 	}
 	b, err := c.Raw(ctx, method, path, body)
 	if err != nil {
 		return err
 	}
+	return decode(method, path, b, out)
+}
+
+// marshal is a call's JSON body (nil: none).
+func marshal(in any) ([]byte, error) {
+	if in == nil {
+		return nil, nil
+	}
+	return json.Marshal(in)
+}
+
+// send sends body to an engine's route with its bearer token and returns
+// the status and at most limit bytes of the answer: what the hooks' and
+// the admin routes' clients share.
+func send(ctx context.Context, hc *http.Client, base, token, method, path string, body []byte, limit int64) (int, []byte, error) {
+	status, b, err := httpjson.Do(ctx, hc, method, base+path, token, body, limit)
+	if err != nil {
+		return status, b, fmt.Errorf("%s %s: %w", method, path, err)
+	}
+	return status, b, nil
+}
+
+// decode reads a 2xx answer into out (nil: the answer is not needed).
+func decode(method, path string, b []byte, out any) error {
 	if out == nil {
 		return nil
 	}

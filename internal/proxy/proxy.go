@@ -451,7 +451,7 @@ func (p *Proxy) trySwitch(ctx context.Context, s *Stream) (next io.ReadCloser, o
 		// The client lacks the text from textFrom on: the target sends it
 		// first — over the pre-attached stream when it opens there (the
 		// stream was held at textFrom), else over a new attach.
-		if sp.armed >= 0 && sp.armed == textFrom {
+		if sp.armed == textFrom { // −1 (not armed) never is
 			resp, cancel = s.takePreAttach(ctx, sp.instance)
 		}
 		if resp == nil {
