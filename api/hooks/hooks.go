@@ -443,6 +443,12 @@ type AbortRequest struct {
 	// IgnoreMissing skips ids the engine no longer has (they finished or
 	// their client left) instead of refusing the whole call.
 	IgnoreMissing bool `json:"ignore_missing,omitempty"`
+	// ReservedOnly drops only the named requests that hold a reservation
+	// or an install not yet committed (what a migration that did not
+	// commit left on its target), and leaves a running request alone: a
+	// Host cleaning up after a restart cannot tell from its records alone
+	// whether a commit reached the engine.
+	ReservedOnly bool `json:"reserved_only,omitempty"`
 }
 
 // AbortResponse lists what was aborted.

@@ -8,7 +8,6 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
-	"github.com/vllm-hi/vllm-hi/internal/engine"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 )
 
@@ -120,7 +119,7 @@ func (m *migration) resumeOnSource(ctx context.Context, ids []string) {
 // engine's hooks take (it reads the engines' streams with it too).
 func (m *migration) resumeSourceDirectly(ctx context.Context, ids []string, agentErr error) {
 	log := m.log.With(zap.Strings("request_ids", ids), zap.NamedError("agent_error", agentErr))
-	c, err := engine.NewClient(m.src.Engine.URL, engine.Options{Token: m.o.cfg.AgentToken, TLS: m.o.cfg.AgentTLS})
+	c, err := m.o.direct(m.src.Engine.URL)
 	if err == nil {
 		defer c.Close()
 		cctx, cancel := m.call(ctx)

@@ -77,8 +77,12 @@ func (m *migration) prepare() error {
 		if err != nil {
 			return err
 		}
+		m.mu.Lock() // the recorder reads reserved
 		for _, a := range alloc.Requests {
 			m.reserved[a.RequestID] = true
+		}
+		m.mu.Unlock()
+		for _, a := range alloc.Requests {
 			if a.Recompute {
 				// State only: no blocks to copy into, none to verify.
 				m.recompute[a.RequestID] = true

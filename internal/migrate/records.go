@@ -1,7 +1,10 @@
 package migrate
 
 import (
+	"context"
 	"encoding/json"
+	"maps"
+	"slices"
 	"sort"
 	"sync"
 	"time"
@@ -10,6 +13,36 @@ import (
 
 	"go.uber.org/zap"
 )
+
+// record is what the Host's store keeps of a migration: its status, and
+// what a restarted Host needs to clean up after it.
+type record struct {
+	hostapi.MigrationStatus
+	// TargetReservations are the requests holding a reservation (or an
+	// install not yet committed) on the target while the migration runs;
+	// TargetEngine is where that engine's hooks are.
+	TargetReservations []string `json:"target_reservations,omitempty"`
+	TargetEngine       string   `json:"target_engine,omitempty"`
+}
+
+// record returns a migration's record as the store keeps it.
+func (o *Orchestrator) record(id string) (record, bool) {
+	st, ok := o.Get(id)
+	if !ok {
+		return record{}, false
+	}
+	rec := record{MigrationStatus: st}
+	o.mu.Lock()
+	m := o.all[id]
+	o.mu.Unlock()
+	if m != nil && st.State == hostapi.StateRunning {
+		m.mu.Lock()
+		rec.TargetReservations = slices.Sorted(maps.Keys(m.reserved))
+		m.mu.Unlock()
+		rec.TargetEngine = m.dst.Engine.URL
+	}
+	return rec, true
+}
 
 // RecordStore keeps migration records across Host restarts (the Host's
 // store).
@@ -94,11 +127,11 @@ func (r *recorder) flush() {
 	r.dirty, r.forgot = map[string]bool{}, map[string]bool{}
 	r.mu.Unlock()
 	for id := range dirty {
-		st, ok := r.o.Get(id)
+		rec, ok := r.o.record(id)
 		if !ok {
 			continue
 		}
-		b, err := json.Marshal(st)
+		b, err := json.Marshal(rec)
 		if err == nil {
 			err = r.store.PutMigration(id, b)
 		}
@@ -127,10 +160,11 @@ func (r *recorder) close() {
 }
 
 // restore loads the records of earlier Hosts. A migration that was
-// running when its Host stopped is over: before the commit, the engines'
-// leases rolled it back (the source resumed, the target freed its blocks);
-// after it, the target runs the requests but their clients' streams ended
-// with that Host.
+// running when its Host stopped is over: before the commit, the source's
+// pause lease resumed it, and the target's reservations are released now
+// (releaseLeftReservations), not at the end of their lease; after it, the
+// target runs the requests but their clients' streams ended with that
+// Host.
 func (o *Orchestrator) restore() error {
 	if o.rec.store == nil {
 		return nil
@@ -142,12 +176,17 @@ func (o *Orchestrator) restore() error {
 	now := time.Now().UTC()
 	var list []hostapi.MigrationStatus
 	for id, raw := range recs {
-		var st hostapi.MigrationStatus
-		if err := json.Unmarshal(raw, &st); err != nil || st.ID != id {
+		var rec record
+		if err := json.Unmarshal(raw, &rec); err != nil || rec.ID != id {
 			o.log.Warn("skipping an unreadable migration record", zap.String("migration_id", id))
 			continue
 		}
+		st := rec.MigrationStatus
 		if st.State == hostapi.StateRunning {
+			if len(rec.TargetReservations) > 0 && rec.TargetEngine != "" {
+				o.wg.Add(1)
+				go o.releaseLeftReservations(rec)
+			}
 			at := st.CurrentStep
 			switch {
 			case st.Committed:
@@ -159,6 +198,9 @@ func (o *Orchestrator) restore() error {
 			default:
 				st.State = hostapi.StateAborted
 				st.Error = "the Host stopped during the migration (at step " + at + "); the engines' leases rolled it back"
+				if len(rec.TargetReservations) > 0 {
+					st.Error = "the Host stopped during the migration (at step " + at + "); the source's pause lease resumed it, and the restarted Host released the target's reservations"
+				}
 			}
 			st.CurrentStep, st.FinishedAt = string(stepDone), now
 		}
@@ -171,4 +213,37 @@ func (o *Orchestrator) restore() error {
 		o.rec.save(st.ID)
 	}
 	return nil
+}
+
+// releaseLeftReservations releases, on the target of a migration that was
+// running when an earlier Host stopped, what that migration reserved
+// there — at once, retrying while the engine does not answer (it may be
+// starting again too), until the reservations' own lease would have.
+// Only reservations and uncommitted installs go: a request the commit
+// made running there stays (hooks.AbortRequest.ReservedOnly).
+func (o *Orchestrator) releaseLeftReservations(rec record) {
+	defer o.wg.Done()
+	log := o.log.With(zap.String("migration_id", rec.ID), zap.String("target", rec.Dst))
+	until := rec.CreatedAt.Add(o.cfg.ReservationLease)
+	if d := time.Now().Add(o.cfg.RPCTimeout); until.Before(d) {
+		until = d // a clock step, or a lease already over: try once
+	}
+	for {
+		ctx, cancel := context.WithTimeout(o.ctx, o.cfg.RPCTimeout)
+		n, err := o.releaseDirectly(ctx, rec.TargetEngine, rec.TargetReservations)
+		cancel()
+		if err == nil {
+			log.Info("released the target's reservations of a migration an earlier Host left", zap.Int("released", n))
+			return
+		}
+		if time.Now().After(until) {
+			log.Warn("could not release the target's reservations of a migration an earlier Host left (their lease has)", zap.Error(err))
+			return
+		}
+		select {
+		case <-o.ctx.Done():
+			return
+		case <-time.After(250 * time.Millisecond):
+		}
+	}
 }

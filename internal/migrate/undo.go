@@ -75,7 +75,18 @@ func (m *migration) undoTarget() {
 	if len(ids) > 0 {
 		actx, acancel := m.call(ctx)
 		if _, err := m.dstA.Engine.Abort(actx, hooks.AbortRequest{RequestIDs: ids, Silent: true, IgnoreMissing: true}); err != nil {
-			m.log.Error("rollback: releasing the target's blocks failed (its reservation lease will)", zap.Error(err))
+			// The target's agent died or restarted: release through the
+			// engine itself, so its blocks do not wait for its lease.
+			dctx, dcancel := m.call(ctx)
+			n, derr := m.o.releaseDirectly(dctx, m.dst.Engine.URL, ids)
+			dcancel()
+			if derr != nil {
+				m.log.Error("rollback: releasing the target's blocks failed through its agent and directly (its reservation lease will)",
+					zap.NamedError("agent_error", err), zap.Error(derr))
+			} else {
+				m.log.Warn("rollback: released the target's reservations through its engine directly: its agent could not",
+					zap.NamedError("agent_error", err), zap.Int("released", n))
+			}
 		}
 		acancel()
 	}

@@ -370,10 +370,11 @@ func (e *Engine) Abort(_ context.Context, req hooks.AbortRequest) (hooks.AbortRe
 		return hooks.AbortResponse{}, badRequest("request_ids", "request_ids must name at least one request.")
 	}
 	ids := req.RequestIDs
-	if req.IgnoreMissing {
+	if req.IgnoreMissing || req.ReservedOnly {
 		ids = ids[:0:0]
 		for _, id := range req.RequestIDs {
-			if e.requests[id] != nil {
+			r := e.requests[id]
+			if r != nil && (!req.ReservedOnly || r.state == stateReserved || r.uncommitted) {
 				ids = append(ids, id)
 			}
 		}

@@ -514,3 +514,51 @@ func TestMalformedInstallsChangeNothing(t *testing.T) {
 		t.Fatalf("the good states: %v", err)
 	}
 }
+
+// An abort with ReservedOnly drops reservations and uncommitted installs
+// only: a running request it names goes on (a restarted Host releases a
+// dead migration's reservations so, not knowing whether its commit
+// reached the engine).
+func TestAbortReservedOnlyLeavesRunningRequests(t *testing.T) {
+	a, b := startEngine(t, testConfig(t)), startEngine(t, testConfig(t))
+	ctx := context.Background()
+	for _, id := range []string{"moved", "running"} {
+		if err := a.Submit(NewRequest{ID: id, Prompt: prompt(10, 1), Params: greedy(400), SeedSet: true}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := a.Watch(ctx, id, 3); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := b.Submit(NewRequest{ID: "running", Prompt: prompt(10, 1), Params: greedy(400), SeedSet: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Pause(ctx, hooks.PauseRequest{RequestIDs: []string{"moved"}}); err != nil {
+		t.Fatal(err)
+	}
+	exp, err := a.Export(ctx, hooks.ExportRequest{RequestIDs: []string{"moved"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	items := []hooks.AllocateItem{{RequestID: "moved", NumTokens: 500}, {RequestID: "reserved", NumTokens: 64}}
+	if _, err := b.Allocate(ctx, hooks.AllocateRequest{Requests: items}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Install(ctx, hooks.InstallRequest{Requests: exp.Requests}); err != nil { // uncommitted
+		t.Fatal(err)
+	}
+	out, err := b.Abort(ctx, hooks.AbortRequest{RequestIDs: []string{"moved", "reserved", "running", "gone"}, Silent: true, ReservedOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(out.Aborted, ","); got != "moved,reserved" {
+		t.Fatalf("aborted %q, want the uncommitted install and the reservation", got)
+	}
+	s, _ := b.Stats(ctx)
+	if s.ReservedBlocks != 0 || s.NumPaused != 0 || s.NumRunning+s.NumWaiting != 1 {
+		t.Fatalf("after the abort: %+v", s)
+	}
+	if o, err := b.Watch(ctx, "running", 0); err != nil || o.Finished {
+		t.Fatalf("the running request was touched: %+v %v", o, err)
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/internal/engine"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 )
@@ -99,6 +100,20 @@ func TestCoreChannelOnVLLM(t *testing.T) {
 		}
 		if len(resumed.Resumed) != n {
 			t.Fatalf("resumed %v", resumed.Resumed)
+		}
+		// A reserved-only abort (a restarted Host's release of a dead
+		// migration's reservations) drops the reservation it names and
+		// leaves the running stream it names alone: the streams are
+		// compared with their runs below.
+		if _, err := hooksClient.Allocate(ctx, hooks.AllocateRequest{Requests: []hooks.AllocateItem{{RequestID: "resv-1", NumTokens: 64}}}); err != nil {
+			t.Fatal(err)
+		}
+		ab, err := hooksClient.Abort(ctx, hooks.AbortRequest{RequestIDs: []string{"resv-1", paused.Paused[0]}, Silent: true, IgnoreMissing: true, ReservedOnly: true})
+		if err != nil || len(ab.Aborted) != 1 || ab.Aborted[0] != "resv-1" {
+			t.Fatalf("a reserved-only abort: %+v %v (want resv-1 alone)", ab, err)
+		}
+		if st, err := hooksClient.Stats(ctx); err != nil || st.ReservedBlocks != 0 {
+			t.Fatalf("after a reserved-only abort: %+v %v", st, err)
 		}
 
 		// Then timings, side by side, while the streams run (they may end

@@ -374,10 +374,20 @@ func targetAgentDies(t *testing.T) {
 		a, b := d.stats(t, d.aURL), d.stats(t, d.bURL)
 		return a.Free == a.Total && b.Free == b0.Free && b.Reserved == 0
 	})
+	// The rollback released B's reservations through B's engine itself,
+	// not B's reservation lease (10 s here; issue 44: 45 s before).
+	if freed := time.Since(st.FinishedAt); freed > 5*time.Second {
+		t.Fatalf("B's blocks were free %v after the abort: its lease freed them, not the rollback", freed)
+	}
+	if !strings.Contains(d.host.stderr.String(), "released the target's reservations through its engine directly") {
+		t.Fatalf("the rollback did not release B's reservations directly; the Host's log:\n%s", grepLines(d.host.stderr.String(), "WARN"))
+	}
 }
 
 // The Host dies while A is paused: A resumes by itself when its pause
-// lease ends, and B frees its reservation when that lease ends.
+// lease ends, and the Host, restarted on its data directory, releases B's
+// reservations at once from its record of the migration — not when their
+// lease (10 s here) ends (issue 44: 51 s of 986 blocks held before).
 func TestHostDiesWhileSourcePaused(t *testing.T) {
 	d := deploy(t, 4096)
 	// Streams straight to A keep their connections when the Host dies;
@@ -391,7 +401,25 @@ func TestHostDiesWhileSourcePaused(t *testing.T) {
 		t.Fatalf("%d %s", code, body)
 	}
 	_ = d.host.cmd.Wait() // the Host exits with A paused
-	<-viaHost             // those streams broke with the Host: nothing can carry them
+	died := time.Now()
+	if b := d.stats(t, d.bURL); b.Reserved == 0 {
+		t.Fatalf("B holds no reservation when the Host died: %+v", b)
+	}
+	restarted := time.Now()
+	d.host = d.startHost(t)
+	waitUntil(t, "B's reservations released", func() bool { return d.stats(t, d.bURL).Reserved == 0 })
+	freed := time.Since(restarted)
+	// Generous for a loaded 2-core machine; the reservation lease is 10 s.
+	if freed > 5*time.Second {
+		t.Fatalf("B's reservations were released %v after the Host restarted (their lease, not the Host)", freed)
+	}
+	t.Logf("the Host restarted %v after it died; B's reservations released %v after its start (it serves from then)",
+		restarted.Sub(died).Round(time.Millisecond), freed.Round(time.Millisecond))
+	st := d.status(t, listMigrations(t, d.hostURL)[0].ID)
+	if st.State != hostapi.StateAborted || !strings.Contains(st.Error, "released the target's reservations") {
+		t.Fatalf("the restarted Host's record: %+v", st)
+	}
+	<-viaHost // those streams broke with the Host: nothing can carry them
 	for i, s := range <-direct {
 		if s.Err != nil || s.Done != 1 {
 			t.Fatalf("stream %d to A did not finish after the Host died: %v", i, s.Err)

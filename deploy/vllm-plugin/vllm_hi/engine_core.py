@@ -283,7 +283,7 @@ class CoreState:
             gen = self.log.mutation()
             self.log.stamp_tokens(rid, self.block_ids(rid), 0, computed, gen)
 
-    def abort(self, ids, ignore_missing: bool) -> dict:
+    def abort(self, ids, ignore_missing: bool, reserved_only: bool = False) -> dict:
         from vllm.v1.request import RequestStatus
 
         aborted = []
@@ -291,6 +291,10 @@ class CoreState:
             if rid in self.reserved:
                 self._drop_reservation(rid)
                 aborted.append(rid)
+                continue
+            if reserved_only:
+                # A running request: what a commit made of the reservation
+                # (see hooks.AbortRequest.ReservedOnly); it stays.
                 continue
             req = self.sched.requests.get(rid)
             if req is None or req.is_finished():
@@ -504,7 +508,8 @@ _OPS = {
     "export": _export,
     "allocate": lambda core, st, p: st.allocate(p.get("requests") or [], int(p.get("lease_ms") or 0)),
     "install": _install,
-    "abort": lambda core, st, p: st.abort(p.get("request_ids") or [], bool(p.get("ignore_missing"))),
+    "abort": lambda core, st, p: st.abort(p.get("request_ids") or [], bool(p.get("ignore_missing")),
+                                               bool(p.get("reserved_only"))),
     "stats": lambda core, st, p: st.stats(),
     "regions": _regions,
     "release": lambda core, st, p: _release(core, st),

@@ -376,6 +376,15 @@ class Hooks:
         hids = body.get("request_ids") or []
         silent = bool(body.get("silent"))
         iids = [self.internal(h) for h in hids]
+        if body.get("reserved_only"):
+            # Only what holds a reservation or an uncommitted install goes
+            # (the core decides); a running request's stream is left alone.
+            out = await self.core("abort", {"request_ids": iids, "ignore_missing": True, "reserved_only": True})
+            keep = set(out["aborted"])
+            hids = [h for h, i in zip(hids, iids) if i in keep]
+            iids = [i for i in iids if i in keep]
+            if not iids:
+                return {"aborted": []}
         for hid, iid in zip(hids, iids):
             self.staged.pop(hid, None)
             if silent:
@@ -396,7 +405,8 @@ class Hooks:
                     st.queue.put(_Silenced())
             else:
                 self.op.abort_requests([iid], internal=True)
-        out = await self.core("abort", {"request_ids": iids, "ignore_missing": bool(body.get("ignore_missing"))})
+        if not body.get("reserved_only"):
+            out = await self.core("abort", {"request_ids": iids, "ignore_missing": bool(body.get("ignore_missing"))})
         out["aborted"] = [h for h, i in zip(hids, iids) if i in out["aborted"]]
         for h in out["aborted"]:
             self.installed.pop(h, None)
