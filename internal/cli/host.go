@@ -93,6 +93,10 @@ across restarts.`,
 	f.DurationVar(&cfg.Migration.RPCTimeout, "migration-rpc-timeout", cfg.Migration.RPCTimeout, "bound on one control call to an agent during a migration")
 	f.DurationVar(&cfg.Migration.PauseCallTimeout, "migration-pause-call-timeout", cfg.Migration.PauseCallTimeout,
 		"bound on each control call while the source is paused (pause, export, install, commit): a frozen engine or agent rolls back after this")
+	f.DurationVar(&cfg.Migration.HeartbeatTimeout, "migration-heartbeat-timeout", cfg.Migration.HeartbeatTimeout,
+		"a migration rolls back when its target's engine (through its agent) has not answered the Host's heartbeat for this long")
+	f.DurationVar(&cfg.Migration.PauseHeartbeatTimeout, "migration-pause-heartbeat-timeout", cfg.Migration.PauseHeartbeatTimeout,
+		"the same while the source is paused (its clients wait)")
 	f.BoolVar(&cfg.Migration.PreAttach, "migration-pre-attach", cfg.Migration.PreAttach, "open the moving streams on the target before the pause (the switch then needs no new request per stream)")
 	f.StringVar(&cfg.Migration.Verify, "migration-verify", cfg.Migration.Verify, "check before the commit that the target holds the source's KV: sample, full or off")
 	f.IntVar(&cfg.Migration.MaxHistory, "migration-history", cfg.Migration.MaxHistory, "migrations kept in the history")

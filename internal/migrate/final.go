@@ -41,6 +41,7 @@ func (m *migration) final(ctx context.Context, since uint64) (committed, error) 
 	if err := m.enter(ctx, stepPause); err != nil {
 		return c, err
 	}
+	m.phase.Store(phasePaused) // the clients wait from here: the heartbeat's shorter limit
 	m.preAttach()
 	c.pauseCall = time.Now()
 	c.paused = m.ids()
@@ -89,6 +90,7 @@ func (m *migration) final(ctx context.Context, since uint64) (committed, error) 
 	if err := m.enter(fctx, stepCommit); err != nil {
 		return c, m.late(fctx, err)
 	}
+	m.phase.Store(phaseCommitting) // no rollback from here: the heartbeat stops
 	moved := c.moved()
 	if len(moved) > 0 {
 		if time.Now().After(fence) {

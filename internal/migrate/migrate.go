@@ -48,6 +48,12 @@ type Config struct {
 	// bytes). The lease's fence bounds every call too, whichever ends
 	// first.
 	PauseCallTimeout time.Duration
+	// HeartbeatTimeout is how long the target (its engine, through its
+	// agent) may not answer the Host's heartbeat before a migration to
+	// it rolls back; PauseHeartbeatTimeout the same while the source is
+	// paused, its clients waiting (heartbeat.go).
+	HeartbeatTimeout      time.Duration
+	PauseHeartbeatTimeout time.Duration
 	// PreAttach opens the moving streams on the target just before the
 	// pause, so the switch reads the target's first tokens from
 	// connections already open (engines that cannot: attached after).
@@ -83,7 +89,8 @@ type Config struct {
 // DefaultConfig returns the defaults.
 func DefaultConfig() Config {
 	return Config{MaxIncrRounds: 8, StallRounds: 2, DefaultTN: 2, PauseLease: 10 * time.Second, ReservationLease: 60 * time.Second,
-		SpliceTimeout: 5 * time.Second, RPCTimeout: 10 * time.Second, PauseCallTimeout: 2 * time.Second, Verify: hostapi.VerifySample, VerifySamples: 2,
+		SpliceTimeout: 5 * time.Second, RPCTimeout: 10 * time.Second, PauseCallTimeout: 2 * time.Second,
+		HeartbeatTimeout: 3 * time.Second, PauseHeartbeatTimeout: 500 * time.Millisecond, Verify: hostapi.VerifySample, VerifySamples: 2,
 		RetireWait: 10 * time.Minute, DrainTimeout: 10 * time.Minute, MaxHistory: 1000}
 }
 
@@ -99,7 +106,8 @@ func (c Config) check() error {
 		return fmt.Errorf("the migration pause lease %v is too short (at least 2s)", c.PauseLease)
 	case c.ReservationLease < 2*time.Second:
 		return fmt.Errorf("the migration reservation lease %v is too short (at least 2s)", c.ReservationLease)
-	case c.RPCTimeout <= 0 || c.SpliceTimeout <= 0 || c.DrainTimeout <= 0 || c.PauseCallTimeout <= 0:
+	case c.RPCTimeout <= 0 || c.SpliceTimeout <= 0 || c.DrainTimeout <= 0 || c.PauseCallTimeout <= 0 ||
+		c.HeartbeatTimeout <= 0 || c.PauseHeartbeatTimeout <= 0:
 		return fmt.Errorf("migration timeouts must be positive")
 	case c.Verify != hostapi.VerifySample && c.Verify != hostapi.VerifyFull && c.Verify != hostapi.VerifyOff:
 		return fmt.Errorf("migration verify %q: want sample, full or off", c.Verify)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/vllm-hi/vllm-hi/internal/launch"
@@ -60,6 +61,8 @@ type migration struct {
 	dstOpaque    bool // the target's blocks are opaque (see hooks.Layout)
 	dstStages    bool // the target prepares installs ahead (see hooks.Layout)
 	pausedSrc    bool
+	// phase is where the migration is, for its heartbeat (heartbeat.go).
+	phase atomic.Int32
 
 	mu sync.Mutex
 	st hostapi.MigrationStatus

@@ -2,6 +2,7 @@ package migrate
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"time"
 
@@ -143,8 +144,11 @@ func (o *Orchestrator) begin(m *migration) (string, error) {
 // engine aborts it rather than holding both instances (and, later, the
 // source's pause).
 func (m *migration) run() {
-	ctx, cancel := context.WithDeadline(m.o.ctx, m.deadline)
-	defer cancel()
+	dctx, dcancel := context.WithDeadline(m.o.ctx, m.deadline)
+	defer dcancel()
+	ctx, cancel := context.WithCancelCause(dctx)
+	defer cancel(nil)
+	go m.watchTarget(ctx, cancel)
 	since, err := m.copyRounds(ctx)
 	var staged <-chan struct{}
 	if err == nil {
@@ -165,6 +169,10 @@ func (m *migration) run() {
 		c, err = m.final(ctx, since)
 	}
 	if err != nil {
+		if silent := targetSilence(ctx); silent != nil {
+			// What the calls then failed with is the heartbeat's doing.
+			err = fmt.Errorf("%w (the migration was at: %v)", silent, err)
+		}
 		m.abort(err)
 		return
 	}

@@ -42,6 +42,11 @@ type fault struct {
 	// after: make the call, then lose its answer (the agent did it).
 	after bool
 	times int // how many calls it hits (0: every one)
+	// freeze ("src" or "dst"): from this call on, every call to that
+	// side stalls for frozenFor (bounded by its deadline), as one to a
+	// stopped process would — its engine's heartbeat included.
+	freeze    string
+	frozenFor time.Duration
 }
 
 // faults intercepts the Host's agent calls.
@@ -50,6 +55,9 @@ type faults struct {
 	addrs map[string]string // agent address → side
 	list  []*fault
 	hits  int
+	// frozen: the sides frozen by a fault's freeze, and since when.
+	frozen   map[string]time.Duration
+	frozenAt time.Time
 }
 
 func (f *faults) interceptor() grpc.UnaryClientInterceptor {
@@ -86,14 +94,27 @@ func (f *faults) match(target, method string, req any) *fault {
 	case *v1.CopyRoundRequest:
 		sub = r.GetKind()
 	}
+	side := f.addrs[target]
+	if d, ok := f.frozen[side]; ok {
+		return &fault{delay: d}
+	}
 	for _, ft := range f.list {
-		if ft.side == f.addrs[target] && ft.method == name && (ft.hook == "" || ft.hook == sub) && ft.times >= 0 {
+		if ft.side == side && ft.method == name && (ft.hook == "" || ft.hook == sub) && ft.times >= 0 {
 			if ft.times > 0 {
 				if ft.times--; ft.times == 0 {
 					ft.times = -1 // spent
 				}
 			}
 			f.hits++
+			if ft.freeze != "" {
+				if f.frozen == nil {
+					f.frozen = map[string]time.Duration{}
+				}
+				f.frozen[ft.freeze], f.frozenAt = ft.frozenFor, time.Now()
+				if ft.freeze == side {
+					return &fault{delay: ft.frozenFor}
+				}
+			}
 			return ft
 		}
 	}
@@ -581,4 +602,58 @@ func TestAFrozenTargetInThePauseRollsBackAtTheCallTimeout(t *testing.T) {
 		t.Fatalf("the source stayed paused %v before the rollback (the call timeout is %v)", paused, callTimeout)
 	}
 	t.Logf("paused %v before the rollback (call timeout %v, pause lease 10 s)", paused.Round(time.Millisecond), callTimeout)
+}
+
+// A target that freezes during round 0 (a stopped process: every call to
+// it stalls, its heartbeat too) is noticed by the Host's heartbeat within
+// --migration-heartbeat-timeout, and the migration rolls back — where the
+// round's check used to wait on it for the migration's whole deadline
+// (47.7 s in issue 44's run).
+func TestATargetFrozenInRound0RollsBackAtItsHeartbeat(t *testing.T) {
+	// The round's check is bounded by the migration's deadline (the
+	// reservation lease, 60 s) alone: r.migrate gives up after 30 s.
+	r := newRig(t, rigOptions{})
+	st, err := r.migrate(hostapi.MigrateRequest{}, &fault{side: "src", method: "CopyRound", hook: "full", freeze: "dst", frozenFor: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.faults.mu.Lock()
+	frozenAt := r.faults.frozenAt
+	r.faults.frozen = nil // the rest of the test talks to B
+	r.faults.mu.Unlock()
+	r.rolledBack(st, "did not answer its heartbeat")
+	took := st.FinishedAt.Sub(frozenAt)
+	// Generous for a loaded 2-core machine; the heartbeat timeout is 3 s.
+	if took > 8*time.Second {
+		t.Fatalf("rolled back %v after the target froze: %s", took, st.Error)
+	}
+	t.Logf("rolled back %v after the target froze (--migration-heartbeat-timeout 3s): %s", took.Round(time.Millisecond), st.Error)
+}
+
+// A target that freezes inside the pause costs the paused clients the
+// pause's heartbeat timeout (500 ms), not the call timeout (2 s) nor the
+// pause lease's fence.
+func TestATargetFrozenInThePauseRollsBackAtItsHeartbeat(t *testing.T) {
+	r := newRig(t, rigOptions{tune: func(hc *host.Config) {
+		hc.Migration.PauseLease = 10 * time.Second
+	}})
+	st, err := r.migrate(hostapi.MigrateRequest{}, &fault{side: "dst", method: "Hook", hook: hooks.HookInstall, freeze: "dst", frozenFor: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.faults.mu.Lock()
+	r.faults.frozen = nil
+	r.faults.mu.Unlock()
+	r.rolledBack(st, "--migration-pause-heartbeat-timeout")
+	var paused time.Duration
+	for _, s := range st.StepHistory {
+		if s.Step == "pause_source" || s.Step == "final_round" || s.Step == "verify" {
+			paused += time.Duration(s.DurationS * float64(time.Second))
+		}
+	}
+	// Generous for a loaded 2-core machine: the call timeout is 2 s.
+	if paused > 1500*time.Millisecond {
+		t.Fatalf("the source stayed paused %v before the rollback: %s", paused, st.Error)
+	}
+	t.Logf("paused %v before the rollback (pause heartbeat timeout 500 ms, call timeout 2 s): %s", paused.Round(time.Millisecond), st.Error)
 }

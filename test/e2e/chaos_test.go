@@ -1,14 +1,19 @@
 package e2e
 
 import (
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"strconv"
+	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
+	"github.com/vllm-hi/vllm-hi/test/framework"
 )
 
 // TestChaos runs a steady streaming load on two active sims of one model
@@ -115,4 +120,64 @@ func (d *deployment) fault(t *testing.T, id, kind string) {
 		in := instance(t, d.hostURL, id)
 		return in.Lifecycle == "active" && in.AgentAddress != before
 	})
+}
+
+// A target engine frozen (SIGSTOP) before the pause — in round 0, or the
+// check of what it copied — is noticed by the Host's heartbeat within
+// --migration-heartbeat-timeout (3 s): the migration rolls back, every
+// stream goes on from A exactly, and once the engine runs again its
+// reservations are released and both instances are back in their roles.
+// (Issue 44: the check waited on it for 47.7 s, both instances
+// `migrating` meanwhile.) Round 0 moves ~0.7 GB here, so the stop lands
+// well before the pause on any machine.
+func TestChaosTargetEngineFrozenBeforeThePause(t *testing.T) {
+	d := deployWith(t, deployOptions{bBlocks: 4096, kvScale: 4})
+	reqs := load(48, 400)
+	want := d.reference(reqs)
+	release := framework.HoldStreams(t, d, "A")
+	running := d.startLoad(reqs)
+	time.Sleep(900 * time.Millisecond)
+	id := d.startMigration(t, hostapi.MigrateRequest{Src: "A", Dst: "B"})
+	time.Sleep(50 * time.Millisecond)
+	if err := d.simB.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	frozen := time.Now()
+	cont := func() { _ = d.simB.cmd.Process.Signal(syscall.SIGCONT) }
+	t.Cleanup(cont)
+	st := d.waitEnd(t, id)
+	cont()
+	release()
+	if st.State != hostapi.StateAborted || !strings.Contains(st.Error, "did not answer its heartbeat") {
+		t.Fatalf("want aborted by the target's heartbeat: %s: %s", st.State, st.Error)
+	}
+	took := st.FinishedAt.Sub(frozen)
+	// Generous for a loaded 2-core machine; the heartbeat timeout is 3 s.
+	if took > 8*time.Second {
+		t.Fatalf("rolled back %v after B froze: %s", took, st.Error)
+	}
+	t.Logf("rolled back %v after B froze (at step %s): %s", took.Round(time.Millisecond), lastStep(st), st.Error)
+	checkExact(t, <-running, want)
+	var last string
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("last seen: %s", last)
+		}
+	})
+	waitUntil(t, "B's reservations released and both instances back in their roles", func() bool {
+		b := d.stats(t, d.bURL)
+		a, bi := instance(t, d.hostURL, "A"), instance(t, d.hostURL, "B")
+		last = fmt.Sprintf("B's blocks %+v; A %s %s, B %s %s", b, a.Role, a.Lifecycle, bi.Role, bi.Lifecycle)
+		return b.Reserved == 0 && b.Free == b.Total && a.Role == "active" && a.Lifecycle == "active" && bi.Role == "standby" && bi.Lifecycle == "standby"
+	})
+}
+
+// lastStep is the step a migration ended in before its rollback.
+func lastStep(st hostapi.MigrationStatus) string {
+	for i := len(st.StepHistory) - 1; i >= 0; i-- {
+		if s := st.StepHistory[i].Step; s != "rollback" && s != "done" {
+			return s
+		}
+	}
+	return ""
 }

@@ -42,6 +42,9 @@ type deployOptions struct {
 	bActive  bool     // B's agent registers type A (active beside A)
 	// aRanks, bRanks: A's and B's TP × PP (0: 1), for VHI_E2E_SIM_RANK_GPUS.
 	aRanks, bRanks int
+	// kvScale: every sim's --kv-scale, the reference's too (0: the
+	// sim's default); smaller moves more bytes per token.
+	kvScale int
 }
 
 func deploy(t *testing.T, bBlocks int) *deployment {
@@ -86,6 +89,9 @@ func deployWith(t *testing.T, o deployOptions) *deployment {
 			// GPU copies move 16-byte multiples; every engine of a
 			// deployment shares one geometry.
 			args = append(args, "--kv-scale", "8")
+		}
+		if o.kvScale > 0 {
+			args = append(args, "--kv-scale", fmt.Sprint(o.kvScale))
 		}
 		return args
 	}
