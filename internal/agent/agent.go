@@ -68,6 +68,9 @@ type Config struct {
 	// for it before the engine is stopped.
 	DrainedFile string
 	DefaultTN   int // data-plane connections when the Host names none
+	// Failpoint makes the agent die at a chosen point (failpoint.go;
+	// tests only).
+	Failpoint string
 	// NVML is the GPU library the agent reads its node's GPUs through
 	// (nil: the node's libnvidia-ml, dlopened once; tests pass a mock).
 	NVML nvml.Interface
@@ -84,6 +87,9 @@ func (c *Config) Validate() error {
 	}
 	if c.EngineURL == "" {
 		return fmt.Errorf("--engine URL of the engine is required")
+	}
+	if err := checkFailpoint(c.Failpoint); err != nil {
+		return err
 	}
 	if _, err := engine.NewClient(c.EngineURL, engine.Options{}); err != nil {
 		return err

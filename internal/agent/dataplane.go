@@ -48,6 +48,7 @@ func (s *agentService) Hook(ctx context.Context, req *v1.HookRequest) (*v1.HookR
 	if !ok || !route.Relayed {
 		return nil, errdefs.Newf(errdefs.ErrInvalidArgument, "unknown hook %q", req.GetName())
 	}
+	s.a.failAt(route.Name)
 	out, err := s.a.eng.Hook(ctx, route, req.GetSince(), req.GetBody())
 	if err != nil {
 		return nil, err

@@ -78,6 +78,8 @@ sequences.`,
 	f.StringSliceVar(&served, "served-model-name", nil, "name(s) clients use in the model field (default: --model)")
 	f.StringVar(&cfg.Profile, "profile", cfg.Profile, "KV geometry profile: "+strings.Join(kvlayout.ProfileNames(), ", "))
 	f.IntVar(&cfg.KVScale, "kv-scale", cfg.KVScale, "divide the profile's head dim by this to shrink KV bytes (1 = full size)")
+	f.StringVar(&cfg.Failpoint, "failpoint", "", "fail at a chosen point of a migration (tests): stop-on-install")
+	_ = f.MarkHidden("failpoint")
 	f.IntVar(&cfg.TP, "tensor-parallel-size", cfg.TP, "TP size: KV heads are split across this many ranks (one KV region each)")
 	f.IntVar(&cfg.PP, "pipeline-parallel-size", cfg.PP, "PP size: layers are split across this many stages (one KV region each)")
 	// The contract's short names (vLLM spells them -tp and -pp): the same settings.

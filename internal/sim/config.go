@@ -65,6 +65,9 @@ type Config struct {
 	// weights to host memory), WakeUpTime how long /wake_up takes, and
 	// WeightsLoadTime how long reloading discarded weights takes (after a
 	// level-2 sleep).
+	// Failpoint makes the sim fail at a chosen point (failpoint.go;
+	// tests only).
+	Failpoint       string
 	SleepMode       bool
 	SleepTime       time.Duration
 	WakeUpTime      time.Duration

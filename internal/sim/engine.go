@@ -35,6 +35,8 @@ type Engine struct {
 
 	cuda *cuda.Lib // loaded when the KV lives on a GPU
 
+	failpointFired atomic.Bool
+
 	mu       sync.Mutex
 	kv       *kvMemory // nil while sleeping
 	kvGen    uint64    // bumped each time the KV memory is (re-)created
@@ -76,6 +78,9 @@ type Engine struct {
 // NewEngine validates cfg, creates the KV memory and returns an engine
 // ready to Run. Close releases the KV files.
 func NewEngine(cfg Config, log *zap.Logger) (*Engine, error) {
+	if err := checkFailpoint(cfg.Failpoint); err != nil {
+		return nil, err
+	}
 	geo, par, err := cfg.geometry()
 	if err != nil {
 		return nil, err

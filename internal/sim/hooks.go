@@ -241,6 +241,7 @@ func (e *Engine) Allocate(_ context.Context, req hooks.AllocateRequest) (hooks.A
 // blocks (the agent wrote it); this adds the scheduler state and joins the
 // running batch, paused unless Resume.
 func (e *Engine) Install(_ context.Context, req hooks.InstallRequest) (hooks.InstallResponse, error) {
+	e.failAt(FailpointStopOnInstall)
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	// Everything is checked before anything changes: a refused install

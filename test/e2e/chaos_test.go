@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -180,4 +181,77 @@ func lastStep(st hostapi.MigrationStatus) string {
 		}
 	}
 	return ""
+}
+
+// Faults inside the pause, with real processes, each landing there by a
+// failpoint (a sim that stops itself on the install hook, an agent that
+// exits when it relays a hook) or the Host's injected cut of the final
+// round: the migration rolls back, every stream goes on from A exactly,
+// and the clients' worst gap stays near the pause heartbeat's 500 ms —
+// not the call timeout (2 s) nor the pause lease (issue 44: 8.0 s for a
+// frozen target, 10.0 s for a dead source agent).
+func TestChaosFaultsInsideThePause(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		opts  deployOptions
+		fault string // the migrate request's inject_fault
+		why   string // in the abort's error (one of the |-separated)
+	}{
+		{name: "the target engine freezes", opts: deployOptions{bArgs: []string{"--failpoint", "stop-on-install"}}, why: "--migration-pause-heartbeat-timeout"},
+		// The final round's copy into B runs beside the install: either
+		// may fail first.
+		{name: "the target agent dies", opts: deployOptions{agentArgs: [2][]string{nil, {"--failpoint", "exit-on-install"}}}, why: "install|final copy round"},
+		// Failover's snapshots export through the agent too: off here,
+		// so that the export the failpoint meets is the pause's.
+		{name: "the source agent dies", opts: deployOptions{agentArgs: [2][]string{{"--failpoint", "exit-on-export"}, nil},
+			hostArgs: []string{"--failover-snapshot-interval", "0"}}, why: "export"},
+		{name: "a data connection is cut", fault: "cut", why: "final copy round"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			c.opts.bBlocks = 4096
+			d := deployWith(t, c.opts)
+			reqs := load(32, 500)
+			want := d.reference(reqs)
+			running := d.startLoad(reqs)
+			time.Sleep(900 * time.Millisecond)
+			began := time.Now()
+			st := d.waitMigration(t, hostapi.MigrateRequest{Src: "A", Dst: "B", InjectFault: c.fault})
+			ended := time.Now()
+			_ = d.simB.cmd.Process.Signal(syscall.SIGCONT)
+			if st.State != hostapi.StateAborted || !slices.ContainsFunc(strings.Split(c.why, "|"), func(w string) bool { return strings.Contains(st.Error, w) }) {
+				t.Fatalf("want aborted (%q): %s: %s", c.why, st.State, st.Error)
+			}
+			got := <-running
+			checkExact(t, got, want)
+			gap, at := worstGap(got, began, ended)
+			// Generous for a loaded 2-core machine; the call timeout is 2 s.
+			if gap > 1500*time.Millisecond {
+				t.Fatalf("the clients' worst gap in the migration was %v (at %s): %s", gap, at, st.Error)
+			}
+			t.Logf("clients' worst gap %v (%s), the migration rolled back at %s: %s", gap.Round(time.Millisecond), at,
+				lastStep(st), st.Error)
+			for i, a := range []*proc{d.agentA, d.agentB} {
+				if c.opts.agentArgs[i] != nil {
+					a.kill() // its failpoint ended it (or would)
+				}
+			}
+		})
+	}
+}
+
+// worstGap is the longest wait between two tokens of one stream that
+// overlaps [from, to], and where in the stream it was.
+func worstGap(streams []loadgen.Stream, from, to time.Time) (time.Duration, string) {
+	var worst time.Duration
+	where := ""
+	for _, s := range streams {
+		prev := s.Start
+		for i, a := range s.Arrivals {
+			if a.After(from) && prev.Before(to) && a.Sub(prev) > worst {
+				worst, where = a.Sub(prev), fmt.Sprintf("stream %d, token event %d", s.Index, i)
+			}
+			prev = a
+		}
+	}
+	return worst, where
 }

@@ -27,6 +27,7 @@ type deployment struct {
 	host, agentA, agentB        *proc
 	simA, simB                  *proc
 	simArgs                     [2][]string // sims A and B's command lines, for restarts
+	agentArgs                   [2][]string // agents A and B's extra flags
 	tk                          tokens
 	hostArgs                    []string
 	client                      *hostapi.Client // with the admin token (the framework's runner sets it)
@@ -45,6 +46,8 @@ type deployOptions struct {
 	// kvScale: every sim's --kv-scale, the reference's too (0: the
 	// sim's default); smaller moves more bytes per token.
 	kvScale int
+	// agentArgs: extra flags of agents A and B.
+	agentArgs [2][]string
 }
 
 func deploy(t *testing.T, bBlocks int) *deployment {
@@ -54,7 +57,7 @@ func deploy(t *testing.T, bBlocks int) *deployment {
 func deployWith(t *testing.T, o deployOptions) *deployment {
 	t.Helper()
 	shm := t.TempDir()
-	d := &deployment{tk: newTokens(t), dataDir: t.TempDir(), shm: shm}
+	d := &deployment{tk: newTokens(t), dataDir: t.TempDir(), shm: shm, agentArgs: o.agentArgs}
 	bBlocks := o.bBlocks
 	// VHI_E2E_SIM_DEVICES=cuda:0,cuda:1,cuda:0 puts the KV of A, B and the
 	// reference on GPUs (the GPU machines run these tests that way; the
@@ -153,8 +156,15 @@ func (d *deployment) startHost(t *testing.T) *proc {
 // startAgent starts agent id of type typ ("A" or "B") beside engine.
 func (d *deployment) startAgent(t *testing.T, id, typ, engine string) *proc {
 	t.Helper()
-	return startVHI(t, "agent", "--type", typ, "--id", id, "--host", d.hostAddr, "--engine", engine, "--log-level", "warn",
-		"--token-file", d.tk.agentFile)
+	args := []string{"agent", "--type", typ, "--id", id, "--host", d.hostAddr, "--engine", engine, "--log-level", "warn",
+		"--token-file", d.tk.agentFile}
+	switch id {
+	case "A":
+		args = append(args, d.agentArgs[0]...)
+	case "B":
+		args = append(args, d.agentArgs[1]...)
+	}
+	return startVHI(t, args...)
 }
 
 func load(n, tokens int) []loadgen.Request { return framework.Load(n, tokens) }
