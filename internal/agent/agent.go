@@ -82,8 +82,8 @@ func (c *Config) Validate() error {
 	if c.Type != "A" && c.Type != "B" {
 		return fmt.Errorf("--type must be A or B, got %q", c.Type)
 	}
-	if _, _, err := net.SplitHostPort(c.HostAddr); err != nil {
-		return fmt.Errorf("--host must be IP:PORT of the Host, got %q", c.HostAddr)
+	if _, err := hostAddrs(c.HostAddr); err != nil {
+		return err
 	}
 	if c.EngineURL == "" {
 		return fmt.Errorf("--engine URL of the engine is required")
@@ -229,7 +229,8 @@ func (a *Agent) Run(ctx context.Context) error {
 
 	advertise := a.cfg.AdvertiseHost
 	if advertise == "" {
-		advertise = localAddrTowards(a.cfg.HostAddr)
+		hosts, _ := hostAddrs(a.cfg.HostAddr)
+		advertise = localAddrTowards(hosts[0])
 	}
 	// Listeners bind to the address the Host and peers reach this agent
 	// at, not to every interface.
@@ -281,7 +282,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	_, port, _ := net.SplitHostPort(ln.Addr().String())
 	agentAddr := net.JoinHostPort(advertise, port)
 
-	conn, err := grpc.NewClient(a.cfg.HostAddr, grpcauth.DialOptions(a.cfg.AgentToken, a.clientTLS)...)
+	hosts, _ := hostAddrs(a.cfg.HostAddr)
+	target, resolve := hostTarget(hosts)
+	conn, err := grpc.NewClient(target, append(grpcauth.DialOptions(a.cfg.AgentToken, a.clientTLS), resolve...)...)
 	if err != nil {
 		return fmt.Errorf("agent: dial host %s: %w", a.cfg.HostAddr, err)
 	}

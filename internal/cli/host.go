@@ -65,7 +65,7 @@ across restarts.`,
 					return err
 				}
 			}
-			h, err := host.New(cfg, log.Named("host"))
+			h, err := host.NewContext(cmd.Context(), cfg, log.Named("host"))
 			if err != nil {
 				return err
 			}
@@ -80,6 +80,12 @@ across restarts.`,
 	f.StringVar(&cfg.Listen, "listen", cfg.Listen, "address for HTTP, metrics and the agents' gRPC")
 	f.StringVar(&configFile, "config", "", "YAML configuration: targets (how to launch a migration target on demand, by served model)")
 	f.StringVar(&cfg.DataDir, "data-dir", credentials.DefaultDataDir(), "the Host's state: roles, lifecycle, migration records, generated tokens")
+	f.StringVar(&cfg.Store, "store", "bolt", "where the Host's state goes: bolt (the embedded store in --data-dir, one Host) or etcd://HOST:PORT[,HOST:PORT…] (shared: one Host leads, the others wait to take over)")
+	f.StringVar(&cfg.StorePrefix, "store-prefix", "/vllm-hi/", "the shared store's key prefix (several deployments on one etcd)")
+	f.DurationVar(&cfg.StoreLease, "store-lease", 5*time.Second, "how long the shared store stays a dead leading Host's: a waiting Host takes over within this")
+	f.StringVar(&cfg.EtcdTLS.CAFile, "etcd-ca-file", "", "CA verifying the etcd members (TLS)")
+	f.StringVar(&cfg.EtcdTLS.CertFile, "etcd-cert-file", "", "this Host's client certificate for etcd")
+	f.StringVar(&cfg.EtcdTLS.KeyFile, "etcd-key-file", "", "its key")
 	f.StringVar(&adminFile, "admin-token-file", "", "file holding the admin token (default: <data-dir>/admin-token, created on first start)")
 	f.StringVar(&agentFile, "agent-token-file", "", "file holding the agent token (default: the admin token when --admin-token-file is set, else <data-dir>/agent-token)")
 	tlsFlags(cmd, &cfg.TLS)

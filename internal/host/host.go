@@ -44,8 +44,18 @@ import (
 type Config struct {
 	Listen string
 	// DataDir holds the Host's durable state (roles, lifecycle, migration
-	// records). Empty: nothing survives a restart (in-process stacks).
+	// records) in the embedded store, and its generated tokens. Empty:
+	// nothing survives a restart (in-process stacks).
 	DataDir string
+	// Store is where the durable state goes: "" or "bolt" (DataDir's
+	// embedded store, one Host), or etcd://HOST:PORT[,…] — shared by
+	// several Hosts, one of which leads (the others wait to take over):
+	// StorePrefix is its key prefix, StoreLease how long a dead leader
+	// holds it, EtcdTLS how to reach etcd over TLS.
+	Store       string
+	StorePrefix string
+	StoreLease  time.Duration
+	EtcdTLS     credentials.TLSFiles
 	// AdminToken guards the REST API's mutations; AgentToken is what
 	// agents register with and what the Host presents to agents and to
 	// engines' hooks. Empty: not required (a deployment without
@@ -107,7 +117,7 @@ func DefaultConfig() Config {
 type Host struct {
 	cfg   Config
 	log   *zap.Logger
-	store *store.Store // nil without a data directory
+	store store.Store // nil without a data directory or a shared store
 	reg   *registry.Registry
 	prom  *prometheus.Registry
 	m     *metrics
@@ -133,6 +143,12 @@ type Host struct {
 
 // New builds a Host (opening its state in cfg.DataDir); Serve runs it.
 func New(cfg Config, log *zap.Logger) (*Host, error) {
+	return NewContext(context.Background(), cfg, log)
+}
+
+// NewContext is New, waiting until ctx ends at most for the shared store
+// (cfg.Store on etcd) to be this Host's to lead.
+func NewContext(ctx context.Context, cfg Config, log *zap.Logger) (*Host, error) {
 	if cfg.MaxRequestBody <= 0 || cfg.BodyMemory < cfg.MaxRequestBody {
 		return nil, fmt.Errorf("the request body limits are inconsistent (%d per body, %d in all)", cfg.MaxRequestBody, cfg.BodyMemory)
 	}
@@ -153,10 +169,10 @@ func New(cfg Config, log *zap.Logger) (*Host, error) {
 	}
 	var persist registry.Persister
 	var records []store.Instance
-	if cfg.DataDir != "" {
-		if h.store, err = store.Open(cfg.DataDir); err != nil {
-			return nil, err
-		}
+	if h.store, err = openStore(ctx, cfg, log); err != nil {
+		return nil, err
+	}
+	if h.store != nil {
 		if records, err = h.store.Instances(); err != nil {
 			h.store.Close()
 			return nil, fmt.Errorf("read the Host's state: %w", err)
@@ -349,12 +365,24 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 	}()
 	h.log.Info("vhi host serving", zap.String("addr", ln.Addr().String()), zap.Bool("tls", h.serverTLS != nil),
 		zap.Bool("admin_token", h.cfg.AdminToken != ""), zap.Bool("agent_token", h.cfg.AgentToken != ""), zap.String("data_dir", h.cfg.DataDir))
+	var lost <-chan struct{}
+	if h.store != nil {
+		lost = h.store.Lost()
+	}
+	var lostErr error
 	select {
 	case err := <-errc:
 		if !errors.Is(err, http.ErrServerClosed) {
 			return fmt.Errorf("serve: %w", err)
 		}
 	case <-ctx.Done():
+	case <-lost:
+		// Another Host leads the shared store now (this one's lease ended:
+		// a partition, a long pause): its decisions are that Host's to
+		// make. Stop, as a SIGTERM would, and exit non-zero — restarted,
+		// this Host waits to lead again.
+		lostErr = errors.New("this Host lost the shared store's leadership (its lease ended); another Host leads it now")
+		h.log.Error("stopping", zap.Error(lostErr))
 	}
 	h.log.Info("shutting down: draining streams", zap.Duration("timeout", h.cfg.ShutdownTimeout))
 	stopSwitching()
@@ -373,7 +401,7 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 	mcancel()
 	h.agents.Close()
 	h.proxy.Close()
-	return nil
+	return lostErr
 }
 
 func (h *Host) sweep(ctx context.Context) {
@@ -415,4 +443,41 @@ func (m scaleMover) StartDrain(id string, req hostapi.DrainRequest) (string, err
 
 func (m scaleMover) WaitDrain(ctx context.Context, id string) (hostapi.DrainStatus, bool) {
 	return m.drains.Wait(ctx, id)
+}
+
+// openStore opens the Host's durable state as cfg says (nil: none).
+func openStore(ctx context.Context, cfg Config, log *zap.Logger) (store.Store, error) {
+	switch {
+	case strings.HasPrefix(cfg.Store, "etcd://"):
+		eps, err := store.ParseEtcdURL(cfg.Store)
+		if err != nil {
+			return nil, err
+		}
+		var etls *tls.Config
+		if cfg.EtcdTLS.Enabled() || cfg.EtcdTLS.CAFile != "" {
+			if etls, err = cfg.EtcdTLS.Client(); err != nil {
+				return nil, fmt.Errorf("etcd TLS: %w", err)
+			}
+		}
+		name := cfg.Migration.HostAddr
+		if name == "" {
+			name = cfg.Listen
+		}
+		s, err := store.OpenEtcd(ctx, store.EtcdOptions{Endpoints: eps, Prefix: cfg.StorePrefix, TLS: etls,
+			LeaseTTL: cfg.StoreLease, Name: name, Log: log.Named("store")})
+		if err != nil {
+			return nil, err
+		}
+		return s, nil
+	case cfg.Store == "" || cfg.Store == "bolt":
+		if cfg.DataDir == "" {
+			return nil, nil
+		}
+		s, err := store.OpenBolt(cfg.DataDir)
+		if err != nil {
+			return nil, err
+		}
+		return s, nil
+	}
+	return nil, fmt.Errorf("--store %q: want bolt or etcd://HOST:PORT[,HOST:PORT…]", cfg.Store)
 }

@@ -1,31 +1,17 @@
 // Package store is the Host's durable state: what it decided about each
-// instance (role, lifecycle) and the record of every migration, in an
-// embedded bbolt database under the Host's data directory. A Host that
-// restarts — cleanly or by kill -9 — reads them back, so routing goes to
-// the instance a migration made active, a retired engine stays retired,
-// and `vhi migration status` still answers for migrations before the
-// restart.
+// instance (role, lifecycle), the record of every migration and the
+// engines it launched — in an embedded bbolt database under the Host's
+// data directory (bolt.go, one Host), or in etcd (etcd.go), where several
+// Hosts share it and one leads. A Host that restarts — cleanly or by
+// kill -9 — or that takes over from another reads them back, so routing
+// goes to the instance a migration made active, a retired engine stays
+// retired, and `vhi migration status` still answers for migrations
+// before.
 package store
 
 import (
 	"encoding/json"
-	"errors"
-	"fmt"
-	"os"
-	"path/filepath"
 	"time"
-
-	bolt "go.etcd.io/bbolt"
-	bolterrors "go.etcd.io/bbolt/errors"
-)
-
-// FileName is the database's name inside the data directory.
-const FileName = "state.db"
-
-var (
-	bucketInstances  = []byte("instances")
-	bucketMigrations = []byte("migrations")
-	bucketLaunched   = []byte("launched")
 )
 
 // Instance is what the Host keeps of one instance across restarts.
@@ -57,105 +43,21 @@ type Launched struct {
 	At      time.Time `json:"launched_at"`
 }
 
-// Store is safe for concurrent use.
-type Store struct {
-	db *bolt.DB
+// Store is what the Host keeps. Implementations are safe for concurrent
+// use.
+type Store interface {
+	PutInstance(Instance) error
+	DeleteInstance(id string) error
+	Instances() ([]Instance, error)
+	// PutMigration writes a migration's record (its JSON) under id.
+	PutMigration(id string, record json.RawMessage) error
+	DeleteMigration(id string) error
+	Migrations() (map[string]json.RawMessage, error)
+	PutLaunched(Launched) error
+	DeleteLaunched(id string) error
+	LaunchedEngines() ([]Launched, error)
+	// Lost is closed when this Host may no longer write — it stopped
+	// leading a shared store (nil: never).
+	Lost() <-chan struct{}
+	Close() error
 }
-
-// Open opens (creating) the store in dir. A second Host on the same data
-// directory is refused, not blocked: the database is locked.
-func Open(dir string) (*Store, error) {
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return nil, fmt.Errorf("data directory %s: %w", dir, err)
-	}
-	path := filepath.Join(dir, FileName)
-	db, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: 2 * time.Second})
-	if err != nil {
-		if errors.Is(err, bolterrors.ErrTimeout) {
-			return nil, fmt.Errorf("the state in %s is held by another vhi host (pick another --data-dir)", path)
-		}
-		return nil, fmt.Errorf("open the Host's state %s: %w", path, err)
-	}
-	err = db.Update(func(tx *bolt.Tx) error {
-		for _, b := range [][]byte{bucketInstances, bucketMigrations, bucketLaunched} {
-			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
-				return err
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		db.Close()
-		return nil, fmt.Errorf("initialise the Host's state: %w", err)
-	}
-	return &Store{db: db}, nil
-}
-
-// Close closes the database.
-func (s *Store) Close() error { return s.db.Close() }
-
-func put(db *bolt.DB, bucket []byte, key string, v any) error {
-	b, err := json.Marshal(v)
-	if err != nil {
-		return err
-	}
-	return db.Update(func(tx *bolt.Tx) error { return tx.Bucket(bucket).Put([]byte(key), b) })
-}
-
-func del(db *bolt.DB, bucket []byte, key string) error {
-	return db.Update(func(tx *bolt.Tx) error { return tx.Bucket(bucket).Delete([]byte(key)) })
-}
-
-// PutInstance writes an instance's record.
-func (s *Store) PutInstance(i Instance) error { return put(s.db, bucketInstances, i.ID, i) }
-
-// DeleteInstance forgets an instance.
-func (s *Store) DeleteInstance(id string) error { return del(s.db, bucketInstances, id) }
-
-// Instances returns every instance record.
-func (s *Store) Instances() ([]Instance, error) { return all[Instance](s.db, bucketInstances) }
-
-// all decodes every record of bucket.
-func all[T any](db *bolt.DB, bucket []byte) ([]T, error) {
-	var out []T
-	err := db.View(func(tx *bolt.Tx) error {
-		return tx.Bucket(bucket).ForEach(func(_, v []byte) error {
-			var r T
-			if err := json.Unmarshal(v, &r); err != nil {
-				return err
-			}
-			out = append(out, r)
-			return nil
-		})
-	})
-	return out, err
-}
-
-// PutMigration writes a migration's record (its status JSON) under id.
-func (s *Store) PutMigration(id string, record json.RawMessage) error {
-	return s.db.Update(func(tx *bolt.Tx) error { return tx.Bucket(bucketMigrations).Put([]byte(id), record) })
-}
-
-// DeleteMigration forgets a migration.
-func (s *Store) DeleteMigration(id string) error { return del(s.db, bucketMigrations, id) }
-
-// Migrations returns every migration record by id.
-func (s *Store) Migrations() (map[string]json.RawMessage, error) {
-	out := map[string]json.RawMessage{}
-	err := s.db.View(func(tx *bolt.Tx) error {
-		return tx.Bucket(bucketMigrations).ForEach(func(k, v []byte) error {
-			out[string(k)] = append(json.RawMessage(nil), v...)
-			return nil
-		})
-	})
-	return out, err
-}
-
-// PutLaunched writes a launched engine's record.
-func (s *Store) PutLaunched(l Launched) error { return put(s.db, bucketLaunched, l.ID, l) }
-
-// DeleteLaunched forgets a launched engine.
-func (s *Store) DeleteLaunched(id string) error { return del(s.db, bucketLaunched, id) }
-
-// LaunchedEngines returns every launched engine's record.
-func (s *Store) LaunchedEngines() ([]Launched, error) { return all[Launched](s.db, bucketLaunched) }

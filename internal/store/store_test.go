@@ -9,7 +9,7 @@ import (
 // when deleted.
 func TestLaunchedEnginesSurviveAReopen(t *testing.T) {
 	dir := t.TempDir()
-	s, err := Open(dir)
+	s, err := OpenBolt(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -25,7 +25,7 @@ func TestLaunchedEnginesSurviveAReopen(t *testing.T) {
 	if err := s.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if s, err = Open(dir); err != nil {
+	if s, err = OpenBolt(dir); err != nil {
 		t.Fatal(err)
 	}
 	defer s.Close()

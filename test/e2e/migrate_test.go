@@ -28,6 +28,7 @@ type deployment struct {
 	simA, simB                  *proc
 	simArgs                     [2][]string // sims A and B's command lines, for restarts
 	agentArgs                   [2][]string // agents A and B's extra flags
+	moreHosts                   []string    // Hosts the agents name after hostAddr
 	tk                          tokens
 	hostArgs                    []string
 	client                      *hostapi.Client // with the admin token (the framework's runner sets it)
@@ -48,6 +49,9 @@ type deployOptions struct {
 	kvScale int
 	// agentArgs: extra flags of agents A and B.
 	agentArgs [2][]string
+	// moreHosts: further Hosts' addresses the agents name after the
+	// deployment's own (Hosts sharing a store; the test starts them).
+	moreHosts []string
 }
 
 func deploy(t *testing.T, bBlocks int) *deployment {
@@ -57,7 +61,7 @@ func deploy(t *testing.T, bBlocks int) *deployment {
 func deployWith(t *testing.T, o deployOptions) *deployment {
 	t.Helper()
 	shm := t.TempDir()
-	d := &deployment{tk: newTokens(t), dataDir: t.TempDir(), shm: shm, agentArgs: o.agentArgs}
+	d := &deployment{tk: newTokens(t), dataDir: t.TempDir(), shm: shm, agentArgs: o.agentArgs, moreHosts: o.moreHosts}
 	bBlocks := o.bBlocks
 	// VHI_E2E_SIM_DEVICES=cuda:0,cuda:1,cuda:0 puts the KV of A, B and the
 	// reference on GPUs (the GPU machines run these tests that way; the
@@ -156,7 +160,8 @@ func (d *deployment) startHost(t *testing.T) *proc {
 // startAgent starts agent id of type typ ("A" or "B") beside engine.
 func (d *deployment) startAgent(t *testing.T, id, typ, engine string) *proc {
 	t.Helper()
-	args := []string{"agent", "--type", typ, "--id", id, "--host", d.hostAddr, "--engine", engine, "--log-level", "warn",
+	hosts := strings.Join(append([]string{d.hostAddr}, d.moreHosts...), ",")
+	args := []string{"agent", "--type", typ, "--id", id, "--host", hosts, "--engine", engine, "--log-level", "warn",
 		"--token-file", d.tk.agentFile}
 	switch id {
 	case "A":

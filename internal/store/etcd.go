@@ -1,0 +1,245 @@
+package store
+
+import (
+	"context"
+	"crypto/tls"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.etcd.io/etcd/client/v3/concurrency"
+	"go.uber.org/zap"
+)
+
+// EtcdOptions say where a shared store is and how this Host holds it.
+type EtcdOptions struct {
+	// Endpoints are the etcd members (HOST:PORT).
+	Endpoints []string
+	// Prefix is where every key goes (default /vllm-hi/): several
+	// deployments can share one etcd.
+	Prefix string
+	TLS    *tls.Config // nil: plain
+	// LeaseTTL is how long the leader's hold outlives it: another Host
+	// takes over at most this long after the leader died (default 5 s).
+	LeaseTTL time.Duration
+	// OpTimeout bounds each read and write (default 5 s).
+	OpTimeout time.Duration
+	// Name is this Host's name in the election (its address).
+	Name string
+	Log  *zap.Logger
+}
+
+// Etcd is the shared store: every Host of a deployment on one etcd, one
+// of them leading (an etcd election under a lease). Only the leader
+// writes — each write is a transaction that holds only while its
+// election key is still the leader's — so a Host that lost its lease
+// (partitioned, paused) cannot overwrite its successor's state; it learns
+// so from Lost and stops.
+type Etcd struct {
+	cli      *clientv3.Client
+	sess     *concurrency.Session
+	election *concurrency.Election
+	prefix   string
+	timeout  time.Duration
+}
+
+// ErrNotLeader is returned by a write of a Host that no longer leads.
+var ErrNotLeader = errors.New("this Host no longer leads the shared store (another took over)")
+
+// ParseEtcdURL reads etcd://HOST:PORT[,HOST:PORT…] into endpoints.
+func ParseEtcdURL(u string) ([]string, error) {
+	rest, ok := strings.CutPrefix(u, "etcd://")
+	if !ok || rest == "" {
+		return nil, fmt.Errorf("--store %q: want bolt or etcd://HOST:PORT[,HOST:PORT…]", u)
+	}
+	var eps []string
+	for _, ep := range strings.Split(strings.TrimSuffix(rest, "/"), ",") {
+		if ep == "" || strings.ContainsAny(ep, "/?#@ ") {
+			return nil, fmt.Errorf("--store %q: %q is not HOST:PORT", u, ep)
+		}
+		eps = append(eps, ep)
+	}
+	return eps, nil
+}
+
+// OpenEtcd connects to etcd and waits until this Host leads the store
+// (another Host may lead it now: this one takes over when that one's
+// lease ends), or until ctx ends.
+func OpenEtcd(ctx context.Context, o EtcdOptions) (*Etcd, error) {
+	if len(o.Endpoints) == 0 {
+		return nil, errors.New("the shared store needs at least one etcd endpoint")
+	}
+	if o.Prefix == "" {
+		o.Prefix = "/vllm-hi/"
+	}
+	if !strings.HasSuffix(o.Prefix, "/") {
+		o.Prefix += "/"
+	}
+	if o.LeaseTTL <= 0 {
+		o.LeaseTTL = 5 * time.Second
+	}
+	if o.OpTimeout <= 0 {
+		o.OpTimeout = 5 * time.Second
+	}
+	log := o.Log
+	if log == nil {
+		log = zap.NewNop()
+	}
+	cli, err := clientv3.New(clientv3.Config{Endpoints: o.Endpoints, DialTimeout: o.OpTimeout, TLS: o.TLS,
+		Logger: log.Named("etcd-client").WithOptions(zap.IncreaseLevel(zap.WarnLevel)), Context: ctx})
+	if err != nil {
+		return nil, fmt.Errorf("etcd %s: %w", strings.Join(o.Endpoints, ","), err)
+	}
+	s := &Etcd{cli: cli, prefix: o.Prefix, timeout: o.OpTimeout}
+	// A first round trip, bounded: a wrong address or credential is said
+	// at once, not as a wait for leadership.
+	sctx, cancel := context.WithTimeout(ctx, o.OpTimeout)
+	_, err = cli.Get(sctx, o.Prefix+"election", clientv3.WithCountOnly())
+	cancel()
+	if err != nil {
+		cli.Close()
+		return nil, fmt.Errorf("etcd %s: %w", strings.Join(o.Endpoints, ","), err)
+	}
+	ttl := max(1, int((o.LeaseTTL+time.Second-1)/time.Second))
+	if s.sess, err = concurrency.NewSession(cli, concurrency.WithTTL(ttl), concurrency.WithContext(ctx)); err != nil {
+		cli.Close()
+		return nil, fmt.Errorf("etcd: a lease for this Host: %w", err)
+	}
+	s.election = concurrency.NewElection(s.sess, o.Prefix+"election")
+	lctx, lcancel := context.WithTimeout(ctx, o.OpTimeout)
+	if leader, err := s.election.Leader(lctx); err == nil && len(leader.Kvs) > 0 {
+		log.Warn("another Host leads the shared store: this one waits to take over",
+			zap.String("leader", string(leader.Kvs[0].Value)), zap.Int("lease_ttl_s", ttl))
+	}
+	lcancel()
+	if err := s.election.Campaign(ctx, o.Name); err != nil {
+		s.Close()
+		return nil, fmt.Errorf("etcd: waiting to lead the shared store: %w", err)
+	}
+	log.Info("leading the shared store", zap.String("prefix", o.Prefix), zap.Strings("endpoints", o.Endpoints))
+	return s, nil
+}
+
+// Lost implements Store: closed when this Host's lease ended.
+func (s *Etcd) Lost() <-chan struct{} { return s.sess.Done() }
+
+// Close gives the leadership up (another Host takes over at once) and
+// disconnects.
+func (s *Etcd) Close() error {
+	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
+	defer cancel()
+	if s.election != nil {
+		_ = s.election.Resign(ctx)
+	}
+	if s.sess != nil {
+		_ = s.sess.Close()
+	}
+	return s.cli.Close()
+}
+
+// write applies op while this Host still leads.
+func (s *Etcd) write(op clientv3.Op) error {
+	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
+	defer cancel()
+	leads := clientv3.Compare(clientv3.CreateRevision(s.election.Key()), "=", s.election.Rev())
+	resp, err := s.cli.Txn(ctx).If(leads).Then(op).Commit()
+	if err != nil {
+		return fmt.Errorf("etcd: %w", err)
+	}
+	if !resp.Succeeded {
+		return ErrNotLeader
+	}
+	return nil
+}
+
+func (s *Etcd) put(kind, id string, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	return s.write(clientv3.OpPut(s.prefix+kind+"/"+id, string(b)))
+}
+
+func (s *Etcd) del(kind, id string) error {
+	return s.write(clientv3.OpDelete(s.prefix + kind + "/" + id))
+}
+
+// list returns every value under kind, by id.
+func (s *Etcd) list(kind string) (map[string][]byte, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
+	defer cancel()
+	dir := s.prefix + kind + "/"
+	resp, err := s.cli.Get(ctx, dir, clientv3.WithPrefix())
+	if err != nil {
+		return nil, fmt.Errorf("etcd: %w", err)
+	}
+	out := make(map[string][]byte, len(resp.Kvs))
+	for _, kv := range resp.Kvs {
+		out[strings.TrimPrefix(string(kv.Key), dir)] = kv.Value
+	}
+	return out, nil
+}
+
+func listOf[T any](s *Etcd, kind string) ([]T, error) {
+	vals, err := s.list(kind)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]T, 0, len(vals))
+	for id, v := range vals {
+		var r T
+		if err := json.Unmarshal(v, &r); err != nil {
+			return nil, fmt.Errorf("etcd: %s/%s: %w", kind, id, err)
+		}
+		out = append(out, r)
+	}
+	return out, nil
+}
+
+const (
+	kindInstances  = "instances"
+	kindMigrations = "migrations"
+	kindLaunched   = "launched"
+)
+
+// PutInstance implements Store.
+func (s *Etcd) PutInstance(i Instance) error { return s.put(kindInstances, i.ID, i) }
+
+// DeleteInstance implements Store.
+func (s *Etcd) DeleteInstance(id string) error { return s.del(kindInstances, id) }
+
+// Instances implements Store.
+func (s *Etcd) Instances() ([]Instance, error) { return listOf[Instance](s, kindInstances) }
+
+// PutMigration implements Store.
+func (s *Etcd) PutMigration(id string, record json.RawMessage) error {
+	return s.write(clientv3.OpPut(s.prefix+kindMigrations+"/"+id, string(record)))
+}
+
+// DeleteMigration implements Store.
+func (s *Etcd) DeleteMigration(id string) error { return s.del(kindMigrations, id) }
+
+// Migrations implements Store.
+func (s *Etcd) Migrations() (map[string]json.RawMessage, error) {
+	vals, err := s.list(kindMigrations)
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]json.RawMessage, len(vals))
+	for id, v := range vals {
+		out[id] = v
+	}
+	return out, nil
+}
+
+// PutLaunched implements Store.
+func (s *Etcd) PutLaunched(l Launched) error { return s.put(kindLaunched, l.ID, l) }
+
+// DeleteLaunched implements Store.
+func (s *Etcd) DeleteLaunched(id string) error { return s.del(kindLaunched, id) }
+
+// LaunchedEngines implements Store.
+func (s *Etcd) LaunchedEngines() ([]Launched, error) { return listOf[Launched](s, kindLaunched) }

@@ -1,0 +1,133 @@
+package store
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/vllm-hi/vllm-hi/internal/etcdtest"
+)
+
+func openEtcd(t *testing.T, ep, name string) *Etcd {
+	t.Helper()
+	s, err := OpenEtcd(context.Background(), EtcdOptions{Endpoints: []string{ep}, Prefix: "/t/", LeaseTTL: time.Second, Name: name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// Both stores keep the same records the same way: what one Host wrote,
+// the next one (after a restart, or taking over) reads back.
+func TestStoresKeepTheRecords(t *testing.T) {
+	ep := etcdtest.Start(t)
+	dir := t.TempDir()
+	for name, open := range map[string]func() Store{
+		"bolt": func() Store {
+			s, err := OpenBolt(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return s
+		},
+		"etcd": func() Store { return openEtcd(t, ep, "h1") },
+	} {
+		t.Run(name, func(t *testing.T) {
+			s := open()
+			at := time.Date(2026, 12, 5, 1, 0, 0, 0, time.UTC)
+			must := func(err error) {
+				t.Helper()
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			must(s.PutInstance(Instance{ID: "a", Type: "A", Role: "active", EngineURL: "http://e:1", ServedModels: []string{"m"}, LastSeen: at}))
+			must(s.PutInstance(Instance{ID: "b", Type: "B", Role: "standby"}))
+			must(s.DeleteInstance("b"))
+			must(s.PutMigration("mig-1", json.RawMessage(`{"migration_id":"mig-1","state":"succeeded"}`)))
+			must(s.PutMigration("mig-2", json.RawMessage(`{"migration_id":"mig-2"}`)))
+			must(s.DeleteMigration("mig-2"))
+			must(s.PutLaunched(Launched{ID: "r-1", Model: "m", PID: 41, Start: 9001, At: at}))
+			must(s.Close())
+			s = open()
+			defer s.Close()
+			in, err := s.Instances()
+			must(err)
+			if len(in) != 1 || in[0].ID != "a" || in[0].Role != "active" || in[0].ServedModels[0] != "m" || !in[0].LastSeen.Equal(at) {
+				t.Fatalf("instances: %+v", in)
+			}
+			ms, err := s.Migrations()
+			must(err)
+			if len(ms) != 1 || string(ms["mig-1"]) != `{"migration_id":"mig-1","state":"succeeded"}` {
+				t.Fatalf("migrations: %v", ms)
+			}
+			ls, err := s.LaunchedEngines()
+			must(err)
+			if len(ls) != 1 || ls[0].PID != 41 || !ls[0].At.Equal(at) {
+				t.Fatalf("launched: %+v", ls)
+			}
+		})
+	}
+}
+
+// One Host leads a shared store at a time: a second waits, and takes over
+// when the first gives it up or its lease ends; a Host whose lease ended
+// (partitioned, say) learns so, and its writes are refused — it cannot
+// overwrite what its successor decided.
+func TestOneHostLeadsTheSharedStore(t *testing.T) {
+	ep := etcdtest.Start(t)
+	h1 := openEtcd(t, ep, "h1")
+	if err := h1.PutInstance(Instance{ID: "a", Role: "active"}); err != nil {
+		t.Fatal(err)
+	}
+	second := make(chan *Etcd, 1)
+	go func() { second <- openEtcd(t, ep, "h2") }()
+	select {
+	case <-second:
+		t.Fatal("a second Host led the store beside the first")
+	case <-time.After(1500 * time.Millisecond): // past the lease: h1 renews it
+	}
+	// h1's lease revoked behind its back, as its expiry would.
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{ep}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cli.Close()
+	lost := time.Now()
+	if _, err := cli.Revoke(context.Background(), h1.sess.Lease()); err != nil {
+		t.Fatal(err)
+	}
+	var h2 *Etcd
+	select {
+	case h2 = <-second:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the second Host did not take over")
+	}
+	defer h2.Close()
+	t.Logf("the second Host led %v after the first's lease ended", time.Since(lost).Round(time.Millisecond))
+	select {
+	case <-h1.Lost():
+	case <-time.After(5 * time.Second):
+		t.Fatal("the first Host was not told it lost the store")
+	}
+	if err := h1.PutInstance(Instance{ID: "a", Role: "standby"}); !errors.Is(err, ErrNotLeader) {
+		t.Fatalf("a write of the Host that lost the store: %v", err)
+	}
+	if err := h2.PutInstance(Instance{ID: "b", Role: "active"}); err != nil {
+		t.Fatal(err)
+	}
+	in, err := h2.Instances()
+	if err != nil || len(in) != 2 {
+		t.Fatalf("%+v %v", in, err)
+	}
+	for _, i := range in {
+		if i.ID == "a" && i.Role != "active" {
+			t.Fatalf("the old leader's write landed: %+v", i)
+		}
+	}
+	h1.Close()
+}
