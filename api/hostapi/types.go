@@ -266,6 +266,18 @@ type Status struct {
 	Models           []string       `json:"models"`
 	Version          string         `json:"version"`
 	UptimeS          float64        `json:"uptime_s"`
+	// Hosts sharing the store (etcd), the leader first; absent with the
+	// embedded store.
+	Hosts []HostInfo `json:"hosts,omitempty"`
+}
+
+// HostInfo is one Host of a shared store: the leader serves, the others
+// wait to take over. LastSeen is when its lease was last renewed.
+type HostInfo struct {
+	ID       string    `json:"id"`
+	Address  string    `json:"address"`
+	Leader   bool      `json:"leader"`
+	LastSeen time.Time `json:"last_seen"`
 }
 
 // ErrorBody is the contract's error shape:

@@ -11,11 +11,13 @@ import (
 	"time"
 
 	"github.com/go-chi/chi/v5"
+	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
+	"github.com/vllm-hi/vllm-hi/internal/store"
 	"github.com/vllm-hi/vllm-hi/internal/version"
 )
 
@@ -101,7 +103,7 @@ func view(i registry.Instance) hostapi.Instance {
 	return v
 }
 
-func (h *Host) status(w http.ResponseWriter, _ *http.Request) {
+func (h *Host) status(w http.ResponseWriter, r *http.Request) {
 	list := h.reg.List()
 	byState := map[string]int{}
 	models := map[string]bool{}
@@ -116,10 +118,22 @@ func (h *Host) status(w http.ResponseWriter, _ *http.Request) {
 		names = append(names, m)
 	}
 	sort.Strings(names)
-	writeJSON(w, http.StatusOK, hostapi.Status{
+	st := hostapi.Status{
 		Status: "ok", InstanceCount: len(list), InstancesByState: byState, Models: names,
 		Version: version.Version, UptimeS: time.Since(h.started).Seconds(),
-	})
+	}
+	if shared, ok := h.store.(interface {
+		Members(context.Context) ([]store.Member, error)
+	}); ok {
+		ms, err := shared.Members(r.Context())
+		if err != nil {
+			h.log.Warn("listing the shared store's Hosts", zap.Error(err))
+		}
+		for _, m := range ms {
+			st.Hosts = append(st.Hosts, hostapi.HostInfo{ID: m.ID, Address: m.Address, Leader: m.Leader, LastSeen: m.LastSeen})
+		}
+	}
+	writeJSON(w, http.StatusOK, st)
 }
 
 func (h *Host) instances(w http.ResponseWriter, _ *http.Request) {

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"os"
 	"strings"
 	"sync"
 	"time"
@@ -459,12 +460,13 @@ func openStore(ctx context.Context, cfg Config, log *zap.Logger) (store.Store, e
 				return nil, fmt.Errorf("etcd TLS: %w", err)
 			}
 		}
-		name := cfg.Migration.HostAddr
-		if name == "" {
-			name = cfg.Listen
+		addr := cfg.Migration.HostAddr
+		if addr == "" {
+			addr = cfg.Listen
 		}
+		hostname, _ := os.Hostname()
 		s, err := store.OpenEtcd(ctx, store.EtcdOptions{Endpoints: eps, Prefix: cfg.StorePrefix, TLS: etls,
-			LeaseTTL: cfg.StoreLease, Name: name, Log: log.Named("store")})
+			LeaseTTL: cfg.StoreLease, ID: fmt.Sprintf("%s-%d", hostname, os.Getpid()), Address: addr, Log: log.Named("store")})
 		if err != nil {
 			return nil, err
 		}

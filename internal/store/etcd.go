@@ -27,9 +27,45 @@ type EtcdOptions struct {
 	LeaseTTL time.Duration
 	// OpTimeout bounds each read and write (default 5 s).
 	OpTimeout time.Duration
-	// Name is this Host's name in the election (its address).
-	Name string
-	Log  *zap.Logger
+	// ID and Address name this Host among those of the store (its
+	// election key's value: what GET /vllm_hi/status lists).
+	ID, Address string
+	Log         *zap.Logger
+}
+
+// Member is one Host of a shared store.
+type Member struct {
+	ID       string    `json:"id"`
+	Address  string    `json:"address"`
+	Leader   bool      `json:"-"`
+	LastSeen time.Time `json:"-"`
+}
+
+// Members lists the Hosts of the store — the leader, then those waiting
+// to take over in the order they would — and when each one's lease was
+// last renewed.
+func (s *Etcd) Members(ctx context.Context) ([]Member, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	defer cancel()
+	resp, err := s.cli.Get(ctx, s.prefix+"election/", clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByCreateRevision, clientv3.SortAscend))
+	if err != nil {
+		return nil, fmt.Errorf("etcd: %w", err)
+	}
+	now := time.Now()
+	out := make([]Member, 0, len(resp.Kvs))
+	for i, kv := range resp.Kvs {
+		var m Member
+		if json.Unmarshal(kv.Value, &m) != nil {
+			m.ID = string(kv.Value)
+		}
+		m.Leader = i == 0
+		if ttl, err := s.cli.TimeToLive(ctx, clientv3.LeaseID(kv.Lease)); err == nil && ttl.TTL > 0 {
+			// Renewed to its granted TTL, then counting down.
+			m.LastSeen = now.Add(-time.Duration(ttl.GrantedTTL-ttl.TTL) * time.Second).UTC()
+		}
+		out = append(out, m)
+	}
+	return out, nil
 }
 
 // Etcd is the shared store: every Host of a deployment on one etcd, one
@@ -112,10 +148,11 @@ func OpenEtcd(ctx context.Context, o EtcdOptions) (*Etcd, error) {
 	lctx, lcancel := context.WithTimeout(ctx, o.OpTimeout)
 	if leader, err := s.election.Leader(lctx); err == nil && len(leader.Kvs) > 0 {
 		log.Warn("another Host leads the shared store: this one waits to take over",
-			zap.String("leader", string(leader.Kvs[0].Value)), zap.Int("lease_ttl_s", ttl))
+			zap.ByteString("leader", leader.Kvs[0].Value), zap.Int("lease_ttl_s", ttl))
 	}
 	lcancel()
-	if err := s.election.Campaign(ctx, o.Name); err != nil {
+	me, _ := json.Marshal(Member{ID: o.ID, Address: o.Address})
+	if err := s.election.Campaign(ctx, string(me)); err != nil {
 		s.Close()
 		return nil, fmt.Errorf("etcd: waiting to lead the shared store: %w", err)
 	}

@@ -14,7 +14,7 @@ import (
 
 func openEtcd(t *testing.T, ep, name string) *Etcd {
 	t.Helper()
-	s, err := OpenEtcd(context.Background(), EtcdOptions{Endpoints: []string{ep}, Prefix: "/t/", LeaseTTL: time.Second, Name: name})
+	s, err := OpenEtcd(context.Background(), EtcdOptions{Endpoints: []string{ep}, Prefix: "/t/", LeaseTTL: time.Second, ID: name, Address: name + ":1"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -90,6 +90,11 @@ func TestOneHostLeadsTheSharedStore(t *testing.T) {
 	case <-second:
 		t.Fatal("a second Host led the store beside the first")
 	case <-time.After(1500 * time.Millisecond): // past the lease: h1 renews it
+	}
+	ms, err := h1.Members(context.Background())
+	if err != nil || len(ms) != 2 || ms[0].ID != "h1" || !ms[0].Leader || ms[1].ID != "h2" || ms[1].Leader || ms[1].Address != "h2:1" ||
+		time.Since(ms[0].LastSeen) > 2*time.Second {
+		t.Fatalf("the store's Hosts: %+v %v", ms, err)
 	}
 	// h1's lease revoked behind its back, as its expiry would.
 	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{ep}})

@@ -1,14 +1,18 @@
 package e2e
 
 import (
+	"context"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/etcdtest"
+	"github.com/vllm-hi/vllm-hi/internal/loadgen"
 )
 
 // Two Hosts on one etcd (issue 31's first step: one leads, the other
@@ -34,21 +38,15 @@ func TestASecondHostTakesOverTheSharedStore(t *testing.T) {
 	}
 	checkExact(t, <-running, want)
 
-	args := slices.Clone(d.hostArgs)
-	for i := range args {
-		if args[i] == "--listen" {
-			args[i+1] = second
-		}
-		if args[i] == "--data-dir" {
-			args[i+1] = t.TempDir()
-		}
-	}
-	h2 := startVHI(t, args...)
+	h2 := d.secondHost(t, second)
 	h2URL := "http://" + second
 	time.Sleep(1500 * time.Millisecond)
 	if resp, err := http.Get(h2URL + "/health"); err == nil {
 		resp.Body.Close()
 		t.Fatal("the second Host serves while the first leads the store")
+	}
+	if hs := hostsOf(t, d.hostURL); len(hs) != 2 || !hs[0].Leader || hs[0].Address != d.hostAddr || hs[1].Leader || hs[1].Address != second {
+		t.Fatalf("the Hosts in the leader's status: %+v", hs)
 	}
 
 	d.host.kill()
@@ -69,6 +67,9 @@ func TestASecondHostTakesOverTheSharedStore(t *testing.T) {
 	if st := d.status(t, first.ID); st.State != hostapi.StateSucceeded {
 		t.Fatalf("the first Host's migration, read from the second: %+v", st)
 	}
+	if hs := hostsOf(t, h2URL); len(hs) != 1 || !hs[0].Leader || hs[0].Address != second {
+		t.Fatalf("the Hosts in the new leader's status: %+v", hs)
+	}
 
 	// Streams and a migration through the second Host.
 	reqs = load(16, 300)
@@ -81,4 +82,77 @@ func TestASecondHostTakesOverTheSharedStore(t *testing.T) {
 	}
 	checkExact(t, <-running, want)
 	h2.stop(t)
+}
+
+// hostsOf reads the Hosts of a shared store from a Host's status.
+func hostsOf(t *testing.T, hostURL string) []hostapi.HostInfo {
+	t.Helper()
+	resp, err := http.Get(hostURL + "/vllm_hi/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var st hostapi.Status
+	if err := json.NewDecoder(resp.Body).Decode(&st); err != nil {
+		t.Fatal(err)
+	}
+	return st.Hosts
+}
+
+// secondHost starts another Host on the deployment's store at addr: it
+// waits to lead.
+func (d *deployment) secondHost(t *testing.T, addr string) *proc {
+	t.Helper()
+	args := slices.Clone(d.hostArgs)
+	for i := range args {
+		switch args[i] {
+		case "--listen":
+			args[i+1] = addr
+		case "--data-dir":
+			args[i+1] = t.TempDir()
+		}
+	}
+	return startVHI(t, args...)
+}
+
+// The leading Host dies inside a migration's pause: the Host that takes
+// over closes the migration's record (aborted), releases the target's
+// reservations at once from it, and keeps exactly one of A and B active;
+// A resumes at its pause lease and its direct streams finish.
+func TestTheNextHostEndsAMigrationItsLeaderDiedIn(t *testing.T) {
+	ep := etcdtest.Start(t)
+	second := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	d := deployWith(t, deployOptions{bBlocks: 4096, hostArgs: []string{"--store", "etcd://" + ep, "--store-lease", "2s"}, moreHosts: []string{second}})
+	h2 := d.secondHost(t, second)
+	defer h2.stop(t)
+	direct := make(chan []loadgen.Stream, 1)
+	reqs := load(8, 400)
+	go func() { direct <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: d.aURL, Model: "m"}, reqs) }()
+	viaHost := d.startLoad(load(8, 400))
+	time.Sleep(300 * time.Millisecond)
+	if code, body := d.migrate(t, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","inject_fault":"crash_after_pause"}`); code != 200 {
+		t.Fatalf("%d %s", code, body)
+	}
+	_ = d.host.cmd.Wait() // the leader exits with A paused
+	died := time.Now()
+	d.host.kill()
+	h2URL := "http://" + second
+	waitHealthy(t, h2URL+"/health")
+	d.hostURL = h2URL
+	waitUntil(t, "B's reservations released", func() bool { return d.stats(t, d.bURL).Reserved == 0 })
+	freed := time.Since(died)
+	list := listMigrations(t, h2URL)
+	if len(list) != 1 || list[0].State != hostapi.StateAborted || !strings.Contains(list[0].Error, "released the target's reservations") {
+		t.Fatalf("the migration the leader died in, as the next Host has it: %+v", list)
+	}
+	if a, b := roleOf(t, h2URL, "A"), roleOf(t, h2URL, "B"); a != "active" || b != "standby" {
+		t.Fatalf("roles after the takeover: A %s, B %s", a, b)
+	}
+	t.Logf("the next Host released B's reservations %v after the leader died (store lease 2 s, B's reservation lease 10 s)", freed.Round(time.Millisecond))
+	<-viaHost // those streams ended with the leader
+	for i, s := range <-direct {
+		if s.Err != nil || s.Done != 1 {
+			t.Fatalf("stream %d to A did not finish after the leader died: %v", i, s.Err)
+		}
+	}
 }
