@@ -54,6 +54,9 @@ type scenario struct {
 	Greedy bool
 	// External runs against a running Host instead of starting sims.
 	External *externalDeployment
+	// HostStore and HostDataDir are the in-process Host's --store and
+	// --data-dir (""/"": no durable state, as in-process stacks run).
+	HostStore, HostDataDir string
 }
 
 // sizes are a sim shape's TP and PP, 1 where unset.
@@ -152,6 +155,7 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 			c.Migration.Verify = sc.Verify
 		}
 		c.Migration.PreAttach = sc.PreAttach
+		c.Store, c.DataDir = sc.HostStore, sc.HostDataDir
 	}
 	st, err := stack.Start(stack.Options{Model: "demo-model", SimA: simA, SimB: simB, Log: sc.Log, TuneHost: tune, TransferBackend: sc.TransferBackend})
 	if err != nil {
