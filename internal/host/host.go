@@ -385,6 +385,26 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 		lostErr = errors.New("this Host lost the shared store's leadership (its lease ended); another Host leads it now")
 		h.log.Error("stopping", zap.Error(lostErr))
 	}
+	if r, ok := h.store.(interface{ Resign(context.Context) error }); ok && lostErr == nil {
+		// A shared store: hand it over before the streams drain, so that a
+		// waiting Host serves new requests at once instead of after this
+		// one's drain. This Host decides nothing more first — switching,
+		// background work, drains and migrations end (a running migration
+		// rolls back or finishes) — then gives the leadership up; its own
+		// clients' streams go on to their end below.
+		stopSwitching()
+		stopBackground()
+		background.Wait()
+		hctx, hcancel := context.WithTimeout(context.Background(), h.cfg.ShutdownTimeout)
+		h.drainer.Close(hctx)
+		h.mig.Close(hctx)
+		if err := r.Resign(hctx); err != nil {
+			h.log.Warn("handing the shared store over failed (the next Host leads when this one's lease ends)", zap.Error(err))
+		} else {
+			h.log.Info("handed the shared store over to the next Host; finishing this Host's streams")
+		}
+		hcancel()
+	}
 	h.log.Info("shutting down: draining streams", zap.Duration("timeout", h.cfg.ShutdownTimeout))
 	stopSwitching()
 	sctx, cancel := context.WithTimeout(context.Background(), h.cfg.ShutdownTimeout)

@@ -160,6 +160,14 @@ func OpenEtcd(ctx context.Context, o EtcdOptions) (*Etcd, error) {
 	return s, nil
 }
 
+// Resign gives the leadership up now: a waiting Host takes over at once,
+// and this Host's writes are refused from here (ErrNotLeader).
+func (s *Etcd) Resign(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	defer cancel()
+	return s.election.Resign(ctx)
+}
+
 // Lost implements Store: closed when this Host's lease ended.
 func (s *Etcd) Lost() <-chan struct{} { return s.sess.Done() }
 

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -155,4 +156,45 @@ func TestTheNextHostEndsAMigrationItsLeaderDiedIn(t *testing.T) {
 			t.Fatalf("stream %d to A did not finish after the leader died: %v", i, s.Err)
 		}
 	}
+}
+
+// A rolling upgrade of the Hosts: the leader stopped with SIGTERM hands
+// the store over before it drains its streams, so the waiting Host serves
+// new requests at once — not when the leader's drain or lease ends —
+// while every stream the old leader relays finishes exactly.
+func TestALeaderHandsOverOnSIGTERM(t *testing.T) {
+	ep := etcdtest.Start(t)
+	second := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	d := deployWith(t, deployOptions{bBlocks: 4096, hostArgs: []string{"--store", "etcd://" + ep, "--store-lease", "10s"}, moreHosts: []string{second}})
+	h2 := d.secondHost(t, second)
+	defer h2.stop(t)
+	reqs := load(16, 700) // ~4 s at 6 ms a step: still running at the hand-over
+	want := d.reference(reqs)
+	running := d.startLoad(reqs)
+	time.Sleep(500 * time.Millisecond)
+	if err := d.host.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	stopped := time.Now()
+	h2URL := "http://" + second
+	waitHealthy(t, h2URL+"/health")
+	serving := time.Since(stopped)
+	waitUntil(t, "both agents registered with the second Host", func() bool {
+		return instance(t, h2URL, "A").Lifecycle == "active" && instance(t, h2URL, "B").Lifecycle == "standby"
+	})
+	registered := time.Since(stopped)
+	// New requests through the second Host while the first drains.
+	fresh := load(2, 20)
+	if got := loadgen.Run(context.Background(), loadgen.Config{BaseURL: h2URL, Model: "m"}, fresh); got[0].Err != nil || got[1].Err != nil {
+		t.Fatalf("a request through the new leader during the old one's drain: %v %v", got[0].Err, got[1].Err)
+	}
+	got := <-running
+	drained := time.Since(stopped)
+	checkExact(t, got, want)
+	if serving >= drained || serving > 5*time.Second {
+		t.Fatalf("the second Host served %v after the SIGTERM, the first drained in %v (its lease: 10 s)", serving, drained)
+	}
+	t.Logf("SIGTERM to the leader: the next Host served %v after, the agents registered with it %v after; the old leader's %d streams finished exactly %v after",
+		serving.Round(time.Millisecond), registered.Round(time.Millisecond), len(got), drained.Round(time.Millisecond))
+	d.host.stop(t) // exits 0 after its drain
 }
