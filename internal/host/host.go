@@ -13,6 +13,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/go-chi/chi/v5"
@@ -140,6 +141,7 @@ type Host struct {
 	bodies     *budget
 	serverTLS  *tls.Config
 	started    time.Time
+	serving    atomic.Bool // Serve accepts connections (gRPC included)
 }
 
 // New builds a Host (opening its state in cfg.DataDir); Serve runs it.
@@ -266,7 +268,10 @@ func (h *Host) Handler() http.Handler {
 	r.Post("/v1/chat/completions", h.openAI)
 	r.Post("/v1/completions", h.openAI)
 	r.Get("/v1/models", h.models)
+	h.mountVLLMRoutes(r)
 	r.Get(hostapi.PathHealth, func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
+	r.Get("/livez", h.livez)
+	r.Get("/readyz", h.readyz)
 	r.Get("/metrics", promhttp.HandlerFor(h.prom, promhttp.HandlerOpts{}).ServeHTTP)
 	r.Get(hostapi.PathStatus, h.status)
 	r.Get(hostapi.PathInstances, h.instances)
@@ -364,6 +369,7 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 		}
 		errc <- srv.Serve(ln)
 	}()
+	h.serving.Store(true)
 	h.log.Info("vhi host serving", zap.String("addr", ln.Addr().String()), zap.Bool("tls", h.serverTLS != nil),
 		zap.Bool("admin_token", h.cfg.AdminToken != ""), zap.Bool("agent_token", h.cfg.AgentToken != ""), zap.String("data_dir", h.cfg.DataDir))
 	var lost <-chan struct{}
@@ -385,6 +391,7 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 		lostErr = errors.New("this Host lost the shared store's leadership (its lease ended); another Host leads it now")
 		h.log.Error("stopping", zap.Error(lostErr))
 	}
+	h.serving.Store(false) // out of rotation from here
 	if r, ok := h.store.(interface{ Resign(context.Context) error }); ok && lostErr == nil {
 		// A shared store: hand it over before the streams drain, so that a
 		// waiting Host serves new requests at once instead of after this

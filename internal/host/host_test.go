@@ -168,7 +168,8 @@ func TestRoutingAndErrors(t *testing.T) {
 	// the same for two clients, or with '/' and '?' in it — names nothing.
 	ids := map[string]bool{}
 	for i := 0; i < 2; i++ {
-		_, body, _ = httpDo(t, "POST", h.url+"/v1/completions", `{"model":"m","prompt":"x","max_tokens":1}`, map[string]string{"X-Request-Id": "../abc?x=1"})
+		var rh http.Header
+		_, body, rh = httpDo(t, "POST", h.url+"/v1/completions", `{"model":"m","prompt":"x","max_tokens":1}`, map[string]string{"X-Request-Id": "../abc?x=1"})
 		var r struct {
 			ID string `json:"id"`
 		}
@@ -176,6 +177,10 @@ func TestRoutingAndErrors(t *testing.T) {
 		// random hex ids hold that about once in 150.
 		if err := json.Unmarshal([]byte(body), &r); err != nil || !strings.HasPrefix(r.ID, "cmpl-") || strings.ContainsAny(r.ID, "./?=") {
 			t.Fatalf("the client's request id named the engine request: %s", body)
+		}
+		// The Host's id is answered: the engine's response id names it.
+		if r.ID != "cmpl-"+rh.Get("X-Request-Id") {
+			t.Fatalf("answered X-Request-Id %q for the engine's %s", rh.Get("X-Request-Id"), r.ID)
 		}
 		ids[r.ID] = true
 	}

@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"os"
 	"strings"
 	"sync"
 	"time"
@@ -96,28 +95,15 @@ func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 	var released sync.Once
 	release := func() { released.Do(func() { h.bodies.give(held) }) }
 	defer release()
+	rid := newRequestID()
+	// The Host's id for the request, answered whatever comes of it: what
+	// a client quotes, and what the engine and the Host's log name.
+	w.Header().Set("X-Request-Id", rid)
 	if err != nil {
 		// The rest of the body is not read: close the connection after
 		// the answer instead of waiting for bytes that may never come.
 		w.Header().Set("Connection", "close")
-	}
-	switch {
-	case errors.Is(err, errBodyTooLarge):
-		h.count("", http.StatusRequestEntityTooLarge)
-		proxy.WriteError(w, http.StatusRequestEntityTooLarge, "BadRequestError", fmt.Sprintf("request body over %d bytes", h.cfg.MaxRequestBody))
-		return
-	case errors.Is(err, errBodyBudget):
-		h.count("", http.StatusServiceUnavailable)
-		w.Header().Set("Retry-After", "1")
-		proxy.WriteError(w, http.StatusServiceUnavailable, "ServiceUnavailableError", "the Host is holding as many request bodies as it may; retry")
-		return
-	case errors.Is(err, os.ErrDeadlineExceeded):
-		h.count("", http.StatusRequestTimeout)
-		proxy.WriteError(w, http.StatusRequestTimeout, "BadRequestError", fmt.Sprintf("the request body did not arrive within %v", h.cfg.RequestBodyTimeout))
-		return
-	case err != nil:
-		h.count("", http.StatusBadRequest)
-		proxy.WriteError(w, http.StatusBadRequest, "BadRequestError", "could not read the request body")
+		h.bodyError(w, err)
 		return
 	}
 	var head struct {
@@ -135,7 +121,7 @@ func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if h.switcher != nil && h.switcher.Has(head.Model) {
-		h.switched(w, r, body, head.Model, head.Stream, release)
+		h.switched(w, r, rid, body, head.Model, head.Stream, release)
 		return
 	}
 	inst, known, ok := h.route(head.Model, nil)
@@ -155,7 +141,7 @@ func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 	// client's X-Request-Id could name another client's stream (hiding it
 	// from migration, or stealing its splice) or carry '/' and '?' into
 	// the hook URLs. The client's id is logged for correlation.
-	hdr, engineID := h.upstreamHeader(r)
+	hdr, engineID := h.upstreamHeader(r, rid)
 	res := h.proxy.Forward(w, r, proxy.Upstream{
 		BaseURL: inst.Engine.URL, Path: r.URL.Path, Body: body, Header: hdr, Model: head.Model, InstanceID: inst.ID,
 		RequestID: engineID, Sent: release, Hold: h.scaler.Hold, OnFirstToken: h.observeTTFT(head.Model, arrived),
@@ -203,17 +189,12 @@ func (h *Host) count(model string, status int) {
 // a client's X-Request-Id could name another client's stream (hiding it
 // from migration, or stealing its splice) or carry '/' and '?' into the
 // hook URLs. The client's id is logged for correlation.
-func (h *Host) upstreamHeader(r *http.Request) (http.Header, string) {
-	rid := newRequestID()
+func (h *Host) upstreamHeader(r *http.Request, rid string) (http.Header, string) {
 	if cid := r.Header.Get("X-Request-Id"); cid != "" {
 		h.log.Debug("request", zap.String("client_request_id", cid), zap.String("request_id", rid))
 	}
-	hdr := http.Header{"Content-Type": {"application/json"}, "X-Request-Id": {rid}}
-	for _, k := range []string{"Authorization", "Accept"} {
-		if v := r.Header.Get(k); v != "" {
-			hdr.Set(k, v)
-		}
-	}
+	hdr := h.passedHeader(r.Header, rid)
+	hdr.Set("Content-Type", "application/json")
 	// The engine names the request by its response id: vLLM's prefix and
 	// the id it was given.
 	prefix := "cmpl-"

@@ -57,7 +57,7 @@ func switchedEngines(models map[string]switching.Model) func(registry.Instance) 
 // switched serves an OpenAI request for a switched model: a lease on the
 // model (queued while a switch wakes it), then the request relayed to its
 // backend with the served model name.
-func (h *Host) switched(w http.ResponseWriter, r *http.Request, body []byte, alias string, stream bool, sent func()) {
+func (h *Host) switched(w http.ResponseWriter, r *http.Request, rid string, body []byte, alias string, stream bool, sent func()) {
 	lease, err := h.switcher.Acquire(r.Context(), alias, stream)
 	if err != nil {
 		if errors.Is(err, context.Canceled) {
@@ -88,7 +88,7 @@ func (h *Host) switched(w http.ResponseWriter, r *http.Request, body []byte, ali
 	if inst, ok := h.instanceAt(lease.BackendURL()); ok {
 		instanceID = inst.ID
 	}
-	hdr, engineID := h.upstreamHeader(r)
+	hdr, engineID := h.upstreamHeader(r, rid)
 	res := h.proxy.Forward(w, r, proxy.Upstream{
 		BaseURL: lease.BackendURL(), Path: r.URL.Path, Body: body, Header: hdr, Model: served,
 		InstanceID: instanceID, RequestID: engineID, Sent: sent,

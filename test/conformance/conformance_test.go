@@ -430,6 +430,17 @@ func TestHostRoutesToVLLM(t *testing.T) {
 	if m := send(t, "GET", hostURL+"/v1/models", ""); m.status != 200 || !strings.Contains(string(m.body), `"id":"tiny"`) {
 		t.Fatalf("/v1/models via the Host: %d %s", m.status, m.body)
 	}
+	// vLLM's other routes go through the Host as they are: the same
+	// answer as vLLM's own.
+	for _, c := range []struct{ path, body string }{
+		{"/tokenize", `{"model":"tiny","prompt":"hello world"}`},
+		{"/detokenize", `{"model":"tiny","tokens":[1,2,3]}`},
+	} {
+		direct, via := send(t, "POST", vllm+c.path, c.body), send(t, "POST", hostURL+c.path, c.body)
+		if via.status != 200 || via.status != direct.status || string(via.body) != string(direct.body) {
+			t.Fatalf("%s via the Host: %d %s; vLLM's own: %d %s", c.path, via.status, via.body, direct.status, direct.body)
+		}
+	}
 }
 
 // textOf concatenates the text of a stream's chunks (greedy, so two runs
