@@ -299,6 +299,9 @@ type ErrorDetail struct {
 // serving the drained one's models).
 type DrainRequest struct {
 	To []string `json:"to,omitempty"`
+	// Force drains the last active instance of a model (the model goes
+	// offline: its requests answer 503 until an instance serves it).
+	Force bool `json:"force,omitempty"`
 }
 
 // DrainAnswer is the answer to a drain: its id, for the status.

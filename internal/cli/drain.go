@@ -19,6 +19,7 @@ func newDrainCommand() *cobra.Command {
 		hf      hostClientFlags
 		to      []string
 		wait    bool
+		force   bool
 		timeout time.Duration
 	)
 	cmd := &cobra.Command{
@@ -29,7 +30,8 @@ other active instances of its models (--to names them; by default every eligible
 requests spread by free KV) by keep_source_active migrations while they keep streaming, waits
 for what cannot move (non-streaming requests) to finish, and retires the instance. With --wait
 it shows each migration as it ends and a summary, and exits non-zero unless the drain
-succeeded. An instance no other can take requests from is refused (409) with nothing changed;
+succeeded. An instance no other can take requests from is refused (409) with nothing changed,
+and so is the last active instance of a model unless --force (the model would go offline);
 vhi undrain ID routes to a draining instance again.`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -38,7 +40,7 @@ vhi undrain ID routes to a draining instance again.`,
 				return hf.fail(err)
 			}
 			out := cmd.OutOrStdout()
-			id, err := c.Drain(cmd.Context(), args[0], hostapi.DrainRequest{To: to})
+			id, err := c.Drain(cmd.Context(), args[0], hostapi.DrainRequest{To: to, Force: force})
 			if err != nil {
 				return hf.fail(err)
 			}
@@ -78,6 +80,7 @@ vhi undrain ID routes to a draining instance again.`,
 	f := cmd.Flags()
 	f.StringSliceVar(&to, "to", nil, "instances to move the requests to (default: every other active instance of its models)")
 	f.BoolVar(&wait, "wait", false, "follow the drain and print its summary")
+	f.BoolVar(&force, "force", false, "drain the last active instance of a model too (the model goes offline until an instance serves it)")
 	f.DurationVar(&timeout, "timeout", 15*time.Minute, "with --wait, give up after this long")
 	return cmd
 }

@@ -142,6 +142,17 @@ func (o *Drainer) startDrain(id string, req hostapi.DrainRequest, cause string) 
 		}
 		return "", errdefs.Newf(errdefs.ErrConflict, "instance %s is draining already (undrain it first)", id)
 	}
+	if cause == hostapi.DrainCauseOperator && !req.Force {
+		// An operator's drain must not take a model offline by accident
+		// (its next request would get a 503): the last active instance
+		// of a model drains only when asked to with force.
+		for _, m := range src.Engine.ServedModels {
+			if _, ok := o.reg.RouteAvoiding(m, []string{src.ID}); !ok {
+				return "", errdefs.Newf(errdefs.ErrConflict, "instance %s is the last active instance of model %s: draining it takes the model offline "+
+					"(its requests would answer 503); drain with force (vhi drain --force) to do that", id, m)
+			}
+		}
+	}
 	for _, t := range req.To {
 		if t == id {
 			return "", errdefs.Newf(errdefs.ErrConflict, "instance %s cannot be drained onto itself", id)

@@ -37,16 +37,22 @@ func (r *rig) exact(got []loadgen.Stream) {
 	}
 }
 
-// A drain of an instance whose requests nothing can take (the only other
-// instance is a standby) is a 409 that says so, and changes nothing.
+// A drain of the last active instance of a model is a 409 unless forced
+// (the model would go offline); a forced drain of an instance whose
+// requests nothing can take (the only other instance is a standby) is a
+// 409 that says so. Neither changes anything.
 func TestDrainWithNowhereToGoIsRefused(t *testing.T) {
 	r := newRig(t, rigOptions{})
 	done := r.loadThroughHost()
 	_, err := r.st.Client().Drain(context.Background(), r.st.AID, hostapi.DrainRequest{})
-	if !hostapi.IsStatus(err, 409) || !strings.Contains(err.Error(), "no instance can take them") {
-		t.Fatalf("drain with no target: %v", err)
+	if !hostapi.IsStatus(err, 409) || !strings.Contains(err.Error(), "last active instance of model m") || !strings.Contains(err.Error(), "--force") {
+		t.Fatalf("drain of the model's last active instance: %v", err)
 	}
-	if _, err := r.st.Client().Drain(context.Background(), r.st.AID, hostapi.DrainRequest{To: []string{r.st.BID}}); !hostapi.IsStatus(err, 409) ||
+	_, err = r.st.Client().Drain(context.Background(), r.st.AID, hostapi.DrainRequest{Force: true})
+	if !hostapi.IsStatus(err, 409) || !strings.Contains(err.Error(), "no instance can take them") {
+		t.Fatalf("forced drain with no target: %v", err)
+	}
+	if _, err := r.st.Client().Drain(context.Background(), r.st.AID, hostapi.DrainRequest{To: []string{r.st.BID}, Force: true}); !hostapi.IsStatus(err, 409) ||
 		!strings.Contains(err.Error(), "not active") {
 		t.Fatalf("drain onto a standby: %v", err)
 	}

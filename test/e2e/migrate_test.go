@@ -527,5 +527,14 @@ func TestDrainByCLI(t *testing.T) {
 	if in := instance(t, d.hostURL, "B"); in.Lifecycle != "retired" {
 		t.Fatalf("B is %s after its drain", in.Lifecycle)
 	}
-	hostMetrics(t, d.hostURL, `vhi_drains_total{state="succeeded"} 1`, `vhi_drains_total{state="refused"} 1`)
+	// A is the model's last active instance now: draining it would take
+	// the model offline, so the CLI refuses it unless --force.
+	out, err = exec.Command(vhiBin, "drain", "A", "--host", d.hostURL, "--admin-token-file", d.tk.adminFile).CombinedOutput()
+	if err == nil || !strings.Contains(string(out), "last active instance of model m") || !strings.Contains(string(out), "--force") {
+		t.Fatalf("vhi drain of the model's last active instance: %v\n%s", err, out)
+	}
+	if in := instance(t, d.hostURL, "A"); in.Lifecycle != "active" {
+		t.Fatalf("a refused drain left A %s", in.Lifecycle)
+	}
+	hostMetrics(t, d.hostURL, `vhi_drains_total{state="succeeded"} 1`, `vhi_drains_total{state="refused"} 2`)
 }
