@@ -356,7 +356,18 @@ func TestMigrationRollsBack(t *testing.T) {
 		{"the pause stalls past its fence", &fault{side: "src", method: "Hook", hook: hooks.HookExport, delay: 3 * time.Second}, hostapi.MigrateRequest{}, "pause lease"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			r := newRig(t, rigOptions{})
+			o := rigOptions{}
+			if c.req.InjectFault == "silent_corrupt" {
+				// The fault corrupts the final round's first bytes: the
+				// streams must still be decoding at the pause. The source
+				// holds their last 8 tokens, and a stream held there
+				// writes nothing for the final round to carry: on a slow
+				// machine the 160-token load reached its tails first, the
+				// round was empty and the migration rightly succeeded.
+				// 450 tokens at 3 ms a step last over a second.
+				o.streams, o.tokens = 12, 450
+			}
+			r := newRig(t, o)
 			var fs []*fault
 			if c.fault != nil {
 				fs = append(fs, c.fault)
