@@ -23,7 +23,7 @@ type hostClientFlags struct {
 func (h *hostClientFlags) add(cmd *cobra.Command) {
 	f := cmd.Flags()
 	f.StringVar(&h.url, "host", envDefault("VLLM_HI_HOST_URL", "http://127.0.0.1:8002"), "the Host's URL [VLLM_HI_HOST_URL]")
-	f.StringVarP(&h.output, "output", "o", "table", "output: table or json")
+	f.StringVarP(&h.output, "output", "o", "table", "output: table or json (the lists vhi migrations, drains and scales: yaml too)")
 	f.StringVar(&h.tokenFile, "admin-token-file", envDefault("VLLM_HI_ADMIN_TOKEN_FILE", ""),
 		"file holding the admin token, for changes [VLLM_HI_ADMIN_TOKEN_FILE] (default: the local Host's admin-token)")
 	f.StringVar(&h.caFile, "tls-ca-file", envDefault("VLLM_HI_TLS_CA_FILE", ""), "verify an https Host with this CA [VLLM_HI_TLS_CA_FILE]")

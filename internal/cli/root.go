@@ -37,7 +37,9 @@ func NewRootCommand() *cobra.Command {
 	root.AddCommand(newVersionCommand(), newHostCommand(g), newAgentCommand(g), newSimCommand(g), newDemoCommand(g),
 		newBenchCommand(g), newInstancesCommand(), newMigrateCommand(), newMigrationCommand(), newWakeCommand(),
 		newDrainCommand(), newUndrainCommand(), newSwitchCommand(), newPrewarmCommand(), newStateCommand(),
-		newLaunchCommand(g), newStopCommand(), newScaleCommand(), newAutoscaleCommand())
+		newLaunchCommand(g), newStopCommand(), newScaleCommand(), newAutoscaleCommand(),
+		newMigrationsCommand(), newDrainsCommand(), newScalesCommand())
+	markUsage(root)
 	return root
 }
 
@@ -57,11 +59,7 @@ func Execute(args []string) int {
 		default:
 			fmt.Fprintln(os.Stderr, "vhi:", err)
 		}
-		var ee exitError
-		if errors.As(err, &ee) {
-			return ee.code
-		}
-		return 1
+		return exitCode(err)
 	}
 	return 0
 }

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bytes"
+	"errors"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -508,9 +509,9 @@ func TestDrainByCLI(t *testing.T) {
 	release := framework.HoldStreams(t, d, "B") // B's streams wait for the drain to move them
 	running := d.startLoad(reqs)
 	time.Sleep(900 * time.Millisecond)
-	if out, err := exec.Command(vhiBin, "drain", "nope", "--host", d.hostURL, "--admin-token-file", d.tk.adminFile).CombinedOutput(); err == nil ||
+	if out, err := exec.Command(vhiBin, "drain", "nope", "--host", d.hostURL, "--admin-token-file", d.tk.adminFile).CombinedOutput(); exitCodeOf(err) != 4 ||
 		!strings.Contains(string(out), "nope") {
-		t.Fatalf("vhi drain of an unknown instance: %v\n%s", err, out)
+		t.Fatalf("vhi drain of an unknown instance: %v (want exit 4, not found)\n%s", err, out)
 	}
 	out, err := exec.Command(vhiBin, "drain", "B", "--wait", "--host", d.hostURL, "--admin-token-file", d.tk.adminFile).CombinedOutput()
 	release()
@@ -530,11 +531,32 @@ func TestDrainByCLI(t *testing.T) {
 	// A is the model's last active instance now: draining it would take
 	// the model offline, so the CLI refuses it unless --force.
 	out, err = exec.Command(vhiBin, "drain", "A", "--host", d.hostURL, "--admin-token-file", d.tk.adminFile).CombinedOutput()
-	if err == nil || !strings.Contains(string(out), "last active instance of model m") || !strings.Contains(string(out), "--force") {
-		t.Fatalf("vhi drain of the model's last active instance: %v\n%s", err, out)
+	if exitCodeOf(err) != 5 || !strings.Contains(string(out), "last active instance of model m") || !strings.Contains(string(out), "--force") {
+		t.Fatalf("vhi drain of the model's last active instance: %v (want exit 5, a conflict)\n%s", err, out)
+	}
+	// The histories as lists.
+	out, err = exec.Command(vhiBin, "drains", "--host", d.hostURL).CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "succeeded") || !strings.Contains(string(out), "drain-") {
+		t.Fatalf("vhi drains: %v\n%s", err, out)
+	}
+	out, err = exec.Command(vhiBin, "migrations", "-o", "yaml", "--host", d.hostURL).CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "state: succeeded") || !strings.Contains(string(out), "src_vllm_hi_id: B") {
+		t.Fatalf("vhi migrations -o yaml: %v\n%s", err, out)
 	}
 	if in := instance(t, d.hostURL, "A"); in.Lifecycle != "active" {
 		t.Fatalf("a refused drain left A %s", in.Lifecycle)
 	}
 	hostMetrics(t, d.hostURL, `vhi_drains_total{state="succeeded"} 1`, `vhi_drains_total{state="refused"} 2`)
+}
+
+// exitCodeOf is the exit status of a command exec.Command ran (0: none).
+func exitCodeOf(err error) int {
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		return ee.ExitCode()
+	}
+	if err != nil {
+		return -1
+	}
+	return 0
 }

@@ -1,0 +1,55 @@
+package cli
+
+import (
+	"bytes"
+	"fmt"
+	"net"
+	"testing"
+
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
+)
+
+// Each cause has its exit code, whatever the command.
+func TestExitCodesByCause(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	down := "http://" + ln.Addr().String()
+	ln.Close() // nothing listens there now
+	for _, c := range []struct {
+		args []string
+		want int
+	}{
+		{[]string{"drain"}, exitUsage},                                   // a missing argument
+		{[]string{"instances", "--no-such-flag"}, exitUsage},             // an unknown flag
+		{[]string{"migrations", "-o", "xml", "--host", down}, exitUsage}, // a format the list cannot write, before any call
+		{[]string{"instances", "--host", down}, exitUnreachable},
+		{[]string{"migrations", "--host", down}, exitUnreachable},
+	} {
+		root := NewRootCommand()
+		root.SetArgs(c.args)
+		var out bytes.Buffer
+		root.SetOut(&out)
+		root.SetErr(&out)
+		if got := exitCode(root.Execute()); got != c.want {
+			t.Errorf("vhi %v: exit %d, want %d", c.args, got, c.want)
+		}
+	}
+	for _, c := range []struct {
+		err  error
+		want int
+	}{
+		{&hostapi.Error{Status: 404}, exitNotFound},
+		{&hostapi.Error{Status: 409}, exitConflict},
+		{&hostapi.Error{Status: 400}, exitUsage},
+		{&hostapi.Error{Status: 401}, exitDenied},
+		{fmt.Errorf("drain: %w", &hostapi.Error{Status: 409}), exitConflict},
+		{exitError{code: exitFailed, err: fmt.Errorf("migration aborted")}, exitFailed},
+		{fmt.Errorf("something else"), exitFailed},
+	} {
+		if got := exitCode(c.err); got != c.want {
+			t.Errorf("%v: exit %d, want %d", c.err, got, c.want)
+		}
+	}
+}
