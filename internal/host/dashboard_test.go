@@ -91,3 +91,38 @@ func TestGrafanaDashboard(t *testing.T) {
 		}
 	}
 }
+
+// docs/operations.md's metrics table names every vhi_ metric the Host
+// exports, and only those.
+func TestMetricsTableInDocs(t *testing.T) {
+	raw, err := os.ReadFile("../../docs/operations.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc := string(raw)
+	start := strings.Index(doc, "### Metrics (`GET /metrics`)")
+	if start < 0 {
+		t.Fatal("docs/operations.md has no metrics section")
+	}
+	section := doc[start:]
+	if end := strings.Index(section[1:], "\n#"); end > 0 {
+		section = section[:end+1]
+	}
+	row := regexp.MustCompile("(?m)^\\| `(vhi_[a-z0-9_]+)` \\|")
+	listed := map[string]bool{}
+	for _, m := range row.FindAllStringSubmatch(section, -1) {
+		listed[m[1]] = true
+	}
+	names := exported(t)
+	for n := range names {
+		base := strings.TrimSuffix(strings.TrimSuffix(strings.TrimSuffix(n, "_bucket"), "_sum"), "_count")
+		if strings.HasPrefix(n, "vhi_") && n == base && !listed[n] {
+			t.Errorf("docs/operations.md's metrics table lacks %s", n)
+		}
+	}
+	for n := range listed {
+		if !names[n] {
+			t.Errorf("docs/operations.md's metrics table lists %s, which the Host does not export", n)
+		}
+	}
+}

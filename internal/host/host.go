@@ -142,6 +142,7 @@ type Host struct {
 	serverTLS  *tls.Config
 	started    time.Time
 	serving    atomic.Bool // Serve accepts connections (gRPC included)
+	access     *zap.Logger // one line per relayed request
 }
 
 // New builds a Host (opening its state in cfg.DataDir); Serve runs it.
@@ -155,7 +156,7 @@ func NewContext(ctx context.Context, cfg Config, log *zap.Logger) (*Host, error)
 	if cfg.MaxRequestBody <= 0 || cfg.BodyMemory < cfg.MaxRequestBody {
 		return nil, fmt.Errorf("the request body limits are inconsistent (%d per body, %d in all)", cfg.MaxRequestBody, cfg.BodyMemory)
 	}
-	h := &Host{cfg: cfg, log: log, started: time.Now(), prom: prometheus.NewRegistry(), bodies: newBudget(cfg.BodyMemory)}
+	h := &Host{cfg: cfg, log: log, access: log.Named("access"), started: time.Now(), prom: prometheus.NewRegistry(), bodies: newBudget(cfg.BodyMemory)}
 	var err error
 	if h.serverTLS, err = cfg.TLS.ServerVerifyIfGiven("h2", "http/1.1"); err != nil {
 		return nil, err

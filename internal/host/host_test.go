@@ -13,6 +13,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -275,10 +276,11 @@ func TestAdminAndAgentTokens(t *testing.T) {
 	if i, _ := h.Registry().Get("a"); i.State != registry.StateActive {
 		t.Fatal("an unauthenticated drain changed state")
 	}
-	if code, _, _ := httpDo(t, "POST", h.url+"/vllm_hi/instances/a/drain", "", map[string]string{"Authorization": "bearer s3cret"}); code != 200 {
+	// (a is the model's last active instance: the drain is forced.)
+	if code, _, _ := httpDo(t, "POST", h.url+"/vllm_hi/instances/a/drain", `{"force":true}`, map[string]string{"Authorization": "bearer s3cret"}); code != 200 {
 		t.Fatalf("drain with token (lower-case scheme): %d", code)
 	}
-	if code, _, _ := httpDo(t, "POST", h.url+"/vllm_hi/instances/a/drain", "", map[string]string{"Authorization": "Bearer s3cret"}); code != 409 {
+	if code, _, _ := httpDo(t, "POST", h.url+"/vllm_hi/instances/a/drain", `{"force":true}`, map[string]string{"Authorization": "Bearer s3cret"}); code != 409 {
 		t.Fatalf("drain twice: %d", code)
 	}
 	// Reads stay open.
@@ -322,6 +324,8 @@ func TestMetricsGolden(t *testing.T) {
 	m.migrations.Bytes.Add(24e9)
 	m.migrations.Requests.Add(256)
 	m.ttft.WithLabelValues("m").Observe(0.3)
+	m.duration.WithLabelValues("m").Observe(4.2)
+	m.tpot.WithLabelValues("m").Observe(0.012)
 	m.autoscale.Decisions.WithLabelValues("m", "out", "ttft_p95", "started").Inc()
 	m.autoscale.P95.WithLabelValues("m").Set(0.42)
 	m.autoscale.Size.WithLabelValues("m").Set(2)
@@ -331,6 +335,14 @@ func TestMetricsGolden(t *testing.T) {
 	}
 	var buf bytes.Buffer
 	for _, mf := range mfs {
+		if mf.GetName() == "vhi_build_info" {
+			// Its labels are the build's (the Go version changes with the
+			// toolchain): checked apart.
+			if l := mf.GetMetric()[0].GetLabel(); len(l) != 3 || l[1].GetName() != "go_version" || l[1].GetValue() != runtime.Version() {
+				t.Fatalf("vhi_build_info: %v", l)
+			}
+			continue
+		}
 		if _, err := expfmt.MetricFamilyToText(&buf, mf); err != nil {
 			t.Fatal(err)
 		}

@@ -152,6 +152,27 @@ func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 	})
 	h.count(head.Model, res.Status)
 	h.observeFailure(head.Model, res)
+	h.observeDone(r, rid, head.Model, inst.ID, arrived, res)
+}
+
+// observeDone records a relayed request's end: its duration and, for a
+// stream, its mean time per output token; and its access log line.
+func (h *Host) observeDone(r *http.Request, rid, model, instance string, arrived time.Time, res proxy.Result) {
+	end := time.Now()
+	h.m.duration.WithLabelValues(model).Observe(end.Sub(arrived).Seconds())
+	if res.Tokens > 1 && !res.FirstToken.IsZero() {
+		h.m.tpot.WithLabelValues(model).Observe(end.Sub(res.FirstToken).Seconds() / float64(res.Tokens-1))
+	}
+	fields := []zap.Field{zap.String("request_id", rid), zap.String("method", r.Method), zap.String("path", r.URL.Path),
+		zap.String("model", model), zap.String("instance", instance), zap.Int("status", res.Status),
+		zap.Int("tokens", res.Tokens), zap.Float64("duration_s", end.Sub(arrived).Seconds())}
+	if !res.FirstToken.IsZero() {
+		fields = append(fields, zap.Float64("ttft_s", res.FirstToken.Sub(arrived).Seconds()))
+	}
+	if cid := r.Header.Get("X-Request-Id"); cid != "" {
+		fields = append(fields, zap.String("client_request_id", cid))
+	}
+	h.access.Info("request", fields...)
 }
 
 // observeTTFT is the proxy's first-token callback for a request of model

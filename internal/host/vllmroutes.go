@@ -13,6 +13,7 @@ import (
 	"net/url"
 	"os"
 	"strings"
+	"time"
 
 	"github.com/go-chi/chi/v5"
 
@@ -49,6 +50,7 @@ func (h *Host) mountVLLMRoutes(r chi.Router) {
 
 // vllmRoute relays one request of the routes above.
 func (h *Host) vllmRoute(w http.ResponseWriter, r *http.Request) {
+	arrived := time.Now()
 	rid := newRequestID()
 	w.Header().Set("X-Request-Id", rid)
 	body, held, err := h.readBody(w, r)
@@ -110,6 +112,7 @@ func (h *Host) vllmRoute(w http.ResponseWriter, r *http.Request) {
 	}
 	rp.ServeHTTP(w, r)
 	h.count(model, status)
+	h.observeDone(r, rid, model, inst.ID, arrived, proxy.Result{Status: status})
 }
 
 // passedHeader is what reaches the engine of a relayed request: the
