@@ -80,6 +80,7 @@ across restarts.`,
 	f.StringVar(&cfg.Listen, "listen", cfg.Listen, "address for HTTP, metrics and the agents' gRPC")
 	f.StringVar(&configFile, "config", "", "YAML configuration: targets (how to launch a migration target on demand, by served model)")
 	f.StringVar(&cfg.DataDir, "data-dir", credentials.DefaultDataDir(), "the Host's state: roles, lifecycle, migration records, generated tokens")
+	f.BoolVar(&cfg.AccessLog, "access-log", cfg.AccessLog, "log a line per relayed request (logger access, level info)")
 	f.StringVar(&cfg.Store, "store", "bolt", "where the Host's state goes: bolt (the embedded store in --data-dir, one Host) or etcd://HOST:PORT[,HOST:PORT…] (shared: one Host leads, the others wait to take over)")
 	f.StringVar(&cfg.StorePrefix, "store-prefix", "/vllm-hi/", "the shared store's key prefix (several deployments on one etcd)")
 	f.DurationVar(&cfg.StoreLease, "store-lease", 5*time.Second, "how long the shared store stays a dead leading Host's: a waiting Host takes over within this")

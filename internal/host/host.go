@@ -54,6 +54,8 @@ type Config struct {
 	// several Hosts, one of which leads (the others wait to take over):
 	// StorePrefix is its key prefix, StoreLease how long a dead leader
 	// holds it, EtcdTLS how to reach etcd over TLS.
+	// AccessLog logs a line per relayed request (logger "access", info).
+	AccessLog   bool
 	Store       string
 	StorePrefix string
 	StoreLease  time.Duration
@@ -107,11 +109,11 @@ func DefaultConfig() Config {
 		ShutdownTimeout: 30 * time.Second, ClientWriteTimeout: 30 * time.Second,
 		MaxConnections: 16384, MaxRequestBody: 16 << 20, RequestBodyTimeout: 30 * time.Second, BodyMemory: 1 << 30,
 		UpstreamTimeout: proxy.DefaultUpstreamTimeout, StreamIdleTimeout: proxy.DefaultStreamIdleTimeout,
-		InstanceRetention: 24 * time.Hour,
-		Migration:         migrate.DefaultConfig(),
-		Rebalance:         rebalance.DefaultConfig(),
-		Failover:          failover.DefaultConfig(),
-		Scale:             scale.DefaultConfig(),
+		InstanceRetention: 24 * time.Hour, AccessLog: true,
+		Migration: migrate.DefaultConfig(),
+		Rebalance: rebalance.DefaultConfig(),
+		Failover:  failover.DefaultConfig(),
+		Scale:     scale.DefaultConfig(),
 	}
 }
 
@@ -156,7 +158,11 @@ func NewContext(ctx context.Context, cfg Config, log *zap.Logger) (*Host, error)
 	if cfg.MaxRequestBody <= 0 || cfg.BodyMemory < cfg.MaxRequestBody {
 		return nil, fmt.Errorf("the request body limits are inconsistent (%d per body, %d in all)", cfg.MaxRequestBody, cfg.BodyMemory)
 	}
-	h := &Host{cfg: cfg, log: log, access: log.Named("access"), started: time.Now(), prom: prometheus.NewRegistry(), bodies: newBudget(cfg.BodyMemory)}
+	access := zap.NewNop()
+	if cfg.AccessLog {
+		access = log.Named("access")
+	}
+	h := &Host{cfg: cfg, log: log, access: access, started: time.Now(), prom: prometheus.NewRegistry(), bodies: newBudget(cfg.BodyMemory)}
 	var err error
 	if h.serverTLS, err = cfg.TLS.ServerVerifyIfGiven("h2", "http/1.1"); err != nil {
 		return nil, err

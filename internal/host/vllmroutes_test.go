@@ -13,7 +13,11 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
+	"github.com/vllm-hi/vllm-hi/internal/registry"
 )
 
 // seen is what a plain OpenAI-compatible engine of the test's own got.
@@ -150,5 +154,34 @@ func TestLivezAndReadyz(t *testing.T) {
 	h.serving.Store(false)
 	if code, body, _ := httpDo(t, "GET", h.url+"/readyz", "", nil); code != 503 || !strings.Contains(body, "not serving") {
 		t.Fatalf("readyz of a Host not serving: %d %s", code, body)
+	}
+}
+
+// Each relayed request gets one access log line saying what became of it.
+func TestAccessLog(t *testing.T) {
+	core, logs := observer.New(zap.InfoLevel)
+	cfg := DefaultConfig()
+	h, err := New(cfg, zap.New(core))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.Registry().Register(registry.Registration{ID: "e1", Type: "A", Session: "s",
+		Engine: registry.Engine{URL: echoEngine(t, "e1"), ServedModels: []string{"embed"}, TP: 1, PP: 1}}); err != nil {
+		t.Fatal(err)
+	}
+	_ = h.Registry().Heartbeat("e1", "s", registry.Stats{Healthy: true})
+	req := httptest.NewRequest("POST", "/v1/embeddings", strings.NewReader(`{"model":"embed","input":"hi"}`))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Request-Id", "mine")
+	rec := httptest.NewRecorder()
+	h.Handler().ServeHTTP(rec, req)
+	lines := logs.FilterLoggerName("access").All()
+	if rec.Code != 200 || len(lines) != 1 {
+		t.Fatalf("%d, %d access lines", rec.Code, len(lines))
+	}
+	f := lines[0].ContextMap()
+	if f["request_id"] != rec.Header().Get("X-Request-Id") || f["client_request_id"] != "mine" || f["model"] != "embed" ||
+		f["instance"] != "e1" || f["status"] != int64(200) || f["path"] != "/v1/embeddings" {
+		t.Fatalf("the access line: %v", f)
 	}
 }

@@ -84,6 +84,7 @@ func Start(o Options) (*Stack, error) {
 		cfg = host.DefaultConfig()
 		cfg.HeartbeatInterval = 200 * time.Millisecond
 		cfg.ShutdownTimeout = 5 * time.Second
+		cfg.AccessLog = false // a demo's or a bench's thousands of requests
 	}
 	if o.TuneHost != nil {
 		o.TuneHost(&cfg)
