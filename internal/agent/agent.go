@@ -26,6 +26,8 @@ import (
 
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	grpccreds "google.golang.org/grpc/credentials"
 
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
@@ -68,6 +70,8 @@ type Config struct {
 	// for it before the engine is stopped.
 	DrainedFile string
 	DefaultTN   int // data-plane connections when the Host names none
+	// HealthListen serves GET /healthz there (health.go; "": off).
+	HealthListen string
 	// Failpoint makes the agent die at a chosen point (failpoint.go;
 	// tests only).
 	Failpoint string
@@ -130,6 +134,10 @@ type Agent struct {
 	// them back from the agents.
 	role    v1.Role
 	retired bool
+	// phase and engineHealthy are what the health answers say (health.go).
+	phase         string
+	engineHealthy bool
+	health        *health.Server
 
 	dp  dataPlane
 	gpu gpuPlane
@@ -195,12 +203,22 @@ func (a *Agent) Run(ctx context.Context) error {
 		return err
 	}
 	defer closeRDMA()
+	a.setPhase(phaseWaitingForEngine)
+	if a.cfg.HealthListen != "" {
+		if err := a.serveHealthz(ctx, a.cfg.HealthListen); err != nil {
+			return err
+		}
+	}
 	wctx, cancel := context.WithTimeout(ctx, a.cfg.EngineWait)
+	waited := make(chan struct{})
+	go a.logWhileWaiting("the engine at "+a.cfg.EngineURL+" to answer healthy", a.cfg.EngineWait, 10*time.Second, waited)
 	err = a.eng.WaitHealthy(wctx, 500*time.Millisecond)
+	close(waited)
 	cancel()
 	if err != nil {
 		return err
 	}
+	a.setEngineHealthy(true)
 	info, err := a.eng.Discover(ctx, a.cfg.TP, a.cfg.PP)
 	if err != nil {
 		return err
@@ -277,6 +295,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	srv := grpc.NewServer(opts...)
 	v1.RegisterAgentServer(srv, &agentService{a: a})
+	healthpb.RegisterHealthServer(srv, a.newHealthServer())
 	go func() { _ = srv.Serve(ln) }()
 	defer grpcauth.Stop(srv, 5*time.Second)
 	_, port, _ := net.SplitHostPort(ln.Addr().String())
@@ -291,7 +310,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	defer conn.Close()
 	reg := v1.NewRegistryClient(conn)
 	req := a.registerRequest(info, agentAddr, dataAddr)
+	a.setPhase(phaseRegistering)
 	err = a.loop(ctx, reg, req)
+	a.setPhase(phaseStopping)
 	if err == nil {
 		a.drainOnStop(reg, req)
 		if a.cfg.DrainedFile != "" {
@@ -395,6 +416,7 @@ func (a *Agent) loop(ctx context.Context, reg v1.RegistryClient, req *v1.Registe
 			}
 			a.learn(resp.GetRole(), resp.GetLifecycle())
 			a.setRegistered(true)
+			a.setPhase(phaseRegistered)
 			if everRegistered {
 				a.log.Info("re-registered with the Host", zap.String("host", a.cfg.HostAddr))
 			} else {
@@ -406,6 +428,7 @@ func (a *Agent) loop(ctx context.Context, reg v1.RegistryClient, req *v1.Registe
 			break
 		}
 		stats := a.stats(ctx)
+		a.setEngineHealthy(stats.GetHealthy())
 		hctx, cancel := context.WithTimeout(ctx, interval*3)
 		hb, err := reg.Heartbeat(hctx, &v1.HeartbeatRequest{VllmHiId: a.cfg.ID, Session: a.session, Stats: stats})
 		cancel()
@@ -415,6 +438,7 @@ func (a *Agent) loop(ctx context.Context, reg v1.RegistryClient, req *v1.Registe
 		case errdefs.IsNotFound(err):
 			a.log.Warn("the Host does not know this agent (it restarted?); registering again")
 			a.setRegistered(false)
+			a.setPhase(phaseRegistering)
 		default:
 			if ctx.Err() == nil {
 				a.log.Warn("heartbeat failed", zap.Error(err))

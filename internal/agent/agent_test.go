@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"encoding/json"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -9,7 +10,13 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
 
+	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 	"github.com/vllm-hi/vllm-hi/internal/host"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
 	"github.com/vllm-hi/vllm-hi/internal/sim"
@@ -190,4 +197,62 @@ func TestConfigErrors(t *testing.T) {
 			t.Errorf("%s accepted", name)
 		}
 	}
+}
+
+// The agent's health, on /healthz and the gRPC health service: not ready
+// (saying what it waits for) until it registered with a Host and its
+// engine answered healthy; ready then; not ready again when the Host is
+// gone and the agent registers anew.
+func TestAgentHealth(t *testing.T) {
+	l, _ := net.Listen("tcp", "127.0.0.1:0")
+	healthAddr := l.Addr().String()
+	l.Close()
+	hl, _ := net.Listen("tcp", "127.0.0.1:0")
+	hostAddr := hl.Addr().String()
+	hl.Close() // no Host yet: the agent waits to register
+	eng := runSim(t)
+	cfg := baseConfig(hostAddr, eng, "A")
+	cfg.HealthListen, cfg.AgentToken = healthAddr, "health-t0ken"
+	a, stopAgent := runAgent(t, cfg)
+	defer func() { _ = stopAgent() }()
+	get := func() (int, map[string]any) {
+		resp, err := http.Get("http://" + healthAddr + "/healthz")
+		if err != nil {
+			return 0, nil
+		}
+		defer resp.Body.Close()
+		var body map[string]any
+		_ = json.NewDecoder(resp.Body).Decode(&body)
+		return resp.StatusCode, body
+	}
+	waitFor(t, "the health endpoint", func() bool { code, _ := get(); return code != 0 })
+	waitFor(t, "registering", func() bool { _, b := get(); return b["phase"] == phaseRegistering })
+	if code, b := get(); code != 503 || b["status"] != "not ready" {
+		t.Fatalf("before registering: %d %v", code, b)
+	}
+	h, _, stopHost := runHost(t, hostAddr, "health-t0ken")
+	waitFor(t, "registration", func() bool { _, err := h.Registry().Get(a.ID()); return err == nil })
+	waitFor(t, "healthy", func() bool { code, _ := get(); return code == 200 })
+	// The gRPC health service answers without the agent token (as a
+	// Kubernetes probe asks); everything else there needs it.
+	inst, _ := h.Registry().Get(a.ID())
+	conn, err := grpc.NewClient(inst.AgentAddress, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	hc, err := healthpb.NewHealthClient(conn).Check(context.Background(), &healthpb.HealthCheckRequest{})
+	if err != nil || hc.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+		t.Fatalf("gRPC health: %v %v", hc, err)
+	}
+	if _, err := v1.NewAgentClient(conn).Hook(context.Background(), &v1.HookRequest{Name: "stats"}); status.Code(err) != codes.Unauthenticated {
+		t.Fatalf("an agent call without the token: %v", err)
+	}
+	stopHost()
+	// Restarted on the same address, the Host does not know the agent
+	// until it registers again: the first heartbeat says so.
+	h2, _, stopHost2 := runHost(t, hostAddr, "health-t0ken")
+	defer stopHost2()
+	waitFor(t, "re-registration", func() bool { _, err := h2.Registry().Get(a.ID()); return err == nil })
+	waitFor(t, "healthy again", func() bool { code, _ := get(); return code == 200 })
 }

@@ -83,6 +83,7 @@ VLLM_HI_ENGINE_TOKEN_FILE naming the same file.`,
 	f.IntVar(&cfg.PP, "pipeline-parallel-size", 1, "PP size to report for an engine without hooks")
 	f.DurationVar(&cfg.EngineWait, "engine-wait", 15*time.Minute, "how long to wait for the engine to become healthy")
 	f.DurationVar(&cfg.DrainGrace, "drain-grace", 30*time.Second, "on SIGTERM, how long an active instance's agent waits for the Host to drain it (its streams move to the other instances) before it exits; 0: exit at once")
+	f.StringVar(&cfg.HealthListen, "health-listen", envDefault("VLLM_HI_HEALTH_LISTEN", ""), "serve GET /healthz on this address (off when empty) [VLLM_HI_HEALTH_LISTEN]")
 	f.StringVar(&cfg.Failpoint, "failpoint", "", "die at a chosen point of a migration (tests): exit-on-<hook>, e.g. exit-on-export")
 	_ = f.MarkHidden("failpoint")
 	f.StringVar(&cfg.DrainedFile, "drained-file", "", "on SIGTERM, create this file once that drain is over (an engine container's preStop hook waits for it)")
