@@ -140,7 +140,13 @@ func (c *Client) Instance(ctx context.Context, id string) (out Instance, err err
 
 // Wake brings a retired or sleeping engine back as a target.
 func (c *Client) Wake(ctx context.Context, id string) (out Instance, err error) {
-	return out, c.do(ctx, http.MethodPost, path(PathWake, id), struct{}{}, &out)
+	return c.WakeWith(ctx, id, WakeRequest{})
+}
+
+// WakeWith is Wake with options: Active makes the woken instance active
+// (it serves requests again) rather than standby.
+func (c *Client) WakeWith(ctx context.Context, id string, req WakeRequest) (out Instance, err error) {
+	return out, c.do(ctx, http.MethodPost, path(PathWake, id), req, &out)
 }
 
 // Drain moves every request off an instance by migration and retires it;

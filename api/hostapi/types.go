@@ -304,6 +304,13 @@ type DrainRequest struct {
 	Force bool `json:"force,omitempty"`
 }
 
+// WakeRequest is the body of POST /vllm_hi/instances/{id}/wake (optional).
+type WakeRequest struct {
+	// Active makes the woken instance active: it serves its models'
+	// requests again (default: standby, a migration target).
+	Active bool `json:"active,omitempty"`
+}
+
 // DrainAnswer is the answer to a drain: its id, for the status.
 type DrainAnswer struct {
 	ID string `json:"drain_id"`

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -96,4 +97,27 @@ func printJSON(cmd *cobra.Command, v any) error {
 	enc := json.NewEncoder(cmd.OutOrStdout())
 	enc.SetIndent("", "  ")
 	return enc.Encode(v)
+}
+
+// completeInstances completes an instance id from the Host's list (shell
+// completion: vhi completion bash|zsh|fish), each with its role and
+// lifecycle; nothing when the Host cannot be reached in a second.
+func (h *hostClientFlags) completeInstances(cmd *cobra.Command, _ []string, toComplete string) ([]cobra.Completion, cobra.ShellCompDirective) {
+	c, err := h.client(false, time.Second)
+	if err != nil {
+		return nil, cobra.ShellCompDirectiveNoFileComp
+	}
+	ctx, cancel := context.WithTimeout(cmd.Context(), time.Second)
+	defer cancel()
+	list, err := c.Instances(ctx)
+	if err != nil {
+		return nil, cobra.ShellCompDirectiveNoFileComp
+	}
+	var out []cobra.Completion
+	for _, i := range list {
+		if strings.HasPrefix(i.ID, toComplete) {
+			out = append(out, cobra.CompletionWithDesc(i.ID, i.Role+", "+i.Lifecycle+", "+i.ServedModelName))
+		}
+	}
+	return out, cobra.ShellCompDirectiveNoFileComp
 }

@@ -77,6 +77,7 @@ vhi undrain ID routes to a draining instance again.`,
 		},
 	}
 	hf.add(cmd)
+	cmd.ValidArgsFunction = hf.completeInstances
 	f := cmd.Flags()
 	f.StringSliceVar(&to, "to", nil, "instances to move the requests to (default: every other active instance of its models)")
 	f.BoolVar(&wait, "wait", false, "follow the drain and print its summary")
@@ -106,6 +107,7 @@ func newUndrainCommand() *cobra.Command {
 		},
 	}
 	hf.add(cmd)
+	cmd.ValidArgsFunction = hf.completeInstances
 	return cmd
 }
 

@@ -2,8 +2,12 @@ package cli
 
 import (
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
 	"testing"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
@@ -50,6 +54,37 @@ func TestExitCodesByCause(t *testing.T) {
 	} {
 		if got := exitCode(c.err); got != c.want {
 			t.Errorf("%v: exit %d, want %d", c.err, got, c.want)
+		}
+	}
+}
+
+// Instance ids complete from the Host's list, in arguments and flags.
+func TestInstanceIDsComplete(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != hostapi.PathInstances {
+			http.NotFound(w, r)
+			return
+		}
+		_ = json.NewEncoder(w).Encode(hostapi.InstanceList{Instances: []hostapi.Instance{
+			{ID: "a-1", Role: "active", Lifecycle: "active", ServedModelName: "m"},
+			{ID: "b-1", Role: "standby", Lifecycle: "standby", ServedModelName: "m"},
+		}})
+	}))
+	defer srv.Close()
+	for _, args := range [][]string{
+		{"__complete", "drain", "--host", srv.URL, "a"},
+		{"__complete", "migrate", "--host", srv.URL, "--src", "a"},
+	} {
+		root := NewRootCommand()
+		root.SetArgs(args)
+		var out bytes.Buffer
+		root.SetOut(&out)
+		root.SetErr(&bytes.Buffer{})
+		if err := root.Execute(); err != nil {
+			t.Fatal(err)
+		}
+		if got := out.String(); !strings.Contains(got, "a-1\tactive, active, m") || strings.Contains(got, "b-1") {
+			t.Errorf("vhi %v completes:\n%s", args[1:], got)
 		}
 	}
 }

@@ -87,6 +87,8 @@ ends with a summary table (state, requests moved, downtime, rounds, KV moved); i
 	f := cmd.Flags()
 	f.StringVar(&req.Src, "src", "", "source instance (vllm_hi_id)")
 	f.StringVar(&req.Dst, "dst", "", "target instance (vllm_hi_id); without it the Host launches one (see above)")
+	_ = cmd.RegisterFlagCompletionFunc("src", hf.completeInstances)
+	_ = cmd.RegisterFlagCompletionFunc("dst", hf.completeInstances)
 	f.IntVar(&tp, "target-tp", 0, "TP of the target (checked against --dst, or the shape to launch)")
 	f.IntVar(&pp, "target-pp", 0, "PP of the target (likewise)")
 	f.Float64Var(&util, "target-gpu-memory-utilization", 0, "GPU memory share of a launched target")

@@ -12,15 +12,17 @@ import (
 
 func newWakeCommand() *cobra.Command {
 	var hf hostClientFlags
+	var active bool
 	cmd := &cobra.Command{
 		Use:   "wake ID",
 		Short: "Wake a retired or sleeping engine so it can be a migration target again",
 		Long: `vhi wake asks the Host to bring back the KV of an instance that a destroy_source
-migration retired (or whose engine sleeps). It answers with the instance, now standby.`,
+migration retired (or whose engine sleeps). It answers with the instance, now standby — or, with
+--active, active: serving its models' requests again (after a drain, say).`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return hf.call(cmd, true, 6*time.Minute, func(ctx context.Context, c *hostapi.Client) error {
-				v, err := c.Wake(ctx, args[0])
+				v, err := c.WakeWith(ctx, args[0], hostapi.WakeRequest{Active: active})
 				if err != nil {
 					return err
 				}
@@ -33,5 +35,7 @@ migration retired (or whose engine sleeps). It answers with the instance, now st
 		},
 	}
 	hf.add(cmd)
+	cmd.ValidArgsFunction = hf.completeInstances
+	cmd.Flags().BoolVar(&active, "active", false, "make the woken instance active (serving requests) rather than standby")
 	return cmd
 }

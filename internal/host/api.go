@@ -212,12 +212,33 @@ func (h *Host) undrain(w http.ResponseWriter, r *http.Request) {
 // wake brings a retired or sleeping engine's KV back so it can be a
 // migration target again.
 func (h *Host) wake(w http.ResponseWriter, r *http.Request) {
+	var req hostapi.WakeRequest
+	body, err := io.ReadAll(io.LimitReader(r.Body, 1<<20))
+	if err == nil && len(bytes.TrimSpace(body)) > 0 {
+		err = decodeStrict(bytes.NewReader(body), &req)
+	}
+	if err != nil {
+		fail(w, errdefs.Newf(errdefs.ErrInvalidArgument, "malformed wake body: %v", err))
+		return
+	}
 	ctx, cancel := context.WithTimeout(r.Context(), 5*time.Minute)
 	defer cancel()
 	i, err := h.mig.Wake(ctx, chi.URLParam(r, "id"))
 	if err != nil {
 		fail(w, err)
 		return
+	}
+	if req.Active {
+		// Back to serving: an instance taken out of service (a drain, a
+		// destroy_source migration) returns to its models' rotation.
+		if err := h.reg.SetRole(i.ID, registry.RoleActive); err != nil {
+			fail(w, err)
+			return
+		}
+		if i, err = h.reg.Get(i.ID); err != nil {
+			fail(w, err)
+			return
+		}
 	}
 	h.logInstance("woken", i)
 	writeJSON(w, http.StatusOK, view(i))

@@ -547,6 +547,15 @@ func TestDrainByCLI(t *testing.T) {
 		t.Fatalf("a refused drain left A %s", in.Lifecycle)
 	}
 	hostMetrics(t, d.hostURL, `vhi_drains_total{state="succeeded"} 1`, `vhi_drains_total{state="refused"} 2`)
+	// Back to serving: B woken active takes requests again.
+	out, err = exec.Command(vhiBin, "wake", "B", "--active", "--host", d.hostURL, "--admin-token-file", d.tk.adminFile).CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "B is active (active)") {
+		t.Fatalf("vhi wake B --active: %v\n%s", err, out)
+	}
+	waitUntil(t, "B serving again", func() bool {
+		in := instance(t, d.hostURL, "B")
+		return in.Lifecycle == "active" && in.Role == "active"
+	})
 }
 
 // exitCodeOf is the exit status of a command exec.Command ran (0: none).
