@@ -26,9 +26,9 @@ import (
 
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
+	grpccreds "google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
-	grpccreds "google.golang.org/grpc/credentials"
 
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 	"github.com/vllm-hi/vllm-hi/internal/credentials"
