@@ -80,6 +80,8 @@ across restarts.`,
 	f.StringVar(&cfg.Listen, "listen", cfg.Listen, "address for HTTP, metrics and the agents' gRPC")
 	f.StringVar(&configFile, "config", "", "YAML configuration: targets (how to launch a migration target on demand, by served model)")
 	f.StringVar(&cfg.DataDir, "data-dir", credentials.DefaultDataDir(), "the Host's state: roles, lifecycle, migration records, generated tokens")
+	f.StringVar(&cfg.OTLPTracesEndpoint, "otlp-traces-endpoint", envDefault("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", ""),
+		"export OpenTelemetry spans (relayed requests, migrations and their steps) over OTLP/HTTP to this collector URL, e.g. http://otel:4318 [OTEL_EXPORTER_OTLP_TRACES_ENDPOINT]")
 	f.BoolVar(&cfg.AccessLog, "access-log", cfg.AccessLog, "log a line per relayed request (logger access, level info)")
 	f.StringVar(&cfg.Store, "store", "bolt", "where the Host's state goes: bolt (the embedded store in --data-dir, one Host) or etcd://HOST:PORT[,HOST:PORT…] (shared: one Host leads, the others wait to take over)")
 	f.StringVar(&cfg.StorePrefix, "store-prefix", "/vllm-hi/", "the shared store's key prefix (several deployments on one etcd)")

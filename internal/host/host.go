@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
 	"golang.org/x/net/netutil"
 	"google.golang.org/grpc"
@@ -40,6 +41,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/slo"
 	"github.com/vllm-hi/vllm-hi/internal/store"
 	"github.com/vllm-hi/vllm-hi/internal/switching"
+	"github.com/vllm-hi/vllm-hi/internal/tracing"
 )
 
 // Config configures the Host.
@@ -55,11 +57,14 @@ type Config struct {
 	// StorePrefix is its key prefix, StoreLease how long a dead leader
 	// holds it, EtcdTLS how to reach etcd over TLS.
 	// AccessLog logs a line per relayed request (logger "access", info).
-	AccessLog   bool
-	Store       string
-	StorePrefix string
-	StoreLease  time.Duration
-	EtcdTLS     credentials.TLSFiles
+	AccessLog bool
+	// OTLPTracesEndpoint, when set, exports OpenTelemetry spans there
+	// (OTLP/HTTP): relayed requests, migrations and their steps.
+	OTLPTracesEndpoint string
+	Store              string
+	StorePrefix        string
+	StoreLease         time.Duration
+	EtcdTLS            credentials.TLSFiles
 	// AdminToken guards the REST API's mutations; AgentToken is what
 	// agents register with and what the Host presents to agents and to
 	// engines' hooks. Empty: not required (a deployment without
@@ -144,7 +149,9 @@ type Host struct {
 	serverTLS  *tls.Config
 	started    time.Time
 	serving    atomic.Bool // Serve accepts connections (gRPC included)
-	access     *zap.Logger // one line per relayed request
+	tracer     trace.Tracer
+	stopTraces func(context.Context) error // flushes the spans batched
+	access     *zap.Logger                 // one line per relayed request
 }
 
 // New builds a Host (opening its state in cfg.DataDir); Serve runs it.
@@ -196,8 +203,17 @@ func NewContext(ctx context.Context, cfg Config, log *zap.Logger) (*Host, error)
 	h.m = newMetrics(h.prom, h.reg)
 	h.proxy = proxy.New(proxy.Options{ClientWriteTimeout: cfg.ClientWriteTimeout, UpstreamTimeout: cfg.UpstreamTimeout,
 		StreamIdleTimeout: cfg.StreamIdleTimeout, EngineToken: cfg.AgentToken, TLS: agentTLS}, h.m.proxy, log.Named("proxy"))
+	tp, stopTraces, err := tracing.Setup(ctx, cfg.OTLPTracesEndpoint, "vhi-host")
+	if err != nil {
+		h.closeStore()
+		return nil, err
+	}
+	h.tracer, h.stopTraces = tp.Tracer("github.com/vllm-hi/vllm-hi/internal/host"), stopTraces
 	mcfg := cfg.Migration
 	mcfg.AgentToken, mcfg.AgentTLS = cfg.AgentToken, agentTLS
+	if mcfg.Tracer == nil { // tests may give their own
+		mcfg.Tracer = tp.Tracer("github.com/vllm-hi/vllm-hi/internal/migrate")
+	}
 	var migrationRecords migrate.RecordStore
 	if h.store != nil {
 		migrationRecords = h.store
@@ -436,6 +452,11 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 	mcancel()
 	h.agents.Close()
 	h.proxy.Close()
+	tctx, tcancel := context.WithTimeout(context.Background(), 5*time.Second)
+	if err := h.stopTraces(tctx); err != nil {
+		h.log.Warn("flushing the last spans failed", zap.Error(err))
+	}
+	tcancel()
 	return lostErr
 }
 

@@ -91,6 +91,8 @@ func (h *Host) readBody(w http.ResponseWriter, r *http.Request) ([]byte, int64, 
 // openAI routes a completion or chat request by its model.
 func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 	arrived := time.Now()
+	r, span := h.traced(r)
+	defer span.End()
 	body, held, err := h.readBody(w, r)
 	var released sync.Once
 	release := func() { released.Do(func() { h.bodies.give(held) }) }
@@ -159,6 +161,7 @@ func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 // stream, its mean time per output token; and its access log line.
 func (h *Host) observeDone(r *http.Request, rid, model, instance string, arrived time.Time, res proxy.Result) {
 	end := time.Now()
+	annotate(r, rid, model, instance, res)
 	h.m.duration.WithLabelValues(model).Observe(end.Sub(arrived).Seconds())
 	if res.Tokens > 1 && !res.FirstToken.IsZero() {
 		h.m.tpot.WithLabelValues(model).Observe(end.Sub(res.FirstToken).Seconds() / float64(res.Tokens-1))
@@ -216,6 +219,7 @@ func (h *Host) upstreamHeader(r *http.Request, rid string) (http.Header, string)
 	}
 	hdr := h.passedHeader(r.Header, rid)
 	hdr.Set("Content-Type", "application/json")
+	injectTrace(r, hdr)
 	// The engine names the request by its response id: vLLM's prefix and
 	// the id it was given.
 	prefix := "cmpl-"

@@ -51,6 +51,8 @@ func (h *Host) mountVLLMRoutes(r chi.Router) {
 // vllmRoute relays one request of the routes above.
 func (h *Host) vllmRoute(w http.ResponseWriter, r *http.Request) {
 	arrived := time.Now()
+	r, span := h.traced(r)
+	defer span.End()
 	rid := newRequestID()
 	w.Header().Set("X-Request-Id", rid)
 	body, held, err := h.readBody(w, r)
@@ -97,6 +99,7 @@ func (h *Host) vllmRoute(w http.ResponseWriter, r *http.Request) {
 			pr.Out.Body = io.NopCloser(bytes.NewReader(body))
 			pr.Out.ContentLength = int64(len(body))
 			pr.Out.Header = h.passedHeader(r.Header, rid)
+			injectTrace(r, pr.Out.Header)
 		},
 		// Streams (the Responses API's, audio's) reach the client as the
 		// engine writes them.

@@ -3,6 +3,7 @@ package host
 import (
 	"bytes"
 	"context"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -13,8 +14,11 @@ import (
 	"testing"
 	"time"
 
+	coltracepb "go.opentelemetry.io/proto/otlp/collector/trace/v1"
+	tracepb "go.opentelemetry.io/proto/otlp/trace/v1"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
+	"google.golang.org/protobuf/proto"
 
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
@@ -183,5 +187,63 @@ func TestAccessLog(t *testing.T) {
 	if f["request_id"] != rec.Header().Get("X-Request-Id") || f["client_request_id"] != "mine" || f["model"] != "embed" ||
 		f["instance"] != "e1" || f["status"] != int64(200) || f["path"] != "/v1/embeddings" {
 		t.Fatalf("the access line: %v", f)
+	}
+}
+
+// With --otlp-traces-endpoint, each relayed request is a span exported
+// over OTLP/HTTP: the child of the client's trace, and the parent of the
+// engine's (the traceparent the engine gets names it).
+func TestRequestSpansAreExported(t *testing.T) {
+	got := make(chan *coltracepb.ExportTraceServiceRequest, 16)
+	collector := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		var req coltracepb.ExportTraceServiceRequest
+		if r.URL.Path != "/v1/traces" || proto.Unmarshal(b, &req) != nil {
+			http.Error(w, "bad", http.StatusBadRequest)
+			return
+		}
+		got <- &req
+		w.Header().Set("Content-Type", "application/x-protobuf")
+	}))
+	defer collector.Close()
+	h := startHost(t, func(c *Config) { c.OTLPTracesEndpoint = collector.URL })
+	c := grpcClient(t, h.addr)
+	if err := register(t, c, context.Background(), "e1", v1.InstanceType_INSTANCE_TYPE_A, echoEngine(t, "e1"), "embed"); err != nil {
+		t.Fatal(err)
+	}
+	const clientTrace = "0af7651916cd43dd8448eb211c80319c"
+	_, body, rh := httpDo(t, "POST", h.url+"/v1/embeddings", `{"model":"embed","input":"hi"}`,
+		map[string]string{"Traceparent": "00-" + clientTrace + "-b7ad6b7169203331-01"})
+	var echo struct{ Seen seen }
+	_ = json.Unmarshal([]byte(body), &echo)
+	h.stop() // flushes the batch
+	var span *tracepb.Span
+	for len(got) > 0 {
+		for _, rs := range (<-got).GetResourceSpans() {
+			for _, ss := range rs.GetScopeSpans() {
+				for _, s := range ss.GetSpans() {
+					if s.GetName() == "POST /v1/embeddings" {
+						span = s
+					}
+				}
+			}
+		}
+	}
+	if span == nil {
+		t.Fatal("no span for the request reached the collector")
+	}
+	if hex.EncodeToString(span.GetTraceId()) != clientTrace || hex.EncodeToString(span.GetParentSpanId()) != "b7ad6b7169203331" {
+		t.Fatalf("the request's span is not the client's trace's child: trace %x parent %x", span.GetTraceId(), span.GetParentSpanId())
+	}
+	want := "00-" + clientTrace + "-" + hex.EncodeToString(span.GetSpanId()) + "-01"
+	if echo.Seen.Traceparent != want {
+		t.Fatalf("the engine got traceparent %q, want the Host's span's %q", echo.Seen.Traceparent, want)
+	}
+	attrs := map[string]string{}
+	for _, a := range span.GetAttributes() {
+		attrs[a.GetKey()] = a.GetValue().String()
+	}
+	if !strings.Contains(attrs["gen_ai.request.model"], "embed") || !strings.Contains(attrs["vllm_hi.request_id"], rh.Get("X-Request-Id")) {
+		t.Fatalf("the span's attributes: %v", attrs)
 	}
 }

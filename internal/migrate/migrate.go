@@ -23,6 +23,7 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/internal/launch"
 
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
@@ -76,6 +77,9 @@ type Config struct {
 	AgentToken       string
 	AgentTLS         *tls.Config // dialing agents that serve TLS
 	AgentDialOptions []grpc.DialOption
+	// Tracer, when set, gets a span per migration and one per step
+	// (trace.go).
+	Tracer trace.Tracer
 	// AllowFaultInjection accepts the inject_fault field (tests only).
 	AllowFaultInjection bool
 	// Launchers start a migration's target on demand, by served model

@@ -63,6 +63,7 @@ type migration struct {
 	pausedSrc    bool
 	// phase is where the migration is, for its heartbeat (heartbeat.go).
 	phase atomic.Int32
+	tr    spans // its trace (trace.go), under mu
 
 	mu sync.Mutex
 	st hostapi.MigrationStatus

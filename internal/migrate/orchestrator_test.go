@@ -12,6 +12,9 @@ import (
 	"testing"
 	"time"
 
+	otelcodes "go.opentelemetry.io/otel/codes"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -667,4 +670,45 @@ func TestATargetFrozenInThePauseRollsBackAtItsHeartbeat(t *testing.T) {
 		t.Fatalf("the source stayed paused %v before the rollback: %s", paused, st.Error)
 	}
 	t.Logf("paused %v before the rollback (pause heartbeat timeout 500 ms, call timeout 2 s): %s", paused.Round(time.Millisecond), st.Error)
+}
+
+// A migration is a span with a child per step, named and timed as its
+// status's step history, and its outcome; a rollback's is an error.
+func TestMigrationSpans(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	r := newRig(t, rigOptions{tune: func(hc *host.Config) { hc.Migration.Tracer = tp.Tracer("test") }})
+	st, err := r.migrate(hostapi.MigrateRequest{Type: hostapi.PreserveSource})
+	if err != nil || st.State != hostapi.StateSucceeded {
+		t.Fatalf("%+v %v", st, err)
+	}
+	var root sdktrace.ReadOnlySpan
+	steps := map[string]sdktrace.ReadOnlySpan{}
+	for _, s := range rec.Ended() {
+		if s.Name() == "migration" {
+			root = s
+		} else {
+			steps[s.Name()] = s
+		}
+	}
+	if root == nil {
+		t.Fatal("no migration span")
+	}
+	attrs := map[string]string{}
+	for _, a := range root.Attributes() {
+		attrs[string(a.Key)] = a.Value.Emit()
+	}
+	if attrs["vllm_hi.migration_id"] != st.ID || attrs["vllm_hi.state"] != "succeeded" || root.Status().Code == otelcodes.Error {
+		t.Fatalf("the migration span: %v %v", attrs, root.Status())
+	}
+	for _, h := range st.StepHistory {
+		s, ok := steps[h.Step]
+		if !ok {
+			t.Errorf("no span for step %s", h.Step)
+			continue
+		}
+		if s.Parent().SpanID() != root.SpanContext().SpanID() || !s.StartTime().Equal(h.StartedAt) {
+			t.Errorf("step %s's span: parent %s, start %v (the status: %v)", h.Step, s.Parent().SpanID(), s.StartTime(), h.StartedAt)
+		}
+	}
 }

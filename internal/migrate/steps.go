@@ -57,6 +57,7 @@ func (m *migration) step(s step) {
 	m.endStepLocked(now)
 	m.st.CurrentStep = string(s)
 	m.st.StepHistory = append(m.st.StepHistory, hostapi.Step{Step: string(s), StartedAt: now})
+	m.traceStep(s, now)
 	m.mu.Unlock()
 	m.o.rec.save(m.st.ID)
 }

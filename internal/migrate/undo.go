@@ -108,6 +108,7 @@ func (m *migration) finish(state, errMsg string) {
 	m.endStepLocked(now)
 	m.st.State, m.st.Error, m.st.FinishedAt = state, errMsg, now
 	m.st.CurrentStep = string(stepDone)
+	m.traceEnd(now)
 	st := m.st
 	m.mu.Unlock()
 	if state != hostapi.StateSucceeded {
