@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strings"
 	"testing"
 
@@ -85,6 +86,36 @@ func TestInstanceIDsComplete(t *testing.T) {
 		}
 		if got := out.String(); !strings.Contains(got, "a-1\tactive, active, m") || strings.Contains(got, "b-1") {
 			t.Errorf("vhi %v completes:\n%s", args[1:], got)
+		}
+	}
+}
+
+// vhi host --check says whether a configuration is valid without
+// starting anything: 0 and what it sets, or 2 and what is wrong.
+func TestHostCheck(t *testing.T) {
+	dir := t.TempDir()
+	good, bad := dir+"/good.yaml", dir+"/bad.yaml"
+	_ = os.WriteFile(good, []byte("autoscale:\n  interval_s: 5\n"), 0o600)
+	_ = os.WriteFile(bad, []byte("autoscale:\n  intervall_s: 5\n"), 0o600)
+	for _, c := range []struct {
+		args []string
+		code int
+		out  string
+	}{
+		{[]string{"host", "--check", "--config", good}, 0, "is valid"},
+		{[]string{"host", "--check", "--config", bad}, exitUsage, ""},
+		{[]string{"host", "--check", "--config", dir + "/none.yaml"}, exitUsage, ""},
+		{[]string{"host", "--check", "--heartbeat-interval", "0s"}, exitUsage, ""},
+		{[]string{"host", "--config-schema"}, 0, `"$schema"`},
+	} {
+		root := NewRootCommand()
+		root.SetArgs(c.args)
+		var out bytes.Buffer
+		root.SetOut(&out)
+		root.SetErr(&out)
+		err := root.Execute()
+		if code := map[bool]int{true: 0, false: exitCode(err)}[err == nil]; code != c.code || !strings.Contains(out.String(), c.out) {
+			t.Errorf("vhi %v: exit %d (%v), output %q; want %d", c.args, code, err, out.String(), c.code)
 		}
 	}
 }

@@ -19,6 +19,7 @@ import (
 func newHostCommand(g *globalFlags) *cobra.Command {
 	cfg := host.DefaultConfig()
 	var adminFile, agentFile, debugAddr, configFile string
+	var check, printSchema bool
 	cmd := &cobra.Command{
 		Use:   "host",
 		Short: "Run the Host: registry, OpenAI routing and SSE proxy, REST API, metrics, agents' gRPC",
@@ -36,6 +37,17 @@ find them there. The data directory also keeps roles, lifecycle and migration re
 across restarts.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if printSchema {
+				b, err := hostconfig.Schema()
+				if err != nil {
+					return err
+				}
+				_, err = fmt.Fprintln(cmd.OutOrStdout(), string(b))
+				return err
+			}
+			if check {
+				return checkHostConfig(cmd, cfg, configFile)
+			}
 			log, err := g.logger()
 			if err != nil {
 				return err
@@ -78,6 +90,8 @@ across restarts.`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&cfg.Listen, "listen", cfg.Listen, "address for HTTP, metrics and the agents' gRPC")
+	f.BoolVar(&check, "check", false, "check --config and the flags, say what they set, and exit (0: valid, 2: not) without starting")
+	f.BoolVar(&printSchema, "config-schema", false, "print the --config file's JSON Schema (docs/host-config.schema.json) and exit")
 	f.StringVar(&configFile, "config", "", "YAML configuration: targets (how to launch a migration target on demand, by served model)")
 	f.StringVar(&cfg.DataDir, "data-dir", credentials.DefaultDataDir(), "the Host's state: roles, lifecycle, migration records, generated tokens")
 	f.StringVar(&cfg.OTLPTracesEndpoint, "otlp-traces-endpoint", envDefault("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", ""),
@@ -176,3 +190,27 @@ func migrationEnv(c *migrate.Config) error {
 // failover unless told otherwise (the library default is off, for the
 // in-process stacks of tests).
 const defaultFailoverSnapshot = time.Second
+
+// checkHostConfig is vhi host --check: the configuration file and the
+// flags checked as a start would check them, nothing started. What is
+// wrong exits 2.
+func checkHostConfig(cmd *cobra.Command, cfg host.Config, configFile string) error {
+	if cfg.HeartbeatInterval <= 0 || cfg.MissedHeartbeats < 1 {
+		return usageError{fmt.Errorf("--heartbeat-interval must be > 0 and --missed-heartbeats ≥ 1")}
+	}
+	if err := migrationEnv(&cfg.Migration); err != nil {
+		return usageError{err}
+	}
+	out := cmd.OutOrStdout()
+	if configFile == "" {
+		fmt.Fprintln(out, "vhi host: the flags are valid (no --config)")
+		return nil
+	}
+	file, err := hostconfig.Load(configFile)
+	if err != nil {
+		return usageError{err}
+	}
+	fmt.Fprintf(out, "vhi host: %s is valid: %d launch targets, %d switched models, %d autoscaled models\n",
+		configFile, len(file.Targets), len(file.Models), len(file.Autoscale.Models))
+	return nil
+}
