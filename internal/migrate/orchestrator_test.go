@@ -696,7 +696,7 @@ func TestMigrationSpans(t *testing.T) {
 	}
 	attrs := map[string]string{}
 	for _, a := range root.Attributes() {
-		attrs[string(a.Key)] = a.Value.Emit()
+		attrs[string(a.Key)] = a.Value.String()
 	}
 	if attrs["vllm_hi.migration_id"] != st.ID || attrs["vllm_hi.state"] != "succeeded" || root.Status().Code == otelcodes.Error {
 		t.Fatalf("the migration span: %v %v", attrs, root.Status())
