@@ -4,12 +4,12 @@ import (
 	"context"
 	"errors"
 	"net"
-	"net/http"
 	"net/url"
 
 	"github.com/spf13/cobra"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 )
 
 // Exit codes by cause: a script can tell a typo from a Host that is down
@@ -18,7 +18,7 @@ import (
 const (
 	exitFailed      = 1 // the operation ran and did not succeed (a migration aborted, a drain failed), or any other error
 	exitUsage       = 2 // the command line or its input is wrong (unknown flag, missing argument, a 400 from the Host)
-	exitUnreachable = 3 // the Host (or the engine) could not be reached, or did not answer in time
+	exitUnreachable = 3 // the Host (or the engine) could not be reached, or did not answer in time (its 503, 504)
 	exitNotFound    = 4 // what the command names does not exist (404)
 	exitConflict    = 5 // the Host refused in the state it is in (409: busy, the last active instance, …)
 	exitDenied      = 6 // the credential is missing or wrong (401, 403)
@@ -43,16 +43,17 @@ func exitCode(err error) int {
 	case errors.As(err, &ue):
 		return exitUsage
 	case errors.As(err, &he):
-		switch he.Status {
-		case http.StatusBadRequest, http.StatusRequestEntityTooLarge:
+		// The Host's answer, by the project's one error vocabulary.
+		switch k := errdefs.FromHTTP(he.Status); {
+		case errors.Is(k, errdefs.ErrInvalidArgument):
 			return exitUsage
-		case http.StatusNotFound:
+		case errors.Is(k, errdefs.ErrNotFound):
 			return exitNotFound
-		case http.StatusConflict:
+		case errors.Is(k, errdefs.ErrConflict):
 			return exitConflict
-		case http.StatusUnauthorized, http.StatusForbidden:
+		case errors.Is(k, errdefs.ErrUnauthenticated), errors.Is(k, errdefs.ErrPermissionDenied):
 			return exitDenied
-		case http.StatusServiceUnavailable, http.StatusGatewayTimeout, http.StatusBadGateway:
+		case errors.Is(k, errdefs.ErrUnavailable), errors.Is(k, errdefs.ErrDeadlineExceeded):
 			return exitUnreachable
 		}
 		return exitFailed

@@ -126,15 +126,7 @@ func TestTheNextHostEndsAMigrationItsLeaderDiedIn(t *testing.T) {
 	d := deployWith(t, deployOptions{bBlocks: 4096, hostArgs: []string{"--store", "etcd://" + ep, "--store-lease", "2s"}, moreHosts: []string{second}})
 	h2 := d.secondHost(t, second)
 	defer h2.stop(t)
-	direct := make(chan []loadgen.Stream, 1)
-	reqs := load(8, 400)
-	go func() { direct <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: d.aURL, Model: "m"}, reqs) }()
-	viaHost := d.startLoad(load(8, 400))
-	time.Sleep(300 * time.Millisecond)
-	if code, body := d.migrate(t, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","inject_fault":"crash_after_pause"}`); code != 200 {
-		t.Fatalf("%d %s", code, body)
-	}
-	_ = d.host.cmd.Wait() // the leader exits with A paused
+	direct, viaHost := d.hostDiesInThePause(t) // the leader
 	died := time.Now()
 	d.host.kill()
 	h2URL := "http://" + second

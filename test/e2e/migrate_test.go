@@ -417,17 +417,7 @@ func targetAgentDies(t *testing.T) {
 // lease (10 s here) ends (issue 44: 51 s of 986 blocks held before).
 func TestHostDiesWhileSourcePaused(t *testing.T) {
 	d := deploy(t, 4096)
-	// Streams straight to A keep their connections when the Host dies;
-	// the Host migrates only the streams it relays, so relay a few too.
-	direct := make(chan []loadgen.Stream, 1)
-	reqs := load(8, 400)
-	go func() { direct <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: d.aURL, Model: "m"}, reqs) }()
-	viaHost := d.startLoad(load(8, 400))
-	time.Sleep(300 * time.Millisecond)
-	if code, body := d.migrate(t, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","inject_fault":"crash_after_pause"}`); code != 200 {
-		t.Fatalf("%d %s", code, body)
-	}
-	_ = d.host.cmd.Wait() // the Host exits with A paused
+	direct, viaHost := d.hostDiesInThePause(t)
 	died := time.Now()
 	if b := d.stats(t, d.bURL); b.Reserved == 0 {
 		t.Fatalf("B holds no reservation when the Host died: %+v", b)
@@ -568,4 +558,24 @@ func exitCodeOf(err error) int {
 		return -1
 	}
 	return 0
+}
+
+// hostDiesInThePause streams to A — straight (those keep their
+// connections when the Host dies) and through the Host (the streams a
+// migration moves) — and has the Host exit inside a migration's pause
+// (crash_after_pause), A paused; it returns both loads.
+func (d *deployment) hostDiesInThePause(t *testing.T) (direct, viaHost <-chan []loadgen.Stream) {
+	t.Helper()
+	straight := make(chan []loadgen.Stream, 1)
+	reqs := load(8, 400)
+	go func() {
+		straight <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: d.aURL, Model: "m"}, reqs)
+	}()
+	relayed := d.startLoad(load(8, 400))
+	time.Sleep(300 * time.Millisecond)
+	if code, body := d.migrate(t, `{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","inject_fault":"crash_after_pause"}`); code != 200 {
+		t.Fatalf("%d %s", code, body)
+	}
+	_ = d.host.cmd.Wait() // the Host exits with A paused
+	return straight, relayed
 }
