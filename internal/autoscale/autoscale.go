@@ -245,34 +245,62 @@ func New(cfg Config, scaler Scaler, ttft *slo.Window, met *Metrics, log *zap.Log
 	return a
 }
 
-// Run evaluates every interval until ctx ends (nothing without policies).
+// Run evaluates every interval until ctx ends (nothing while it has no
+// policies; a reload may give it some).
 func (a *Autoscaler) Run(ctx context.Context) {
-	if !a.cfg.Enabled() {
-		return
+	if cfg := a.config(); cfg.Enabled() {
+		a.log.Info("autoscaling on", zap.Duration("interval", cfg.Interval()), zap.Int("models", len(cfg.Models)), zap.Bool("dry_run", cfg.DryRun))
 	}
-	a.log.Info("autoscaling on", zap.Duration("interval", a.cfg.Interval()), zap.Int("models", len(a.cfg.Models)), zap.Bool("dry_run", a.cfg.DryRun))
-	t := time.NewTicker(a.cfg.Interval())
-	defer t.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
-		case <-t.C:
-			a.Step()
+		case <-time.After(a.config().Interval()):
+			if a.config().Enabled() {
+				a.Step()
+			}
 		}
 	}
 }
 
+// config is the policies now.
+func (a *Autoscaler) config() Config {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.cfg
+}
+
+// SetConfig replaces the policies (vhi host's SIGHUP reload): a model's
+// cool-down and latest view are kept; a model without a policy any more
+// is no longer scaled.
+func (a *Autoscaler) SetConfig(cfg Config) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.cfg = cfg
+	for m := range a.state {
+		if _, ok := cfg.Models[m]; !ok {
+			delete(a.state, m)
+		}
+	}
+	for m := range cfg.Models {
+		if a.state[m] == nil {
+			a.state[m] = &modelState{}
+		}
+	}
+	a.log.Info("autoscaling policies reloaded", zap.Int("models", len(cfg.Models)), zap.Bool("dry_run", cfg.DryRun))
+}
+
 // Step evaluates every policy once and returns the decisions it made.
 func (a *Autoscaler) Step() []hostapi.AutoscaleDecision {
-	models := make([]string, 0, len(a.cfg.Models))
-	for m := range a.cfg.Models {
+	cfg := a.config()
+	models := make([]string, 0, len(cfg.Models))
+	for m := range cfg.Models {
 		models = append(models, m)
 	}
 	sort.Strings(models)
 	var out []hostapi.AutoscaleDecision
 	for _, m := range models {
-		if d, inst, ok := a.evaluate(m, a.cfg.Models[m].withDefaults()); ok {
+		if d, inst, ok := a.evaluate(m, cfg.Models[m].withDefaults(), cfg.DryRun); ok {
 			out = append(out, a.act(d, inst))
 		}
 	}
@@ -311,7 +339,7 @@ func load(reps []registry.Instance) (waiting, running int) {
 
 // evaluate reads the model's signals and decides at most one step; inst
 // is the engine a data_parallel decision scales.
-func (a *Autoscaler) evaluate(model string, p Policy) (d hostapi.AutoscaleDecision, inst string, ok bool) {
+func (a *Autoscaler) evaluate(model string, p Policy, dryRun bool) (d hostapi.AutoscaleDecision, inst string, ok bool) {
 	now := a.now()
 	reps := a.scaler.Replicas(model)
 	size, inst := a.size(reps, p)
@@ -344,7 +372,7 @@ func (a *Autoscaler) evaluate(model string, p Policy) (d hostapi.AutoscaleDecisi
 	if busy || cooling || size == 0 || (p.Kind == KindDataParallel && inst == "") {
 		return d, "", false
 	}
-	d = hostapi.AutoscaleDecision{At: now.UTC(), Model: model, Kind: p.Kind, From: size, TTFTP95S: p95, Samples: n, Waiting: waiting, DryRun: a.cfg.DryRun}
+	d = hostapi.AutoscaleDecision{At: now.UTC(), Model: model, Kind: p.Kind, From: size, TTFTP95S: p95, Samples: n, Waiting: waiting, DryRun: dryRun}
 	perUnit := float64(waiting) / float64(size)
 	runningEach := float64(running) / float64(size)
 	fitsFewer := p.RunningHigh == 0 || (size > 1 && float64(running)/float64(size-p.Step) < 0.8*p.RunningHigh)

@@ -1,14 +1,18 @@
 package cli
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"os"
+	"os/signal"
 	"path/filepath"
 	"strconv"
+	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
+	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/internal/credentials"
 	"github.com/vllm-hi/vllm-hi/internal/host"
@@ -85,6 +89,12 @@ across restarts.`,
 			if err != nil {
 				return fmt.Errorf("host: listen: %w", err)
 			}
+			// SIGHUP re-reads --config: the launch targets and the
+			// autoscaling policies change without a restart.
+			hup := make(chan os.Signal, 1)
+			signal.Notify(hup, syscall.SIGHUP)
+			defer signal.Stop(hup)
+			go reloadOnHUP(cmd.Context(), hup, h, configFile, log)
 			return h.Serve(cmd.Context(), ln)
 		},
 	}
@@ -213,4 +223,26 @@ func checkHostConfig(cmd *cobra.Command, cfg host.Config, configFile string) err
 	fmt.Fprintf(out, "vhi host: %s is valid: %d launch targets, %d switched models, %d autoscaled models\n",
 		configFile, len(file.Targets), len(file.Models), len(file.Autoscale.Models))
 	return nil
+}
+
+// reloadOnHUP applies configFile again on each SIGHUP; a file that does
+// not check leaves the running configuration as it is.
+func reloadOnHUP(ctx context.Context, hup <-chan os.Signal, h *host.Host, configFile string, log *zap.Logger) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-hup:
+		}
+		if configFile == "" {
+			log.Warn("SIGHUP: nothing to reload (no --config)")
+			continue
+		}
+		file, err := hostconfig.Load(configFile)
+		if err != nil {
+			log.Error("SIGHUP: the configuration file does not check; the running configuration stays", zap.Error(err))
+			continue
+		}
+		h.Reload(file)
+	}
 }

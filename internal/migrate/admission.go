@@ -21,7 +21,7 @@ func refuse(kind error, format string, a ...any) error {
 // validate checks a request's own fields and fills in defaults.
 func (o *Orchestrator) validate(req *hostapi.MigrateRequest) (Filter, error) {
 	bad := errdefs.ErrInvalidArgument
-	if req.Src == "" || (req.Dst == "" && len(o.cfg.Launchers) == 0) {
+	if req.Src == "" || (req.Dst == "" && len(o.launchers()) == 0) {
 		return nil, refuse(bad, "src_vllm_hi_id and dst_vllm_hi_id are required (a target is launched on demand only for models with a launch command: targets in vhi host --config)")
 	}
 	if req.Src == req.Dst {

@@ -47,7 +47,7 @@ func (o *Orchestrator) startLaunched(req hostapi.MigrateRequest) (string, error)
 		return "", refuse(conflict, "source %s serves no model", src.ID)
 	}
 	model := src.Engine.ServedModels[0]
-	spec, ok := o.cfg.Launchers[model]
+	spec, ok := o.launchers()[model]
 	if !ok {
 		return "", refuse(conflict, "no dst_vllm_hi_id, and no launch command for model %q (targets.%s in vhi host --config): name a standby target", model, model)
 	}
@@ -181,7 +181,7 @@ type Launched struct {
 
 // CanLaunch reports whether model has a launch command (targets.MODEL).
 func (o *Orchestrator) CanLaunch(model string) bool {
-	_, ok := o.cfg.Launchers[model]
+	_, ok := o.launchers()[model]
 	return ok
 }
 
@@ -190,7 +190,7 @@ func (o *Orchestrator) CanLaunch(model string) bool {
 // healthy and migratable (a standby: its command starts it as type B). A
 // launch that fails is stopped, and the error says why.
 func (o *Orchestrator) LaunchReplica(model string, like registry.Instance) (Launched, error) {
-	spec, ok := o.cfg.Launchers[model]
+	spec, ok := o.launchers()[model]
 	if !ok {
 		return Launched{}, refuse(errdefs.ErrConflict, "no launch command for model %q (targets.%s in vhi host --config)", model, model)
 	}
@@ -239,4 +239,20 @@ func freePorts(n int) ([]int, error) {
 		out = append(out, l.Addr().(*net.TCPAddr).Port)
 	}
 	return out, nil
+}
+
+// launchers are the launch targets now (Config.Launchers, or what a
+// reload set).
+func (o *Orchestrator) launchers() map[string]launch.Spec {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.cfg.Launchers
+}
+
+// SetLaunchers replaces the launch targets (vhi host's SIGHUP reload):
+// migrations that launch from here use them; one launching keeps its own.
+func (o *Orchestrator) SetLaunchers(l map[string]launch.Spec) {
+	o.mu.Lock()
+	o.cfg.Launchers = l
+	o.mu.Unlock()
 }

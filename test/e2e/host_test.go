@@ -5,8 +5,11 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -122,4 +125,42 @@ func TestHostSimAgentProcesses(t *testing.T) {
 
 	agent.stop(t)
 	waitUntil(t, "deregistration", func() bool { return len(listInstances(t, hostURL)) == 0 })
+}
+
+// SIGHUP makes the Host read --config again: autoscaling policies added
+// to the file take effect without a restart; a file that does not check
+// changes nothing and the Host goes on.
+func TestSIGHUPReloadsTheConfiguration(t *testing.T) {
+	conf := filepath.Join(t.TempDir(), "host.yaml")
+	if err := os.WriteFile(conf, []byte("autoscale:\n  dry_run: true\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	d := deployWith(t, deployOptions{bBlocks: 4096, hostArgs: []string{"--config", conf}})
+	c := hostClient(t, d.hostURL, "")
+	if st, err := c.Autoscale(context.Background()); err != nil || st.Enabled {
+		t.Fatalf("before the reload: %+v %v", st, err)
+	}
+	policy := "autoscale:\n  dry_run: true\n  models:\n    m:\n      kind: replicas\n      min: 1\n      max: 2\n      ttft_p95_slo_s: 2\n"
+	if err := os.WriteFile(conf, []byte(policy), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.host.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, "the policy reloaded", func() bool {
+		st, err := c.Autoscale(context.Background())
+		return err == nil && st.Enabled && len(st.Models) == 1 && st.Models[0].Model == "m" && st.Models[0].Max == 2
+	})
+	// A misspelt field: refused, the running policy stays.
+	if err := os.WriteFile(conf, []byte("autoscale:\n  modelz: {}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	_ = d.host.cmd.Process.Signal(syscall.SIGHUP)
+	time.Sleep(500 * time.Millisecond)
+	if st, err := c.Autoscale(context.Background()); err != nil || !st.Enabled || len(st.Models) != 1 {
+		t.Fatalf("after a bad file's SIGHUP: %+v %v", st, err)
+	}
+	if !strings.Contains(d.host.stderr.String(), "does not check") {
+		t.Fatalf("the Host did not say the file was refused:\n%s", d.host.stderr.String())
+	}
 }
