@@ -442,10 +442,11 @@ type SwitchReport struct {
 
 // SwitchStep is one named step of a switch.
 type SwitchStep struct {
-	Step      string  `json:"step"`
-	Model     string  `json:"model"`
-	DurationS float64 `json:"duration_s"`
-	Error     string  `json:"error,omitempty"`
+	Step      string    `json:"step"`
+	Model     string    `json:"model"`
+	StartedAt time.Time `json:"started_at"`
+	DurationS float64   `json:"duration_s"`
+	Error     string    `json:"error,omitempty"`
 }
 
 // SwitchResult is POST /admin/switch/{model}'s answer.

@@ -139,19 +139,20 @@ type Host struct {
 	balancer *rebalance.Balancer
 	// ttft is the rolling TTFT per model the autoscaler reads (nil when
 	// it is off).
-	ttft       *slo.Window
-	autoscaler *autoscale.Autoscaler
-	failover   *failover.Manager
-	switcher   *switching.Switcher // nil without switched models
-	scaler     *scale.Scaler
-	grpc       *grpc.Server
-	bodies     *budget
-	serverTLS  *tls.Config
-	started    time.Time
-	serving    atomic.Bool // Serve accepts connections (gRPC included)
-	tracer     trace.Tracer
-	stopTraces func(context.Context) error // flushes the spans batched
-	access     *zap.Logger                 // one line per relayed request
+	ttft         *slo.Window
+	autoscaler   *autoscale.Autoscaler
+	failover     *failover.Manager
+	switcher     *switching.Switcher // nil without switched models
+	scaler       *scale.Scaler
+	grpc         *grpc.Server
+	bodies       *budget
+	serverTLS    *tls.Config
+	started      time.Time
+	serving      atomic.Bool // Serve accepts connections (gRPC included)
+	tracer       trace.Tracer
+	switchTracer trace.Tracer
+	stopTraces   func(context.Context) error // flushes the spans batched
+	access       *zap.Logger                 // one line per relayed request
 }
 
 // New builds a Host (opening its state in cfg.DataDir); Serve runs it.
@@ -209,8 +210,12 @@ func NewContext(ctx context.Context, cfg Config, log *zap.Logger) (*Host, error)
 		return nil, err
 	}
 	h.tracer, h.stopTraces = tp.Tracer("github.com/vllm-hi/vllm-hi/internal/host"), stopTraces
+	h.switchTracer = tp.Tracer("github.com/vllm-hi/vllm-hi/internal/switching")
 	mcfg := cfg.Migration
 	mcfg.AgentToken, mcfg.AgentTLS = cfg.AgentToken, agentTLS
+	if cfg.Scale.Tracer == nil {
+		cfg.Scale.Tracer = tp.Tracer("github.com/vllm-hi/vllm-hi/internal/scale")
+	}
 	if mcfg.Tracer == nil { // tests may give their own
 		mcfg.Tracer = tp.Tracer("github.com/vllm-hi/vllm-hi/internal/migrate")
 	}

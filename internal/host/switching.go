@@ -30,7 +30,7 @@ func (h *Host) newSwitcher(cfg Config) (*switching.Switcher, error) {
 	// Every call is bounded by the switch's deadline (its context).
 	client := &http.Client{}
 	s, err := switching.New(switching.Options{
-		Models: cfg.Models, Controller: cfg.Controller, Metrics: met, Log: h.log.Named("switch"),
+		Models: cfg.Models, Controller: cfg.Controller, Metrics: met, Log: h.log.Named("switch"), Tracer: h.switchTracer,
 		Mover: switchMover{h},
 		Backend: func(alias string, m switching.Model) switching.Backend {
 			return engine.NewAdmin(m.BackendURL, m.ServedName(alias), cfg.AgentToken, client)

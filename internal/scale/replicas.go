@@ -166,6 +166,7 @@ func (s *Scaler) runReplicas(o *op) {
 	s.mu.Unlock()
 	s.met.WithLabelValues(KindReplicas, state).Inc()
 	st := o.status()
+	s.traceOp(st)
 	s.log.Info("scaled replicas", zap.String("scale_id", st.ID), zap.String("model", model), zap.String("cause", st.Cause), zap.Int("from", st.From),
 		zap.Int("to", st.To), zap.String("state", state), zap.Strings("added", st.Added), zap.Strings("removed", st.Removed),
 		zap.Int("moved", st.Moved), zap.Float64("downtime_s", st.DowntimeS), zap.Float64("total_s", st.TotalS), zap.Error(err))

@@ -24,6 +24,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
@@ -38,6 +40,9 @@ import (
 
 // Config tunes scaling.
 type Config struct {
+	// Tracer, when set, gets a span per scale operation and one per phase
+	// (trace.go).
+	Tracer trace.Tracer
 	// HoldTimeout bounds how long one request waits through a commit;
 	// MaxHeld how many wait at once (beyond it the 503 goes through).
 	HoldTimeout time.Duration
@@ -350,6 +355,7 @@ func (s *Scaler) run(o *op, inst registry.Instance) {
 	delete(s.running, inst.ID)
 	s.mu.Unlock()
 	s.met.WithLabelValues(KindElasticEP, state).Inc() // run is the elastic-EP path
+	s.traceOp(st)
 	s.log.Info("scaled", zap.String("scale_id", st.ID), zap.String("vllm_hi_id", inst.ID), zap.Int("from", st.From), zap.Int("to", st.To),
 		zap.String("state", state), zap.Float64("downtime_s", st.DowntimeS), zap.Float64("total_s", st.TotalS), zap.Int("held", st.HeldRequests), zap.Error(err))
 }

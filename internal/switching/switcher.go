@@ -8,6 +8,8 @@ import (
 	"sync"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
+
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
@@ -64,6 +66,9 @@ type Options struct {
 	Mover   Mover // nil: a drain always waits
 	Metrics *Metrics
 	Log     *zap.Logger
+	// Tracer, when set, gets a span per switch and one per step
+	// (trace.go).
+	Tracer trace.Tracer
 }
 
 // Switcher is the model-switching state of the Host.
@@ -72,6 +77,7 @@ type Switcher struct {
 	mover Mover
 	met   *Metrics
 	log   *zap.Logger
+	tr    trace.Tracer // nil: no spans
 
 	mu      sync.Mutex
 	changed chan struct{} // closed and replaced at every change: drains wait on it
@@ -130,7 +136,7 @@ func New(o Options) (*Switcher, error) {
 	if o.Metrics == nil {
 		o.Metrics = NewMetrics()
 	}
-	s := &Switcher{cfg: o.Controller, mover: o.Mover, met: o.Metrics, log: o.Log, changed: make(chan struct{}), models: map[string]*model{}}
+	s := &Switcher{cfg: o.Controller, mover: o.Mover, met: o.Metrics, log: o.Log, tr: o.Tracer, changed: make(chan struct{}), models: map[string]*model{}}
 	groups := groupsOf(o.Models, o.Controller.policy())
 	names := make([]string, 0, len(groups))
 	for n := range groups {

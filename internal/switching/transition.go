@@ -32,7 +32,7 @@ func runStep(ctx context.Context, rep *SwitchReport, name string, m *model, f fu
 	if err == nil && ctx.Err() != nil {
 		err = ctx.Err()
 	}
-	st := Step{Step: name, Model: m.alias, DurationS: time.Since(t0).Seconds()}
+	st := Step{Step: name, Model: m.alias, StartedAt: t0.UTC(), DurationS: time.Since(t0).Seconds()}
 	if errors.Is(err, context.DeadlineExceeded) {
 		err = fmt.Errorf("%s: the switch deadline passed", name)
 	}
@@ -58,6 +58,7 @@ func (s *Switcher) switchTo(ctx context.Context, g *group, t *model) error {
 	}
 	rep.State = outcome
 	s.met.switches.WithLabelValues(t.alias, outcome).Inc()
+	s.traceSwitch(rep)
 	s.met.seconds.WithLabelValues(t.alias).Observe(rep.DurationS)
 	s.mu.Lock()
 	t.last = rep
