@@ -18,6 +18,8 @@ import (
 	"sync"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
+
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
@@ -45,6 +47,8 @@ type Config struct {
 	Timeout time.Duration
 	// RPCTimeout bounds each call to an agent.
 	RPCTimeout time.Duration
+	// Tracer, when set, gets a span per drain (trace.go).
+	Tracer trace.Tracer
 }
 
 // Drainer runs the drains and keeps their statuses.
@@ -530,6 +534,7 @@ func (d *drain) finish(ctx context.Context) {
 	o.met.ended(hostapi.StateSucceeded)
 	o.ends.Ended()
 	st := d.status()
+	o.traceDrain(st)
 	d.log.Info("drained", zap.String("cause", st.Cause), zap.Int("moved", st.Moved), zap.Int("finished", st.Finished),
 		zap.Strings("migrations", st.Migration), zap.String("source_kv", state))
 }
@@ -542,6 +547,7 @@ func (d *drain) fail(err error) {
 	})
 	d.o.met.ended(hostapi.StateFailed)
 	d.o.ends.Ended()
+	d.o.traceDrain(d.status())
 	d.log.Warn("the drain failed; the instance stays draining", zap.Error(err))
 }
 

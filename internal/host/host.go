@@ -228,7 +228,7 @@ func NewContext(ctx context.Context, cfg Config, log *zap.Logger) (*Host, error)
 		h.closeStore()
 		return nil, err
 	}
-	h.drainer = drain.New(drain.Config{Timeout: mcfg.DrainTimeout, RPCTimeout: mcfg.RPCTimeout}, h.reg, h.mig, h.agents,
+	h.drainer = drain.New(drain.Config{Timeout: mcfg.DrainTimeout, RPCTimeout: mcfg.RPCTimeout, Tracer: tp.Tracer("github.com/vllm-hi/vllm-hi/internal/drain")}, h.reg, h.mig, h.agents,
 		h.proxy.Streams(), h.m.drains, log.Named("drain"))
 	if err := cfg.Rebalance.Check(); err != nil {
 		h.closeStore()
