@@ -2,6 +2,7 @@ package cli
 
 import (
 	"bytes"
+	"flag"
 	"encoding/json"
 	"fmt"
 	"net"
@@ -13,6 +14,8 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 )
+
+var update = flag.Bool("update", false, "rewrite docs/host-config.schema.json")
 
 // Each cause has its exit code, whatever the command.
 func TestExitCodesByCause(t *testing.T) {
@@ -116,6 +119,65 @@ func TestHostCheck(t *testing.T) {
 		err := root.Execute()
 		if code := map[bool]int{true: 0, false: exitCode(err)}[err == nil]; code != c.code || !strings.Contains(out.String(), c.out) {
 			t.Errorf("vhi %v: exit %d (%v), output %q; want %d", c.args, code, err, out.String(), c.code)
+		}
+	}
+}
+
+// The file's host section sets any vhi host flag by its name and in its
+// syntax; the command line wins; an unknown name or a bad value is
+// refused (exit 2).
+func TestHostSection(t *testing.T) {
+	dir := t.TempDir()
+	conf := dir + "/host.yaml"
+	_ = os.WriteFile(conf, []byte("host:\n  migration-pause-lease: 4s\n  migration-tn: 3\n  access-log: false\n  listen: 127.0.0.1:9000\n"), 0o600)
+	root := NewRootCommand()
+	root.SetArgs([]string{"host", "--check", "--config", conf, "--listen", "127.0.0.1:9001"})
+	var out bytes.Buffer
+	root.SetOut(&out)
+	root.SetErr(&out)
+	if err := root.Execute(); err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range []string{"migration-pause-lease=4s", "migration-tn=3", "access-log=false", "the command line's instead of the file's: listen"} {
+		if !strings.Contains(out.String(), w) {
+			t.Errorf("vhi host --check lacks %q:\n%s", w, out.String())
+		}
+	}
+	for _, bad := range []string{"host:\n  no-such-flag: 1\n", "host:\n  migration-pause-lease: soon\n", "host:\n  config: other.yaml\n"} {
+		_ = os.WriteFile(conf, []byte(bad), 0o600)
+		root := NewRootCommand()
+		root.SetArgs([]string{"host", "--check", "--config", conf})
+		root.SetOut(&bytes.Buffer{})
+		root.SetErr(&bytes.Buffer{})
+		if code := exitCode(root.Execute()); code != exitUsage {
+			t.Errorf("%q: exit %d, want %d", bad, code, exitUsage)
+		}
+	}
+}
+
+// The published schema is the one the Go types and vhi host's flags make
+// (go test -update rewrites it).
+func TestPublishedSchemaIsCurrent(t *testing.T) {
+	root := NewRootCommand()
+	root.SetArgs([]string{"host", "--config-schema"})
+	var out bytes.Buffer
+	root.SetOut(&out)
+	if err := root.Execute(); err != nil {
+		t.Fatal(err)
+	}
+	const path = "../../docs/host-config.schema.json"
+	if *update {
+		if err := os.WriteFile(path, out.Bytes(), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want, err := os.ReadFile(path)
+	if err != nil || string(want) != out.String() {
+		t.Fatalf("%s is not what the Go types and flags make (go test ./internal/cli -update): %v", path, err)
+	}
+	for _, w := range []string{`"targets"`, `"autoscale"`, `"host"`, `"migration-pause-lease"`, `"pattern"`} {
+		if !strings.Contains(out.String(), w) {
+			t.Errorf("the schema lacks %s", w)
 		}
 	}
 }

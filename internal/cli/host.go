@@ -7,7 +7,9 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"reflect"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -42,15 +44,37 @@ across restarts.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if printSchema {
-				b, err := hostconfig.Schema()
+				b, err := hostconfig.Schema(hostSettings(cmd))
 				if err != nil {
 					return err
 				}
 				_, err = fmt.Fprintln(cmd.OutOrStdout(), string(b))
 				return err
 			}
+			// The file first: its host section sets the flags the command
+			// line did not, before anything reads them.
+			var file hostconfig.File
+			var applied, kept []string
+			if configFile != "" {
+				var err error
+				if file, err = hostconfig.Load(configFile); err != nil {
+					return usageError{err}
+				}
+				if applied, kept, err = applyHostSection(cmd, file.Host); err != nil {
+					return usageError{fmt.Errorf("%s: %w", configFile, err)}
+				}
+			}
 			if check {
-				return checkHostConfig(cmd, cfg, configFile)
+				if err := checkHostConfig(cmd, cfg, configFile, file); err != nil {
+					return err
+				}
+				if len(applied)+len(kept) > 0 {
+					fmt.Fprintf(cmd.OutOrStdout(), "from the file: %s\n", strings.Join(applied, " "))
+					if len(kept) > 0 {
+						fmt.Fprintf(cmd.OutOrStdout(), "the command line's instead of the file's: %s\n", strings.Join(kept, " "))
+					}
+				}
+				return nil
 			}
 			log, err := g.logger()
 			if err != nil {
@@ -64,10 +88,6 @@ across restarts.`,
 				return err
 			}
 			if configFile != "" {
-				file, err := hostconfig.Load(configFile)
-				if err != nil {
-					return err
-				}
 				cfg.Migration.Launchers = file.Targets
 				cfg.Models, cfg.Controller, cfg.Autoscale = file.Models, file.Controller, file.Autoscale
 			}
@@ -94,7 +114,7 @@ across restarts.`,
 			hup := make(chan os.Signal, 1)
 			signal.Notify(hup, syscall.SIGHUP)
 			defer signal.Stop(hup)
-			go reloadOnHUP(cmd.Context(), hup, h, configFile, log)
+			go reloadOnHUP(cmd.Context(), hup, h, configFile, file.Host, log)
 			return h.Serve(cmd.Context(), ln)
 		},
 	}
@@ -102,7 +122,7 @@ across restarts.`,
 	f.StringVar(&cfg.Listen, "listen", cfg.Listen, "address for HTTP, metrics and the agents' gRPC")
 	f.BoolVar(&check, "check", false, "check --config and the flags, say what they set, and exit (0: valid, 2: not) without starting")
 	f.BoolVar(&printSchema, "config-schema", false, "print the --config file's JSON Schema (docs/host-config.schema.json) and exit")
-	f.StringVar(&configFile, "config", "", "YAML configuration: targets (how to launch a migration target on demand, by served model)")
+	f.StringVar(&configFile, "config", "", "YAML configuration: host (any of these flags by name; the command line wins), targets, models, controller, autoscale")
 	f.StringVar(&cfg.DataDir, "data-dir", credentials.DefaultDataDir(), "the Host's state: roles, lifecycle, migration records, generated tokens")
 	f.StringVar(&cfg.OTLPTracesEndpoint, "otlp-traces-endpoint", envDefault("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", ""),
 		"export OpenTelemetry spans (relayed requests, migrations and their steps) over OTLP/HTTP to this collector URL, e.g. http://otel:4318 [OTEL_EXPORTER_OTLP_TRACES_ENDPOINT]")
@@ -204,7 +224,7 @@ const defaultFailoverSnapshot = time.Second
 // checkHostConfig is vhi host --check: the configuration file and the
 // flags checked as a start would check them, nothing started. What is
 // wrong exits 2.
-func checkHostConfig(cmd *cobra.Command, cfg host.Config, configFile string) error {
+func checkHostConfig(cmd *cobra.Command, cfg host.Config, configFile string, file hostconfig.File) error {
 	if cfg.HeartbeatInterval <= 0 || cfg.MissedHeartbeats < 1 {
 		return usageError{fmt.Errorf("--heartbeat-interval must be > 0 and --missed-heartbeats ≥ 1")}
 	}
@@ -216,18 +236,14 @@ func checkHostConfig(cmd *cobra.Command, cfg host.Config, configFile string) err
 		fmt.Fprintln(out, "vhi host: the flags are valid (no --config)")
 		return nil
 	}
-	file, err := hostconfig.Load(configFile)
-	if err != nil {
-		return usageError{err}
-	}
-	fmt.Fprintf(out, "vhi host: %s is valid: %d launch targets, %d switched models, %d autoscaled models\n",
-		configFile, len(file.Targets), len(file.Models), len(file.Autoscale.Models))
+	fmt.Fprintf(out, "vhi host: %s is valid: %d host settings, %d launch targets, %d switched models, %d autoscaled models\n",
+		configFile, len(file.Host), len(file.Targets), len(file.Models), len(file.Autoscale.Models))
 	return nil
 }
 
 // reloadOnHUP applies configFile again on each SIGHUP; a file that does
 // not check leaves the running configuration as it is.
-func reloadOnHUP(ctx context.Context, hup <-chan os.Signal, h *host.Host, configFile string, log *zap.Logger) {
+func reloadOnHUP(ctx context.Context, hup <-chan os.Signal, h *host.Host, configFile string, started map[string]any, log *zap.Logger) {
 	for {
 		select {
 		case <-ctx.Done():
@@ -244,5 +260,8 @@ func reloadOnHUP(ctx context.Context, hup <-chan os.Signal, h *host.Host, config
 			continue
 		}
 		h.Reload(file)
+		if !reflect.DeepEqual(file.Host, started) {
+			log.Warn("SIGHUP: the host section changed; its settings are read at start only: restart the Host to apply them")
+		}
 	}
 }

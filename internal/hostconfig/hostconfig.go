@@ -19,6 +19,10 @@ import (
 
 // File is the configuration file.
 type File struct {
+	// Host holds every other setting of vhi host, by its flag's name and
+	// in its flag's syntax (durations like 10m, 500ms): one file can
+	// configure the whole Host; a flag given on the command line wins.
+	Host map[string]any `yaml:"host"`
 	// Targets are how to start a migration target on demand, by served
 	// model name: a migrate request without dst_vllm_hi_id launches one
 	// with the shape it asks for (target_tp, target_pp,
