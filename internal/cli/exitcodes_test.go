@@ -2,8 +2,8 @@ package cli
 
 import (
 	"bytes"
-	"flag"
 	"encoding/json"
+	"flag"
 	"fmt"
 	"net"
 	"net/http"
