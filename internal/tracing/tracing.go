@@ -9,7 +9,10 @@ import (
 	"fmt"
 	"net/url"
 	"strings"
+	"time"
 
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/sdk/resource"
@@ -47,4 +50,35 @@ func Setup(ctx context.Context, endpoint, service string) (trace.TracerProvider,
 	res := resource.NewWithAttributes(semconv.SchemaURL, semconv.ServiceName(service), semconv.ServiceVersion(version.Version))
 	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp), sdktrace.WithResource(res))
 	return tp, tp.Shutdown, nil
+}
+
+// Span is an operation that already ran, as Record writes it: its name,
+// when it began and ended, what it was, whether it failed, and the
+// steps it ran.
+type Span struct {
+	Name       string
+	Start, End time.Time
+	Attributes []attribute.KeyValue
+	Err        string // "": it succeeded
+	Children   []Span
+}
+
+// Record writes s and its children as spans of t, timed as they ran: the
+// drains, scale operations and switches, whose steps are known once
+// each ended, are traced so. Nothing without a tracer.
+func Record(t trace.Tracer, s Span) {
+	if t != nil {
+		record(context.Background(), t, s)
+	}
+}
+
+func record(ctx context.Context, t trace.Tracer, s Span) {
+	ctx, span := t.Start(ctx, s.Name, trace.WithTimestamp(s.Start), trace.WithAttributes(s.Attributes...))
+	for _, c := range s.Children {
+		record(ctx, t, c)
+	}
+	if s.Err != "" {
+		span.SetStatus(codes.Error, s.Err)
+	}
+	span.End(trace.WithTimestamp(s.End))
 }
