@@ -269,6 +269,18 @@ type Status struct {
 	// Hosts sharing the store (etcd), the leader first; absent with the
 	// embedded store.
 	Hosts []HostInfo `json:"hosts,omitempty"`
+	// SwitchedModels are the switched models' states by alias (model
+	// switching; absent without): what the status page shows. The whole
+	// state, backends included, is GET /admin/state's.
+	SwitchedModels map[string]SwitchedModelSummary `json:"switched_models,omitempty"`
+}
+
+// SwitchedModelSummary is a switched model's state in GET /vllm_hi/status.
+type SwitchedModelSummary struct {
+	State  string `json:"state"`
+	Active int    `json:"active"`
+	Queued int    `json:"queued"`
+	Group  string `json:"group,omitempty"`
 }
 
 // HostInfo is one Host of a shared store: the leader serves, the others

@@ -133,6 +133,12 @@ func (h *Host) status(w http.ResponseWriter, r *http.Request) {
 			st.Hosts = append(st.Hosts, hostapi.HostInfo{ID: m.ID, Address: m.Address, Leader: m.Leader, LastSeen: m.LastSeen})
 		}
 	}
+	if h.switcher != nil {
+		st.SwitchedModels = map[string]hostapi.SwitchedModelSummary{}
+		for alias, m := range h.switcher.State() {
+			st.SwitchedModels[alias] = hostapi.SwitchedModelSummary{State: m.State, Active: m.Active, Queued: m.Queued, Group: m.Group}
+		}
+	}
 	writeJSON(w, http.StatusOK, st)
 }
 

@@ -2,6 +2,7 @@ package host
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"strings"
 	"sync"
@@ -220,6 +221,14 @@ func TestSwitchingAdminAPI(t *testing.T) {
 	code, _, _ := httpDo(t, "GET", r.h.url+"/admin/state", "", nil)
 	if code != 401 {
 		t.Fatalf("the state without the admin token: %d", code)
+	}
+	// The public status (the status page's) says each switched model's
+	// state, not its backend.
+	code, body, _ := httpDo(t, "GET", r.h.url+"/vllm_hi/status", "", nil)
+	var st hostapi.Status
+	if err := json.Unmarshal([]byte(body), &st); code != 200 || err != nil || st.SwitchedModels["chat"].State != "awake" ||
+		st.SwitchedModels["coder"].State != "sleeping" || strings.Contains(body, "backend_url") {
+		t.Fatalf("the status's switched models: %d %s", code, body)
 	}
 	code, _, _ = httpDo(t, "POST", r.h.url+"/admin/switch/chat", "{}", nil)
 	if code != 401 {

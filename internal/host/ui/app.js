@@ -44,6 +44,11 @@ async function refresh() {
       el("td", {}, badge(i.lifecycle)), kvBar(i.stats || {}), el("td", {}, (i.stats || {}).num_running || 0),
       el("td", {}, (i.stats || {}).num_waiting || 0), el("td", {}, "TP" + i.tp + "×PP" + i.pp), el("td", {}, i.engine_url))),
       "no instances registered");
+    const switched = status.switched_models || {};
+    document.getElementById("switched").hidden = Object.keys(switched).length === 0;
+    fill("models", Object.keys(switched).sort().map((a) => el("tr", { "data-id": a },
+      el("td", {}, a), el("td", {}, badge(switched[a].state)), el("td", {}, switched[a].group || "–"),
+      el("td", {}, switched[a].active), el("td", {}, switched[a].queued))), "no switched models");
     fill("migrations", (migs.migrations || []).slice(0, 20).map((m) => el("tr", { "data-id": m.migration_id },
       el("td", {}, m.migration_id), el("td", {}, badge(m.state)), el("td", {}, m.current_step),
       el("td", {}, m.src_vllm_hi_id + " → " + m.dst_vllm_hi_id), el("td", {}, m.migration_type),
