@@ -165,11 +165,7 @@ func (h *Host) instance(w http.ResponseWriter, r *http.Request) {
 // eligible instance.
 func (h *Host) drain(w http.ResponseWriter, r *http.Request) {
 	var req hostapi.DrainRequest
-	body, err := io.ReadAll(io.LimitReader(r.Body, 1<<20))
-	if err == nil && len(bytes.TrimSpace(body)) > 0 {
-		err = decodeStrict(bytes.NewReader(body), &req)
-	}
-	if err != nil {
+	if err := decodeOptional(r, &req); err != nil {
 		fail(w, errdefs.Newf(errdefs.ErrInvalidArgument, "malformed drain body: %v", err))
 		return
 	}
@@ -219,11 +215,7 @@ func (h *Host) undrain(w http.ResponseWriter, r *http.Request) {
 // migration target again.
 func (h *Host) wake(w http.ResponseWriter, r *http.Request) {
 	var req hostapi.WakeRequest
-	body, err := io.ReadAll(io.LimitReader(r.Body, 1<<20))
-	if err == nil && len(bytes.TrimSpace(body)) > 0 {
-		err = decodeStrict(bytes.NewReader(body), &req)
-	}
-	if err != nil {
+	if err := decodeOptional(r, &req); err != nil {
 		fail(w, errdefs.Newf(errdefs.ErrInvalidArgument, "malformed wake body: %v", err))
 		return
 	}
@@ -328,4 +320,14 @@ func (h *Host) scales(w http.ResponseWriter, _ *http.Request) {
 // decisions.
 func (h *Host) autoscaleStatus(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, h.autoscaler.Status())
+}
+
+// decodeOptional decodes a request's optional JSON body (at most 1 MiB,
+// every field known) into v; an empty body leaves v as it is.
+func decodeOptional(r *http.Request, v any) error {
+	body, err := io.ReadAll(io.LimitReader(r.Body, 1<<20))
+	if err == nil && len(bytes.TrimSpace(body)) > 0 {
+		err = decodeStrict(bytes.NewReader(body), v)
+	}
+	return err
 }
