@@ -121,6 +121,8 @@ func (r *switchRig) waitState(model, want string) {
 func TestSwitchingABBAWithOverlap(t *testing.T) {
 	r := newSwitchRig(t, switching.Controller{StartupAwakeModel: "chat"}, "coder", nil, "chat")
 	r.waitState("chat", "awake")
+	// coder's state is reconciled beside chat's: "unknown" until then.
+	r.waitState("coder", "sleeping")
 	if st := r.state("coder"); st.State != "sleeping" || st.ServedModelName != "served-coder" {
 		t.Fatalf("coder at start: %+v", st)
 	}
