@@ -283,8 +283,9 @@ type SwitchedModelSummary struct {
 	Group  string `json:"group,omitempty"`
 }
 
-// HostInfo is one Host of a shared store: the leader serves, the others
-// wait to take over. LastSeen is when its lease was last renewed.
+// HostInfo is one Host of a shared store: every Host serves, the leader
+// decides, the others take over in their order. LastSeen is when its
+// lease was last renewed.
 type HostInfo struct {
 	ID       string    `json:"id"`
 	Address  string    `json:"address"`

@@ -128,7 +128,10 @@ type Agent struct {
 	mu         sync.Mutex
 	info       engine.Info
 	registered bool
-	lastStats  *v1.EngineStats
+	// links are the Hosts the agent registers with (all of them: several
+	// Hosts sharing a store each serve and relay); registered: with any.
+	links     hostLinks
+	lastStats *v1.EngineStats
 	// role and retired are what the Host last said about this instance;
 	// a registration carries them, so a Host that lost its state learns
 	// them back from the agents.
@@ -302,19 +305,17 @@ func (a *Agent) Run(ctx context.Context) error {
 	agentAddr := net.JoinHostPort(advertise, port)
 
 	hosts, _ := hostAddrs(a.cfg.HostAddr)
-	target, resolve := hostTarget(hosts)
-	conn, err := grpc.NewClient(target, append(grpcauth.DialOptions(a.cfg.AgentToken, a.clientTLS), resolve...)...)
+	links, err := a.dialHosts(hosts)
 	if err != nil {
-		return fmt.Errorf("agent: dial host %s: %w", a.cfg.HostAddr, err)
+		return err
 	}
-	defer conn.Close()
-	reg := v1.NewRegistryClient(conn)
+	defer links.close()
 	req := a.registerRequest(info, agentAddr, dataAddr)
 	a.setPhase(phaseRegistering)
-	err = a.loop(ctx, reg, req)
+	err = a.loopAll(ctx, links, req)
 	a.setPhase(phaseStopping)
 	if err == nil {
-		a.drainOnStop(reg, req)
+		a.drainOnStop(links, req)
 		if a.cfg.DrainedFile != "" {
 			if werr := os.WriteFile(a.cfg.DrainedFile, []byte(time.Now().UTC().Format(time.RFC3339)+"\n"), 0o644); werr != nil {
 				a.log.Warn("writing the drained file failed", zap.String("path", a.cfg.DrainedFile), zap.Error(werr))
@@ -322,11 +323,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		}
 	}
 	// Deregister with a fresh context: ctx is already done.
-	dctx, dcancel := context.WithTimeout(context.Background(), 3*time.Second)
-	defer dcancel()
-	if _, derr := reg.Deregister(dctx, &v1.DeregisterRequest{VllmHiId: a.cfg.ID, Session: a.session}); derr == nil {
-		a.log.Info("deregistered")
-	}
+	links.deregister(a)
 	return err
 }
 
@@ -381,13 +378,14 @@ func fatalRegistration(err error) bool {
 // loop registers (with backoff while the Host is unreachable) and then
 // heartbeats; a NOT_FOUND heartbeat (the Host restarted and forgot us)
 // goes back to registering.
-func (a *Agent) loop(ctx context.Context, reg v1.RegistryClient, req *v1.RegisterRequest) error {
+func (a *Agent) loop(ctx context.Context, l *hostLink, req *v1.RegisterRequest) error {
+	reg := l.reg
 	backoff := 200 * time.Millisecond
 	interval := time.Second
 	everRegistered := false
 	started := time.Now()
 	for ctx.Err() == nil {
-		if !a.isRegistered() {
+		if !a.linkRegistered(l) {
 			rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 			a.mu.Lock()
 			req.Role, req.Retired = a.role, a.retired
@@ -403,7 +401,7 @@ func (a *Agent) loop(ctx context.Context, reg v1.RegistryClient, req *v1.Registe
 				if fatalRegistration(err) && !everRegistered && !predecessor {
 					return fmt.Errorf("%w by the Host: %v", errFatal, err)
 				}
-				a.log.Warn("registration failed; retrying", zap.Error(err), zap.Duration("in", backoff))
+				a.log.Warn("registration failed; retrying", zap.String("host", l.addr), zap.Error(err), zap.Duration("in", backoff))
 				if !sleep(ctx, backoff) {
 					break
 				}
@@ -415,12 +413,12 @@ func (a *Agent) loop(ctx context.Context, reg v1.RegistryClient, req *v1.Registe
 				interval = time.Duration(ms) * time.Millisecond
 			}
 			a.learn(resp.GetRole(), resp.GetLifecycle())
-			a.setRegistered(true)
+			a.setRegistered(l, true)
 			a.setPhase(phaseRegistered)
 			if everRegistered {
-				a.log.Info("re-registered with the Host", zap.String("host", a.cfg.HostAddr))
+				a.log.Info("re-registered with the Host", zap.String("host", l.addr))
 			} else {
-				a.log.Info("registered with the Host", zap.String("host", a.cfg.HostAddr), zap.Duration("heartbeat", interval))
+				a.log.Info("registered with the Host", zap.String("host", l.addr), zap.Duration("heartbeat", interval))
 			}
 			everRegistered = true
 		}
@@ -436,12 +434,13 @@ func (a *Agent) loop(ctx context.Context, reg v1.RegistryClient, req *v1.Registe
 		case err == nil:
 			a.learn(hb.GetRole(), hb.GetLifecycle())
 		case errdefs.IsNotFound(err):
-			a.log.Warn("the Host does not know this agent (it restarted?); registering again")
-			a.setRegistered(false)
-			a.setPhase(phaseRegistering)
+			a.log.Warn("the Host does not know this agent (it restarted?); registering again", zap.String("host", l.addr))
+			if !a.setRegistered(l, false) {
+				a.setPhase(phaseRegistering)
+			}
 		default:
 			if ctx.Err() == nil {
-				a.log.Warn("heartbeat failed", zap.Error(err))
+				a.log.Warn("heartbeat failed", zap.String("host", l.addr), zap.Error(err))
 			}
 		}
 	}
@@ -454,7 +453,7 @@ func (a *Agent) loop(ctx context.Context, reg v1.RegistryClient, req *v1.Registe
 // meanwhile (a Host that missed the heartbeats would take the instance
 // for gone and refuse to migrate from it). Whatever the outcome the agent
 // then exits: the grace bounds a stop.
-func (a *Agent) drainOnStop(reg v1.RegistryClient, req *v1.RegisterRequest) {
+func (a *Agent) drainOnStop(links hostLinks, req *v1.RegisterRequest) {
 	a.mu.Lock()
 	active := a.registered && a.role == v1.Role_ROLE_ACTIVE && !a.retired
 	a.mu.Unlock()
@@ -465,13 +464,13 @@ func (a *Agent) drainOnStop(reg v1.RegistryClient, req *v1.RegisterRequest) {
 	heartbeats := make(chan struct{})
 	go func() {
 		defer close(heartbeats)
-		_ = a.loop(ctx, reg, req)
+		_ = a.loopAll(ctx, links, req)
 	}()
 	defer func() { cancel(); <-heartbeats }()
 	a.log.Info("stopping: asking the Host to drain this instance first", zap.Duration("grace", a.cfg.DrainGrace))
 	for {
 		cctx, ccancel := context.WithTimeout(ctx, 5*time.Second)
-		resp, err := reg.Drain(cctx, &v1.DrainSelfRequest{VllmHiId: a.cfg.ID, Session: a.session})
+		resp, err := links.drain(cctx, &v1.DrainSelfRequest{VllmHiId: a.cfg.ID, Session: a.session})
 		ccancel()
 		switch {
 		case err != nil:
@@ -505,16 +504,14 @@ func (a *Agent) learn(role v1.Role, lifecycle string) {
 	}
 }
 
-func (a *Agent) isRegistered() bool {
+// setRegistered records whether the agent is registered with l's Host,
+// and returns whether it still is with any Host.
+func (a *Agent) setRegistered(l *hostLink, v bool) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	l.registered = v
+	a.registered = a.links.anyRegistered()
 	return a.registered
-}
-
-func (a *Agent) setRegistered(v bool) {
-	a.mu.Lock()
-	a.registered = v
-	a.mu.Unlock()
 }
 
 // stats reads the engine's load: the stats hook when it has one, health

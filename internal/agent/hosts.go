@@ -1,17 +1,26 @@
 package agent
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"net"
 	"strings"
+	"sync"
+	"time"
 
+	"go.uber.org/zap"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/resolver"
-	"google.golang.org/grpc/resolver/manual"
+	"google.golang.org/protobuf/proto"
+
+	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
+	"github.com/vllm-hi/vllm-hi/internal/errdefs"
+	"github.com/vllm-hi/vllm-hi/internal/grpcauth"
 )
 
 // hostAddrs reads --host: one Host's IP:PORT, or several, comma-separated
-// (Hosts sharing a store: the one leading it serves, the others wait).
+// (Hosts sharing a store: each serves clients; the one leading it
+// decides).
 func hostAddrs(s string) ([]string, error) {
 	var out []string
 	for _, a := range strings.Split(s, ",") {
@@ -24,22 +33,108 @@ func hostAddrs(s string) ([]string, error) {
 	return out, nil
 }
 
-// hostTarget is the gRPC target and resolver for the Hosts: one address
-// as it is; several through a fixed list that gRPC's pick_first walks in
-// order, connecting to the first that accepts — a Host waiting to lead
-// does not listen yet — and walking it again when that one goes away.
-func hostTarget(addrs []string) (string, []grpc.DialOption) {
-	if len(addrs) == 1 {
-		return addrs[0], nil
+// hostLink is the agent's registration with one Host: every Host of a
+// shared store lists every instance with its live load (it routes its
+// own clients by it), so the agent registers and heartbeats with each.
+type hostLink struct {
+	addr       string
+	conn       *grpc.ClientConn
+	reg        v1.RegistryClient
+	registered bool // guarded by the agent's mu
+}
+
+type hostLinks []*hostLink
+
+// dialHosts opens one connection per Host (gRPC connects lazily: a Host
+// that is down now is tried again by its loop).
+func (a *Agent) dialHosts(addrs []string) (hostLinks, error) {
+	var links hostLinks
+	for _, addr := range addrs {
+		conn, err := grpc.NewClient(addr, grpcauth.DialOptions(a.cfg.AgentToken, a.clientTLS)...)
+		if err != nil {
+			links.close()
+			return nil, fmt.Errorf("agent: dial host %s: %w", addr, err)
+		}
+		links = append(links, &hostLink{addr: addr, conn: conn, reg: v1.NewRegistryClient(conn)})
 	}
-	r := manual.NewBuilderWithScheme("vhi-hosts")
-	state := resolver.State{}
-	for _, a := range addrs {
-		// ServerName: each Host's TLS certificate is checked against its
-		// own name, not the list's.
-		name, _, _ := net.SplitHostPort(a)
-		state.Addresses = append(state.Addresses, resolver.Address{Addr: a, ServerName: name})
+	a.mu.Lock()
+	a.links = links
+	a.mu.Unlock()
+	return links, nil
+}
+
+func (ls hostLinks) close() {
+	for _, l := range ls {
+		_ = l.conn.Close()
 	}
-	r.InitialState(state)
-	return r.Scheme() + ":///hosts", []grpc.DialOption{grpc.WithResolvers(r)}
+}
+
+func (ls hostLinks) anyRegistered() bool {
+	for _, l := range ls {
+		if l.registered {
+			return true
+		}
+	}
+	return false
+}
+
+func (a *Agent) linkRegistered(l *hostLink) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return l.registered
+}
+
+// loopAll registers and heartbeats with every Host until ctx ends; a
+// registration refused for good by one Host (errFatal) ends them all.
+func (a *Agent) loopAll(ctx context.Context, links hostLinks, req *v1.RegisterRequest) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var (
+		wg    sync.WaitGroup
+		once  sync.Once
+		first error
+	)
+	for _, l := range links {
+		// Each loop sends its own copy: a registration carries the role
+		// the agent last heard, written just before it is sent.
+		r := proto.Clone(req).(*v1.RegisterRequest)
+		wg.Go(func() {
+			if err := a.loop(ctx, l, r); err != nil {
+				once.Do(func() { first = err; cancel() })
+			}
+		})
+	}
+	wg.Wait()
+	return first
+}
+
+// drain asks the Hosts in turn to drain this instance: the one leading a
+// shared store does; the others refuse (UNAVAILABLE).
+func (ls hostLinks) drain(ctx context.Context, req *v1.DrainSelfRequest) (*v1.DrainSelfResponse, error) {
+	var err error
+	for _, l := range ls {
+		var resp *v1.DrainSelfResponse
+		if resp, err = l.reg.Drain(ctx, req); err == nil {
+			return resp, nil
+		}
+		if !errors.Is(err, errdefs.ErrUnavailable) {
+			return nil, err
+		}
+	}
+	return nil, err
+}
+
+// deregister tells every Host the agent stops, each bounded.
+func (ls hostLinks) deregister(a *Agent) {
+	var wg sync.WaitGroup
+	for _, l := range ls {
+		wg.Go(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+			defer cancel()
+			if _, err := l.reg.Deregister(ctx, &v1.DeregisterRequest{VllmHiId: a.cfg.ID, Session: a.session}); err == nil {
+				a.log.Info("deregistered", zap.String("host", l.addr))
+			}
+		})
+	}
+	wg.Wait()
 }

@@ -67,7 +67,7 @@ VLLM_HI_ENGINE_TOKEN_FILE naming the same file.`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&cfg.Type, "type", envDefault("VLLM_HI_TYPE", ""), "instance type: A (active) or B (standby) [VLLM_HI_TYPE]")
-	f.StringVar(&cfg.HostAddr, "host", envDefault("VLLM_HI_HOST", ""), "the Host's address IP:PORT, or several Hosts sharing a store, comma-separated [VLLM_HI_HOST]")
+	f.StringVar(&cfg.HostAddr, "host", envDefault("VLLM_HI_HOST", ""), "the Host's address IP:PORT, or several Hosts sharing a store, comma-separated (it registers with each) [VLLM_HI_HOST]")
 	f.StringVar(&cfg.EngineURL, "engine", "http://127.0.0.1:8000", "the engine's base URL")
 	f.StringVar(&cfg.EngineCoreSocket, "engine-core-socket", envDefault("VLLM_HI_CORE_SOCKET", ""), "the engine's core channel, a Unix socket (vLLM with the plugin's --vllm-hi-core-socket): pause, resume, the request list, changes, allocations and stats go straight to the engine core [VLLM_HI_CORE_SOCKET]")
 	f.StringVar(&dataPort, "data-port", envDefault("VLLM_HI_DATA_PORT", "0"), "KV data-plane TCP port [VLLM_HI_DATA_PORT]")

@@ -127,9 +127,9 @@ across restarts.`,
 	f.StringVar(&cfg.OTLPTracesEndpoint, "otlp-traces-endpoint", envDefault("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", ""),
 		"export OpenTelemetry spans (relayed requests, migrations and their steps) over OTLP/HTTP to this collector URL, e.g. http://otel:4318 [OTEL_EXPORTER_OTLP_TRACES_ENDPOINT]")
 	f.BoolVar(&cfg.AccessLog, "access-log", cfg.AccessLog, "log a line per relayed request (logger access, level info)")
-	f.StringVar(&cfg.Store, "store", "bolt", "where the Host's state goes: bolt (the embedded store in --data-dir, one Host) or etcd://HOST:PORT[,HOST:PORT…] (shared: one Host leads, the others wait to take over)")
+	f.StringVar(&cfg.Store, "store", "bolt", "where the Host's state goes: bolt (the embedded store in --data-dir, one Host) or etcd://HOST:PORT[,HOST:PORT…] (shared: every Host serves, one leads and decides)")
 	f.StringVar(&cfg.StorePrefix, "store-prefix", "/vllm-hi/", "the shared store's key prefix (several deployments on one etcd)")
-	f.DurationVar(&cfg.StoreLease, "store-lease", 5*time.Second, "how long the shared store stays a dead leading Host's: a waiting Host takes over within this")
+	f.DurationVar(&cfg.StoreLease, "store-lease", 5*time.Second, "how long the shared store stays a dead leading Host's: another Host takes over within this")
 	f.StringVar(&cfg.EtcdTLS.CAFile, "etcd-ca-file", "", "CA verifying the etcd members (TLS)")
 	f.StringVar(&cfg.EtcdTLS.CertFile, "etcd-cert-file", "", "this Host's client certificate for etcd")
 	f.StringVar(&cfg.EtcdTLS.KeyFile, "etcd-key-file", "", "its key")

@@ -29,8 +29,13 @@ func (s *registryService) Register(_ context.Context, req *v1.RegisterRequest) (
 	}
 	s.h.m.registrations.WithLabelValues("ok").Inc()
 	s.h.logInstance("registered", inst)
-	return &v1.RegisterResponse{VllmHiId: inst.ID, HeartbeatIntervalMs: s.h.reg.HeartbeatInterval().Milliseconds(),
-		Role: roleToProto(inst.Role), Lifecycle: string(inst.Lifecycle())}, nil
+	resp := &v1.RegisterResponse{VllmHiId: inst.ID, HeartbeatIntervalMs: s.h.reg.HeartbeatInterval().Milliseconds()}
+	if s.h.leads() {
+		// What the agent keeps (and tells a Host that lost its state)
+		// comes from the Host that decides.
+		resp.Role, resp.Lifecycle = roleToProto(inst.Role), string(inst.Lifecycle())
+	}
+	return resp, nil
 }
 
 func roleToProto(r registry.Role) v1.Role {
@@ -65,7 +70,7 @@ func (s *registryService) Heartbeat(_ context.Context, req *v1.HeartbeatRequest)
 	}
 	s.h.m.heartbeats.WithLabelValues("ok").Inc()
 	inst, err := s.h.reg.Get(req.GetVllmHiId())
-	if err != nil {
+	if err != nil || !s.h.leads() {
 		return &v1.HeartbeatResponse{}, nil
 	}
 	return &v1.HeartbeatResponse{Role: roleToProto(inst.Role), Lifecycle: string(inst.Lifecycle())}, nil
@@ -85,6 +90,9 @@ func (s *registryService) Deregister(_ context.Context, req *v1.DeregisterReques
 func (s *registryService) Drain(_ context.Context, req *v1.DrainSelfRequest) (*v1.DrainSelfResponse, error) {
 	if err := s.h.reg.Owned(req.GetVllmHiId(), req.GetSession()); err != nil {
 		return nil, err
+	}
+	if !s.h.leads() {
+		return nil, errdefs.New(errdefs.ErrUnavailable, "this Host does not lead the shared store: ask the one that does")
 	}
 	st, err := s.h.drainer.ForStop(req.GetVllmHiId())
 	if err != nil {

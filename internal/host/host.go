@@ -53,7 +53,7 @@ type Config struct {
 	DataDir string
 	// Store is where the durable state goes: "" or "bolt" (DataDir's
 	// embedded store, one Host), or etcd://HOST:PORT[,…] — shared by
-	// several Hosts, one of which leads (the others wait to take over):
+	// several Hosts, which all serve and one of which leads (decides):
 	// StorePrefix is its key prefix, StoreLease how long a dead leader
 	// holds it, EtcdTLS how to reach etcd over TLS.
 	// AccessLog logs a line per relayed request (logger "access", info).
@@ -127,10 +127,15 @@ type Host struct {
 	cfg   Config
 	log   *zap.Logger
 	store store.Store // nil without a data directory or a shared store
-	reg   *registry.Registry
-	prom  *prometheus.Registry
-	m     *metrics
-	proxy *proxy.Proxy
+	// shared is store when several Hosts share it (nil: bolt, or none);
+	// forward carries what a Host that follows hands to the leader.
+	shared   sharedStore
+	tookOver atomic.Bool // this Host leads shared and took the last leader's state over
+	forward  http.RoundTripper
+	reg      *registry.Registry
+	prom     *prometheus.Registry
+	m        *metrics
+	proxy    *proxy.Proxy
 	// agents are the Host's connections to agents, which the orchestrator,
 	// the drains and failover share.
 	agents   *agentclient.Pool
@@ -160,8 +165,7 @@ func New(cfg Config, log *zap.Logger) (*Host, error) {
 	return NewContext(context.Background(), cfg, log)
 }
 
-// NewContext is New, waiting until ctx ends at most for the shared store
-// (cfg.Store on etcd) to be this Host's to lead.
+// NewContext is New, bounded by ctx while it connects to its store.
 func NewContext(ctx context.Context, cfg Config, log *zap.Logger) (*Host, error) {
 	if cfg.MaxRequestBody <= 0 || cfg.BodyMemory < cfg.MaxRequestBody {
 		return nil, fmt.Errorf("the request body limits are inconsistent (%d per body, %d in all)", cfg.MaxRequestBody, cfg.BodyMemory)
@@ -196,7 +200,11 @@ func NewContext(ctx context.Context, cfg Config, log *zap.Logger) (*Host, error)
 			return nil, fmt.Errorf("read the Host's state: %w", err)
 		}
 		persist = h.store
+		if shared, ok := h.store.(sharedStore); ok {
+			h.shared, persist = shared, leaderWrites{shared}
+		}
 	}
+	h.forward = &http.Transport{TLSClientConfig: agentTLS, ForceAttemptHTTP2: true, IdleConnTimeout: 90 * time.Second}
 	h.reg = registry.New(registry.Options{HeartbeatInterval: cfg.HeartbeatInterval, MissedHeartbeats: cfg.MissedHeartbeats,
 		Retention: cfg.InstanceRetention, Persist: persist, Log: log.Named("registry")})
 	h.reg.Restore(records)
@@ -223,10 +231,14 @@ func NewContext(ctx context.Context, cfg Config, log *zap.Logger) (*Host, error)
 	if h.store != nil {
 		migrationRecords = h.store
 	}
+	mcfg.RestoreLater = h.shared != nil // the records are the leader's until this Host leads
 	h.agents = agentclient.NewPool(cfg.AgentToken, agentTLS, mcfg.AgentDialOptions...)
 	if h.mig, err = migrate.New(mcfg, h.reg, h.proxy, h.agents, h.m.migrations, migrationRecords, log.Named("migrate")); err != nil {
 		h.closeStore()
 		return nil, err
+	}
+	if h.shared != nil {
+		h.mig.SetRelays(relays{h})
 	}
 	h.drainer = drain.New(drain.Config{Timeout: mcfg.DrainTimeout, RPCTimeout: mcfg.RPCTimeout, Tracer: tp.Tracer("github.com/vllm-hi/vllm-hi/internal/drain")}, h.reg, h.mig, h.agents,
 		h.proxy.Streams(), h.m.drains, log.Named("drain"))
@@ -307,16 +319,21 @@ func (h *Host) Handler() http.Handler {
 	r.Get(hostapi.PathStatus, h.status)
 	r.Get(hostapi.PathInstances, h.instances)
 	r.Get(hostapi.PathInstance, h.instance)
-	r.Get(hostapi.PathMigrationStatus, h.migrationStatus)
-	r.Get(hostapi.PathMigrations, h.migrations)
-	r.Get(hostapi.PathDrainStatus, h.drainStatus)
-	r.Get(hostapi.PathDrains, h.drains)
-	r.Get(hostapi.PathRebalance, h.rebalanceDecisions)
-	r.Get(hostapi.PathScaleStatus, h.scaleStatus)
-	r.Get(hostapi.PathScales, h.scales)
-	r.Get(hostapi.PathAutoscale, h.autoscaleStatus)
+	// The operations and what decides them are the leader's (a Host that
+	// follows a shared store's leader forwards them there).
 	r.Group(func(r chi.Router) {
-		r.Use(h.requireAdmin)
+		r.Use(h.toLeader)
+		r.Get(hostapi.PathMigrationStatus, h.migrationStatus)
+		r.Get(hostapi.PathMigrations, h.migrations)
+		r.Get(hostapi.PathDrainStatus, h.drainStatus)
+		r.Get(hostapi.PathDrains, h.drains)
+		r.Get(hostapi.PathRebalance, h.rebalanceDecisions)
+		r.Get(hostapi.PathScaleStatus, h.scaleStatus)
+		r.Get(hostapi.PathScales, h.scales)
+		r.Get(hostapi.PathAutoscale, h.autoscaleStatus)
+	})
+	r.Group(func(r chi.Router) {
+		r.Use(h.toLeader, h.requireAdmin)
 		r.Post(hostapi.PathDrain, h.drain)
 		r.Post(hostapi.PathUndrain, h.undrain)
 		r.Post(hostapi.PathWake, h.wake)
@@ -372,21 +389,29 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 	defer stopSweep()
 	go h.sweep(sweepCtx)
 	// The balancer and failover's snapshots start new work on engines:
-	// they stop before the migrations are waited for.
+	// they stop before the migrations are waited for. On a shared store
+	// they (and switching) run on the Host that leads it, from when it
+	// does.
 	bgCtx, stopBackground := context.WithCancel(context.Background())
 	var background sync.WaitGroup
-	background.Go(func() { h.balancer.Run(bgCtx) })
-	background.Go(func() { h.failover.Run(bgCtx) })
-	background.Go(func() { h.autoscaler.Run(bgCtx) })
+	leading := h.leadership(bgCtx, &background)
+	background.Go(func() { whenLeading(bgCtx, leading, h.balancer.Run) })
+	background.Go(func() { whenLeading(bgCtx, leading, h.failover.Run) })
+	background.Go(func() { whenLeading(bgCtx, leading, h.autoscaler.Run) })
 	defer func() { stopBackground(); background.Wait() }()
 	// Switching stops first at shutdown: the requests it queues fail
 	// (503) instead of holding the server's drain open.
 	switchCtx, stopSwitching := context.WithCancel(context.Background())
-	if h.switcher != nil {
-		h.switcher.Run(switchCtx)
-	}
+	switching := make(chan struct{})
+	go func() {
+		defer close(switching)
+		if h.switcher != nil {
+			whenLeading(switchCtx, leading, h.switcher.Run)
+		}
+	}()
 	defer func() {
 		stopSwitching()
+		<-switching
 		if h.switcher != nil {
 			h.switcher.Wait()
 		}
@@ -415,18 +440,18 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 		}
 	case <-ctx.Done():
 	case <-lost:
-		// Another Host leads the shared store now (this one's lease ended:
-		// a partition, a long pause): its decisions are that Host's to
-		// make. Stop, as a SIGTERM would, and exit non-zero — restarted,
-		// this Host waits to lead again.
-		lostErr = errors.New("this Host lost the shared store's leadership (its lease ended); another Host leads it now")
+		// This Host's lease on the shared store ended (a partition, a long
+		// pause): another Host leads it now, and this one can neither
+		// decide nor take over. Stop, as a SIGTERM would, and exit
+		// non-zero — restarted, this Host follows again.
+		lostErr = errors.New("this Host's lease on the shared store ended; another Host leads it now")
 		h.log.Error("stopping", zap.Error(lostErr))
 	}
 	h.serving.Store(false) // out of rotation from here
-	if r, ok := h.store.(interface{ Resign(context.Context) error }); ok && lostErr == nil {
-		// A shared store: hand it over before the streams drain, so that a
-		// waiting Host serves new requests at once instead of after this
-		// one's drain. This Host decides nothing more first — switching,
+	if h.shared != nil && h.shared.Leads() && lostErr == nil {
+		r := h.shared
+		// A shared store: hand it over before the streams drain, so that
+		// another Host decides at once instead of after this one's drain. This Host decides nothing more first — switching,
 		// background work, drains and migrations end (a running migration
 		// rolls back or finishes) — then gives the leadership up; its own
 		// clients' streams go on to their end below.
@@ -528,7 +553,7 @@ func openStore(ctx context.Context, cfg Config, log *zap.Logger) (store.Store, e
 			addr = cfg.Listen
 		}
 		hostname, _ := os.Hostname()
-		s, err := store.OpenEtcd(ctx, store.EtcdOptions{Endpoints: eps, Prefix: cfg.StorePrefix, TLS: etls,
+		s, err := store.ConnectEtcd(ctx, store.EtcdOptions{Endpoints: eps, Prefix: cfg.StorePrefix, TLS: etls,
 			LeaseTTL: cfg.StoreLease, ID: fmt.Sprintf("%s-%d", hostname, os.Getpid()), Address: addr, Log: log.Named("store")})
 		if err != nil {
 			return nil, err

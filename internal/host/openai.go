@@ -1,6 +1,7 @@
 package host
 
 import (
+	"bytes"
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
@@ -123,6 +124,12 @@ func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if h.switcher != nil && h.switcher.Has(head.Model) {
+		if !h.leads() {
+			// The leader's switcher sleeps and wakes the switched models.
+			r.Body, r.ContentLength = io.NopCloser(bytes.NewReader(body)), int64(len(body))
+			h.fromLeader(w, r)
+			return
+		}
 		h.switched(w, r, rid, body, head.Model, head.Stream, release)
 		return
 	}

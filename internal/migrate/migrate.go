@@ -31,6 +31,9 @@ import (
 
 // Config tunes the orchestrator.
 type Config struct {
+	// RestoreLater: New does not read the records back; Restore does
+	// (a Host that follows a shared store's leader until it leads).
+	RestoreLater     bool
 	MaxIncrRounds    int           // VLLM_HI_MAX_INCR_ROUNDS, default 8
 	StallRounds      int           // VLLM_HI_INCR_STALL_ROUNDS, default 2
 	DefaultFilter    string        // VLLM_HI_REQUEST_FILTER, default all

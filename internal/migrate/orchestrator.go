@@ -39,6 +39,9 @@ type Orchestrator struct {
 	order     []string    // migration ids, oldest first
 	ends      ends.Signal // a migration ended (Wait)
 	wg        sync.WaitGroup
+	// relays are the other Hosts of a shared store (nil: none), whose
+	// clients' streams switch too.
+	relays RemoteRelays
 }
 
 // New returns an orchestrator that reaches agents through agents (the
@@ -52,11 +55,19 @@ func New(cfg Config, reg *registry.Registry, px *proxy.Proxy, agents *agentclien
 		agents: agents, all: map[string]*migration{}, launching: map[string]*hostapi.MigrationStatus{}}
 	o.ctx, o.cancel = context.WithCancel(context.Background())
 	o.rec = newRecorder(records, o, log)
+	if cfg.RestoreLater {
+		return o, nil
+	}
 	if err := o.restore(); err != nil {
 		return nil, err
 	}
 	return o, nil
 }
+
+// Restore reads the records back (Config.RestoreLater: once this Host
+// leads the shared store): a migration that was running when the Host
+// that ran it stopped ends, and its target's reservations are released.
+func (o *Orchestrator) Restore() error { return o.restore() }
 
 // Close stops background work, waits — until ctx ends — for running
 // migrations to roll back or finish, and writes the last records. A

@@ -54,9 +54,11 @@ func (m *migration) prepare() error {
 		return fmt.Errorf("list the source's requests: %w", err)
 	}
 	var candidates []Candidate
+	var elsewhere []string
+	byID := map[string]hooks.RequestInfo{}
 	now := time.Now()
 	for _, r := range list.Requests {
-		// Only running streams this Host relays can be spliced; the rest
+		// Only running streams a Host relays can be spliced; the rest
 		// (non-streaming requests, clients talking to the engine directly,
 		// waiting requests) finish where they are.
 		if r.Status != hooks.StatusRunning || !r.Stream || r.Paused {
@@ -64,8 +66,13 @@ func (m *migration) prepare() error {
 		}
 		if s := m.o.streams.Get(r.RequestID); s != nil {
 			candidates = append(candidates, Candidate{RequestInfo: r, Model: s.Model, Tag: s.Tag, AgeS: now.Sub(s.Started).Seconds()})
+		} else {
+			elsewhere = append(elsewhere, r.RequestID)
+			byID[r.RequestID] = r
 		}
 	}
+	// Those the other Hosts of a shared store relay.
+	candidates = append(candidates, m.remoteCandidates(cctx, elsewhere, byID)...)
 	selected, err := m.filter.Select(candidates)
 	if err != nil {
 		return refuse(errdefs.ErrInvalidArgument, "%v", err)

@@ -64,10 +64,20 @@ func (m *migration) dropSourceCopies(c committed) {
 func (m *migration) switchStreams(states []movedState) (spliced []*proxy.Stream, failed []string, firstErr error) {
 	var waits []<-chan error
 	var orphans []string
+	var remote []movedState
+	for _, st := range states {
+		if m.o.streams.Get(st.RequestID) == nil {
+			remote = append(remote, st) // relayed by another Host, or its client left meanwhile
+		}
+	}
+	// The other Hosts switch theirs meanwhile (a shared store's).
+	remoteWait := m.switchRemote(remote)
 	for _, st := range states {
 		s := m.o.streams.Get(st.RequestID)
 		if s == nil {
-			orphans = append(orphans, st.RequestID) // the client left meanwhile
+			if remoteWait == nil {
+				orphans = append(orphans, st.RequestID) // the client left meanwhile
+			}
 			continue
 		}
 		spliced = append(spliced, s)
@@ -79,6 +89,7 @@ func (m *migration) switchStreams(states []movedState) (spliced []*proxy.Stream,
 			waits = append(waits, s.Splice(m.dst.Engine.URL, m.dst.ID, len(st.OutputTokenIDs), visibleText(st)))
 		}
 	}
+	deadline := time.Now().Add(m.o.cfg.SpliceTimeout)
 	timeout := time.After(m.o.cfg.SpliceTimeout)
 wait:
 	for i, w := range waits {
@@ -97,6 +108,23 @@ wait:
 			m.log.Warn("streams still moving at the splice timeout", zap.Int("streams", len(waits)-i))
 			m.logStuckSplices(spliced[i:])
 			break wait
+		}
+	}
+	if remoteWait != nil {
+		ctx, cancel := context.WithDeadline(context.Background(), deadline)
+		switched, remoteFailed := remoteWait(ctx)
+		cancel()
+		for _, st := range remote {
+			switch err, bad := remoteFailed[st.RequestID]; {
+			case bad:
+				m.log.Warn("a stream another Host relays could not move", zap.String("request_id", st.RequestID), zap.String("error", err))
+				failed = append(failed, st.RequestID)
+				if firstErr == nil {
+					firstErr = fmt.Errorf("another Host's stream %s: %s", st.RequestID, err)
+				}
+			case !switched[st.RequestID]:
+				orphans = append(orphans, st.RequestID) // no Host relays it: its client left
+			}
 		}
 	}
 	// A stream that could not switch has no client on the target: its

@@ -303,6 +303,47 @@ func (r *Registry) Restore(records []store.Instance) {
 	}
 }
 
+// Adopt takes over what the Host leading a shared store decided about
+// an instance (its record, as written there): its role, retired and
+// draining marks. The instance's registration and load stay this
+// Host's own (its agent registers with every Host); one this Host has
+// not seen yet comes in as Restore brings it. A departed or deleted
+// record changes nothing here: the agent deregisters from every Host.
+func (r *Registry) Adopt(rec store.Instance) {
+	if rec.Departed {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	st := State(rec.Role)
+	if rec.Draining {
+		st = StateDraining
+	}
+	inst, ok := r.instances[rec.ID]
+	if !ok {
+		r.instances[rec.ID] = &Instance{
+			Registration: Registration{ID: rec.ID, Type: rec.Type, Engine: Engine{URL: rec.EngineURL, ServedModels: rec.ServedModels}},
+			Role:         Role(rec.Role), State: st, Retired: rec.Retired, RegisteredAt: rec.RegisteredAt, LastHeartbeat: r.now(),
+		}
+		return
+	}
+	if inst.Engine.URL != rec.EngineURL {
+		return // another engine took the id: its agent's registration says which
+	}
+	inst.Role, inst.State, inst.Retired = Role(rec.Role), st, rec.Retired
+}
+
+// SaveAll writes every instance's record through: what a Host that just
+// took the lead of a shared store learned while it followed (agents
+// register with every Host) becomes the records.
+func (r *Registry) SaveAll() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, inst := range r.instances {
+		r.save(inst)
+	}
+}
+
 func record(i *Instance, departed bool, now time.Time) store.Instance {
 	return store.Instance{ID: i.ID, Type: i.Type, Role: string(i.Role), Retired: i.Retired, Draining: i.State == StateDraining && !i.Stopping,
 		EngineURL: i.Engine.URL, ServedModels: i.Engine.ServedModels, RegisteredAt: i.RegisteredAt, Departed: departed, LastSeen: now}

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -75,15 +76,21 @@ func (s *Etcd) Members(ctx context.Context) ([]Member, error) {
 // (partitioned, paused) cannot overwrite its successor's state; it learns
 // so from Lost and stops.
 type Etcd struct {
-	cli      *clientv3.Client
-	sess     *concurrency.Session
-	election *concurrency.Election
-	prefix   string
-	timeout  time.Duration
+	cli       *clientv3.Client
+	sess      *concurrency.Session
+	election  *concurrency.Election
+	prefix    string
+	timeout   time.Duration
+	ttl       int // the lease's, in seconds
+	endpoints []string
+	me        Member
+	log       *zap.Logger
+	leading   chan struct{} // closed once this Host leads
+	leadOnce  sync.Once
 }
 
 // ErrNotLeader is returned by a write of a Host that no longer leads.
-var ErrNotLeader = errors.New("this Host no longer leads the shared store (another took over)")
+var ErrNotLeader = errors.New("this Host does not lead the shared store (another Host does, or it took over)")
 
 // ParseEtcdURL reads etcd://HOST:PORT[,HOST:PORT…] into endpoints.
 func ParseEtcdURL(u string) ([]string, error) {
@@ -105,6 +112,21 @@ func ParseEtcdURL(u string) ([]string, error) {
 // (another Host may lead it now: this one takes over when that one's
 // lease ends), or until ctx ends.
 func OpenEtcd(ctx context.Context, o EtcdOptions) (*Etcd, error) {
+	s, err := ConnectEtcd(ctx, o)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.Campaign(ctx); err != nil {
+		s.Close()
+		return nil, err
+	}
+	return s, nil
+}
+
+// ConnectEtcd connects to etcd and takes this Host's lease, without
+// leading: the Host serves its clients' streams meanwhile and follows
+// the leader's decisions (Watch…); Campaign makes it lead.
+func ConnectEtcd(ctx context.Context, o EtcdOptions) (*Etcd, error) {
 	if len(o.Endpoints) == 0 {
 		return nil, errors.New("the shared store needs at least one etcd endpoint")
 	}
@@ -129,7 +151,8 @@ func OpenEtcd(ctx context.Context, o EtcdOptions) (*Etcd, error) {
 	if err != nil {
 		return nil, fmt.Errorf("etcd %s: %w", strings.Join(o.Endpoints, ","), err)
 	}
-	s := &Etcd{cli: cli, prefix: o.Prefix, timeout: o.OpTimeout}
+	s := &Etcd{cli: cli, prefix: o.Prefix, timeout: o.OpTimeout, endpoints: o.Endpoints, log: log, leading: make(chan struct{})}
+	s.me = Member{ID: o.ID, Address: o.Address}
 	// A first round trip, bounded: a wrong address or credential is said
 	// at once, not as a wait for leadership.
 	sctx, cancel := context.WithTimeout(ctx, o.OpTimeout)
@@ -139,28 +162,72 @@ func OpenEtcd(ctx context.Context, o EtcdOptions) (*Etcd, error) {
 		cli.Close()
 		return nil, fmt.Errorf("etcd %s: %w", strings.Join(o.Endpoints, ","), err)
 	}
-	ttl := max(1, int((o.LeaseTTL+time.Second-1)/time.Second))
-	if s.sess, err = concurrency.NewSession(cli, concurrency.WithTTL(ttl), concurrency.WithContext(ctx)); err != nil {
+	s.ttl = max(1, int((o.LeaseTTL+time.Second-1)/time.Second))
+	if s.sess, err = concurrency.NewSession(cli, concurrency.WithTTL(s.ttl), concurrency.WithContext(ctx)); err != nil {
 		cli.Close()
 		return nil, fmt.Errorf("etcd: a lease for this Host: %w", err)
 	}
 	s.election = concurrency.NewElection(s.sess, o.Prefix+"election")
-	lctx, lcancel := context.WithTimeout(ctx, o.OpTimeout)
-	if leader, err := s.election.Leader(lctx); err == nil && len(leader.Kvs) > 0 {
-		log.Warn("another Host leads the shared store: this one waits to take over",
-			zap.ByteString("leader", leader.Kvs[0].Value), zap.Int("lease_ttl_s", ttl))
-	}
-	lcancel()
-	me, _ := json.Marshal(Member{ID: o.ID, Address: o.Address})
-	if err := s.election.Campaign(ctx, string(me)); err != nil {
-		s.Close()
-		return nil, fmt.Errorf("etcd: waiting to lead the shared store: %w", err)
-	}
-	log.Info("leading the shared store", zap.String("prefix", o.Prefix), zap.Strings("endpoints", o.Endpoints))
 	return s, nil
 }
 
-// Resign gives the leadership up now: a waiting Host takes over at once,
+// Campaign waits until this Host leads the store, or ctx ends. Leading
+// is closed then.
+func (s *Etcd) Campaign(ctx context.Context) error {
+	lctx, lcancel := context.WithTimeout(ctx, s.timeout)
+	if leader, err := s.election.Leader(lctx); err == nil && len(leader.Kvs) > 0 {
+		s.log.Info("another Host leads the shared store: this one follows it and takes over when its lease ends",
+			zap.ByteString("leader", leader.Kvs[0].Value), zap.Int("lease_ttl_s", s.ttl))
+	}
+	lcancel()
+	me, _ := json.Marshal(s.me)
+	if err := s.election.Campaign(ctx, string(me)); err != nil {
+		return fmt.Errorf("etcd: waiting to lead the shared store: %w", err)
+	}
+	s.leadOnce.Do(func() { close(s.leading) })
+	s.log.Info("leading the shared store", zap.String("prefix", s.prefix), zap.Strings("endpoints", s.endpoints))
+	return nil
+}
+
+// Leading is closed once this Host leads the store.
+func (s *Etcd) Leading() <-chan struct{} { return s.leading }
+
+// Leads reports whether this Host leads the store now (it won the
+// election; a lease that ended since is Lost's to say).
+func (s *Etcd) Leads() bool {
+	select {
+	case <-s.leading:
+		return true
+	default:
+		return false
+	}
+}
+
+// Me is this Host as the store's members list it.
+func (s *Etcd) Me() Member { return s.me }
+
+// Leader is the Host leading the store now (ok false: none).
+func (s *Etcd) Leader(ctx context.Context) (m Member, ok bool, err error) {
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	defer cancel()
+	resp, err := s.election.Leader(ctx)
+	if errors.Is(err, concurrency.ErrElectionNoLeader) {
+		return Member{}, false, nil
+	}
+	if err != nil {
+		return Member{}, false, fmt.Errorf("etcd: %w", err)
+	}
+	if len(resp.Kvs) == 0 {
+		return Member{}, false, nil
+	}
+	if json.Unmarshal(resp.Kvs[0].Value, &m) != nil {
+		m.ID = string(resp.Kvs[0].Value)
+	}
+	m.Leader = true
+	return m, true, nil
+}
+
+// Resign gives the leadership up now: another Host takes over at once,
 // and this Host's writes are refused from here (ErrNotLeader).
 func (s *Etcd) Resign(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
@@ -187,6 +254,9 @@ func (s *Etcd) Close() error {
 
 // write applies op while this Host still leads.
 func (s *Etcd) write(op clientv3.Op) error {
+	if !s.Leads() {
+		return ErrNotLeader
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
 	defer cancel()
 	leads := clientv3.Compare(clientv3.CreateRevision(s.election.Key()), "=", s.election.Rev())

@@ -136,3 +136,73 @@ func TestOneHostLeadsTheSharedStore(t *testing.T) {
 	}
 	h1.Close()
 }
+
+// A Host that follows (connected, not leading) cannot write; it sees the
+// leader's instance records as they are written, and the two talk over
+// the board: a question the leader posts reaches the follower, whose
+// answer the leader collects — and a Host that does not answer leaves
+// the wait at its deadline with what came.
+func TestAFollowerWatchesTheLeaderAndAnswersOnTheBoard(t *testing.T) {
+	ep := etcdtest.Start(t)
+	leader := openEtcd(t, ep, "h1")
+	defer leader.Close()
+	f, err := ConnectEtcd(context.Background(), EtcdOptions{Endpoints: []string{ep}, Prefix: "/t/", LeaseTTL: time.Second, ID: "h2", Address: "h2:1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := f.PutInstance(Instance{ID: "x"}); !errors.Is(err, ErrNotLeader) {
+		t.Fatalf("a follower's write: %v", err)
+	}
+	if m, ok, err := f.Leader(context.Background()); err != nil || !ok || m.ID != "h1" || m.Address != "h1:1" {
+		t.Fatalf("the leader as a follower sees it: %+v %v %v", m, ok, err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	roles := make(chan string, 8)
+	go f.WatchInstances(ctx, func(id string, rec *Instance) {
+		if rec != nil {
+			roles <- id + "=" + rec.Role
+		}
+	})
+	go f.WatchBoard(ctx, BoardCensus, func(id string, v []byte) {
+		var c Census
+		if json.Unmarshal(v, &c) != nil {
+			return
+		}
+		_ = f.Answer(BoardCensus, id, CensusAnswer{Host: "h2", Streams: map[string]RelayedStream{c.RequestIDs[0]: {Model: "m"}}})
+	})
+	time.Sleep(200 * time.Millisecond) // the watches start
+	if err := leader.PutInstance(Instance{ID: "a", Role: "standby"}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case got := <-roles:
+		if got != "a=standby" {
+			t.Fatalf("the follower saw %s", got)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the follower did not see the leader's write")
+	}
+	if err := leader.Post(BoardCensus, "mig-1", Census{Migration: "mig-1", RequestIDs: []string{"r1", "r2"}}); err != nil {
+		t.Fatal(err)
+	}
+	wctx, wcancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer wcancel()
+	answers := leader.Answers(wctx, BoardCensus, "mig-1", []string{"h2"})
+	var a CensusAnswer
+	if len(answers) != 1 || json.Unmarshal(answers["h2"], &a) != nil || a.Streams["r1"].Model != "m" || len(a.Streams) != 1 {
+		t.Fatalf("the follower's answer: %s", answers["h2"])
+	}
+	// A Host that never answers: the wait ends at its deadline.
+	short, scancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer scancel()
+	start := time.Now()
+	if got := leader.Answers(short, BoardCensus, "mig-1", []string{"h2", "h3"}); len(got) != 1 || time.Since(start) > 2*time.Second {
+		t.Fatalf("answers with a silent Host: %d after %v", len(got), time.Since(start))
+	}
+	leader.Unpost(BoardCensus, "mig-1")
+	if got := leader.Answers(context.Background(), BoardCensus, "mig-1", nil); len(got) != 0 {
+		t.Fatalf("answers left after Unpost: %d", len(got))
+	}
+}

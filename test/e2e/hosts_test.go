@@ -16,66 +16,84 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
 )
 
-// Two Hosts on one etcd (issue 31's first step: one leads, the other
-// waits). The second does not serve while the first leads; the first
-// killed (SIGKILL), the second takes over within the store's lease, knows
-// every instance, role and migration the first decided (from etcd), the
-// agents (naming both Hosts) register with it by themselves, and
-// streams and migrations go on through it exactly.
-func TestASecondHostTakesOverTheSharedStore(t *testing.T) {
+// Two Hosts on one etcd: both serve, the first leads. The agents
+// (naming both Hosts) register with each, so the second lists every
+// instance with its load and relays its own clients' streams; it forwards
+// what only the leader decides (a migration, its status) to the first.
+// A migration that the first runs moves the streams the second relays as
+// exactly as its own (the switch board), and the second follows the
+// roles it decided. Then the first is killed (SIGKILL): the second leads
+// within the store's lease, keeps every decision of the first (from
+// etcd), and streams and migrations go on through it exactly.
+func TestTwoHostsServeAndOneDecides(t *testing.T) {
 	ep := etcdtest.Start(t)
 	second := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 	store := []string{"--store", "etcd://" + ep, "--store-lease", "2s"}
 	d := deployWith(t, deployOptions{bBlocks: 4096, hostArgs: store, moreHosts: []string{second}})
-
-	// The first Host decides something: a migration, B active after it.
-	reqs := load(16, 300)
-	want := d.reference(reqs)
-	running := d.startLoad(reqs)
-	time.Sleep(600 * time.Millisecond)
-	first := d.waitMigration(t, hostapi.MigrateRequest{Src: "A", Dst: "B", Type: hostapi.PreserveSource})
-	if first.State != hostapi.StateSucceeded {
-		t.Fatalf("the first Host's migration: %s %s", first.State, first.Error)
-	}
-	checkExact(t, <-running, want)
-
 	h2 := d.secondHost(t, second)
-	h2URL := "http://" + second
-	time.Sleep(1500 * time.Millisecond)
-	if resp, err := http.Get(h2URL + "/health"); err == nil {
-		resp.Body.Close()
-		t.Fatal("the second Host serves while the first leads the store")
+	h1URL, h2URL := d.hostURL, "http://"+second
+	waitHealthy(t, h2URL+"/health")
+	waitUntil(t, "both agents registered with the second Host", func() bool {
+		a, b := instance(t, h2URL, "A"), instance(t, h2URL, "B")
+		return a.AgentAddress != "" && b.AgentAddress != "" && a.Lifecycle == "active" && b.Lifecycle == "standby"
+	})
+	if hs := hostsOf(t, h2URL); len(hs) != 2 || !hs[0].Leader || hs[0].Address != d.hostAddr || hs[1].Leader || hs[1].Address != second {
+		t.Fatalf("the Hosts in the second Host's status: %+v", hs)
 	}
-	if hs := hostsOf(t, d.hostURL); len(hs) != 2 || !hs[0].Leader || hs[0].Address != d.hostAddr || hs[1].Leader || hs[1].Address != second {
-		t.Fatalf("the Hosts in the leader's status: %+v", hs)
+
+	// Streams through both Hosts; the migration asked of the second (it
+	// forwards it to the leader, which runs it).
+	viaFirst, viaSecond := load(12, 400), load(12, 400)
+	for i := range viaSecond {
+		viaSecond[i].Prompt += " (via the second Host)"
+	}
+	wantFirst, wantSecond := d.reference(viaFirst), d.reference(viaSecond)
+	runFirst := d.startLoad(viaFirst)
+	runSecond := make(chan []loadgen.Stream, 1)
+	go func() {
+		runSecond <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: h2URL, Model: "m"}, viaSecond)
+	}()
+	time.Sleep(700 * time.Millisecond)
+	d.hostURL = h2URL
+	first := d.waitMigration(t, hostapi.MigrateRequest{Src: "A", Dst: "B", Type: hostapi.PreserveSource})
+	d.hostURL = h1URL
+	if first.State != hostapi.StateSucceeded || first.Migrated != len(viaFirst)+len(viaSecond) {
+		t.Fatalf("the migration asked of the second Host: %s, %d of %d moved: %s", first.State, first.Migrated, len(viaFirst)+len(viaSecond), first.Error)
+	}
+	checkExact(t, <-runFirst, wantFirst)
+	gotSecond := <-runSecond
+	checkExact(t, gotSecond, wantSecond)
+	// They switched at the commit, as the first Host's did: not resumed
+	// on A when its pause lease (2 s) ended.
+	if gap, at := worstGap(gotSecond, time.Time{}, time.Now()); gap > 1500*time.Millisecond {
+		t.Fatalf("a stream through the second Host waited %v for a token (%s): it did not switch with the migration", gap, at)
+	}
+	waitUntil(t, "the second Host to follow the roles the first decided", func() bool {
+		return roleOf(t, h2URL, "A") == "standby" && roleOf(t, h2URL, "B") == "active"
+	})
+	if st := d.stats(t, d.aURL); st.Running != 0 {
+		t.Fatalf("A still runs %d requests after the migration", st.Running)
 	}
 
 	d.host.kill()
 	killed := time.Now()
-	waitHealthy(t, h2URL+"/health")
-	serving := time.Since(killed)
 	d.hostURL, d.hostAddr = h2URL, second
-	waitUntil(t, "both agents registered with the second Host", func() bool {
-		a, b := instance(t, h2URL, "A"), instance(t, h2URL, "B")
-		return a.AgentAddress != "" && a.Lifecycle == "standby" && b.Lifecycle == "active"
+	waitUntil(t, "the second Host to lead", func() bool {
+		hs := hostsOf(t, h2URL)
+		return len(hs) == 1 && hs[0].Leader && hs[0].Address == second
 	})
-	registered := time.Since(killed)
-	t.Logf("the second Host served %v after the first was killed (store lease 2 s), both agents registered with it %v after",
-		serving.Round(time.Millisecond), registered.Round(time.Millisecond))
+	t.Logf("the second Host led %v after the first was killed (store lease 2 s)", time.Since(killed).Round(time.Millisecond))
 	if a, b := roleOf(t, h2URL, "A"), roleOf(t, h2URL, "B"); a != "standby" || b != "active" {
 		t.Fatalf("the roles the first Host decided: A %s, B %s", a, b)
 	}
 	if st := d.status(t, first.ID); st.State != hostapi.StateSucceeded {
 		t.Fatalf("the first Host's migration, read from the second: %+v", st)
 	}
-	if hs := hostsOf(t, h2URL); len(hs) != 1 || !hs[0].Leader || hs[0].Address != second {
-		t.Fatalf("the Hosts in the new leader's status: %+v", hs)
-	}
 
-	// Streams and a migration through the second Host.
-	reqs = load(16, 300)
-	want = d.reference(reqs)
-	running = d.startLoad(reqs)
+	// Streams and a migration through the second Host, which leads now.
+	reqs := load(16, 300)
+	want := d.reference(reqs)
+	running := d.startLoad(reqs)
 	time.Sleep(600 * time.Millisecond)
 	back := d.waitMigration(t, hostapi.MigrateRequest{Src: "B", Dst: "A", Type: hostapi.PreserveSource})
 	if back.State != hostapi.StateSucceeded || back.Migrated == 0 {
@@ -101,7 +119,7 @@ func hostsOf(t *testing.T, hostURL string) []hostapi.HostInfo {
 }
 
 // secondHost starts another Host on the deployment's store at addr: it
-// waits to lead.
+// serves, and follows the one that leads.
 func (d *deployment) secondHost(t *testing.T, addr string) *proc {
 	t.Helper()
 	args := slices.Clone(d.hostArgs)
@@ -119,18 +137,31 @@ func (d *deployment) secondHost(t *testing.T, addr string) *proc {
 // The leading Host dies inside a migration's pause: the Host that takes
 // over closes the migration's record (aborted), releases the target's
 // reservations at once from it, and keeps exactly one of A and B active;
-// A resumes at its pause lease and its direct streams finish.
+// A resumes at its pause lease, and its direct streams and those the
+// second Host relays (which the migration was moving too) finish exactly.
 func TestTheNextHostEndsAMigrationItsLeaderDiedIn(t *testing.T) {
 	ep := etcdtest.Start(t)
 	second := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 	d := deployWith(t, deployOptions{bBlocks: 4096, hostArgs: []string{"--store", "etcd://" + ep, "--store-lease", "2s"}, moreHosts: []string{second}})
 	h2 := d.secondHost(t, second)
 	defer h2.stop(t)
+	h2URL := "http://" + second
+	waitUntil(t, "both agents registered with the second Host", func() bool {
+		return instance(t, h2URL, "A").Lifecycle == "active" && instance(t, h2URL, "B").Lifecycle == "standby"
+	})
+	// Streams through the second Host, which the migration moves too.
+	viaSecond := load(8, 400)
+	for i := range viaSecond {
+		viaSecond[i].Prompt += " (via the second Host)"
+	}
+	wantSecond := d.reference(viaSecond)
+	runSecond := make(chan []loadgen.Stream, 1)
+	go func() {
+		runSecond <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: h2URL, Model: "m"}, viaSecond)
+	}()
 	direct, viaHost := d.hostDiesInThePause(t) // the leader
 	died := time.Now()
 	d.host.kill()
-	h2URL := "http://" + second
-	waitHealthy(t, h2URL+"/health")
 	d.hostURL = h2URL
 	waitUntil(t, "B's reservations released", func() bool { return d.stats(t, d.bURL).Reserved == 0 })
 	freed := time.Since(died)
@@ -142,6 +173,9 @@ func TestTheNextHostEndsAMigrationItsLeaderDiedIn(t *testing.T) {
 		t.Fatalf("roles after the takeover: A %s, B %s", a, b)
 	}
 	t.Logf("the next Host released B's reservations %v after the leader died (store lease 2 s, B's reservation lease 10 s)", freed.Round(time.Millisecond))
+	// The second Host's streams were paused with A, and went on when A's
+	// pause lease resumed it: none broke.
+	checkExact(t, <-runSecond, wantSecond)
 	<-viaHost // those streams ended with the leader
 	for i, s := range <-direct {
 		if s.Err != nil || s.Done != 1 {
@@ -151,8 +185,8 @@ func TestTheNextHostEndsAMigrationItsLeaderDiedIn(t *testing.T) {
 }
 
 // A rolling upgrade of the Hosts: the leader stopped with SIGTERM hands
-// the store over before it drains its streams, so the waiting Host serves
-// new requests at once — not when the leader's drain or lease ends —
+// the store over before it drains its streams, so the other Host leads at
+// once — not when the leader's drain or lease ends —
 // while every stream the old leader relays finishes exactly.
 func TestALeaderHandsOverOnSIGTERM(t *testing.T) {
 	ep := etcdtest.Start(t)
@@ -169,7 +203,10 @@ func TestALeaderHandsOverOnSIGTERM(t *testing.T) {
 	}
 	stopped := time.Now()
 	h2URL := "http://" + second
-	waitHealthy(t, h2URL+"/health")
+	waitUntil(t, "the second Host to lead", func() bool {
+		hs := hostsOf(t, h2URL)
+		return len(hs) >= 1 && hs[0].Leader && hs[0].Address == second
+	})
 	serving := time.Since(stopped)
 	waitUntil(t, "both agents registered with the second Host", func() bool {
 		return instance(t, h2URL, "A").Lifecycle == "active" && instance(t, h2URL, "B").Lifecycle == "standby"
@@ -184,9 +221,9 @@ func TestALeaderHandsOverOnSIGTERM(t *testing.T) {
 	drained := time.Since(stopped)
 	checkExact(t, got, want)
 	if serving >= drained || serving > 5*time.Second {
-		t.Fatalf("the second Host served %v after the SIGTERM, the first drained in %v (its lease: 10 s)", serving, drained)
+		t.Fatalf("the second Host led %v after the SIGTERM, the first drained in %v (its lease: 10 s)", serving, drained)
 	}
-	t.Logf("SIGTERM to the leader: the next Host served %v after, the agents registered with it %v after; the old leader's %d streams finished exactly %v after",
+	t.Logf("SIGTERM to the leader: the next Host led %v after, the agents registered with it %v after; the old leader's %d streams finished exactly %v after",
 		serving.Round(time.Millisecond), registered.Round(time.Millisecond), len(got), drained.Round(time.Millisecond))
 	d.host.stop(t) // exits 0 after its drain
 }
