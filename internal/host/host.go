@@ -390,13 +390,14 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 	go h.sweep(sweepCtx)
 	// The balancer and failover's snapshots start new work on engines:
 	// they stop before the migrations are waited for. On a shared store
-	// they (and switching) run on the Host that leads it, from when it
-	// does.
+	// the balancer and the autoscaler (and switching) run on the Host
+	// that leads it, from when it does; failover on every Host, for the
+	// streams it relays.
 	bgCtx, stopBackground := context.WithCancel(context.Background())
 	var background sync.WaitGroup
 	leading := h.leadership(bgCtx, &background)
 	background.Go(func() { whenLeading(bgCtx, leading, h.balancer.Run) })
-	background.Go(func() { whenLeading(bgCtx, leading, h.failover.Run) })
+	background.Go(func() { h.failover.Run(bgCtx) })
 	background.Go(func() { whenLeading(bgCtx, leading, h.autoscaler.Run) })
 	defer func() { stopBackground(); background.Wait() }()
 	// Switching stops first at shutdown: the requests it queues fail

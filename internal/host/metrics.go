@@ -19,16 +19,20 @@ type metrics struct {
 	requests      *prometheus.CounterVec
 	heartbeats    *prometheus.CounterVec
 	registrations *prometheus.CounterVec
-	proxy         *proxy.Metrics
-	migrations    *migrate.Metrics
-	drains        *drain.Metrics
-	rebalance     *prometheus.CounterVec
-	scales        *prometheus.CounterVec
-	failover      *failover.Metrics
-	autoscale     *autoscale.Metrics
-	ttft          *prometheus.HistogramVec
-	duration      *prometheus.HistogramVec
-	tpot          *prometheus.HistogramVec
+	// hostSwitches counts this Host's streams switched by migrations that
+	// another Host of a shared store ran.
+	hostSwitches *prometheus.CounterVec
+	leader       prometheus.Gauge // 1 while this Host decides
+	proxy        *proxy.Metrics
+	migrations   *migrate.Metrics
+	drains       *drain.Metrics
+	rebalance    *prometheus.CounterVec
+	scales       *prometheus.CounterVec
+	failover     *failover.Metrics
+	autoscale    *autoscale.Metrics
+	ttft         *prometheus.HistogramVec
+	duration     *prometheus.HistogramVec
+	tpot         *prometheus.HistogramVec
 }
 
 func newMetrics(reg prometheus.Registerer, instances *registry.Registry) *metrics {
@@ -42,6 +46,12 @@ func newMetrics(reg prometheus.Registerer, instances *registry.Registry) *metric
 		registrations: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "vhi_agent_registrations_total", Help: "Agent registrations, by result (ok, invalid, conflict, unauthenticated).",
 		}, []string{"result"}),
+		hostSwitches: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "vhi_host_switched_streams_total", Help: "Streams this Host relays that a migration another Host of the shared store ran switched, by outcome (switched, failed).",
+		}, []string{"outcome"}),
+		leader: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "vhi_host_leader", Help: "1 while this Host decides (it leads its shared store and took it over, or has none to share), else 0.",
+		}),
 		proxy:      proxy.NewMetrics(),
 		migrations: migrate.NewMetrics(),
 		drains:     drain.NewMetrics(),
@@ -65,7 +75,7 @@ func newMetrics(reg prometheus.Registerer, instances *registry.Registry) *metric
 	instancesByState := prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "vhi_instances", Help: "Registered instances by state.",
 	}, []string{"state"})
-	reg.MustRegister(m.requests, m.heartbeats, m.registrations, m.rebalance, m.scales, &stateCollector{vec: instancesByState, reg: instances})
+	reg.MustRegister(m.requests, m.heartbeats, m.registrations, m.hostSwitches, m.leader, m.rebalance, m.scales, &stateCollector{vec: instancesByState, reg: instances})
 	reg.MustRegister(m.proxy.Collectors()...)
 	reg.MustRegister(m.migrations.Collectors()...)
 	reg.MustRegister(m.drains.Collectors()...)

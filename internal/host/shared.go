@@ -158,6 +158,8 @@ func (h *Host) applySwitch(sw store.Switch) {
 				ack.Failed[p.id] = "still switching at the splice timeout"
 			}
 		}
+		h.m.hostSwitches.WithLabelValues("switched").Add(float64(len(ack.Switched)))
+		h.m.hostSwitches.WithLabelValues("failed").Add(float64(len(ack.Failed)))
 		ack.Host = h.shared.Me().ID
 		if err := h.shared.Answer(store.BoardSwitch, sw.Migration, ack); err != nil {
 			h.log.Warn("answering a migration's switch failed", zap.String("migration_id", sw.Migration), zap.Error(err))
@@ -300,6 +302,7 @@ func (h *Host) fromLeader(w http.ResponseWriter, r *http.Request) {
 func (h *Host) leadership(ctx context.Context, wg *sync.WaitGroup) <-chan struct{} {
 	led := make(chan struct{})
 	if h.shared == nil {
+		h.m.leader.Set(1)
 		close(led)
 		return led
 	}
@@ -332,6 +335,7 @@ func (h *Host) takeOver() {
 		h.log.Warn("reading the migrations' records at the takeover failed", zap.Error(err))
 	}
 	h.tookOver.Store(true)
+	h.m.leader.Set(1)
 	h.log.Info("this Host leads the shared store: it decides from here")
 }
 

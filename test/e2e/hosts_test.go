@@ -68,6 +68,8 @@ func TestTwoHostsServeAndOneDecides(t *testing.T) {
 	if gap, at := worstGap(gotSecond, time.Time{}, time.Now()); gap > 1500*time.Millisecond {
 		t.Fatalf("a stream through the second Host waited %v for a token (%s): it did not switch with the migration", gap, at)
 	}
+	hostMetrics(t, h2URL, "vhi_host_leader 0", fmt.Sprintf(`vhi_host_switched_streams_total{outcome="switched"} %d`, len(viaSecond)))
+	hostMetrics(t, h1URL, "vhi_host_leader 1")
 	waitUntil(t, "the second Host to follow the roles the first decided", func() bool {
 		return roleOf(t, h2URL, "A") == "standby" && roleOf(t, h2URL, "B") == "active"
 	})
