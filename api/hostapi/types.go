@@ -76,7 +76,8 @@ type MigrateRequest struct {
 	RequestFilter    string   `json:"request_filter,omitempty"`
 	FinalGranularity string   `json:"final_granularity,omitempty"` // "slot" (default) or "block"
 	// InjectFault (tests, --allow-fault-injection): "corrupt", "cut" or
-	// "silent_corrupt" in the final round, "crash_after_pause", or
+	// "silent_corrupt" in the final round; "crash_before_pause",
+	// "crash_after_pause" or "crash_after_commit" (the Host exits there); or
 	// "target_full" (the Host treats the target as having no free block:
 	// every request moves as state only and recomputes there).
 	InjectFault string `json:"inject_fault,omitempty"`

@@ -42,12 +42,12 @@ func (o *Orchestrator) validate(req *hostapi.MigrateRequest) (Filter, error) {
 	}
 	switch req.InjectFault {
 	case "":
-	case "corrupt", "cut", "silent_corrupt", "crash_after_pause", "target_full":
+	case "corrupt", "cut", "silent_corrupt", "crash_before_pause", "crash_after_pause", "crash_after_commit", "target_full":
 		if !o.cfg.AllowFaultInjection {
 			return nil, refuse(bad, "inject_fault is only accepted by a Host started with --allow-fault-injection")
 		}
 	default:
-		return nil, refuse(bad, "inject_fault %q: want corrupt, cut, silent_corrupt, crash_after_pause or target_full", req.InjectFault)
+		return nil, refuse(bad, "inject_fault %q: want corrupt, cut, silent_corrupt, crash_before_pause, crash_after_pause, crash_after_commit or target_full", req.InjectFault)
 	}
 	if req.TN < 0 || req.TN > 64 {
 		return nil, refuse(bad, "tn %d out of range 1..64", req.TN)

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"os"
 	"sync"
 	"time"
 
@@ -61,15 +60,9 @@ func (m *migration) final(ctx context.Context, since uint64) (committed, error) 
 	}
 	fctx, cancel := context.WithDeadline(ctx, fence)
 	defer cancel()
-	if m.req.InjectFault == "crash_after_pause" {
-		// Test of the Host dying while the source is paused: the source's
-		// pause lease and the target's reservation lease must clean up.
-		m.log.Error("injected fault: the Host exits with the source paused")
-		// Its records as a crash this late finds them: each step's is
-		// written within milliseconds of the step (not at the exit).
-		m.o.rec.close()
-		os.Exit(3)
-	}
+	// Test of the Host dying while the source is paused: the source's
+	// pause lease and the target's reservation lease must clean up.
+	m.crashIf("crash_after_pause", "with the source paused")
 
 	if err := m.enter(fctx, stepFinal); err != nil {
 		return c, m.late(fctx, err)

@@ -161,6 +161,9 @@ func (m *migration) run() {
 	defer cancel(nil)
 	go m.watchTarget(ctx, cancel)
 	since, err := m.copyRounds(ctx)
+	if err == nil {
+		m.crashIf("crash_before_pause", "after the copy rounds, the target holding their KV")
+	}
 	var staged <-chan struct{}
 	if err == nil {
 		// The state the target can prepare from a snapshot goes over
@@ -187,6 +190,7 @@ func (m *migration) run() {
 		m.abort(err)
 		return
 	}
+	m.crashIf("crash_after_commit", "after the commit, before the streams switch")
 	m.switchOver(c)
 }
 

@@ -229,3 +229,66 @@ func TestALeaderHandsOverOnSIGTERM(t *testing.T) {
 		serving.Round(time.Millisecond), registered.Round(time.Millisecond), len(got), drained.Round(time.Millisecond))
 	d.host.stop(t) // exits 0 after its drain
 }
+
+// The leading Host dies inside a migration that moves streams another
+// Host relays — after its copy rounds (the target holding their KV), or
+// after the commit (before any stream switched): the other Host's
+// streams go on, exactly (from A, which resumes at its pause lease); the
+// Host that takes over ends the migration's record in a terminal state;
+// exactly one of A and B is active; and neither engine holds a block
+// once the streams are over.
+func TestTheOtherHostsStreamsOutliveTheLeaderInAMigration(t *testing.T) {
+	for _, tc := range []struct{ fault, state string }{
+		{"crash_before_pause", hostapi.StateAborted},
+		{"crash_after_commit", hostapi.StateFailed},
+	} {
+		t.Run(tc.fault, func(t *testing.T) {
+			ep := etcdtest.Start(t)
+			second := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+			d := deployWith(t, deployOptions{bBlocks: 4096, hostArgs: []string{"--store", "etcd://" + ep, "--store-lease", "2s"}, moreHosts: []string{second}})
+			h2 := d.secondHost(t, second)
+			defer h2.stop(t)
+			h2URL := "http://" + second
+			waitUntil(t, "both agents registered with the second Host", func() bool {
+				return instance(t, h2URL, "A").Lifecycle == "active" && instance(t, h2URL, "B").Lifecycle == "standby"
+			})
+			viaSecond := load(8, 400)
+			for i := range viaSecond {
+				viaSecond[i].Prompt += " (via the second Host)"
+			}
+			wantSecond := d.reference(viaSecond)
+			runSecond := make(chan []loadgen.Stream, 1)
+			go func() {
+				runSecond <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: h2URL, Model: "m"}, viaSecond)
+			}()
+			viaFirst := d.startLoad(load(8, 400))
+			time.Sleep(300 * time.Millisecond)
+			if code, body := d.migrate(t, fmt.Sprintf(`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","inject_fault":%q}`, tc.fault)); code != 200 {
+				t.Fatalf("%d %s", code, body)
+			}
+			_ = d.host.cmd.Wait() // the leader exits inside the migration
+			d.host.kill()
+			d.hostURL = h2URL
+			checkExact(t, <-runSecond, wantSecond)
+			<-viaFirst // those streams ended with the leader
+			waitUntil(t, "the second Host to lead", func() bool {
+				hs := hostsOf(t, h2URL)
+				return len(hs) == 1 && hs[0].Leader
+			})
+			list := listMigrations(t, h2URL)
+			if len(list) != 1 || list[0].State != tc.state {
+				t.Fatalf("the migration the leader died in, as the next Host has it: %+v", list)
+			}
+			if a, b := roleOf(t, h2URL, "A"), roleOf(t, h2URL, "B"); a != "active" || b != "standby" {
+				t.Fatalf("roles after the takeover: A %s, B %s", a, b)
+			}
+			for _, u := range []string{d.aURL, d.bURL} {
+				waitUntil(t, u+" to hold nothing", func() bool {
+					s := d.stats(t, u)
+					return s.Free == s.Total && s.Reserved == 0 && s.Running == 0
+				})
+			}
+			t.Logf("%s: the record ended %s: %s", tc.fault, list[0].State, list[0].Error)
+		})
+	}
+}
