@@ -37,7 +37,7 @@ func TestJudgeTellsEngineNondeterminismFromMigrationErrors(t *testing.T) {
 		stream(t0, "a", "b", "c", "d"),
 	}
 	res := scenarioResult{Streams: got, MigrationStart: t0.Add(2500 * time.Millisecond)}
-	res.judge(ref, false)
+	res.judge(ref, false, 1)
 	if len(res.Unjudged) != 1 || !strings.HasPrefix(res.Unjudged[0], "stream 0 ") || !strings.Contains(res.Unjudged[0], "before the migration began") {
 		t.Fatalf("unjudged %q", res.Unjudged)
 	}
@@ -47,7 +47,7 @@ func TestJudgeTellsEngineNondeterminismFromMigrationErrors(t *testing.T) {
 	}
 
 	sim := scenarioResult{Streams: got, MigrationStart: res.MigrationStart}
-	sim.judge(ref, true)
+	sim.judge(ref, true, 1)
 	if len(sim.Unjudged) != 0 || len(sim.Mismatches) != 3 {
 		t.Fatalf("sim: unjudged %q, mismatches %q", sim.Unjudged, sim.Mismatches)
 	}

@@ -57,6 +57,10 @@ type scenario struct {
 	// HostStore and HostDataDir are the in-process Host's --store and
 	// --data-dir (""/"": no durable state, as in-process stacks run).
 	HostStore, HostDataDir string
+	HostStorePrefix        string
+	// Hosts is how many Hosts share HostStore (etcd): stream i goes
+	// through Host i mod Hosts, the migration is asked of the first.
+	Hosts int
 }
 
 // sizes are a sim shape's TP and PP, 1 where unset.
@@ -96,6 +100,9 @@ type scenarioResult struct {
 	// migration ran (or within a second after): what the migration cost
 	// the clients, apart from prefill stalls before it.
 	MaxGapDuringMigration time.Duration
+	// MaxGapDuringMigrationByHost is the same for the streams of each
+	// Host (scenario.Hosts > 1; stream i went through Host i mod Hosts).
+	MaxGapDuringMigrationByHost []time.Duration
 	// MigrationGapFrom and MigrationGapTo are when that gap began and
 	// ended: which of the migration's steps it fell in says what caused it.
 	MigrationGapFrom, MigrationGapTo time.Time
@@ -156,13 +163,17 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 		}
 		c.Migration.PreAttach = sc.PreAttach
 		c.Store, c.DataDir = sc.HostStore, sc.HostDataDir
+		if sc.HostStorePrefix != "" {
+			c.StorePrefix = sc.HostStorePrefix
+		}
 	}
-	st, err := stack.Start(stack.Options{Model: "demo-model", SimA: simA, SimB: simB, Log: sc.Log, TuneHost: tune, TransferBackend: sc.TransferBackend})
+	st, err := stack.Start(stack.Options{Model: "demo-model", SimA: simA, SimB: simB, Log: sc.Log, TuneHost: tune, TransferBackend: sc.TransferBackend,
+		MoreHosts: max(0, sc.Hosts-1)})
 	if err != nil {
 		return scenarioResult{}, err
 	}
 	defer st.Stop()
-	res, err := sc.migrateUnderLoad(ctx, st.Client(), st.HostURL, "demo-model", st.AID, st.BID, reqs, ref)
+	res, err := sc.migrateUnderLoad(ctx, st.Client(), st.HostURLs, "demo-model", st.AID, st.BID, reqs, ref)
 	if err != nil {
 		return res, err
 	}
@@ -195,16 +206,17 @@ func (sc scenario) runExternal(ctx context.Context) (scenarioResult, error) {
 			return scenarioResult{}, fmt.Errorf("reference run, stream %d: %w", i, s.Err)
 		}
 	}
-	return sc.migrateUnderLoad(ctx, x.Client, x.Client.Base(), x.Model, x.Src, x.Dst, reqs, ref)
+	return sc.migrateUnderLoad(ctx, x.Client, []string{x.Client.Base()}, x.Model, x.Src, x.Dst, reqs, ref)
 }
 
-// migrateUnderLoad streams reqs through the Host at hostURL, migrates
-// src → dst after sc.Delay, and compares every stream with ref.
-func (sc scenario) migrateUnderLoad(ctx context.Context, c *hostapi.Client, hostURL, model, src, dst string, reqs []loadgen.Request, ref []loadgen.Stream) (scenarioResult, error) {
+// migrateUnderLoad streams reqs through the Hosts at hostURLs (stream i
+// through Host i mod their number), migrates src → dst after sc.Delay,
+// and compares every stream with ref.
+func (sc scenario) migrateUnderLoad(ctx context.Context, c *hostapi.Client, hostURLs []string, model, src, dst string, reqs []loadgen.Request, ref []loadgen.Stream) (scenarioResult, error) {
 	var res scenarioResult
 	done := make(chan []loadgen.Stream, 1)
 	t0 := time.Now()
-	go func() { done <- loadgen.Run(ctx, loadgen.Config{BaseURL: hostURL, Model: model}, reqs) }()
+	go func() { done <- runSpread(ctx, hostURLs, model, reqs) }()
 	select {
 	case <-ctx.Done():
 		return res, ctx.Err()
@@ -232,7 +244,7 @@ func (sc scenario) migrateUnderLoad(ctx context.Context, c *hostapi.Client, host
 	res.Streams = <-done
 	res.Wall = time.Since(t0)
 	res.Reference = ref
-	res.judge(ref, sc.External == nil)
+	res.judge(ref, sc.External == nil, len(hostURLs))
 	return res, nil
 }
 
@@ -277,8 +289,11 @@ func around(text string, off int) string {
 // event per token (vLLM may hold text back and send fewer) and are
 // deterministic, so a stream that differs before the migration is a
 // mismatch too.
-func (res *scenarioResult) judge(ref []loadgen.Stream, sim bool) {
+func (res *scenarioResult) judge(ref []loadgen.Stream, sim bool, hosts int) {
 	windowEnd := res.Status.FinishedAt.Add(time.Second)
+	if hosts > 1 {
+		res.MaxGapDuringMigrationByHost = make([]time.Duration, hosts)
+	}
 	var gaps []time.Duration
 	for i, s := range res.Streams {
 		switch {
@@ -305,8 +320,12 @@ func (res *scenarioResult) judge(ref []loadgen.Stream, sim bool) {
 			if g > res.MaxGap {
 				res.MaxGap, res.MaxGapAt = g, s.Arrivals[j]
 			}
-			if s.Arrivals[j].After(res.MigrationStart) && s.Arrivals[j].Before(windowEnd) && g > res.MaxGapDuringMigration {
+			during := s.Arrivals[j].After(res.MigrationStart) && s.Arrivals[j].Before(windowEnd)
+			if during && g > res.MaxGapDuringMigration {
 				res.MaxGapDuringMigration, res.MigrationGapFrom, res.MigrationGapTo = g, s.Arrivals[j-1], s.Arrivals[j]
+			}
+			if during && hosts > 1 {
+				res.MaxGapDuringMigrationByHost[i%hosts] = max(res.MaxGapDuringMigrationByHost[i%hosts], g)
 			}
 		}
 	}
@@ -350,4 +369,29 @@ func (sc scenario) captureWindow() (stop func(), err error) {
 		stops = append(stops, func() { c.stop(); f.Close() })
 	}
 	return stop, nil
+}
+
+// runSpread runs reqs through the Hosts at urls, request i through Host
+// i mod len(urls), all at once, and returns the streams in reqs' order.
+func runSpread(ctx context.Context, urls []string, model string, reqs []loadgen.Request) []loadgen.Stream {
+	if len(urls) == 1 {
+		return loadgen.Run(ctx, loadgen.Config{BaseURL: urls[0], Model: model}, reqs)
+	}
+	out := make([]loadgen.Stream, len(reqs))
+	var wg sync.WaitGroup
+	for h, u := range urls {
+		var part []loadgen.Request
+		for i := h; i < len(reqs); i += len(urls) {
+			part = append(part, reqs[i])
+		}
+		wg.Go(func() {
+			for k, s := range loadgen.Run(ctx, loadgen.Config{BaseURL: u, Model: model}, part) {
+				i := h + k*len(urls)
+				s.Index = i
+				out[i] = s
+			}
+		})
+	}
+	wg.Wait()
+	return out
 }

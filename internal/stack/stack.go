@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"strings"
 	"sync"
 	"time"
 
@@ -38,6 +39,10 @@ type Options struct {
 	WrapB func(http.Handler) http.Handler
 	// TransferBackend is the agents' --transfer-backend ("": auto).
 	TransferBackend string
+	// MoreHosts starts that many more Hosts on the first one's shared
+	// store (its Store must be etcd://…): every one serves, the agents
+	// register with all of them (HostURLs).
+	MoreHosts int
 }
 
 // Stack is a running deployment. Every plane is authenticated as in a
@@ -45,8 +50,9 @@ type Options struct {
 // agent token, and the REST API's mutations need AdminToken.
 type Stack struct {
 	HostURL    string
-	AURL, BURL string // engines
-	AID, BID   string // vllm_hi_ids
+	HostURLs   []string // HostURL first, then those of MoreHosts
+	AURL, BURL string   // engines
+	AID, BID   string   // vllm_hi_ids
 	A, B       *sim.Engine
 	Host       *host.Host
 	AdminToken string
@@ -75,10 +81,6 @@ func Start(o Options) (*Stack, error) {
 	if s.B, s.BURL, err = s.startSim(o.SimB, o.Model, fmt.Sprintf("vhi-stack-%d-b", pid), o.Log, wrapB...); err != nil {
 		return fail(err)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return fail(err)
-	}
 	cfg := o.HostCfg
 	if cfg.Listen == "" {
 		cfg = host.DefaultConfig()
@@ -90,21 +92,36 @@ func Start(o Options) (*Stack, error) {
 		o.TuneHost(&cfg)
 	}
 	cfg.AdminToken, cfg.AgentToken = s.AdminToken, s.AgentToken
-	if s.Host, err = host.New(cfg, o.Log.Named("host")); err != nil {
-		ln.Close()
-		return fail(err)
+	var addrs []string
+	for i := 0; i <= o.MoreHosts; i++ {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return fail(err)
+		}
+		c := cfg
+		c.Listen = ln.Addr().String() // what the other Hosts of a shared store reach it at
+		h, err := host.New(c, o.Log.Named("host").With(zap.Int("host", i)))
+		if err != nil {
+			ln.Close()
+			return fail(err)
+		}
+		if i == 0 {
+			s.Host = h
+		}
+		hctx, hcancel := context.WithCancel(context.Background())
+		hdone := make(chan struct{})
+		go func() { defer close(hdone); _ = h.Serve(hctx, ln) }()
+		s.stops = append(s.stops, func() { hcancel(); <-hdone })
+		addrs = append(addrs, ln.Addr().String())
+		s.HostURLs = append(s.HostURLs, "http://"+ln.Addr().String())
 	}
-	hctx, hcancel := context.WithCancel(context.Background())
-	hdone := make(chan struct{})
-	go func() { defer close(hdone); _ = s.Host.Serve(hctx, ln) }()
-	s.stops = append(s.stops, func() { hcancel(); <-hdone })
-	s.HostURL = "http://" + ln.Addr().String()
+	s.HostURL = s.HostURLs[0]
 	bType := "B"
 	if o.BActive {
 		bType = "A"
 	}
 	for _, a := range []struct{ typ, id, url string }{{"A", s.AID, s.AURL}, {bType, s.BID, s.BURL}} {
-		ag, err := agent.New(agent.Config{Type: a.typ, HostAddr: ln.Addr().String(), EngineURL: a.url, ID: a.id,
+		ag, err := agent.New(agent.Config{Type: a.typ, HostAddr: strings.Join(addrs, ","), EngineURL: a.url, ID: a.id,
 			Listen: "127.0.0.1:0", AdvertiseHost: "127.0.0.1", TP: 1, PP: 1, EngineWait: 10 * time.Second, AgentToken: s.AgentToken,
 			TransferBackend: o.TransferBackend},
 			o.Log.Named("agent-"+a.id))

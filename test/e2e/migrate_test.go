@@ -178,7 +178,8 @@ func load(n, tokens int) []loadgen.Request { return framework.Load(n, tokens) }
 // startLoad streams reqs through the Host in the background.
 func (d *deployment) startLoad(reqs []loadgen.Request) <-chan []loadgen.Stream {
 	ch := make(chan []loadgen.Stream, 1)
-	go func() { ch <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: d.hostURL, Model: "m"}, reqs) }()
+	url := d.hostURL // a test may point d at another Host meanwhile
+	go func() { ch <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: url, Model: "m"}, reqs) }()
 	return ch
 }
 
