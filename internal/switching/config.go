@@ -48,7 +48,15 @@ type Model struct {
 	LaunchCommand []string          `yaml:"launch_command"`
 	Env           map[string]string `yaml:"env"`
 	Cwd           string            `yaml:"cwd"`
+	// TTLS puts the model to sleep once no request used it for this long
+	// (seconds; llama-swap's ttl): its GPU memory goes back while nothing
+	// asks for it. 0: it stays awake until another model of its group is
+	// asked for.
+	TTLS float64 `yaml:"ttl_s"`
 }
+
+// ttl is how long the model may sit idle awake (0: for ever).
+func (m Model) ttl() time.Duration { return seconds(m.TTLS, 0) }
 
 // Policies.
 const (
@@ -155,6 +163,9 @@ func Check(models map[string]Model, c Controller) error {
 	for _, alias := range sortedAliases(models) {
 		m := models[alias]
 		where := "models." + alias
+		if m.TTLS < 0 {
+			return fmt.Errorf("%s.ttl_s: %v must not be negative (0: no idle sleep)", where, m.TTLS)
+		}
 		if alias == "" || strings.ContainsAny(alias, "/?# ") {
 			return fmt.Errorf("%s: an alias must be non-empty, without '/', '?', '#' or spaces", where)
 		}

@@ -113,6 +113,7 @@ type group struct {
 	switching *model // the model a switch in progress wakes
 	kick      chan struct{}
 	retry     *time.Timer // re-kicks the group when a hold ends
+	idle      *time.Timer // re-kicks it when an awake model's ttl may have passed
 }
 
 // waiter is a request (or an admin call) queued for a model.
@@ -258,6 +259,9 @@ func (l *Lease) Release() {
 		delete(l.m.leases, l)
 		l.m.lastUsed = time.Now()
 		l.s.notifyLocked()
+		if l.m.cfg.ttl() > 0 && len(l.m.leases) == 0 {
+			l.m.g.kickNow() // its idle time starts: the group times it
+		}
 	})
 }
 
@@ -417,6 +421,9 @@ func (s *Switcher) serve(ctx context.Context, g *group) {
 			if g.retry != nil {
 				g.retry.Stop()
 			}
+			if g.idle != nil {
+				g.idle.Stop()
+			}
 			s.mu.Unlock()
 			return
 		case <-g.kick:
@@ -455,6 +462,9 @@ func (s *Switcher) serve(ctx context.Context, g *group) {
 			s.settleLocked(t, err)
 			s.notifyLocked()
 			s.mu.Unlock()
+		}
+		if ctx.Err() == nil {
+			s.sleepIdle(ctx, g)
 		}
 	}
 }

@@ -33,6 +33,19 @@ func (f *fakeEngine) call(name string) error {
 	return err
 }
 
+// sleeps counts the sleep calls.
+func (f *fakeEngine) sleeps() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	n := 0
+	for _, c := range f.calls {
+		if c == "sleep" {
+			n++
+		}
+	}
+	return n
+}
+
 func (f *fakeEngine) Sleep(ctx context.Context, level int) error {
 	if err := f.call("sleep"); err != nil {
 		return err
@@ -474,5 +487,51 @@ func TestHostMemoryBudgetDemotesTheLeastRecentlyUsed(t *testing.T) {
 	// c sleeps now; b (level 1, 16 GB) is the one to demote, and is.
 	if got := s.State(); got["c"].SleepLevel != 1 || got["b"].SleepLevel != 2 || s.HostMemory().UsedGB != 16 {
 		t.Fatalf("after c → a: %+v %+v %+v", got["b"], got["c"], s.HostMemory())
+	}
+}
+
+// A model with a ttl goes to sleep once no request used it for that long
+// — not while a request holds it, however long — and the next request
+// wakes it again.
+func TestAnIdleModelSleepsAfterItsTTL(t *testing.T) {
+	models := oneGroup("a", "b")
+	a := models["a"]
+	a.TTLS = 0.2
+	models["a"] = a
+	r := newRig(t, Controller{}, models, "a")
+	l := r.acquire("a")
+	time.Sleep(400 * time.Millisecond) // past the ttl, with the request still running
+	if got := r.states(); got != "a=awake b=sleeping" {
+		t.Fatalf("with a request running past the ttl: %s", got)
+	}
+	released := time.Now()
+	l.Release()
+	deadline := time.Now().Add(5 * time.Second)
+	for r.states() != "a=sleeping b=sleeping" {
+		if time.Now().After(deadline) {
+			t.Fatalf("a did not go to sleep after its ttl: %s", r.states())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if idle := time.Since(released); idle < 200*time.Millisecond {
+		t.Fatalf("a went to sleep %v after its last request, before its ttl (200 ms)", idle)
+	}
+	if r.engines["a"].sleeps() != 1 {
+		t.Fatalf("a was put to sleep %d times", r.engines["a"].sleeps())
+	}
+	r.acquire("a").Release()
+	if got := r.states(); got != "a=awake b=sleeping" {
+		t.Fatalf("a request after the idle sleep: %s", got)
+	}
+}
+
+// A negative ttl is refused when the configuration is read.
+func TestANegativeTTLIsRefused(t *testing.T) {
+	models := oneGroup("a")
+	a := models["a"]
+	a.TTLS = -1
+	models["a"] = a
+	if err := Check(models, Controller{}); err == nil || !strings.Contains(err.Error(), "models.a.ttl_s") {
+		t.Fatalf("a negative ttl: %v", err)
 	}
 }

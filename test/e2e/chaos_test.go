@@ -27,15 +27,7 @@ import (
 // block afterwards. VHI_CHAOS_SEED and VHI_CHAOS_EVENTS vary the run (the
 // seed is logged, so a failure can be repeated).
 func TestChaos(t *testing.T) {
-	seed := uint64(time.Now().UnixNano())
-	if v, err := strconv.ParseUint(os.Getenv("VHI_CHAOS_SEED"), 10, 64); err == nil {
-		seed = v
-	}
-	events := 4
-	if v, err := strconv.Atoi(os.Getenv("VHI_CHAOS_EVENTS")); err == nil && v > 0 {
-		events = v
-	}
-	t.Logf("chaos seed %d, %d events (VHI_CHAOS_SEED=%d to repeat)", seed, events, seed)
+	seed, events := chaosRun(t, 4)
 	rng := rand.New(rand.NewPCG(seed, 0))
 	d := deployWith(t, deployOptions{bBlocks: 4096, bActive: true, hostArgs: []string{"--failover-snapshot-interval", "200ms"}})
 
@@ -88,6 +80,22 @@ func TestChaos(t *testing.T) {
 		})
 	}
 	t.Logf("chaos: %d streams, every one exact", n)
+}
+
+// chaosRun is a chaos test's seed and number of events: VHI_CHAOS_SEED
+// and VHI_CHAOS_EVENTS, else the time and events. The seed is logged, so
+// a failure can be repeated.
+func chaosRun(t *testing.T, events int) (uint64, int) {
+	t.Helper()
+	seed := uint64(time.Now().UnixNano())
+	if v, err := strconv.ParseUint(os.Getenv("VHI_CHAOS_SEED"), 10, 64); err == nil {
+		seed = v
+	}
+	if v, err := strconv.Atoi(os.Getenv("VHI_CHAOS_EVENTS")); err == nil && v > 0 {
+		events = v
+	}
+	t.Logf("chaos seed %d, %d events (VHI_CHAOS_SEED=%d to repeat)", seed, events, seed)
+	return seed, events
 }
 
 // fault hits instance id ("A" or "B") with kind, then brings it back and

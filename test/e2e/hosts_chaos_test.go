@@ -3,9 +3,7 @@ package e2e
 import (
 	"fmt"
 	"math/rand/v2"
-	"os"
 	"slices"
-	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -34,15 +32,7 @@ type chaosHost struct {
 // run, neither engine may hold a block afterwards, and every Host must
 // list both instances active (no role decided twice).
 func TestChaosWithThreeHosts(t *testing.T) {
-	seed := uint64(time.Now().UnixNano())
-	if v, err := strconv.ParseUint(os.Getenv("VHI_CHAOS_SEED"), 10, 64); err == nil {
-		seed = v
-	}
-	events := 5
-	if v, err := strconv.Atoi(os.Getenv("VHI_CHAOS_EVENTS")); err == nil && v > 0 {
-		events = v
-	}
-	t.Logf("chaos seed %d, %d events (VHI_CHAOS_SEED=%d to repeat)", seed, events, seed)
+	seed, events := chaosRun(t, 5)
 	rng := rand.New(rand.NewPCG(seed, 1))
 	ep := etcdtest.Start(t)
 	more := []string{fmt.Sprintf("127.0.0.1:%d", freePort(t)), fmt.Sprintf("127.0.0.1:%d", freePort(t))}

@@ -26,39 +26,22 @@ import (
 // within the store's lease, keeps every decision of the first (from
 // etcd), and streams and migrations go on through it exactly.
 func TestTwoHostsServeAndOneDecides(t *testing.T) {
-	ep := etcdtest.Start(t)
-	second := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-	store := []string{"--store", "etcd://" + ep, "--store-lease", "2s"}
-	d := deployWith(t, deployOptions{bBlocks: 4096, hostArgs: store, moreHosts: []string{second}})
-	h2 := d.secondHost(t, second)
-	h1URL, h2URL := d.hostURL, "http://"+second
-	waitHealthy(t, h2URL+"/health")
-	waitUntil(t, "both agents registered with the second Host", func() bool {
-		a, b := instance(t, h2URL, "A"), instance(t, h2URL, "B")
-		return a.AgentAddress != "" && b.AgentAddress != "" && a.Lifecycle == "active" && b.Lifecycle == "standby"
-	})
+	d, h2, h2URL := twoHosts(t)
+	h1URL, second := d.hostURL, strings.TrimPrefix(h2URL, "http://")
 	if hs := hostsOf(t, h2URL); len(hs) != 2 || !hs[0].Leader || hs[0].Address != d.hostAddr || hs[1].Leader || hs[1].Address != second {
 		t.Fatalf("the Hosts in the second Host's status: %+v", hs)
 	}
 
 	// Streams through both Hosts; the migration asked of the second (it
 	// forwards it to the leader, which runs it).
-	viaFirst, viaSecond := load(12, 400), load(12, 400)
-	for i := range viaSecond {
-		viaSecond[i].Prompt += " (via the second Host)"
-	}
-	wantFirst, wantSecond := d.reference(viaFirst), d.reference(viaSecond)
-	runFirst := d.startLoad(viaFirst)
-	runSecond := make(chan []loadgen.Stream, 1)
-	go func() {
-		runSecond <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: h2URL, Model: "m"}, viaSecond)
-	}()
+	wantFirst, runFirst := d.loadVia(h1URL, 12, 400)
+	wantSecond, runSecond := d.loadVia(h2URL, 12, 400)
 	time.Sleep(700 * time.Millisecond)
 	d.hostURL = h2URL
 	first := d.waitMigration(t, hostapi.MigrateRequest{Src: "A", Dst: "B", Type: hostapi.PreserveSource})
 	d.hostURL = h1URL
-	if first.State != hostapi.StateSucceeded || first.Migrated != len(viaFirst)+len(viaSecond) {
-		t.Fatalf("the migration asked of the second Host: %s, %d of %d moved: %s", first.State, first.Migrated, len(viaFirst)+len(viaSecond), first.Error)
+	if first.State != hostapi.StateSucceeded || first.Migrated != len(wantFirst)+len(wantSecond) {
+		t.Fatalf("the migration asked of the second Host: %s, %d of %d moved: %s", first.State, first.Migrated, len(wantFirst)+len(wantSecond), first.Error)
 	}
 	checkExact(t, <-runFirst, wantFirst)
 	gotSecond := <-runSecond
@@ -68,7 +51,7 @@ func TestTwoHostsServeAndOneDecides(t *testing.T) {
 	if gap, at := worstGap(gotSecond, time.Time{}, time.Now()); gap > 1500*time.Millisecond {
 		t.Fatalf("a stream through the second Host waited %v for a token (%s): it did not switch with the migration", gap, at)
 	}
-	hostMetrics(t, h2URL, "vhi_host_leader 0", fmt.Sprintf(`vhi_host_switched_streams_total{outcome="switched"} %d`, len(viaSecond)))
+	hostMetrics(t, h2URL, "vhi_host_leader 0", fmt.Sprintf(`vhi_host_switched_streams_total{outcome="switched"} %d`, len(wantSecond)))
 	hostMetrics(t, h1URL, "vhi_host_leader 1")
 	waitUntil(t, "the second Host to follow the roles the first decided", func() bool {
 		return roleOf(t, h2URL, "A") == "standby" && roleOf(t, h2URL, "B") == "active"
@@ -103,6 +86,36 @@ func TestTwoHostsServeAndOneDecides(t *testing.T) {
 	}
 	checkExact(t, <-running, want)
 	h2.stop(t)
+}
+
+// twoHosts deploys sims A and B with a Host leading an etcd store (a 2 s
+// lease) and a second Host on it, and waits until both agents registered
+// with the second.
+func twoHosts(t *testing.T) (d *deployment, h2 *proc, h2URL string) {
+	t.Helper()
+	ep := etcdtest.Start(t)
+	second := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	d = deployWith(t, deployOptions{bBlocks: 4096, hostArgs: []string{"--store", "etcd://" + ep, "--store-lease", "2s"}, moreHosts: []string{second}})
+	h2, h2URL = d.secondHost(t, second), "http://"+second
+	waitHealthy(t, h2URL+"/health")
+	waitUntil(t, "both agents registered with the second Host", func() bool {
+		a, b := instance(t, h2URL, "A"), instance(t, h2URL, "B")
+		return a.AgentAddress != "" && b.AgentAddress != "" && a.Lifecycle == "active" && b.Lifecycle == "standby"
+	})
+	return d, h2, h2URL
+}
+
+// loadVia streams n requests of tokens each through the Host at url (their
+// prompts marked as its own), and returns their unmigrated run.
+func (d *deployment) loadVia(url string, n, tokens int) (want []loadgen.Stream, running <-chan []loadgen.Stream) {
+	reqs := load(n, tokens)
+	for i := range reqs {
+		reqs[i].Prompt += " (via " + url + ")"
+	}
+	want = d.reference(reqs)
+	ch := make(chan []loadgen.Stream, 1)
+	go func() { ch <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: url, Model: "m"}, reqs) }()
+	return want, ch
 }
 
 // hostsOf reads the Hosts of a shared store from a Host's status.
@@ -142,25 +155,10 @@ func (d *deployment) secondHost(t *testing.T, addr string) *proc {
 // A resumes at its pause lease, and its direct streams and those the
 // second Host relays (which the migration was moving too) finish exactly.
 func TestTheNextHostEndsAMigrationItsLeaderDiedIn(t *testing.T) {
-	ep := etcdtest.Start(t)
-	second := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-	d := deployWith(t, deployOptions{bBlocks: 4096, hostArgs: []string{"--store", "etcd://" + ep, "--store-lease", "2s"}, moreHosts: []string{second}})
-	h2 := d.secondHost(t, second)
+	d, h2, h2URL := twoHosts(t)
 	defer h2.stop(t)
-	h2URL := "http://" + second
-	waitUntil(t, "both agents registered with the second Host", func() bool {
-		return instance(t, h2URL, "A").Lifecycle == "active" && instance(t, h2URL, "B").Lifecycle == "standby"
-	})
 	// Streams through the second Host, which the migration moves too.
-	viaSecond := load(8, 400)
-	for i := range viaSecond {
-		viaSecond[i].Prompt += " (via the second Host)"
-	}
-	wantSecond := d.reference(viaSecond)
-	runSecond := make(chan []loadgen.Stream, 1)
-	go func() {
-		runSecond <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: h2URL, Model: "m"}, viaSecond)
-	}()
+	wantSecond, runSecond := d.loadVia(h2URL, 8, 400)
 	direct, viaHost := d.hostDiesInThePause(t) // the leader
 	died := time.Now()
 	d.host.kill()
@@ -243,24 +241,9 @@ func TestTheOtherHostsStreamsOutliveTheLeaderInAMigration(t *testing.T) {
 		{"crash_after_commit", hostapi.StateFailed},
 	} {
 		t.Run(tc.fault, func(t *testing.T) {
-			ep := etcdtest.Start(t)
-			second := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-			d := deployWith(t, deployOptions{bBlocks: 4096, hostArgs: []string{"--store", "etcd://" + ep, "--store-lease", "2s"}, moreHosts: []string{second}})
-			h2 := d.secondHost(t, second)
+			d, h2, h2URL := twoHosts(t)
 			defer h2.stop(t)
-			h2URL := "http://" + second
-			waitUntil(t, "both agents registered with the second Host", func() bool {
-				return instance(t, h2URL, "A").Lifecycle == "active" && instance(t, h2URL, "B").Lifecycle == "standby"
-			})
-			viaSecond := load(8, 400)
-			for i := range viaSecond {
-				viaSecond[i].Prompt += " (via the second Host)"
-			}
-			wantSecond := d.reference(viaSecond)
-			runSecond := make(chan []loadgen.Stream, 1)
-			go func() {
-				runSecond <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: h2URL, Model: "m"}, viaSecond)
-			}()
+			wantSecond, runSecond := d.loadVia(h2URL, 8, 400)
 			viaFirst := d.startLoad(load(8, 400))
 			time.Sleep(300 * time.Millisecond)
 			if code, body := d.migrate(t, fmt.Sprintf(`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","inject_fault":%q}`, tc.fault)); code != 200 {

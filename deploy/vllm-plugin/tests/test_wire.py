@@ -119,7 +119,11 @@ class ConfigTest(unittest.TestCase):
         self.assertEqual((c.type, c.host, c.data_port, c.enabled), ("A", "10.0.0.1:8002", 9000, True))
         self.assertFalse(config.load({}).enabled)
         self.assertEqual(config.load({"VLLM_HI_TYPE": "B", "VLLM_HI_ID": " b-1234 "}).id, "b-1234")
-        for bad in ({"VLLM_HI_TYPE": "C"}, {"VLLM_HI_HOST": "nohost"}, {"VLLM_HI_DATA_PORT": "70000"},
+        # Several Hosts sharing a store: the agent registers with each.
+        self.assertEqual(config.load({"VLLM_HI_TYPE": "A", "VLLM_HI_HOST": "10.0.0.1:8002,10.0.0.2:8002"}).host,
+                         "10.0.0.1:8002,10.0.0.2:8002")
+        for bad in ({"VLLM_HI_TYPE": "C"}, {"VLLM_HI_HOST": "nohost"}, {"VLLM_HI_HOST": "10.0.0.1:8002,nohost"},
+                    {"VLLM_HI_HOST": "10.0.0.1:8002,10.0.0.2:x"}, {"VLLM_HI_DATA_PORT": "70000"},
                     {"VLLM_HI_TRANSFER_BACKEND": "carrier-pigeon"}):
             with self.assertRaises(config.ConfigError):
                 config.load(bad)

@@ -64,10 +64,13 @@ def _port(v: str, what: str) -> int:
 
 
 def _hostport(v: str) -> str:
-    host, sep, port = v.rpartition(":")
-    if not sep or not host:
-        raise ConfigError(f"--vllm-hi-host / {ENV_HOST}: {v!r} is not IP:PORT")
-    _port(port, f"--vllm-hi-host / {ENV_HOST}")
+    """One Host's IP:PORT, or several Hosts sharing a store, comma-separated
+    (the agent registers with each)."""
+    for one in v.split(","):
+        host, sep, port = one.strip().rpartition(":")
+        if not sep or not host:
+            raise ConfigError(f"--vllm-hi-host / {ENV_HOST}: {one.strip()!r} is not IP:PORT (several Hosts: comma-separated)")
+        _port(port, f"--vllm-hi-host / {ENV_HOST}")
     return v
 
 
@@ -164,7 +167,7 @@ def add_cli_args(parser) -> None:
                    help="vllm-hi instance type: A (active) or B (standby); enables the engine hooks")
     g.add_argument("--vllm-hi-host", action=_EnvAction, env_name=ENV_HOST, check=_hostport,
                    default=os.environ.get(ENV_HOST), metavar="IP:PORT",
-                   help="the vhi host to register with; starts `vhi agent` beside the server")
+                   help="the vhi host to register with (IP:PORT; several Hosts sharing a store: comma-separated); starts `vhi agent` beside the server")
     g.add_argument("--vllm-hi-data-port", action=_EnvAction, env_name=ENV_DATA_PORT,
                    check=lambda v: _port(v, "--vllm-hi-data-port"),
                    default=os.environ.get(ENV_DATA_PORT), metavar="PORT",
