@@ -34,8 +34,9 @@ func TestTwoHostsServeAndOneDecides(t *testing.T) {
 
 	// Streams through both Hosts; the migration asked of the second (it
 	// forwards it to the leader, which runs it).
-	wantFirst, runFirst := d.loadVia(h1URL, 12, 400)
-	wantSecond, runSecond := d.loadVia(h2URL, 12, 400)
+	viaFirst, viaSecond := marked(h1URL, 12, 400), marked(h2URL, 12, 400)
+	wantFirst, wantSecond := d.reference(viaFirst), d.reference(viaSecond)
+	runFirst, runSecond := streamVia(h1URL, viaFirst), streamVia(h2URL, viaSecond)
 	time.Sleep(700 * time.Millisecond)
 	d.hostURL = h2URL
 	first := d.waitMigration(t, hostapi.MigrateRequest{Src: "A", Dst: "B", Type: hostapi.PreserveSource})
@@ -102,20 +103,35 @@ func twoHosts(t *testing.T) (d *deployment, h2 *proc, h2URL string) {
 		a, b := instance(t, h2URL, "A"), instance(t, h2URL, "B")
 		return a.AgentAddress != "" && b.AgentAddress != "" && a.Lifecycle == "active" && b.Lifecycle == "standby"
 	})
+	waitLeads(t, d.hostURL)
 	return d, h2, h2URL
 }
 
-// loadVia streams n requests of tokens each through the Host at url (their
-// prompts marked as its own), and returns their unmigrated run.
-func (d *deployment) loadVia(url string, n, tokens int) (want []loadgen.Stream, running <-chan []loadgen.Stream) {
+// marked is n requests of tokens each whose prompts say they go through
+// the Host at url (streams through two Hosts differ).
+func marked(url string, n, tokens int) []loadgen.Request {
 	reqs := load(n, tokens)
 	for i := range reqs {
 		reqs[i].Prompt += " (via " + url + ")"
 	}
-	want = d.reference(reqs)
+	return reqs
+}
+
+// streamVia streams reqs through the Host at url in the background.
+func streamVia(url string, reqs []loadgen.Request) <-chan []loadgen.Stream {
 	ch := make(chan []loadgen.Stream, 1)
 	go func() { ch <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: url, Model: "m"}, reqs) }()
-	return want, ch
+	return ch
+}
+
+// waitLeads waits until the Host at url says it leads the store.
+func waitLeads(t *testing.T, url string) {
+	t.Helper()
+	addr := strings.TrimPrefix(url, "http://")
+	waitUntil(t, addr+" to lead", func() bool {
+		hs := hostsOf(t, url)
+		return len(hs) >= 1 && hs[0].Leader && hs[0].Address == addr
+	})
 }
 
 // hostsOf reads the Hosts of a shared store from a Host's status.
@@ -158,12 +174,15 @@ func TestTheNextHostEndsAMigrationItsLeaderDiedIn(t *testing.T) {
 	d, h2, h2URL := twoHosts(t)
 	defer h2.stop(t)
 	// Streams through the second Host, which the migration moves too.
-	wantSecond, runSecond := d.loadVia(h2URL, 8, 400)
+	viaSecond := marked(h2URL, 8, 400)
+	wantSecond := d.reference(viaSecond)
+	runSecond := streamVia(h2URL, viaSecond)
 	direct, viaHost := d.hostDiesInThePause(t) // the leader
 	died := time.Now()
 	d.host.kill()
 	d.hostURL = h2URL
 	waitUntil(t, "B's reservations released", func() bool { return d.stats(t, d.bURL).Reserved == 0 })
+	waitLeads(t, h2URL)
 	freed := time.Since(died)
 	list := listMigrations(t, h2URL)
 	if len(list) != 1 || list[0].State != hostapi.StateAborted || !strings.Contains(list[0].Error, "released the target's reservations") {
@@ -243,7 +262,9 @@ func TestTheOtherHostsStreamsOutliveTheLeaderInAMigration(t *testing.T) {
 		t.Run(tc.fault, func(t *testing.T) {
 			d, h2, h2URL := twoHosts(t)
 			defer h2.stop(t)
-			wantSecond, runSecond := d.loadVia(h2URL, 8, 400)
+			viaSecond := marked(h2URL, 8, 400)
+			wantSecond := d.reference(viaSecond)
+			runSecond := streamVia(h2URL, viaSecond)
 			viaFirst := d.startLoad(load(8, 400))
 			time.Sleep(300 * time.Millisecond)
 			if code, body := d.migrate(t, fmt.Sprintf(`{"src_vllm_hi_id":"A","dst_vllm_hi_id":"B","inject_fault":%q}`, tc.fault)); code != 200 {
