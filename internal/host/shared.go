@@ -83,8 +83,14 @@ func (h *Host) follow(ctx context.Context) {
 	var wg sync.WaitGroup
 	wg.Go(func() {
 		h.shared.WatchInstances(ctx, func(id string, rec *store.Instance) {
-			if rec != nil && !h.shared.Leads() {
+			switch {
+			case h.shared.Leads():
+			case rec != nil:
 				h.reg.Adopt(*rec)
+			default:
+				// The leader forgot it (DELETE /vllm_hi/instances/{id}):
+				// so does this Host, unless its agent still heartbeats here.
+				_ = h.reg.Forget(id)
 			}
 		})
 	})

@@ -307,8 +307,9 @@ func (r *Registry) Restore(records []store.Instance) {
 // an instance (its record, as written there): its role, retired and
 // draining marks. The instance's registration and load stay this
 // Host's own (its agent registers with every Host); one this Host has
-// not seen yet comes in as Restore brings it. A departed or deleted
-// record changes nothing here: the agent deregisters from every Host.
+// not seen yet comes in as Restore brings it. A departed record changes
+// nothing here: the agent deregisters from every Host (a deleted one is
+// Forget's).
 func (r *Registry) Adopt(rec store.Instance) {
 	if rec.Departed {
 		return
