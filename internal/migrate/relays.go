@@ -67,6 +67,11 @@ func (m *migration) remoteCandidates(ctx context.Context, ids []string, byID map
 	if relays == nil || len(ids) == 0 {
 		return nil
 	}
+	// A Host that does not answer (dead, its lease not yet ended) costs
+	// the migration one short call's bound (PauseCallTimeout), not the
+	// preparation's whole RPC timeout, which the reservation shares.
+	ctx, cancel := context.WithTimeout(ctx, m.o.cfg.PauseCallTimeout)
+	defer cancel()
 	now := time.Now()
 	var out []Candidate
 	for id, s := range relays.Census(ctx, m.st.ID, ids) {
