@@ -73,13 +73,20 @@ func TestChaos(t *testing.T) {
 		}
 	})
 	checkExact(t, got[:n], want[:n])
+	d.waitEnginesHoldNothing(t)
+	t.Logf("chaos: %d streams, every one exact", n)
+}
+
+// waitEnginesHoldNothing waits until neither engine holds a block, a
+// reservation or a running request.
+func (d *deployment) waitEnginesHoldNothing(t *testing.T) {
+	t.Helper()
 	for _, u := range []string{d.aURL, d.bURL} {
 		waitUntil(t, u+" to hold nothing", func() bool {
 			s := d.stats(t, u)
 			return s.Free == s.Total && s.Reserved == 0 && s.Running == 0
 		})
 	}
-	t.Logf("chaos: %d streams, every one exact", n)
 }
 
 // chaosRun is a chaos test's seed and number of events: VHI_CHAOS_SEED

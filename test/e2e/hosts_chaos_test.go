@@ -170,12 +170,7 @@ func TestChaosWithThreeHosts(t *testing.T) {
 		}
 	}
 	checkExact(t, gotKept, wantKept)
-	for _, u := range []string{d.aURL, d.bURL} {
-		waitUntil(t, u+" to hold nothing", func() bool {
-			s := d.stats(t, u)
-			return s.Free == s.Total && s.Reserved == 0 && s.Running == 0
-		})
-	}
+	d.waitEnginesHoldNothing(t)
 	for _, h := range hosts {
 		url := "http://" + h.addr
 		if a, b := roleOf(t, url, "A"), roleOf(t, url, "B"); a != "active" || b != "active" {

@@ -286,12 +286,7 @@ func TestTheOtherHostsStreamsOutliveTheLeaderInAMigration(t *testing.T) {
 			if a, b := roleOf(t, h2URL, "A"), roleOf(t, h2URL, "B"); a != "active" || b != "standby" {
 				t.Fatalf("roles after the takeover: A %s, B %s", a, b)
 			}
-			for _, u := range []string{d.aURL, d.bURL} {
-				waitUntil(t, u+" to hold nothing", func() bool {
-					s := d.stats(t, u)
-					return s.Free == s.Total && s.Reserved == 0 && s.Running == 0
-				})
-			}
+			d.waitEnginesHoldNothing(t)
 			t.Logf("%s: the record ended %s: %s", tc.fault, list[0].State, list[0].Error)
 		})
 	}
