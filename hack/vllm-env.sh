@@ -39,5 +39,8 @@ if [ ! -f "$venv/.ready" ]; then
 fi
 # The vllm-hi plugin from this checkout (a few seconds; reinstalled every
 # time because the environment is shared by every clone on the machine).
+# (setuptools builds in the tree: an earlier build's leftovers could carry
+# files that are gone.)
+rm -rf deploy/vllm-plugin/build
 "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation --force-reinstall ./deploy/vllm-plugin >&2
 echo "$venv"

@@ -301,6 +301,9 @@ type ResponseMeta struct {
 	Stream          bool   `json:"stream"`
 	IncludeUsage    bool   `json:"include_usage"`
 	ContinuousUsage bool   `json:"continuous_usage"`
+	// ReturnTokenIDs: the stream's chunks carry their token ids (vLLM's
+	// return_token_ids), asked by the client or by the Host's relay.
+	ReturnTokenIDs bool `json:"return_token_ids,omitempty"`
 }
 
 // RequestState is everything needed to continue a paused request elsewhere.

@@ -11,7 +11,7 @@ import (
 var update = flag.Bool("update", false, "rewrite the vLLM plugin's routes.json from Routes")
 
 // pluginRoutes is the table the vLLM plugin builds its router from.
-const pluginRoutes = "../../deploy/vllm-plugin/vllm_hi/routes.json"
+const pluginRoutes = "../../deploy/vllm-plugin/vllm_hi_plugin/routes.json"
 
 // The plugin's routes.json is Routes, as the plugin reads it (go test
 // ./api/hooks -update rewrites it).

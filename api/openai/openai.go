@@ -81,6 +81,9 @@ type SamplingFields struct {
 	StopTokenIDs  []int          `json:"stop_token_ids"`
 	N             *int           `json:"n"`
 	Priority      int            `json:"priority"`
+	// ReturnTokenIDs: the chunks carry the prompt's and each new token's
+	// ids (vLLM's return_token_ids).
+	ReturnTokenIDs bool `json:"return_token_ids"`
 }
 
 // CompletionRequest is POST /v1/completions.

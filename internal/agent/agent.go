@@ -36,6 +36,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/grpcauth"
 	"github.com/vllm-hi/vllm-hi/internal/transfer"
+	"github.com/vllm-hi/vllm-hi/internal/transfer/cudaipc"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/rdma"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/tcpshm"
 )
@@ -142,8 +143,10 @@ type Agent struct {
 	engineHealthy bool
 	health        *health.Server
 
-	dp  dataPlane
-	gpu gpuPlane
+	dp dataPlane
+	// gpu is the agent's CUDA state (loaded on first use): cuda_ipc's
+	// mappings, and the staging of GPU KV.
+	gpu *cudaipc.Plane
 	// rdma is the UCX data plane (nil: UCX not loaded, rdmaNote says why).
 	rdma     *rdma.Plane
 	rdmaNote string
@@ -182,8 +185,9 @@ func New(cfg Config, log *zap.Logger) (*Agent, error) {
 	if cfg.DefaultTN < 1 {
 		cfg.DefaultTN = 2
 	}
-	return &Agent{cfg: cfg, log: log.With(zap.String("vllm_hi_id", cfg.ID)), eng: c, session: hex.EncodeToString(b[:]),
-		dp: dataPlane{sessions: map[string]*targetSession{}}, clientTLS: clientTLS, serverTLS: serverTLS}, nil
+	log = log.With(zap.String("vllm_hi_id", cfg.ID))
+	return &Agent{cfg: cfg, log: log, eng: c, session: hex.EncodeToString(b[:]),
+		dp: dataPlane{sessions: map[string]*targetSession{}}, gpu: cudaipc.NewPlane(log, nil), clientTLS: clientTLS, serverTLS: serverTLS}, nil
 }
 
 // ID is the agent's vllm_hi_id.
@@ -273,7 +277,7 @@ func (a *Agent) Run(ctx context.Context) error {
 			a.dp.src.Close()
 			a.dp.dst.Close()
 			a.dp.mu.Unlock()
-			a.gpu.close()
+			a.gpu.Close()
 		}()
 		_, dport, _ := net.SplitHostPort(ds.Addr().String())
 		dataAddr = net.JoinHostPort(advertise, dport)

@@ -14,6 +14,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
 	"github.com/vllm-hi/vllm-hi/internal/transfer"
+	"github.com/vllm-hi/vllm-hi/internal/transfer/dataplane"
 )
 
 func compatible(a, b kvlayout.Geometry) error {
@@ -77,7 +78,7 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 		return nil, errdefs.New(errdefs.ErrConflict, err.Error())
 	}
 	resp.Backend, resp.BackendReason = name, why
-	backend, err := a.backend(name)
+	backend, err := dataplane.New(name, a.dataEnv())
 	if err != nil {
 		return nil, errdefs.New(errdefs.ErrConflict, err.Error())
 	}
@@ -141,13 +142,18 @@ func (a *Agent) pickBackend(src, dst hooks.Layout, peers transfer.RDMAPeers) (na
 	if err != nil || name != transfer.CUDAIPC {
 		return name, why, err
 	}
-	if err := a.gpu.sees(src, dst); err != nil {
+	if err := a.gpu.Sees(src, dst); err != nil {
 		if transfer.Canonical(a.cfg.TransferBackend) == transfer.CUDAIPC {
 			return "", "", fmt.Errorf("%w: cuda_ipc: %v", transfer.ErrUnsupported, err)
 		}
 		return transfer.TCPShm, fmt.Sprintf("auto: both engines' KV is in GPU memory on this node, but %v: staged through pinned host memory", err), nil
 	}
 	return name, why + a.gpuLink(src, dst), nil
+}
+
+// dataEnv is what this agent's data planes are built from.
+func (a *Agent) dataEnv() dataplane.Env {
+	return dataplane.Env{TLS: a.clientTLS, GPU: a.gpu, RDMA: a.rdma, RDMANote: a.rdmaNote}
 }
 
 // gpuLink names the link between the two engines' GPUs for a round's

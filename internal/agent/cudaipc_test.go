@@ -1,231 +1,49 @@
 package agent
 
 import (
-	"context"
-	"encoding/base64"
 	"errors"
-	"fmt"
 	"strings"
 	"testing"
-	"time"
 
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/internal/cuda"
-	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
 	"github.com/vllm-hi/vllm-hi/internal/transfer"
+	"github.com/vllm-hi/vllm-hi/internal/transfer/cudaipc"
 )
 
-// The agent builds exactly the backends transfer.Pick can choose.
-func TestBackends(t *testing.T) {
-	a := &Agent{}
-	for _, name := range []string{transfer.TCPShm, transfer.CUDAIPC, transfer.RDMA} {
-		if b, err := a.backend(name); err != nil || b.Name() != name {
-			t.Errorf("%s: %v", name, err)
-		}
-	}
-	// Without UCX loaded the rdma backend says why it cannot move a round.
-	b, _ := a.backend(transfer.RDMA)
-	a.rdmaNote = "rdma: unavailable: libucp not found"
-	if _, err := b.Send(context.Background(), transfer.Round{}); !errors.Is(err, transfer.ErrUnsupported) || !strings.Contains(err.Error(), "libucp not found") {
-		t.Errorf("rdma without UCX: %v", err)
-	}
-	for _, name := range []string{transfer.Auto, "nope"} {
-		if _, err := a.backend(name); !errors.Is(err, transfer.ErrUnsupported) {
-			t.Errorf("%s: %v", name, err)
-		}
-	}
-}
-
-// fakeGPU is a driver whose IPC mappings are counted and whose copies are
-// recorded, for the agent's mapping lifecycle.
-type fakeGPU struct {
+// visibleGPUs is a driver that sees the GPUs of these UUIDs (by ordinal)
+// and opens nothing.
+type visibleGPUs struct {
 	cuda.Driver
-	opened, closed int
-	live           map[cuda.DevicePtr]bool
-	copies         int
-	failCopy       bool
-	uuids          []string // by ordinal, in the agent's numbering
-	copyDevs       []int    // the device of each KernelCopy
+	uuids  []string
+	opened int
 }
 
-func (f *fakeGPU) DeviceCount() (int, error) { return len(f.uuids), nil }
-func (f *fakeGPU) DeviceUUID(dev int) (string, error) {
-	if dev >= len(f.uuids) {
+func (v *visibleGPUs) DeviceCount() (int, error) { return len(v.uuids), nil }
+func (v *visibleGPUs) DeviceUUID(dev int) (string, error) {
+	if dev >= len(v.uuids) {
 		return "", errors.New("no such device")
 	}
-	return f.uuids[dev], nil
+	return v.uuids[dev], nil
 }
 
-// Staging for the integrity check: host memory stands in for both.
-func (f *fakeGPU) HostAlloc(_ int, n uint64) ([]byte, error) { return nil, nil }
-func (f *fakeGPU) HostFree(int, []byte) error                { return nil }
-func (f *fakeGPU) Alloc(int, uint64) (cuda.DevicePtr, error) { return 1 << 50, nil }
-func (f *fakeGPU) Free(int, cuda.DevicePtr) error            { return nil }
-
-func (f *fakeGPU) IPCOpen(int, cuda.IPCHandle) (cuda.DevicePtr, error) {
-	f.opened++
-	p := cuda.DevicePtr(f.opened) << 40
-	f.live[p] = true
-	return p, nil
-}
-
-func (f *fakeGPU) IPCClose(_ int, p cuda.DevicePtr) error {
-	if !f.live[p] {
-		return errors.New("closing a mapping that is not open")
-	}
-	delete(f.live, p)
-	f.closed++
-	return nil
-}
-
-func (f *fakeGPU) KernelCopy(dev int, _ cuda.Stream, cs []cuda.Copy) error {
-	f.copyDevs = append(f.copyDevs, dev)
-	if f.failCopy {
-		return errors.New("copy failed")
-	}
-	for _, c := range cs {
-		if !f.live[c.Src&^(1<<40-1)] || !f.live[c.Dst&^(1<<40-1)] {
-			return fmt.Errorf("copy %x→%x outside the open mappings", c.Src, c.Dst)
-		}
-	}
-	f.copies += len(cs)
-	return nil
-}
-
-func (f *fakeGPU) Sync(int, cuda.Stream) error { return nil }
-
-func gpuLayout(t *testing.T, handle byte) hooks.Layout {
-	t.Helper()
-	geo := kvlayout.Geometry{Layers: 2, KVHeads: 2, HeadDim: 8, DTypeBytes: 2, BlockSize: 4, NumBlocks: 8}
-	rl := kvlayout.NewRegionLayout(geo, kvlayout.Shard{TPSize: 1, PPSize: 1})
-	h := make([]byte, len(cuda.IPCHandle{}))
-	h[0] = handle
-	return hooks.Layout{Geometry: geo, Parallel: kvlayout.Parallel{TP: 1, PP: 1}, Regions: []hooks.Region{{
-		NumLayers: 2, NumHeads: 2, Size: rl.Size(), LayerStride: rl.LayerStride(), KVStride: rl.KVStride(),
-		BlockStride: rl.BlockStride(), HeadStride: rl.HeadStride(), SlotStride: int64(geo.HeadSlotBytes()),
-		Memory: hooks.Memory{Kind: hooks.MemoryCUDAIPC, IPCHandle: base64.StdEncoding.EncodeToString(h)},
-	}}}
-}
-
-// A migration's IPC mappings open at its first cuda_ipc round, serve the
-// next ones and the check after the final round, and close after a failed
-// round, a release, or when left idle; a changed layout re-opens them.
-func TestCUDAMappingsLiveForAMigration(t *testing.T) {
-	f := &fakeGPU{live: map[cuda.DevicePtr]bool{}}
-	a := &Agent{log: zap.NewNop()}
-	a.gpu = gpuPlane{drv: f, streams: map[int]cuda.Stream{0: 1}, targets: map[string]*gpuTarget{}, pairs: map[string]*ipcPair{}}
-	src, dst := gpuLayout(t, 1), gpuLayout(t, 2)
-	copies := []kvlayout.BlockCopy{{Src: 1, Dst: 5, NumSlots: 4}, {Src: 2, Dst: 6, NumSlots: 4}}
-	round := func(session string, s, d hooks.Layout) error {
-		_, err := a.cudaCopy(session, s, d, copies, transfer.NoFault)
-		return err
-	}
-	for i := 0; i < 4; i++ {
-		if err := round("m1", src, dst); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if f.opened != 2 || f.closed != 0 || f.copies == 0 {
-		t.Fatalf("four rounds: opened %d, closed %d, copies %d; want 2 mappings kept open", f.opened, f.closed, f.copies)
-	}
-	a.gpu.release("m1")
-	if f.opened != 2 || len(f.live) != 0 {
-		t.Fatalf("after the Host released the migration: opened %d, %d still open", f.opened, len(f.live))
-	}
-
-	// A changed target layout (the engine re-allocated its KV) re-opens.
-	_ = round("m2", src, dst)
-	_ = round("m2", src, gpuLayout(t, 3))
-	if f.opened != 6 || len(f.live) != 2 {
-		t.Fatalf("after a layout change: opened %d, %d open; want 6 and 2", f.opened, len(f.live))
-	}
-	a.gpu.release("m2")
-	if len(f.live) != 0 {
-		t.Fatalf("%d mappings open after the Host released the migration", len(f.live))
-	}
-
-	// A failed round closes them.
-	_ = round("m3", src, dst)
-	f.failCopy = true
-	if err := round("m3", src, dst); err == nil {
-		t.Fatal("a failing copy reported success")
-	}
-	f.failCopy = false
-	if len(f.live) != 0 {
-		t.Fatalf("%d mappings open after a failed round", len(f.live))
-	}
-
-	// Mappings a migration left idle (its Host died) close on another's round.
-	_ = round("m4", src, dst)
-	a.gpu.pairs["m4"].used = time.Now().Add(-2 * mappingIdle)
-	_ = round("m5", src, dst)
-	if _, ok := a.gpu.pairs["m4"]; ok || len(f.live) != 2 {
-		t.Fatalf("idle mappings not closed: %d open", len(f.live))
-	}
-}
-
-// A cuda_ipc round never hands the kernel a run outside the engines'
-// regions, or a copy outside their pools.
-func TestCUDARunsAreBounded(t *testing.T) {
-	src, dst := gpuLayout(t, 1), gpuLayout(t, 2)
-	ok := []kvlayout.BlockCopy{{Src: 1, Dst: 5, NumSlots: 4}}
-	runs, err := kvlayout.Plan(src.Geometry.Layers, src.Geometry.KVHeads, int64(src.Geometry.HeadSlotBytes()), specs(src), specs(dst), ok)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := checkRuns(src, dst, ok, runs); err != nil {
-		t.Fatal(err)
-	}
-	past := append([]kvlayout.CopyRun(nil), runs...)
-	past[0].DstOffset = dst.Regions[0].Size - 1
-	if checkRuns(src, dst, ok, past) == nil {
-		t.Fatal("a run past the target's region passed")
-	}
-	if checkRuns(src, dst, []kvlayout.BlockCopy{{Src: 1, Dst: dst.Geometry.NumBlocks, NumSlots: 4}}, runs) == nil {
-		t.Fatal("a copy outside the target's pool passed")
-	}
-}
-
-// A layout names its GPU by UUID as well as by the exporter's ordinal
-// (which CUDA_VISIBLE_DEVICES renumbers): the agent copies on the GPU of
-// that UUID in its own numbering, and refuses, opening nothing, a GPU it
-// cannot see.
-func TestCUDARegionsAreFoundByGPUUUID(t *testing.T) {
-	f := &fakeGPU{live: map[cuda.DevicePtr]bool{}, uuids: []string{"GPU-aaaa", "GPU-bbbb"}}
-	a := &Agent{log: zap.NewNop()}
-	a.gpu = gpuPlane{drv: f, streams: map[int]cuda.Stream{0: 1, 1: 2}, targets: map[string]*gpuTarget{}, pairs: map[string]*ipcPair{}}
-	src, dst := gpuLayout(t, 1), gpuLayout(t, 2)
-	// Each engine was started with CUDA_VISIBLE_DEVICES=1: its GPU is its
-	// device 0, and the agent's device 1.
-	src.Regions[0].Memory.DeviceUUID, dst.Regions[0].Memory.DeviceUUID = "GPU-bbbb", "GPU-bbbb"
-	copies := []kvlayout.BlockCopy{{Src: 1, Dst: 5, NumSlots: 4}}
-	if _, err := a.cudaCopy("m1", src, dst, copies, transfer.NoFault); err != nil {
-		t.Fatal(err)
-	}
-	if len(f.copyDevs) == 0 || f.copyDevs[0] != 1 {
-		t.Fatalf("copies issued on devices %v, want 1 (GPU-bbbb in the agent's numbering)", f.copyDevs)
-	}
-	a.gpu.release("m1")
-
-	opened := f.opened
-	src.Regions[0].Memory.DeviceUUID = "GPU-cccc"
-	_, err := a.cudaCopy("m2", src, dst, copies, transfer.NoFault)
-	if err == nil || !strings.Contains(err.Error(), "GPU-cccc") || !strings.Contains(err.Error(), "not visible to this agent") {
-		t.Fatalf("a GPU the agent cannot see: %v", err)
-	}
-	if f.opened != opened {
-		t.Fatalf("%d mappings opened for a GPU the agent cannot see", f.opened-opened)
-	}
+func (v *visibleGPUs) IPCOpen(int, cuda.IPCHandle) (cuda.DevicePtr, error) {
+	v.opened++
+	return 0, errors.New("not here")
 }
 
 // cuda_ipc needs this agent to see both engines' GPUs. Chosen by auto, a
 // round whose target GPU it cannot see goes through tcp_shm instead, and
 // says why; asked for, it is refused before anything moves.
 func TestCUDAIPCNeedsBothGPUsVisible(t *testing.T) {
-	f := &fakeGPU{live: map[cuda.DevicePtr]bool{}, uuids: []string{"GPU-aaaa"}}
-	src, dst := gpuLayout(t, 1), gpuLayout(t, 2)
+	f := &visibleGPUs{uuids: []string{"GPU-aaaa"}}
+	// Layouts of GPU KV on this node, named by UUID below.
+	ipc := func() hooks.Layout {
+		return hooks.Layout{Regions: []hooks.Region{{Memory: hooks.Memory{Kind: hooks.MemoryCUDAIPC}}}}
+	}
+	src, dst := ipc(), ipc()
 	src.Regions[0].Memory.DeviceUUID = "GPU-aaaa"
 	for _, tc := range []struct {
 		want, dstGPU, name, why string
@@ -235,8 +53,8 @@ func TestCUDAIPCNeedsBothGPUsVisible(t *testing.T) {
 		{transfer.CUDAIPC, "GPU-aaaa", transfer.CUDAIPC, "asked for"},
 		{transfer.CUDAIPC, "GPU-bbbb", "", ""},
 	} {
-		a := &Agent{log: zap.NewNop(), cfg: Config{TransferBackend: tc.want}}
-		a.gpu = gpuPlane{drv: f, streams: map[int]cuda.Stream{0: 1}, targets: map[string]*gpuTarget{}, pairs: map[string]*ipcPair{}}
+		a := &Agent{log: zap.NewNop(), cfg: Config{TransferBackend: tc.want},
+			gpu: cudaipc.NewPlane(zap.NewNop(), func() (cuda.Driver, error) { return f, nil })}
 		dst.Regions[0].Memory.DeviceUUID = tc.dstGPU
 		name, why, err := a.pickBackend(src, dst, transfer.RDMAPeers{})
 		if tc.name == "" {

@@ -118,7 +118,7 @@ func (s *agentService) PrepareTarget(ctx context.Context, req *v1.PrepareTargetR
 		sizes[i] = r.Size
 	}
 	g := lay.Geometry
-	guard, err := kvlayout.NewBlockGuard(specs(lay), sizes, g.NumBlocks, g.BlockSize, int64(g.HeadSlotBytes()), blocks)
+	guard, err := kvlayout.NewBlockGuard(transfer.Specs(lay), sizes, g.NumBlocks, g.BlockSize, int64(g.HeadSlotBytes()), blocks)
 	if err != nil {
 		return nil, errdefs.Newf(errdefs.ErrConflict, "the target's layout: %v", err)
 	}
@@ -126,7 +126,7 @@ func (s *agentService) PrepareTarget(ctx context.Context, req *v1.PrepareTargetR
 		// Map the target's GPU memory now, not inside the migration's
 		// pause: tcp_shm rounds write through it, and the end-to-end check
 		// reads it.
-		if err := a.gpu.prepareTarget(req.GetMigrationId(), lay); err != nil {
+		if err := a.gpu.PrepareTarget(req.GetMigrationId(), lay); err != nil {
 			return nil, errdefs.Newf(errdefs.ErrConflict, "map target GPU KV: %v", err)
 		}
 	}
@@ -149,7 +149,7 @@ func (s *agentService) ReleaseTarget(_ context.Context, req *v1.ReleaseTargetReq
 	s.a.dp.mu.Lock()
 	delete(s.a.dp.sessions, req.GetMigrationId())
 	s.a.dp.mu.Unlock()
-	s.a.gpu.release(req.GetMigrationId())
+	s.a.gpu.Release(req.GetMigrationId())
 	return &v1.ReleaseTargetResponse{}, nil
 }
 
@@ -165,7 +165,7 @@ func (a *Agent) dataSession(id string) (*tcpshm.Session, error) {
 	}
 	open := func() (*tcpshm.Memory, error) {
 		if transfer.OnGPU(ts.layout) {
-			sink, err := a.gpu.sink(id, ts.layout)
+			sink, err := a.gpu.Sink(id, ts.layout)
 			if err != nil {
 				return nil, err
 			}
@@ -178,23 +178,9 @@ func (a *Agent) dataSession(id string) (*tcpshm.Session, error) {
 			// prepared: the reserved blocks are gone with the old memory.
 			return nil, fmt.Errorf("the target's KV memory changed since migration %s was prepared", id)
 		}
-		m := memory(a.dp.dst.Data, ts.layout)
+		m := tcpshm.MemoryOf(a.dp.dst.Data, ts.layout)
 		m.Guard = ts.guard
 		return m, nil
 	}
 	return &tcpshm.Session{Secret: ts.secret, Expires: ts.expires, Open: open}, nil
-}
-
-func memory(data [][]byte, l hooks.Layout) *tcpshm.Memory {
-	return &tcpshm.Memory{Data: data, Specs: specs(l), Layers: l.Geometry.Layers, Heads: l.Geometry.KVHeads,
-		SlotBytes: int64(l.Geometry.HeadSlotBytes())}
-}
-
-func specs(l hooks.Layout) []kvlayout.RegionSpec {
-	out := make([]kvlayout.RegionSpec, len(l.Regions))
-	for i, r := range l.Regions {
-		out[i] = kvlayout.RegionSpec{FirstLayer: r.FirstLayer, NumLayers: r.NumLayers, FirstHead: r.FirstHead, NumHeads: r.NumHeads,
-			Strides: kvlayout.Strides{Layer: r.LayerStride, KV: r.KVStride, Block: r.BlockStride, Head: r.HeadStride, Slot: r.SlotStride}}
-	}
-	return out
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
 	"github.com/vllm-hi/vllm-hi/internal/transfer"
+	"github.com/vllm-hi/vllm-hi/internal/transfer/cudaipc"
 )
 
 // maxHashBlocks bounds one HashBlocks call (a whole 141 GB engine of
@@ -196,14 +197,9 @@ func hashMapped(data [][]byte, lay hooks.Layout, blocks []hashBlock) ([]uint64, 
 	return out, total, nil
 }
 
-// gpuHashChunk bounds the pinned staging one gather of the check uses: a
-// full check of an engine's KV goes through it in pieces (pinning tens of
-// gigabytes at once stalls the whole device).
-const gpuHashChunk = 256 << 20
-
 // hashGPU hashes blocks of GPU KV: their pieces are gathered, block after
 // block, into pinned host memory (one kernel launch and one download per
-// chunk of up to gpuHashChunk bytes), and each block's bytes are then one
+// chunk of up to cudaipc.HashChunk bytes), and each block's bytes are then one
 // contiguous stretch to hash.
 func (a *Agent) hashGPU(session string, lay hooks.Layout, blocks []hashBlock) ([]uint64, int64, error) {
 	out := make([]uint64, len(blocks))
@@ -212,7 +208,7 @@ func (a *Agent) hashGPU(session string, lay hooks.Layout, blocks []hashBlock) ([
 		end, size := start, int64(0)
 		for end < len(blocks) {
 			n := int64(blocks[end].slots.n) * int64(lay.Geometry.HeadSlotBytes()) * int64(2*lay.Geometry.Layers*lay.Geometry.KVHeads)
-			if end > start && size+n > gpuHashChunk {
+			if end > start && size+n > cudaipc.HashChunk {
 				break
 			}
 			size += n
@@ -239,7 +235,7 @@ func (a *Agent) hashGPUChunk(session string, lay hooks.Layout, blocks []hashBloc
 		}
 		return 0, nil
 	}
-	host, _, release, err := a.gpu.gather(session, lay, st.runs)
+	host, _, release, err := a.gpu.Gather(session, lay, st.runs)
 	if err != nil {
 		return 0, fmt.Errorf("read GPU KV: %w", err)
 	}

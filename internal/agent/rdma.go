@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"context"
 	"fmt"
 	"os"
 
@@ -64,26 +63,4 @@ func (a *Agent) rdmaPeers(target *v1.RDMAInfo) transfer.RDMAPeers {
 		p.Target = &transfer.RDMAPlane{Devices: target.GetDevices(), Hostname: target.GetHostname()}
 	}
 	return p
-}
-
-// rdmaBackend moves a round as tcp_shm frames whose payloads UCX puts
-// into the target's registered staging (see package rdma); GPU sides are
-// staged through pinned host memory as on tcp_shm.
-type rdmaBackend struct{ a *Agent }
-
-var _ transfer.Backend = rdmaBackend{}
-
-func (rdmaBackend) Name() string { return transfer.RDMA }
-
-func (b rdmaBackend) Send(ctx context.Context, r transfer.Round) (transfer.Stats, error) {
-	a := b.a
-	if a.rdma == nil {
-		return transfer.Stats{}, fmt.Errorf("%w: rdma: %s", transfer.ErrUnsupported, a.rdmaNote)
-	}
-	dest, err := a.dataDest(r.Target)
-	if err != nil {
-		return transfer.Stats{}, err
-	}
-	dest.Carrier = a.rdma
-	return a.sendFrames(ctx, dest, r)
 }

@@ -23,6 +23,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/internal/durations"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
 	"github.com/vllm-hi/vllm-hi/internal/scale"
 	"github.com/vllm-hi/vllm-hi/internal/slo"
@@ -45,11 +46,11 @@ const (
 // Config is the autoscale section of vhi host --config.
 type Config struct {
 	// IntervalS is how often the policies are evaluated (default 5).
-	IntervalS float64 `yaml:"interval_s"`
+	IntervalS durations.Seconds `yaml:"interval_s"`
 	// DryRun decides and logs, but starts no operation.
 	DryRun bool `yaml:"dry_run"`
 	// FailurePenaltyS is the TTFT a failed request counts as (default 30).
-	FailurePenaltyS float64           `yaml:"failure_penalty_s"`
+	FailurePenaltyS durations.Seconds `yaml:"failure_penalty_s"`
 	Models          map[string]Policy `yaml:"models"`
 }
 
@@ -70,8 +71,8 @@ type Policy struct {
 	Step int `yaml:"step"`
 	// SLOS is the rolling p95 TTFT to hold, in seconds; WindowS the
 	// rolling window (default 30).
-	SLOS    float64 `yaml:"ttft_p95_slo_s"`
-	WindowS float64 `yaml:"window_s"`
+	SLOS    durations.Seconds `yaml:"ttft_p95_slo_s"`
+	WindowS durations.Seconds `yaml:"window_s"`
 	// ScaleOutAt and ScaleInAt are fractions of the SLO (defaults 0.6 and
 	// 0.2): out above the first, in below the second.
 	ScaleOutAt float64 `yaml:"scale_out_at"`
@@ -86,7 +87,7 @@ type Policy struct {
 	// requests fit under 0.8 × it on one replica (rank) fewer.
 	RunningHigh float64 `yaml:"running_high"`
 	// CooldownS is the rest after an operation ends (default 60).
-	CooldownS float64 `yaml:"cooldown_s"`
+	CooldownS durations.Seconds `yaml:"cooldown_s"`
 	// MinSamples: a p95 over fewer requests decides nothing (default 20).
 	MinSamples int `yaml:"min_samples"`
 }
@@ -110,11 +111,15 @@ func (p Policy) withDefaults() Policy {
 	if p.MinSamples == 0 {
 		p.MinSamples = 20
 	}
-	def(&p.WindowS, 30)
+	if p.WindowS == 0 {
+		p.WindowS = 30
+	}
 	def(&p.ScaleOutAt, 0.6)
 	def(&p.ScaleInAt, 0.2)
 	def(&p.QueueHigh, 8)
-	def(&p.CooldownS, 60)
+	if p.CooldownS == 0 {
+		p.CooldownS = 60
+	}
 	return p
 }
 
@@ -154,7 +159,7 @@ func (c Config) Interval() time.Duration {
 	if c.IntervalS == 0 {
 		return 5 * time.Second
 	}
-	return time.Duration(c.IntervalS * float64(time.Second))
+	return c.IntervalS.Duration()
 }
 
 // Penalty is FailurePenaltyS with its default.
@@ -162,7 +167,7 @@ func (c Config) Penalty() time.Duration {
 	if c.FailurePenaltyS == 0 {
 		return 30 * time.Second
 	}
-	return time.Duration(c.FailurePenaltyS * float64(time.Second))
+	return c.FailurePenaltyS.Duration()
 }
 
 // Window is the longest window of the policies (at least 30 s): the span
@@ -170,7 +175,7 @@ func (c Config) Penalty() time.Duration {
 func (c Config) Window() time.Duration {
 	w := 30 * time.Second
 	for _, p := range c.Models {
-		w = max(w, time.Duration(p.withDefaults().WindowS*float64(time.Second)))
+		w = max(w, p.withDefaults().WindowS.Duration())
 	}
 	return w
 }
@@ -343,7 +348,7 @@ func (a *Autoscaler) evaluate(model string, p Policy, dryRun bool) (d hostapi.Au
 	now := a.now()
 	reps := a.scaler.Replicas(model)
 	size, inst := a.size(reps, p)
-	window := time.Duration(p.WindowS * float64(time.Second))
+	window := p.WindowS.Duration()
 	p95, n := a.ttft.Quantile(model, now, window, 0.95)
 	waiting, running := load(reps)
 	a.met.P95.WithLabelValues(model).Set(p95)
@@ -351,7 +356,7 @@ func (a *Autoscaler) evaluate(model string, p Policy, dryRun bool) (d hostapi.Au
 
 	a.mu.Lock()
 	st := a.state[model]
-	st.view = hostapi.AutoscaleModel{Model: model, Kind: p.Kind, Size: size, Min: p.Min, Max: p.Max, SLOS: p.SLOS, TTFTP95S: p95, Samples: n, Waiting: waiting}
+	st.view = hostapi.AutoscaleModel{Model: model, Kind: p.Kind, Size: size, Min: p.Min, Max: p.Max, SLOS: float64(p.SLOS), TTFTP95S: p95, Samples: n, Waiting: waiting}
 	busy := false
 	if st.op != "" && st.coolingFrom.IsZero() {
 		if s, ok := a.scaler.Get(st.op); !ok || s.Ended() {
@@ -364,9 +369,9 @@ func (a *Autoscaler) evaluate(model string, p Policy, dryRun bool) (d hostapi.Au
 			st.view.Scaling = st.op
 		}
 	}
-	cooling := !st.coolingFrom.IsZero() && now.Before(st.coolingFrom.Add(time.Duration(p.CooldownS*float64(time.Second))))
+	cooling := !st.coolingFrom.IsZero() && now.Before(st.coolingFrom.Add(p.CooldownS.Duration()))
 	if cooling {
-		st.view.CoolingUntil = st.coolingFrom.Add(time.Duration(p.CooldownS * float64(time.Second))).UTC()
+		st.view.CoolingUntil = st.coolingFrom.Add(p.CooldownS.Duration()).UTC()
 	}
 	a.mu.Unlock()
 	if busy || cooling || size == 0 || (p.Kind == KindDataParallel && inst == "") {
@@ -377,18 +382,18 @@ func (a *Autoscaler) evaluate(model string, p Policy, dryRun bool) (d hostapi.Au
 	runningEach := float64(running) / float64(size)
 	fitsFewer := p.RunningHigh == 0 || (size > 1 && float64(running)/float64(size-p.Step) < 0.8*p.RunningHigh)
 	switch {
-	case size < p.Max && n >= p.MinSamples && p95 > p.ScaleOutAt*p.SLOS:
+	case size < p.Max && n >= p.MinSamples && p95 > p.ScaleOutAt*float64(p.SLOS):
 		d.Direction, d.Reason, d.To = "out", ReasonTTFT, min(p.Max, size+p.Step)
-		d.Detail = fmt.Sprintf("p95 TTFT %.3f s over %d requests in %v > %.2f × the %.3f s SLO", p95, n, window, p.ScaleOutAt, p.SLOS)
+		d.Detail = fmt.Sprintf("p95 TTFT %.3f s over %d requests in %v > %.2f × the %.3f s SLO", p95, n, window, p.ScaleOutAt, float64(p.SLOS))
 	case size < p.Max && p.QueueHigh > 0 && perUnit > p.QueueHigh:
 		d.Direction, d.Reason, d.To = "out", ReasonQueue, min(p.Max, size+p.Step)
 		d.Detail = fmt.Sprintf("%d requests waiting on %d (%.1f each) > %g", waiting, size, perUnit, p.QueueHigh)
 	case size < p.Max && p.RunningHigh > 0 && runningEach > p.RunningHigh:
 		d.Direction, d.Reason, d.To = "out", ReasonRunning, min(p.Max, size+p.Step)
 		d.Detail = fmt.Sprintf("%d requests running on %d (%.1f each) > %g", running, size, runningEach, p.RunningHigh)
-	case size > p.Min && n >= p.MinSamples && p95 < p.ScaleInAt*p.SLOS && waiting == 0 && fitsFewer:
+	case size > p.Min && n >= p.MinSamples && p95 < p.ScaleInAt*float64(p.SLOS) && waiting == 0 && fitsFewer:
 		d.Direction, d.Reason, d.To = "in", ReasonTTFTLow, max(p.Min, size-p.Step)
-		d.Detail = fmt.Sprintf("p95 TTFT %.3f s over %d requests in %v < %.2f × the %.3f s SLO, nothing waiting", p95, n, window, p.ScaleInAt, p.SLOS)
+		d.Detail = fmt.Sprintf("p95 TTFT %.3f s over %d requests in %v < %.2f × the %.3f s SLO, nothing waiting", p95, n, window, p.ScaleInAt, float64(p.SLOS))
 	default:
 		return hostapi.AutoscaleDecision{}, "", false
 	}
@@ -446,7 +451,7 @@ func (a *Autoscaler) Status() hostapi.AutoscaleStatus {
 		v := st.view
 		if v.Model == "" {
 			p := a.cfg.Models[m].withDefaults()
-			v = hostapi.AutoscaleModel{Model: m, Kind: p.Kind, Min: p.Min, Max: p.Max, SLOS: p.SLOS}
+			v = hostapi.AutoscaleModel{Model: m, Kind: p.Kind, Min: p.Min, Max: p.Max, SLOS: float64(p.SLOS)}
 		}
 		out.Models = append(out.Models, v)
 	}

@@ -21,6 +21,7 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/autoscale"
+	"github.com/vllm-hi/vllm-hi/internal/durations"
 	"github.com/vllm-hi/vllm-hi/internal/host"
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
 	"github.com/vllm-hi/vllm-hi/internal/sim"
@@ -304,11 +305,11 @@ func (b autoscaleBench) runElastic(ctx context.Context, arrivals []time.Duration
 	std := b.simConfig(1)
 	std.ElasticEP = false
 	st, err := stack.Start(stack.Options{Model: "moe", SimA: b.simConfig(b.from), SimB: std, Log: b.log, TuneHost: func(hc *host.Config) {
-		hc.Autoscale = autoscale.Config{IntervalS: 0.1, FailurePenaltyS: b.penalty.Seconds(), Models: map[string]autoscale.Policy{
-			"moe": {Kind: autoscale.KindDataParallel, Min: b.from, Max: b.to, Start: b.from, SLOS: b.slo.Seconds(), WindowS: b.window.Seconds(),
+		hc.Autoscale = autoscale.Config{IntervalS: 0.1, FailurePenaltyS: durations.Of(b.penalty), Models: map[string]autoscale.Policy{
+			"moe": {Kind: autoscale.KindDataParallel, Min: b.from, Max: b.to, Start: b.from, SLOS: durations.Of(b.slo), WindowS: durations.Of(b.window),
 				ScaleOutAt: b.scaleOutAt, ScaleInAt: b.scaleOutAt / 4, QueueHigh: b.queueHigh, MinSamples: 10,
 				RunningHigh: b.runningHigh * float64(b.maxNumSeqs),
-				CooldownS:   2 * b.duration.Seconds()}, // no scale-in while the load rises
+				CooldownS:   durations.Of(2 * b.duration)}, // no scale-in while the load rises
 		}}
 	}})
 	if err != nil {

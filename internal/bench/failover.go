@@ -26,9 +26,13 @@ func newBenchFailoverCommand(g *Options) *cobra.Command {
 		Long: `Starts a Host with two active sims of one model in this process and streams --streams
 streams through it (round robin: half on each). After --delay, engine A stops at once, its
 connections cut as a killed process's are. Each --mode runs on a fresh deployment:
-  snapshot  failover on, snapshots every --snapshot-interval: A's streams are reinstalled
-            on B from their latest snapshot (recompute of prompt + output), cut to what the
-            client has
+  snapshot  failover on (the Host's default): A's streams are reinstalled on B (recompute
+            of prompt + output) with exactly the tokens each client has, as the relay read
+            them (the engines' token ids), the sampling state from a snapshot taken every
+            --snapshot-interval
+  snapshot-only  the same with the relay's token ids off (--failover-token-ids=false):
+            from the latest snapshot alone, cut to what the client has, the tokens since
+            regenerated
   replay    failover on, no snapshot taken yet (the first is an hour away): A's streams are
             sent again to B, the tokens the client has skipped
   off       failover off: what a client gets without it
@@ -45,8 +49,8 @@ connection, at once) plus that prefill.`,
 			}
 			o.log = log
 			for _, m := range modes {
-				if m != "snapshot" && m != "replay" && m != "off" {
-					return fmt.Errorf("--mode %q: want snapshot, replay or off", m)
+				if m != "snapshot" && m != "snapshot-only" && m != "replay" && m != "off" {
+					return fmt.Errorf("--mode %q: want snapshot, snapshot-only, replay or off", m)
 				}
 			}
 			if interval <= 0 {
@@ -57,7 +61,7 @@ connection, at once) plus that prefill.`,
 	}
 	o.register(cmd.Flags(), 128, 400, 3*time.Second)
 	cmd.Flags().DurationVar(&interval, "snapshot-interval", time.Second, "the Host's --failover-snapshot-interval in the snapshot mode")
-	cmd.Flags().StringSliceVar(&modes, "mode", []string{"snapshot", "replay", "off"}, "failover modes to compare (snapshot, replay, off)")
+	cmd.Flags().StringSliceVar(&modes, "mode", []string{"snapshot", "snapshot-only", "replay", "off"}, "failover modes to compare (snapshot, snapshot-only, replay, off)")
 	return cmd
 }
 
@@ -93,7 +97,7 @@ func runBenchFailover(ctx context.Context, out io.Writer, o opsBench, interval t
 		case "off":
 			iv = 0
 		}
-		r, err := o.crashOnce(ctx, reqs, ref, iv)
+		r, err := o.crashOnce(ctx, reqs, ref, iv, mode != "snapshot-only")
 		if err != nil {
 			return fmt.Errorf("mode %s: %w", mode, err)
 		}
@@ -103,7 +107,7 @@ func runBenchFailover(ctx context.Context, out io.Writer, o opsBench, interval t
 				len(r.gaps), msText(loadgen.Percentile(r.gaps, 0.5)), msText(loadgen.Percentile(r.gaps, 0.99)), msText(loadgen.Percentile(r.gaps, 1)),
 				msText(loadgen.Percentile(r.resumes, 0.5)), msText(loadgen.Percentile(r.resumes, 0.99)), msText(loadgen.Percentile(r.resumes, 1)))
 		}
-		fmt.Fprintf(out, "%-8s A carried %d streams, %s; every stream: %s\n", mode, r.affected, gaps, r.check)
+		fmt.Fprintf(out, "%-13s A carried %d streams, %s; every stream: %s\n", mode, r.affected, gaps, r.check)
 		if mode != "off" && (r.check.Failed > 0 || r.check.Inexact > 0) {
 			failed = append(failed, mode)
 		}
@@ -131,9 +135,9 @@ func runBenchFailover(ctx context.Context, out io.Writer, o opsBench, interval t
 
 // crashOnce runs the load on a fresh deployment with failover snapshots
 // every iv (0: off) and kills engine A after the delay.
-func (o opsBench) crashOnce(ctx context.Context, reqs []loadgen.Request, ref []loadgen.Stream, iv time.Duration) (crashResult, error) {
+func (o opsBench) crashOnce(ctx context.Context, reqs []loadgen.Request, ref []loadgen.Stream, iv time.Duration, tokenIDs bool) (crashResult, error) {
 	var r crashResult
-	st, err := o.start(func(c *host.Config) { c.Failover.SnapshotInterval = iv })
+	st, err := o.start(func(c *host.Config) { c.Failover.SnapshotInterval, c.Failover.RelayTokenIDs = iv, tokenIDs })
 	if err != nil {
 		return r, err
 	}

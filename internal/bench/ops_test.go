@@ -33,14 +33,15 @@ func TestBenchDrain(t *testing.T) {
 
 func TestBenchFailover(t *testing.T) {
 	var out bytes.Buffer
-	err := runBenchFailover(context.Background(), &out, smallOps(12, 150, 400*time.Millisecond), 200*time.Millisecond, []string{"snapshot", "off"})
+	err := runBenchFailover(context.Background(), &out, smallOps(12, 150, 400*time.Millisecond), 200*time.Millisecond, []string{"snapshot", "snapshot-only", "off"})
 	if err != nil {
 		t.Fatalf("%v\n%s", err, out.String())
 	}
 	t.Log(out.String())
 	// Without failover A's streams fail, which the benchmark expects; with
 	// it every one of them goes on.
-	for _, want := range []string{"snapshot A carried 6 streams, 6 went on", "every stream: 0 failed, 0 inexact", "off      A carried 6 streams, none of them went on; every stream: 6 FAILED", "one prefill of the longest context"} {
+	for _, want := range []string{"snapshot      A carried 6 streams, 6 went on", "snapshot-only A carried 6 streams, 6 went on",
+		"every stream: 0 failed, 0 inexact", "off           A carried 6 streams, none of them went on; every stream: 6 FAILED", "one prefill of the longest context"} {
 		if !strings.Contains(out.String(), want) {
 			t.Fatalf("the report lacks %q:\n%s", want, out.String())
 		}

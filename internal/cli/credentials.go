@@ -30,8 +30,17 @@ func hostTokens(dataDir, adminFile, agentFile string, log *zap.Logger) (admin, a
 		}
 		return tok, nil
 	}
+	// The operator's files must hold strong tokens (the Host's own are 64
+	// hex digits); agents and the CLI only read what the Host accepted.
+	read := func(file string) (string, error) {
+		tok, err := credentials.ReadToken(file)
+		if err == nil {
+			err = credentials.CheckStrength(tok, file)
+		}
+		return tok, err
+	}
 	if adminFile != "" {
-		admin, err = credentials.ReadToken(adminFile)
+		admin, err = read(adminFile)
 	} else {
 		admin, err = ensure(credentials.AdminTokenFile)
 	}
@@ -40,7 +49,7 @@ func hostTokens(dataDir, adminFile, agentFile string, log *zap.Logger) (admin, a
 	}
 	switch {
 	case agentFile != "":
-		agent, err = credentials.ReadToken(agentFile)
+		agent, err = read(agentFile)
 	case adminFile != "":
 		agent = admin // the contract's default: the admin token
 	default:

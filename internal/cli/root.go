@@ -86,7 +86,7 @@ func newVersionCommand() *cobra.Command {
 		Short: "Print the version, commit and Go version",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			fmt.Fprintf(cmd.OutOrStdout(), "vhi %s (commit %s, %s)\n", version.Version, version.Commit, version.GoVersion())
+			fmt.Fprintf(cmd.OutOrStdout(), "vhi %s (commit %s, %s)\n", version.Version(), version.Commit(), version.GoVersion())
 			return nil
 		},
 	}

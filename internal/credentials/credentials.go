@@ -96,6 +96,20 @@ func EnsureToken(path string) (tok string, created bool, err error) {
 	return tok, true, f.Close()
 }
 
+// MinTokenLen is the shortest token the Host accepts from an operator's
+// file: a guessable token is a credential anyone holds. Its own are 64.
+const MinTokenLen = 32
+
+// CheckStrength refuses a token shorter than MinTokenLen, naming its file
+// and how to make a good one.
+func CheckStrength(tok, path string) error {
+	if len(tok) < MinTokenLen {
+		return fmt.Errorf("token file %s holds %d bytes: the Host needs at least %d (make one with: openssl rand -hex 32 > %s)",
+			path, len(tok), MinTokenLen, path)
+	}
+	return nil
+}
+
 // NewToken is 32 random bytes in hex.
 func NewToken() string {
 	var b [32]byte

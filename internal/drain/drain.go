@@ -186,21 +186,46 @@ func (o *Drainer) startDrain(id string, req hostapi.DrainRequest, cause string) 
 	if cause == hostapi.DrainCauseStop {
 		_ = o.reg.SetStopping(id)
 	}
-	d := &drain{o: o, src: src, to: req.To, retire: cause == hostapi.DrainCauseOperator}
-	d.st = hostapi.DrainStatus{ID: newDrainID(), Instance: id, Cause: cause, State: hostapi.StateRunning, Targets: ids(targets),
+	return o.launch(src, req.To, targets, cause, "draining"), nil
+}
+
+// launch runs a drain of src (marked draining) in the background and
+// returns its id.
+func (o *Drainer) launch(src registry.Instance, to []string, targets []registry.Instance, cause, what string) string {
+	d := &drain{o: o, src: src, to: to, retire: cause == hostapi.DrainCauseOperator}
+	d.st = hostapi.DrainStatus{ID: newDrainID(), Instance: src.ID, Cause: cause, State: hostapi.StateRunning, Targets: ids(targets),
 		Migration: []string{}, CreatedAt: time.Now().UTC()}
-	d.log = o.log.With(zap.String("drain_id", d.st.ID), zap.String("vllm_hi_id", id))
+	d.log = o.log.With(zap.String("drain_id", d.st.ID), zap.String("vllm_hi_id", src.ID))
 	o.mu.Lock()
 	o.drains[d.st.ID] = d
 	o.order = append(o.order, d.st.ID)
 	o.mu.Unlock()
-	d.log.Info("draining", zap.Strings("targets", d.st.Targets))
+	d.log.Info(what, zap.Strings("targets", d.st.Targets))
 	o.wg.Add(1)
 	go func() {
 		defer o.wg.Done()
 		d.run()
 	}()
-	return d.st.ID, nil
+	return d.st.ID
+}
+
+// TakeOver finishes, on a Host that took a shared store over, the drains
+// the Host before it left: every instance the records say is draining (an
+// operator's drain: an agent's stop is not recorded, its agent repeats
+// it) with no drain running here is drained again from where it stands —
+// onto every eligible instance, its requests moved or waited for — and
+// retired once empty, as the operator asked. It returns the drains it
+// started.
+func (o *Drainer) TakeOver() []string {
+	var started []string
+	for _, in := range o.reg.List() {
+		if in.State != registry.StateDraining || in.Stopping || in.Retired || o.drainOf(in.ID) != "" {
+			continue
+		}
+		targets, _ := o.drainTargets(in, nil)
+		started = append(started, o.launch(in, nil, targets, hostapi.DrainCauseOperator, "draining again: the Host that ran its drain is gone"))
+	}
+	return started
 }
 
 // ForStop starts a drain of instance id, or, while the instance is

@@ -19,7 +19,7 @@ import (
 )
 
 // startCoreServer runs the plugin's own core channel server (Python,
-// deploy/vllm-plugin/vllm_hi/core_channel.py) on a loop that steps every
+// deploy/vllm-plugin/vllm_hi_plugin/core_channel.py) on a loop that steps every
 // 5 ms, and returns its socket.
 func startCoreServer(t *testing.T, token string) string {
 	t.Helper()

@@ -18,6 +18,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sort"
 	"sync"
 	"time"
@@ -39,11 +40,15 @@ type Config struct {
 	MaxPerModel int
 	// Timeout bounds one recovery (install on the target and attach).
 	Timeout time.Duration
+	// RelayTokenIDs: the relay asks the engines for each stream's token
+	// ids (return_token_ids, hidden from clients), so that a recovery
+	// takes exactly the client's tokens rather than the last snapshot's.
+	RelayTokenIDs bool
 }
 
 // DefaultConfig is off, with the limits a user turning it on starts from.
 func DefaultConfig() Config {
-	return Config{MaxPerModel: 256, Timeout: 10 * time.Second}
+	return Config{MaxPerModel: 256, Timeout: 10 * time.Second, RelayTokenIDs: true}
 }
 
 // Check says what is wrong with c.
@@ -111,6 +116,10 @@ func New(cfg Config, reg *registry.Registry, agents *agentclient.Pool, streams *
 // Enabled reports whether failover is on.
 func (m *Manager) Enabled() bool { return m.cfg.SnapshotInterval > 0 }
 
+// RelaysTokenIDs reports whether the relay should ask for streams' token
+// ids (failover on, and RelayTokenIDs).
+func (m *Manager) RelaysTokenIDs() bool { return m.Enabled() && m.cfg.RelayTokenIDs }
+
 // Run snapshots every interval until ctx ends (nothing when off).
 func (m *Manager) Run(ctx context.Context) {
 	if !m.Enabled() {
@@ -125,6 +134,7 @@ func (m *Manager) Run(ctx context.Context) {
 			return
 		case <-t.C:
 			m.snapshot(ctx)
+			m.abandonUnhealthy()
 		}
 	}
 }
@@ -172,6 +182,23 @@ func (m *Manager) snapshot(ctx context.Context) {
 	m.mu.Unlock()
 }
 
+// abandonUnhealthy fails over the silent streams of every instance the
+// registry holds unhealthy — its agent missed its heartbeats, or reports
+// its engine dead or hung — without waiting for their connections to
+// break (a hung engine's may never) or for the relay's idle timeout. A
+// stream still getting tokens is left alone: the engine serves it.
+func (m *Manager) abandonUnhealthy() {
+	for _, in := range m.reg.List() {
+		if in.Lifecycle() != registry.LifecycleUnhealthy || !in.Engine.Migratable {
+			continue
+		}
+		if n := m.streams.Abandon(in.ID, m.cfg.SnapshotInterval); n > 0 {
+			m.log.Warn("failing over the silent streams of an unhealthy instance", zap.String("vllm_hi_id", in.ID),
+				zap.Bool("agent_reachable", in.Reachable), zap.Int("streams", n))
+		}
+	}
+}
+
 // Recover installs stream s — whose engine's stream broke after the
 // client got `sent` token events and `text` code points — on another
 // healthy instance of its model, to go on from the next token, and
@@ -211,6 +238,19 @@ func (m *Manager) recover(ctx context.Context, s *proxy.Stream, sent, text int) 
 	if !ok {
 		return m.replay(s, sent)
 	}
+	if state, ok := withRelayedIDs(st, s); ok {
+		// The relay knows the client's tokens exactly (vLLM's token ids):
+		// the survivor takes those, however old the snapshot, and the
+		// stream opens after them.
+		url, id, outcome, err := m.reinstallState(ctx, s, state)
+		if err == nil {
+			return proxy.Recovery{BaseURL: url, Instance: id, From: len(state.OutputTokenIDs)}, outcome, nil
+		}
+		if outcome == OutcomeLimited {
+			return proxy.Recovery{}, outcome, err
+		}
+		m.log.Info("reinstalling from the relayed token ids failed; trying the snapshot", zap.String("request_id", s.ID), zap.Error(err))
+	}
 	url, id, outcome, err := m.reinstall(ctx, s, st, sent, text)
 	if err != nil && outcome != OutcomeLimited {
 		// No target took the snapshot (an agent restarting, say): a
@@ -243,6 +283,26 @@ func (m *Manager) replay(s *proxy.Stream, sent int) (proxy.Recovery, string, err
 	return proxy.Recovery{}, OutcomeNoTarget, fmt.Errorf("no healthy instance of %s besides %s can take the stream", s.Model, s.Instance)
 }
 
+// withRelayedIDs is the snapshot st (its sampling and engine state: what
+// a request's life does not change) with the tokens the client got as
+// the relay read them from vLLM: ok false when the relay does not know
+// them, or its prompt is not the snapshot's (then the snapshot's own cut
+// decides).
+func withRelayedIDs(st hooks.RequestState, s *proxy.Stream) (hooks.RequestState, bool) {
+	prompt, output, ok := s.TokenIDs()
+	if !ok || !slices.Equal(prompt, []int(st.PromptTokenIDs)) {
+		return st, false
+	}
+	out := st
+	out.OutputTokenIDs = hooks.IntList(output)
+	// The text is the target's to derive from the ids (its detokenizer
+	// replays them); the snapshot's offsets are for its own tokens.
+	out.OutputText, out.TextOffsets = "", nil
+	out.RNGPosition = len(output)
+	out.NumComputedTokens = 0
+	return out, true
+}
+
 // reinstall installs the snapshot, cut to the client's place, on another
 // instance.
 func (m *Manager) reinstall(ctx context.Context, s *proxy.Stream, st hooks.RequestState, sent, text int) (url, id, outcome string, err error) {
@@ -250,6 +310,12 @@ func (m *Manager) reinstall(ctx context.Context, s *proxy.Stream, st hooks.Reque
 	if err != nil {
 		return "", "", OutcomeFailed, err
 	}
+	return m.reinstallState(ctx, s, state)
+}
+
+// reinstallState installs state, a request to recompute from the client's
+// place, on another instance.
+func (m *Manager) reinstallState(ctx context.Context, s *proxy.Stream, state hooks.RequestState) (url, id, outcome string, err error) {
 	if !m.enter(s.Model) {
 		return "", "", OutcomeLimited, fmt.Errorf("%d streams of %s are being recovered already", m.cfg.MaxPerModel, s.Model)
 	}

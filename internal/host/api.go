@@ -120,7 +120,7 @@ func (h *Host) status(w http.ResponseWriter, r *http.Request) {
 	sort.Strings(names)
 	st := hostapi.Status{
 		Status: "ok", InstanceCount: len(list), InstancesByState: byState, Models: names,
-		Version: version.Version, UptimeS: time.Since(h.started).Seconds(),
+		Version: version.Version(), UptimeS: time.Since(h.started).Seconds(),
 	}
 	if shared, ok := h.store.(interface {
 		Members(context.Context) ([]store.Member, error)

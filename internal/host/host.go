@@ -260,7 +260,9 @@ func NewContext(ctx context.Context, cfg Config, log *zap.Logger) (*Host, error)
 		return nil, err
 	}
 	h.scaler = scale.New(cfg.Scale, h.reg, scaleMover{h.mig, h.drainer}, h.proxy.Streams().On, cfg.AgentToken, h.m.scales, log.Named("scale"))
-	h.scaler.NotSpare(switchedEngines(cfg.Models))
+	// The switched models' engines as they are now (a reload adds and
+	// lets go of models).
+	h.scaler.NotSpare(func(in registry.Instance) bool { return h.switchedEngine(in.Engine.URL) })
 	if h.store != nil {
 		launched, err := h.store.LaunchedEngines()
 		if err != nil {

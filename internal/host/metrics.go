@@ -90,7 +90,7 @@ func buildInfo() prometheus.Collector {
 	g := prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "vhi_build_info", Help: "The Host's build: 1, labelled with its version, commit and Go version.",
 	}, []string{"version", "commit", "go_version"})
-	g.WithLabelValues(version.Version, version.Commit, version.GoVersion()).Set(1)
+	g.WithLabelValues(version.Version(), version.Commit(), version.GoVersion()).Set(1)
 	return g
 }
 

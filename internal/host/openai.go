@@ -112,6 +112,7 @@ func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 	var head struct {
 		Model  string `json:"model"`
 		Stream bool   `json:"stream"`
+		idFields
 	}
 	if err := json.Unmarshal(body, &head); err != nil {
 		h.count("", http.StatusBadRequest)
@@ -151,8 +152,15 @@ func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 	// from migration, or stealing its splice) or carry '/' and '?' into
 	// the hook URLs. The client's id is logged for correlation.
 	hdr, engineID := h.upstreamHeader(r, rid)
+	// With failover on, the relay asks vLLM for a stream's token ids: a
+	// survivor then gets exactly the client's tokens, however old the last
+	// snapshot.
+	trackIDs := false
+	if head.Stream && h.failover.RelaysTokenIDs() && (inst.Engine.Kind == "vllm" || inst.Engine.Kind == "vhi-sim") && tokenIDsExact(r.URL.Path, head.idFields) {
+		body, trackIDs = proxy.WithReturnTokenIDs(body)
+	}
 	res := h.proxy.Forward(w, r, proxy.Upstream{
-		BaseURL: inst.Engine.URL, Path: r.URL.Path, Body: body, Header: hdr, Model: head.Model, InstanceID: inst.ID,
+		BaseURL: inst.Engine.URL, Path: r.URL.Path, Body: body, Header: hdr, Model: head.Model, InstanceID: inst.ID, TokenIDs: trackIDs,
 		RequestID: engineID, Sent: release, Hold: h.scaler.Hold, OnFirstToken: h.observeTTFT(head.Model, arrived),
 		Reroute: func(tried []string) (string, string, bool) {
 			i, _, ok := h.route(head.Model, tried)
@@ -252,4 +260,43 @@ func (h *Host) route(model string, avoid []string) (registry.Instance, bool, boo
 	}
 	inst, ok = h.reg.RouteAvoiding(model, avoid)
 	return inst, known, ok
+}
+
+// idFields are the request fields that say whether its token ids are its
+// client's output (tokenIDsExact), kept raw: the body's own validation is
+// the engine's.
+type idFields struct {
+	N           json.RawMessage `json:"n"`
+	BestOf      json.RawMessage `json:"best_of"`
+	Echo        json.RawMessage `json:"echo"`
+	Logprobs    json.RawMessage `json:"logprobs"`
+	TopLogprobs json.RawMessage `json:"top_logprobs"`
+}
+
+// tokenIDsExact reports whether vLLM's token ids of a streamed request
+// on path are exactly its client's output tokens, and the chunks with
+// them the client's chunks once the relay nulls them: one choice of new
+// tokens (with n or best_of above 1 the chunks interleave choices; with
+// echo the first chunk's ids are the prompt's), and for chat no logprobs
+// (asked for ids, vLLM sends a chat chunk with an empty delta for a token
+// a reasoning or tool parser holds back, which the relay drops; with
+// logprobs it sends that chunk either way).
+func tokenIDsExact(path string, f idFields) bool {
+	// absent reports whether a field is left out (or null); atMostOne
+	// whether a count is left out or at most 1.
+	absent := func(v json.RawMessage) bool { return len(v) == 0 || string(v) == "null" }
+	atMostOne := func(v json.RawMessage) bool {
+		var n int
+		return absent(v) || (json.Unmarshal(v, &n) == nil && n <= 1)
+	}
+	if !atMostOne(f.N) || !atMostOne(f.BestOf) {
+		return false
+	}
+	switch path {
+	case "/v1/completions":
+		return absent(f.Echo) || string(f.Echo) == "false"
+	case "/v1/chat/completions":
+		return (absent(f.Logprobs) || string(f.Logprobs) == "false") && absent(f.TopLogprobs)
+	}
+	return false
 }

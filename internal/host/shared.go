@@ -116,7 +116,7 @@ func (h *Host) answerCensus(id string, v []byte) {
 	ans := store.CensusAnswer{Host: h.shared.Me().ID, Streams: map[string]store.RelayedStream{}}
 	for _, rid := range c.RequestIDs {
 		if s := h.proxy.Streams().Get(rid); s != nil {
-			ans.Streams[rid] = store.RelayedStream{Model: s.Model, Tag: s.Tag, Started: s.Started}
+			ans.Streams[rid] = store.RelayedStream{Model: s.Model, Tag: s.Tag, Started: s.Started, Instance: s.Upstream()}
 		}
 	}
 	if err := h.shared.Answer(store.BoardCensus, id, ans); err != nil {
@@ -327,7 +327,8 @@ func (h *Host) leadership(ctx context.Context, wg *sync.WaitGroup) <-chan struct
 }
 
 // takeOver makes this Host the one that decides: the records as the last
-// leader left them, then the migrations it left.
+// leader left them, the migrations it left, then its drains and the
+// switched models' states.
 func (h *Host) takeOver() {
 	if recs, err := h.shared.Instances(); err != nil {
 		h.log.Warn("reading the instances' records at the takeover failed", zap.Error(err))
@@ -342,6 +343,14 @@ func (h *Host) takeOver() {
 	}
 	h.tookOver.Store(true)
 	h.m.leader.Set(1)
+	// The Host before this one decided until now: the drains it left go on
+	// from here, and the switched models' states are learned again.
+	if ids := h.drainer.TakeOver(); len(ids) > 0 {
+		h.log.Info("draining again the instances the last leader was draining", zap.Strings("drain_ids", ids))
+	}
+	if h.switcher != nil {
+		h.switcher.Resync()
+	}
 	h.log.Info("this Host leads the shared store: it decides from here")
 }
 

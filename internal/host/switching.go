@@ -43,17 +43,6 @@ func (h *Host) newSwitcher(cfg Config) (*switching.Switcher, error) {
 	return s, nil
 }
 
-// switchedEngines says whether an instance's engine is one the model
-// switcher puts to sleep and wakes (its URL a model's backend_url, as
-// written but for a trailing slash): never a replica spare.
-func switchedEngines(models map[string]switching.Model) func(registry.Instance) bool {
-	urls := map[string]bool{}
-	for _, m := range models {
-		urls[strings.TrimRight(m.BackendURL, "/")] = true
-	}
-	return func(in registry.Instance) bool { return urls[strings.TrimRight(in.Engine.URL, "/")] }
-}
-
 // switched serves an OpenAI request for a switched model: a lease on the
 // model (queued while a switch wakes it), then the request relayed to its
 // backend with the served model name.

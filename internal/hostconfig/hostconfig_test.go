@@ -31,6 +31,15 @@ targets:
 			t.Errorf("%q: %v, want an error with %q", bad.yaml, err, bad.want)
 		}
 	}
+	// A duration in seconds may be spelled as the flags spell it.
+	f, err = Parse([]byte("targets:\n  m:\n    launch_command: [x]\n    ready_timeout_s: 10m\n"), "host.yaml")
+	if err != nil || f.Targets["m"].ReadyTimeout().Minutes() != 10 {
+		t.Fatalf("ready_timeout_s: 10m: %v %+v", err, f.Targets["m"])
+	}
+	if _, err := Parse([]byte("targets:\n  m:\n    launch_command: [x]\n    ready_timeout_s: soon\n"), "host.yaml"); err == nil ||
+		!strings.Contains(err.Error(), "line 4") {
+		t.Fatalf("ready_timeout_s: soon: %v, want an error naming line 4", err)
+	}
 	if f, err := Parse(nil, "empty"); err != nil || len(f.Targets) != 0 || len(f.Models) != 0 {
 		t.Fatalf("an empty file: %v %+v", err, f)
 	}

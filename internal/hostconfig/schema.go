@@ -4,6 +4,8 @@ import (
 	"encoding/json"
 
 	"github.com/invopop/jsonschema"
+
+	"github.com/vllm-hi/vllm-hi/internal/durations"
 )
 
 // Schema is the configuration file's JSON Schema, generated from File's
@@ -43,7 +45,7 @@ func (st Setting) schema() *jsonschema.Schema {
 	case "float64", "float32":
 		s.Type = "number"
 	case "duration":
-		s.Type, s.Pattern = "string", `^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$`
+		s.Type, s.Pattern = "string", durations.DurationPattern
 	case "stringSlice", "stringArray":
 		s.OneOf = []*jsonschema.Schema{{Type: "string"}, {Type: "array", Items: &jsonschema.Schema{Type: "string"}}}
 	default:

@@ -22,6 +22,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/vllm-hi/vllm-hi/internal/durations"
 )
 
 // Spec is how to start an engine with its agent for one served model.
@@ -33,7 +35,7 @@ type Spec struct {
 	// ReadyTimeoutS bounds the wait from start until the new instance
 	// is registered, healthy and migratable (default 900: vLLM compiles
 	// for minutes on a fresh machine).
-	ReadyTimeoutS float64 `yaml:"ready_timeout_s"`
+	ReadyTimeoutS durations.Seconds `yaml:"ready_timeout_s"`
 	// GPUMemoryUtilization fills {gpu_memory_utilization} when a
 	// migration does not ask for a share (default 0.9).
 	GPUMemoryUtilization float64 `yaml:"gpu_memory_utilization"`
@@ -84,7 +86,7 @@ func (s Spec) ReadyTimeout() time.Duration {
 	if s.ReadyTimeoutS == 0 {
 		return 15 * time.Minute
 	}
-	return time.Duration(s.ReadyTimeoutS * float64(time.Second))
+	return s.ReadyTimeoutS.Duration()
 }
 
 func (s Spec) texts() []string {

@@ -23,11 +23,20 @@ func (o *Orchestrator) direct(engineURL string) (*engine.Client, error) {
 // engine (the target): ids' reservations and uncommitted installs, never
 // a running request.
 func (o *Orchestrator) releaseDirectly(ctx context.Context, engineURL string, ids []string) (int, error) {
+	return o.abortDirectly(ctx, engineURL, ids, true)
+}
+
+// abortDirectly ends ids on an engine (reservedOnly: only reservations
+// and uncommitted installs); missing ones are no error.
+func (o *Orchestrator) abortDirectly(ctx context.Context, engineURL string, ids []string, reservedOnly bool) (int, error) {
+	if len(ids) == 0 {
+		return 0, nil
+	}
 	c, err := o.direct(engineURL)
 	if err != nil {
 		return 0, err
 	}
 	defer c.Close()
-	out, err := c.Abort(ctx, hooks.AbortRequest{RequestIDs: ids, Silent: true, IgnoreMissing: true, ReservedOnly: true})
+	out, err := c.Abort(ctx, hooks.AbortRequest{RequestIDs: ids, Silent: true, IgnoreMissing: true, ReservedOnly: reservedOnly})
 	return len(out.Aborted), err
 }

@@ -7,6 +7,8 @@ import (
 	"sync"
 	"time"
 
+	"go.uber.org/zap"
+
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
@@ -311,6 +313,13 @@ func (m *migration) moveChunk(ctx context.Context, ids []string) ([]movedState, 
 		if a, ok := ans.TextFrom[st.RequestID]; ok {
 			st.armed = a
 		}
+		if src := sourceVisibleText(*st); st.visible >= 0 && src >= 0 && src != st.visible {
+			// Both engines derived the moved tokens' text, and they
+			// disagree: the client's text would not read as one stream.
+			m.log.Warn("the target's text for the moved tokens differs from the source's",
+				zap.String("request_id", st.RequestID), zap.Int("source_code_points", src),
+				zap.Int("target_code_points", st.visible), zap.Int("tokens", len(st.OutputTokenIDs)))
+		}
 	}
 	return exp.Requests, nil
 }
@@ -336,6 +345,12 @@ func visibleText(st movedState) int {
 	if st.visible >= 0 {
 		return st.visible
 	}
+	return sourceVisibleText(st)
+}
+
+// sourceVisibleText is visibleText as the source's export said it; -1
+// when it said nothing usable.
+func sourceVisibleText(st movedState) int {
 	if len(st.TextOffsets) != len(st.OutputTokenIDs) {
 		return -1
 	}

@@ -23,6 +23,11 @@ type record struct {
 	// TargetEngine is where that engine's hooks are.
 	TargetReservations []string `json:"target_reservations,omitempty"`
 	TargetEngine       string   `json:"target_engine,omitempty"`
+	// Moving are the requests the migration moves, and SourceEngine where
+	// the source's hooks are: what the Host that takes over a migration
+	// its Host left at or after the commit reconciles (settleAfterCommit).
+	Moving       []string `json:"moving,omitempty"`
+	SourceEngine string   `json:"source_engine,omitempty"`
 }
 
 // record returns a migration's record as the store keeps it.
@@ -40,6 +45,7 @@ func (o *Orchestrator) record(id string) (record, bool) {
 		rec.TargetReservations = slices.Sorted(maps.Keys(m.reserved))
 		m.mu.Unlock()
 		rec.TargetEngine = m.dst.Engine.URL
+		rec.Moving, rec.SourceEngine = m.ids(), m.src.Engine.URL
 	}
 	return rec, true
 }
@@ -188,13 +194,17 @@ func (o *Orchestrator) restore() error {
 				go o.releaseLeftReservations(rec)
 			}
 			at := st.CurrentStep
+			if (st.Committed || at == string(stepCommit)) && len(rec.Moving) > 0 && rec.TargetEngine != "" && rec.SourceEngine != "" {
+				o.wg.Add(1)
+				go o.settleAfterCommit(rec)
+			}
 			switch {
 			case st.Committed:
 				st.State = hostapi.StateFailed
-				st.Error = "the Host stopped after the commit (at step " + at + "): the target runs the moved requests, but their clients' streams ended with that Host"
+				st.Error = "the Host stopped after the commit (at step " + at + "): the target runs the moved requests; the streams relayed by that Host ended with it"
 			case at == string(stepCommit):
 				st.State = hostapi.StateFailed
-				st.Error = "the Host stopped during the commit: the target may run the moved requests as well as the source; their clients' streams ended with that Host"
+				st.Error = "the Host stopped during the commit: the target may run the moved requests as well as the source; the streams relayed by that Host ended with it"
 			default:
 				st.State = hostapi.StateAborted
 				st.Error = "the Host stopped during the migration (at step " + at + "); the engines' leases rolled it back"

@@ -33,13 +33,16 @@ func (m *migration) switchOver(c committed) {
 	m.applyType()
 	m.measureClientGap(spliced, c.pauseCall)
 	m.countPreAttached(spliced)
+	// The target is freed before the end is recorded: a caller that sees
+	// the migration ended may move the same streams on from the target at
+	// once, and must not find it still claimed by this one.
+	m.closeTarget()
 	if len(failed) > 0 {
 		m.finish(hostapi.StateFailed, fmt.Sprintf("the target runs the moved requests, but %d of %d streams could not switch to it (their clients got an error event): %v",
 			len(failed), len(c.states), firstErr))
 	} else {
 		m.finish(hostapi.StateSucceeded, "")
 	}
-	m.closeTarget()
 }
 
 // dropSourceCopies aborts the moved requests on the source (a spliced

@@ -116,6 +116,10 @@ type Upstream struct {
 	// the engine can serve again (an elastic-EP commit ended) and the
 	// request is sent again; false passes the 503 on.
 	Hold func(ctx context.Context, instanceID string, body []byte) bool
+	// TokenIDs says the Host asked the engine for the stream's token ids
+	// (WithReturnTokenIDs): the relay keeps them for a failover and gives
+	// the client its chunks as they would have been without them.
+	TokenIDs bool
 	// OnFirstToken, when set, is called once, when the client is sent its
 	// first token event (a stream) or the answer's head (anything else
 	// that succeeded): the time to first token as the client sees it.
@@ -201,6 +205,9 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 	// starts while the request is still prefilling must find it.
 	s := &Stream{ID: up.RequestID, Instance: up.InstanceID, Model: up.Model, Tag: clientTag(r.Header),
 		Started: time.Now(), cancelA: cancelUp, done: make(chan struct{}), ctx: ctx}
+	if up.TokenIDs {
+		s.ids = &streamIDs{}
+	}
 	if p.recover != nil && len(up.Body) <= maxReplayBody {
 		s.request = &Upstream{Path: up.Path, Body: up.Body, Header: up.Header}
 	}
@@ -313,12 +320,29 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 	// that and the skipTokens token events the client has.
 	sawRole, skipRole, skipTokens := false, false, 0
 	var pending []time.Time // read times of events written but not yet flushed
+	var stripBuf []byte     // an event without the token ids the Host asked for
 	var deadline time.Time  // the client write deadline currently set
 	// An engine that goes silent mid-stream (hung, or paused and never
 	// resumed) is cut after the idle timeout: the read fails and the
 	// client gets an error event instead of waiting for ever.
 	watchdog := newIdleWatchdog(p.idleTimeout, s.cancelUpstream)
 	defer watchdog.stop()
+	// goOn reads from where a failover took the stream: another engine;
+	// a replay's first events, which the client has, are skipped.
+	var recoveredBodies []io.Closer
+	defer func() {
+		for _, b := range recoveredBodies {
+			b.Close()
+		}
+	}()
+	goOn := func(next recovered) {
+		recoveredBodies = append(recoveredBodies, next.body)
+		er = NewEventReader(next.body)
+		onTarget = true
+		if next.replay {
+			skipTokens, skipRole = res.Tokens, sawRole
+		}
+	}
 	for {
 		ev, err := er.Next()
 		if err != nil {
@@ -328,6 +352,15 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 			}
 			if watchdog.fired() {
 				p.m.UpstreamErrors.WithLabelValues(up.Model, "idle").Inc()
+				// A hung engine is as good as a dead one: the stream goes on
+				// from another where it can.
+				if next := p.failover(ctx, s); next.body != nil {
+					goOn(next)
+					watchdog.stop() // fired: a new one watches the new engine
+					watchdog = newIdleWatchdog(p.idleTimeout, s.cancelUpstream)
+					defer watchdog.stop()
+					continue
+				}
 				p.writeStreamError(w, rc, fmt.Sprintf("the engine sent nothing for %v after %d tokens", p.idleTimeout, res.Tokens))
 				res.Truncated = true
 				return res
@@ -344,15 +377,7 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 				continue
 			}
 			if next := p.failover(ctx, s); next.body != nil {
-				// The engine died: the stream goes on from another one;
-				// a replay's first events, which the client has, are
-				// skipped.
-				defer next.body.Close()
-				er = NewEventReader(next.body)
-				onTarget = true
-				if next.replay {
-					skipTokens, skipRole = res.Tokens, sawRole
-				}
+				goOn(next) // the engine died
 				continue
 			}
 			kind := "read"
@@ -379,7 +404,7 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 			sawRole = true
 		}
 		if kind == KindToken {
-			if !s.countToken(textLen, onTarget, read) {
+			if !s.countToken(textLen, read) {
 				// The source went on past what it exported (its pause lease
 				// ran out): the target produces these tokens now, so this
 				// one must not reach the client. Switch instead.
@@ -395,7 +420,18 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 			deadline = read.Add(p.writeTimeout)
 			_ = rc.SetWriteDeadline(deadline)
 		}
-		if _, err := w.Write(ev.Raw); err != nil {
+		raw := ev.Raw
+		if s.ids != nil {
+			s.noteTokenIDs(kind, ev.Data)
+			if kind == KindOther && heldBackChunk(ev.Data) {
+				continue // sent only because the Host asked for ids
+			}
+			if hasTokenIDLists(ev.Data) {
+				raw = withoutTokenIDs(raw, stripBuf)
+				stripBuf = raw[:0]
+			}
+		}
+		if _, err := w.Write(raw); err != nil {
 			res.Status = StatusClientClosed
 			return res
 		}
@@ -418,8 +454,9 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 			pending = pending[:0]
 			if onTarget {
 				s.mu.Lock()
-				// A stream recovered by failover has no splice record.
-				if s.splice != nil && s.splice.at.IsZero() {
+				// A stream recovered by failover has no splice record; a
+				// stream's next migration has one that has not switched.
+				if s.splice != nil && s.splice.moved && s.splice.at.IsZero() {
 					s.splice.at = now
 				}
 				s.mu.Unlock()
@@ -476,6 +513,7 @@ func (p *Proxy) trySwitch(ctx context.Context, s *Stream) (next io.ReadCloser, o
 	}
 	s.cancelA = cancel
 	s.Instance = sp.instance
+	sp.moved, sp.lastSource = true, s.lastSourceToken
 	sp.switched <- nil
 	sp.switched = nil
 	return resp.Body, true
@@ -490,6 +528,10 @@ func (p *Proxy) trySwitch(ctx context.Context, s *Stream) (next io.ReadCloser, o
 type Recovery struct {
 	BaseURL, Instance string
 	Replay            bool
+	// From, when > 0, is the output token index the new stream starts at
+	// (the tokens installed there: the relay's token ids); else the token
+	// events the client got.
+	From int
 }
 
 // RecoverFunc finds where a stream whose engine died — after the client
@@ -533,7 +575,14 @@ func (p *Proxy) failover(ctx context.Context, s *Stream) recovered {
 		body, err = p.replay(actx, s, rec.BaseURL)
 	} else {
 		var resp *http.Response
-		if resp, err = p.openAttach(actx, &spliceTarget{url: rec.BaseURL, instance: rec.Instance, from: sent, text: -1}, s.ID); err == nil {
+		at := &spliceTarget{url: rec.BaseURL, instance: rec.Instance, from: sent, text: -1}
+		if rec.From > 0 {
+			// Installed with the client's own tokens: the stream opens
+			// after them, with whatever of their text the client lacks
+			// (text its engine held back for a stop string).
+			at.from, at.text = rec.From, text
+		}
+		if resp, err = p.openAttach(actx, at, s.ID); err == nil {
 			body = resp.Body
 		}
 	}

@@ -35,8 +35,9 @@ type Stream struct {
 	mu     sync.Mutex
 	tokens int // token events relayed
 	text   int // code points of text relayed
-	// lastSourceToken is when the last token event from the stream's
-	// first engine was read: the start of the gap a splice opens.
+	// lastSourceToken is when the last token event was read from the
+	// engine the stream reads now: the start of the gap a splice opens
+	// (a switch keeps its own copy, spliceTarget.lastSource).
 	lastSourceToken time.Time
 	splice          *spliceTarget
 	cancelA         context.CancelFunc // cancels the current upstream read
@@ -52,6 +53,44 @@ type Stream struct {
 	preUsed bool
 	// held: the relay reads nothing more from the source (see Hold).
 	held *hold
+	// ids are the stream's token ids as its engines reported them (nil:
+	// the Host did not ask for them).
+	ids *streamIDs
+}
+
+// streamIDs are a stream's token ids: the prompt's and the output tokens
+// the client got. broken: an event the client got carried no ids (an
+// engine that does not report them), so output no longer matches it.
+type streamIDs struct {
+	prompt, output []int
+	broken         bool
+}
+
+// noteTokenIDs records the ids an event the client is about to get
+// carries.
+func (s *Stream) noteTokenIDs(kind Kind, data []byte) {
+	if kind != KindToken && kind != KindFinish && kind != KindRole && !heldBackChunk(data) {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	p, o, found := tokenIDsOf(data, s.ids.prompt, s.ids.output)
+	s.ids.prompt, s.ids.output = p, o
+	if !found && kind == KindToken {
+		s.ids.broken = true
+	}
+}
+
+// TokenIDs are the stream's prompt and output token ids so far — the
+// output exactly the tokens its client got — and ok false when the relay
+// does not know them (not asked for, or an engine sent a token without).
+func (s *Stream) TokenIDs() (prompt, output []int, ok bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ids == nil || s.ids.broken || len(s.ids.prompt) == 0 {
+		return nil, nil, false
+	}
+	return append([]int(nil), s.ids.prompt...), append([]int(nil), s.ids.output...), true
 }
 
 // hold keeps a stream's client at a fixed place while a migration's
@@ -98,7 +137,12 @@ type spliceTarget struct {
 	// pre-attach only when armed is where the client is.
 	armed    int
 	switched chan error // receives once: nil when the stream reads from the target
-	at       time.Time  // when the first target event was relayed
+	// moved: the stream reads from the target now (the switch happened).
+	moved bool
+	// lastSource is when the last token from the source was read, as the
+	// switch found it; at when the first target event was relayed.
+	lastSource time.Time
+	at         time.Time
 }
 
 func (t *Streams) add(s *Stream) {
@@ -149,6 +193,34 @@ func (t *Streams) IDsByInstance() map[string][]string {
 		s.mu.Unlock()
 	}
 	return out
+}
+
+// Abandon ends the upstream read of every stream reading from instance
+// that has had no token for quiet (none yet: since it started), unless a
+// migration is moving or holding it: the relay takes such a read for a
+// broken one and fails the stream over. For an engine its agent reports
+// dead or hung, whose connections may stay open for ever. It returns how
+// many it ended.
+func (t *Streams) Abandon(instance string, quiet time.Duration) int {
+	now := time.Now()
+	var silent []*Stream
+	t.mu.Lock()
+	for _, s := range t.m {
+		s.mu.Lock()
+		last := s.lastSourceToken
+		if last.IsZero() {
+			last = s.Started
+		}
+		if s.Instance == instance && s.splice == nil && s.held == nil && now.Sub(last) >= quiet {
+			silent = append(silent, s)
+		}
+		s.mu.Unlock()
+	}
+	t.mu.Unlock()
+	for _, s := range silent {
+		s.cancelUpstream()
+	}
+	return len(silent)
 }
 
 // Len is the number of live streams.
@@ -280,16 +352,22 @@ func (s *Stream) spliceDueLocked() bool {
 }
 
 // countToken counts one token event carrying textLen code points that is
-// about to be relayed (read is when it was read; onTarget: it came from a
-// splice target), in one hold of the stream's lock: the relay calls it for
-// every token. It returns false, counting nothing, when the event would
-// take the stream past what the source exported for a pending splice:
-// the fence that keeps a source whose pause lease ended from duplicating
-// what the target produces.
-func (s *Stream) countToken(textLen int, onTarget bool, read time.Time) bool {
+// about to be relayed (read is when it was read), in one hold of the
+// stream's lock: the relay calls it for every token. It returns false,
+// counting nothing, when the event would take the stream past what the
+// source exported for a pending splice: the fence that keeps a source
+// whose pause lease ended from duplicating what the target produces.
+//
+// Holds and fences apply to whatever engine the relay reads now: a
+// pending splice or hold always belongs to a migration of the current
+// upstream, since a switch ends both before the relay reads the target.
+// A stream moved there and back is held and fenced on its second engine
+// as on its first (it once was not, and its client got the last code
+// points before the second cut twice).
+func (s *Stream) countToken(textLen int, read time.Time) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for !onTarget && s.held != nil {
+	for s.held != nil {
 		released := s.held.released
 		var left <-chan struct{} // the client's request ended
 		if s.ctx != nil {
@@ -305,16 +383,14 @@ func (s *Stream) countToken(textLen int, onTarget bool, read time.Time) bool {
 			return false // the client left: the relay ends
 		}
 	}
-	if !onTarget && (s.beyondSpliceLocked(textLen) || s.cutLocked()) {
+	if s.beyondSpliceLocked(textLen) || s.cutLocked() {
 		// Past the fence, or a cut is pending: the target sends the text
 		// the client lacks from where it is now.
 		return false
 	}
 	s.tokens++
 	s.text += textLen
-	if !onTarget {
-		s.lastSourceToken = read
-	}
+	s.lastSourceToken = read
 	if s.spliceDueLocked() {
 		s.cancelA() // the source's last token: stop waiting on it after this write
 	}
@@ -344,6 +420,13 @@ func (s *Stream) cancelUpstream() {
 	}
 }
 
+// Upstream is the instance the stream reads from now.
+func (s *Stream) Upstream() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.Instance
+}
+
 // Tokens is how many token events the stream relayed so far.
 func (s *Stream) Tokens() int {
 	s.mu.Lock()
@@ -358,10 +441,10 @@ func (s *Stream) Tokens() int {
 func (s *Stream) SwitchGap() (lastSource, firstTarget time.Time) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.splice == nil {
+	if s.splice == nil || !s.splice.moved {
 		return s.lastSourceToken, time.Time{}
 	}
-	return s.lastSourceToken, s.splice.at
+	return s.splice.lastSource, s.splice.at
 }
 
 // SpliceProgress says where a pending splice stands: the tokens and text

@@ -414,3 +414,100 @@ func cutBody(sent, k, total int) string {
 	b.WriteString("data: [DONE]\n\n")
 	return b.String()
 }
+
+// A stream moved once is held and fenced on its new engine as on its
+// first: moved back (or on) a second time, the engine it reads from now is
+// the source. Its client gets every token once, and the second switch's
+// gap starts at the last token from the second engine, not the first.
+func TestASecondMoveHoldsAndFencesTheEngineTheStreamReadsNow(t *testing.T) {
+	const k1, k2, total = 3, 6, 10 // A → B at k1, B → C at k2
+	held := make(chan struct{})
+	a := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for i := 0; i < k1; i++ {
+			_, _ = io.WriteString(w, tokenEvent(i))
+		}
+		w.(http.Flusher).Flush()
+		<-r.Context().Done()
+	}))
+	defer a.Close()
+	b := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for i := k1; i < k2-1; i++ {
+			_, _ = io.WriteString(w, tokenEvent(i))
+			w.(http.Flusher).Flush()
+		}
+		<-held
+		// The last token B exports, and then — its lease ended — more,
+		// in one write: the hold, then the fence, keep them from the client.
+		var rest strings.Builder
+		for i := k2 - 1; i < total; i++ {
+			rest.WriteString(tokenEvent(i))
+		}
+		_, _ = io.WriteString(w, rest.String())
+		w.(http.Flusher).Flush()
+		<-r.Context().Done()
+	}))
+	defer b.Close()
+	var fromC string
+	c := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fromC = r.URL.Query().Get("from")
+		w.Header().Set("Content-Type", "text/event-stream")
+		for i := k2; i < total; i++ {
+			_, _ = io.WriteString(w, tokenEvent(i))
+		}
+		_, _ = io.WriteString(w, "data: [DONE]\n\n")
+	}))
+	defer c.Close()
+
+	p := New(Options{StreamIdleTimeout: 3 * time.Second}, testMetrics(), zap.NewNop())
+	got := streamThrough(t, p, a.URL)
+	s := waitStream(t, p, k1)
+	waitSplice(t, s.Splice(b.URL, "B", k1, -1))
+	s = waitStream(t, p, k2-1)
+	_, firstOnB := s.SwitchGap()
+	if at, ok := s.Hold(); !ok || at != len(" t0 t1 t2 t3 t4") {
+		t.Fatalf("hold on the second engine at %d (%v), want %d", at, ok, len(" t0 t1 t2 t3 t4"))
+	}
+	close(held)
+	time.Sleep(100 * time.Millisecond) // B's later tokens reach the relay
+	if n := s.Tokens(); n != k2-1 {
+		t.Fatalf("a stream held on the engine it moved to relayed %d tokens, want %d", n, k2-1)
+	}
+	waitSplice(t, s.Splice(c.URL, "C", k2, -1))
+	if body, want := <-got, tokensThenDone(total); body != want {
+		t.Fatalf("client saw:\n%s\nwant:\n%s", body, want)
+	}
+	if fromC != fmt.Sprint(k2) {
+		t.Fatalf("attached to C from %q, want %d", fromC, k2)
+	}
+	last, first := s.SwitchGap()
+	if first.IsZero() || last.Before(firstOnB) {
+		t.Fatalf("the second switch's gap runs from %v to %v; the stream read from B since %v", last, first, firstOnB)
+	}
+}
+
+// Abandon ends the reads of an unhealthy instance's silent streams only:
+// not a stream still getting tokens, not one a migration is moving or
+// holding, not another instance's.
+func TestAbandonEndsOnlySilentStreams(t *testing.T) {
+	ss := NewStreams()
+	long := time.Now().Add(-time.Minute)
+	cancelled := map[string]bool{}
+	add := func(id, instance string, last time.Time, moving bool) {
+		s := &Stream{ID: id, Instance: instance, Started: long, lastSourceToken: last, done: make(chan struct{})}
+		s.cancelA = func() { cancelled[id] = true }
+		if moving {
+			s.splice = &spliceTarget{}
+		}
+		ss.add(s)
+	}
+	add("silent", "a", long, false)
+	add("no-token-yet", "a", time.Time{}, false)
+	add("streaming", "a", time.Now(), false)
+	add("moving", "a", long, true)
+	add("elsewhere", "b", long, false)
+	if n := ss.Abandon("a", time.Second); n != 2 || !cancelled["silent"] || !cancelled["no-token-yet"] || len(cancelled) != 2 {
+		t.Fatalf("abandoned %d: %v", n, cancelled)
+	}
+}

@@ -50,9 +50,12 @@ func (w *idleWatchdog) check() {
 	w.onIdle()
 }
 
+// stop ends the watchdog (again: a no-op).
 func (w *idleWatchdog) stop() {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	w.timer.Stop()
-	w.timer = nil
+	if w.timer != nil {
+		w.timer.Stop()
+		w.timer = nil
+	}
 }

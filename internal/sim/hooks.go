@@ -20,7 +20,7 @@ func (e *Engine) Layout(context.Context) (hooks.Layout, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	l := hooks.Layout{
-		Engine: "vhi-sim", EngineVersion: version.Version, HooksVersion: hooks.Version,
+		Engine: "vhi-sim", EngineVersion: version.Version(), HooksVersion: hooks.Version,
 		Model: e.cfg.Model, ServedModels: e.cfg.ServedModelNames,
 		Geometry: e.geo, Parallel: e.par, KVLayout: "HND", KVGeneration: e.kvGen, Regions: []hooks.Region{},
 	}
@@ -278,6 +278,15 @@ func (e *Engine) Install(_ context.Context, req hooks.InstallRequest) (hooks.Ins
 			r.numComputed = 0
 		}
 		r.params = st.Sampling
+		if textToDerive(st) {
+			// Token ids alone (a failover from the tokens the Host's relay
+			// saw): the text is what this engine's tokenizer makes of them,
+			// stop strings held back as when it generated them.
+			r.text, r.textOffsets = "", nil
+			for _, t := range r.output {
+				r.appendText(e.tok.Piece(t))
+			}
+		}
 		r.meta = st.Response
 		r.arrival = fromUnixSeconds(st.ArrivalTime)
 		r.priority = st.Priority
@@ -335,7 +344,7 @@ func (e *Engine) checkState(st hooks.RequestState, reservedBlocks int, recompute
 		return badRequest("num_computed_tokens", "Request %s: %d computed tokens do not fit its %d reserved blocks.", st.RequestID, st.NumComputedTokens, reservedBlocks)
 	case !recompute && (total+bs-1)/bs > reservedBlocks+e.pool.numFree():
 		return insufficient("Request %s needs more blocks than are reserved and free.", st.RequestID)
-	case len(st.TextOffsets) != len(st.OutputTokenIDs):
+	case len(st.TextOffsets) != len(st.OutputTokenIDs) && !textToDerive(st):
 		return badRequest("text_offsets", "Request %s: %d text offsets for %d output tokens.", st.RequestID, len(st.TextOffsets), len(st.OutputTokenIDs))
 	case st.Sampling.MaxTokens < 1 || st.Sampling.MaxTokens > e.cfg.MaxModelLen:
 		return badRequest("sampling_params", "Request %s: max_tokens must be in 1..%d.", st.RequestID, e.cfg.MaxModelLen)
@@ -429,4 +438,10 @@ func (e *Engine) Stats(context.Context) (hooks.Stats, error) {
 func hostname() string {
 	h, _ := os.Hostname()
 	return h
+}
+
+// textToDerive reports whether an installed state brings output token ids
+// without their text, for the engine to derive.
+func textToDerive(st hooks.RequestState) bool {
+	return len(st.TextOffsets) == 0 && st.OutputText == "" && len(st.OutputTokenIDs) > 0
 }

@@ -61,7 +61,7 @@ func (s *Server) hookRoutes(r chi.Router) error {
 				}
 				wait = time.Duration(ms) * time.Millisecond
 			}
-			s.stream(w, r.Context(), chi.URLParam(r, "request_id"), from, wait, q.Get("role") == "1")
+			s.stream(w, r.Context(), chi.URLParam(r, "request_id"), from, wait, q.Get("role") == "1", nil)
 		},
 	}
 	for _, route := range hooks.Routes() {

@@ -26,7 +26,7 @@ import (
 
 // fingerprint is the sim's system_fingerprint, shaped like vLLM's
 // "vllm-<version>-<hash>".
-var fingerprint = "vhi-sim-" + version.Version
+var fingerprint = "vhi-sim-" + version.Version()
 
 // maxBodyBytes bounds request bodies; prompts beyond it are far past any
 // max_model_len the sim accepts.
@@ -62,7 +62,7 @@ func (s *Server) Handler() http.Handler {
 	r.Get("/v1/models", s.models)
 	r.Get("/health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
 	r.Get("/version", func(w http.ResponseWriter, _ *http.Request) {
-		writeJSON(w, http.StatusOK, map[string]string{"version": version.Version})
+		writeJSON(w, http.StatusOK, map[string]string{"version": version.Version()})
 	})
 	r.Handle("/metrics", promhttp.HandlerFor(s.eng.met.reg, promhttp.HandlerOpts{}))
 	r.Get("/is_sleeping", func(w http.ResponseWriter, _ *http.Request) {
@@ -282,13 +282,14 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, kind, idPrefix
 		meta.IncludeUsage = f.StreamOptions.IncludeUsage
 		meta.ContinuousUsage = f.StreamOptions.ContinuousUsageStats
 	}
+	meta.ReturnTokenIDs = f.ReturnTokenIDs
 	nr := NewRequest{ID: meta.ResponseID, Prompt: prompt, Params: params, Meta: meta, Priority: f.Priority, SeedSet: seeded}
 	if err := s.eng.Submit(nr); err != nil {
 		writeError(w, err)
 		return
 	}
 	if f.Stream {
-		s.stream(w, r.Context(), meta.ResponseID, 0, 0, true)
+		s.stream(w, r.Context(), meta.ResponseID, 0, 0, true, prompt)
 		return
 	}
 	s.respond(w, r.Context(), meta.ResponseID, kind, prompt)
@@ -341,7 +342,10 @@ func (s *Server) respond(w http.ResponseWriter, ctx context.Context, id, kind st
 //
 // from −1 is a pre-attach: it waits up to wait for a migration to install
 // the request, then streams from where it was installed.
-func (s *Server) stream(w http.ResponseWriter, ctx context.Context, id string, from int, wait time.Duration, sendRole bool) {
+//
+// prompt, given for a new request's own stream, goes in its first chunk
+// when the request asked for token ids (as vLLM's does).
+func (s *Server) stream(w http.ResponseWriter, ctx context.Context, id string, from int, wait time.Duration, sendRole bool, prompt []int) {
 	// Check the request exists before committing to a 200.
 	var wt *Watcher
 	var err error
@@ -369,11 +373,14 @@ func (s *Server) stream(w http.ResponseWriter, ctx context.Context, id string, f
 	m := o.Meta
 	if sendRole && m.Kind == "chat" {
 		empty := ""
-		var null any
+		var null, promptIDs any
+		if m.ReturnTokenIDs && prompt != nil {
+			promptIDs = prompt
+		}
 		first := openai.ChatChunk{
 			ID: m.ResponseID, Object: "chat.completion.chunk", Created: m.Created, Model: m.Model,
 			Choices:        []openai.ChatStreamChoice{{Delta: openai.Delta{Role: "assistant", Content: &empty}}},
-			PromptTokenIDs: &null, PromptText: &null,
+			PromptTokenIDs: &promptIDs, PromptText: &null,
 		}
 		if m.ContinuousUsage {
 			first.Usage = &openai.Usage{PromptTokens: o.NumPrompt, TotalTokens: o.NumPrompt, CompletionTokensDetails: openai.Null()}
@@ -388,7 +395,11 @@ func (s *Server) stream(w http.ResponseWriter, ctx context.Context, id string, f
 			delta := o.Text[prev:end]
 			prev = end
 			last := o.Finished && idx == o.NumOutput-1
-			enc.event(s.chunk(m, delta, tok, idx, o, last))
+			var promptIDs []int
+			if idx == 0 && m.Kind != "chat" && m.ReturnTokenIDs {
+				promptIDs = prompt
+			}
+			enc.event(s.chunk(m, delta, tok, idx, o, last, promptIDs))
 		}
 		if o.Finished {
 			if o.Silent {
@@ -400,7 +411,7 @@ func (s *Server) stream(w http.ResponseWriter, ctx context.Context, id string, f
 				panic(http.ErrAbortHandler)
 			}
 			if len(o.Tokens) == 0 {
-				enc.event(s.chunk(m, "", -1, o.NumOutput, o, true))
+				enc.event(s.chunk(m, "", -1, o.NumOutput, o, true, nil))
 			}
 			if m.IncludeUsage {
 				enc.usage(m, o)
@@ -429,7 +440,9 @@ func (s *Server) stream(w http.ResponseWriter, ctx context.Context, id string, f
 
 // chunk builds the event of output token idx (tok < 0: a finish with no new
 // token).
-func (s *Server) chunk(m hooks.ResponseMeta, delta string, tok, idx int, o Output, last bool) any {
+// prompt: the prompt's ids, for a completion's first chunk when the
+// request asked for ids.
+func (s *Server) chunk(m hooks.ResponseMeta, delta string, tok, idx int, o Output, last bool, prompt []int) any {
 	var finish, stop any
 	if last {
 		finish, stop = o.Reason, o.StopReason
@@ -448,9 +461,21 @@ func (s *Server) chunk(m hooks.ResponseMeta, delta string, tok, idx int, o Outpu
 	if last && !m.IncludeUsage {
 		fp = fingerprint
 	}
+	// The new token's id, when the request asked (vLLM sends the ids of
+	// what the chunk adds: none for a finish without a token).
+	var ids []int
+	if m.ReturnTokenIDs {
+		ids = []int{}
+		if tok >= 0 {
+			ids = append(ids, tok)
+		}
+	}
 	if m.Kind == "chat" {
-		var null any
-		c := openai.ChatStreamChoice{Delta: openai.Delta{Content: &delta}, FinishReason: finish, TokenIDs: &null}
+		var tokenIDs any
+		if ids != nil {
+			tokenIDs = ids
+		}
+		c := openai.ChatStreamChoice{Delta: openai.Delta{Content: &delta}, FinishReason: finish, TokenIDs: &tokenIDs}
 		if last {
 			c.StopReason = &stop
 		}
@@ -458,7 +483,8 @@ func (s *Server) chunk(m hooks.ResponseMeta, delta string, tok, idx int, o Outpu
 			Choices: []openai.ChatStreamChoice{c}, Usage: usage, SystemFingerprint: fp}
 	}
 	return openai.CompletionChunk{ID: m.ResponseID, Object: "text_completion", Created: m.Created, Model: m.Model,
-		Choices: []openai.CompletionStreamChoice{{Text: delta, FinishReason: finish, StopReason: stop}}, Usage: usage, SystemFingerprint: fp}
+		Choices: []openai.CompletionStreamChoice{{Text: delta, FinishReason: finish, StopReason: stop, PromptTokenIDs: prompt, TokenIDs: ids}},
+		Usage:   usage, SystemFingerprint: fp}
 }
 
 // eventWriter writes SSE events and remembers the first write error.

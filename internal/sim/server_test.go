@@ -79,6 +79,22 @@ func TestHTTPGolden(t *testing.T) {
 	golden(t, "models.json", b)
 }
 
+// Asked for token ids (vLLM's return_token_ids), a stream's chunks carry
+// them as vLLM's do: the prompt's in the first chunk, each new token's in
+// its own (the same chunks otherwise, the fields null).
+func TestStreamsWithTokenIDs(t *testing.T) {
+	_, ts := startServer(t, startEngine(t, testConfig(t)))
+	for _, c := range []struct{ name, path, body string }{
+		{"completion_stream_ids.sse", "/v1/completions", `{"model":"test-model","prompt":"hello world","max_tokens":2,"temperature":0,"stream":true,"ignore_eos":true,"return_token_ids":true}`},
+		{"chat_stream_ids.sse", "/v1/chat/completions", `{"model":"test-model","messages":[{"role":"user","content":"hello"}],"max_tokens":2,"temperature":0,"stream":true,"ignore_eos":true,"return_token_ids":true}`},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			_, b := post(t, ts.URL+c.path, c.body)
+			golden(t, c.name, b)
+		})
+	}
+}
+
 func TestBadInput(t *testing.T) {
 	e := startEngine(t, testConfig(t))
 	_, ts := startServer(t, e)

@@ -123,6 +123,8 @@ type RelayedStream struct {
 	Model   string    `json:"model"`
 	Tag     string    `json:"tag,omitempty"`
 	Started time.Time `json:"started"`
+	// Instance is the engine the stream reads from now.
+	Instance string `json:"instance,omitempty"`
 }
 
 // Post puts a question on the board under this Host's lease (it goes

@@ -13,11 +13,13 @@ package switching
 
 import (
 	"fmt"
+	"maps"
 	"net/url"
 	"slices"
-	"sort"
 	"strings"
 	"time"
+
+	"github.com/vllm-hi/vllm-hi/internal/durations"
 )
 
 // Model is one alias of the configuration's models: mapping.
@@ -52,7 +54,7 @@ type Model struct {
 	// (seconds; llama-swap's ttl): its GPU memory goes back while nothing
 	// asks for it. 0: it stays awake until another model of its group is
 	// asked for.
-	TTLS float64 `yaml:"ttl_s"`
+	TTLS durations.Seconds `yaml:"ttl_s"`
 }
 
 // ttl is how long the model may sit idle awake (0: for ever).
@@ -74,19 +76,19 @@ type Controller struct {
 	StartupAwakeModel string `yaml:"startup_awake_model"`
 	// RequestTimeoutS bounds how long a request waits queued for its
 	// model (default 300); once it runs it is not bounded here.
-	RequestTimeoutS float64 `yaml:"request_timeout_s"`
+	RequestTimeoutS durations.Seconds `yaml:"request_timeout_s"`
 	// SwitchTimeoutS bounds one switch end to end: drain, sleep, wake,
 	// checks (default 120).
-	SwitchTimeoutS float64 `yaml:"switch_timeout_s"`
+	SwitchTimeoutS durations.Seconds `yaml:"switch_timeout_s"`
 	// MinAwakeS: a model woken less than this ago is not put to sleep for
 	// another (the anti-thrash floor).
-	MinAwakeS float64 `yaml:"min_awake_s"`
+	MinAwakeS durations.Seconds `yaml:"min_awake_s"`
 	// ProbePrompt is the greedy probe checked after every wake-up
 	// against the answer recorded the first time the model was seen
 	// awake (default: a fixed sentence).
 	ProbePrompt string `yaml:"probe_prompt"`
 	// MaxPrewarmS bounds POST /admin/prewarm's ttl_s (default 3600).
-	MaxPrewarmS float64 `yaml:"max_prewarm_s"`
+	MaxPrewarmS durations.Seconds `yaml:"max_prewarm_s"`
 	// HostMemoryBudgetGB bounds the host memory level-1 sleepers hold
 	// together (their host_memory_gb); 0: no bound. A switch that would
 	// pass it demotes the group's least recently used level-1 sleepers to
@@ -125,11 +127,11 @@ func (c Controller) policy() string {
 	return c.Policy
 }
 
-func seconds(s float64, def time.Duration) time.Duration {
+func seconds(s durations.Seconds, def time.Duration) time.Duration {
 	if s <= 0 {
 		return def
 	}
-	return time.Duration(s * float64(time.Second))
+	return s.Duration()
 }
 
 // servedName is the engine's name for the model.
@@ -160,7 +162,7 @@ func Check(models map[string]Model, c Controller) error {
 		}
 	}
 	served := map[string]string{}
-	for _, alias := range sortedAliases(models) {
+	for _, alias := range slices.Sorted(maps.Keys(models)) {
 		m := models[alias]
 		where := "models." + alias
 		if m.TTLS < 0 {
@@ -198,21 +200,12 @@ func Check(models map[string]Model, c Controller) error {
 	return nil
 }
 
-func sortedAliases(models map[string]Model) []string {
-	out := make([]string, 0, len(models))
-	for a := range models {
-		out = append(out, a)
-	}
-	sort.Strings(out)
-	return out
-}
-
 // groupsOf partitions the aliases into the groups whose members share a
 // GPU, by the policy: named groups as named; ungrouped models together
 // (always_sleep_previous) or each alone (always_awake_previous).
 func groupsOf(models map[string]Model, policy string) map[string][]string {
 	out := map[string][]string{}
-	for _, alias := range sortedAliases(models) {
+	for _, alias := range slices.Sorted(maps.Keys(models)) {
 		g := models[alias].Group
 		switch {
 		case g != "":

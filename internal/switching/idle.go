@@ -19,7 +19,7 @@ func (s *Switcher) sleepIdle(ctx context.Context, g *group) {
 	var due *model
 	var next time.Time
 	for _, m := range g.members {
-		ttl := m.cfg.ttl()
+		ttl := m.cfg().ttl()
 		if ttl <= 0 || m.state != StateAwake || len(m.leases) > 0 || m.queued > 0 || g.switching != nil {
 			continue
 		}
@@ -28,7 +28,7 @@ func (s *Switcher) sleepIdle(ctx context.Context, g *group) {
 			at = m.awakeSince
 		}
 		at = at.Add(ttl)
-		if h := m.awakeSince.Add(s.cfg.minAwake()); h.After(at) {
+		if h := m.awakeSince.Add(s.ctl().minAwake()); h.After(at) {
 			at = h
 		}
 		if m.pinnedUntil.After(at) {
@@ -58,13 +58,13 @@ func (s *Switcher) sleepIdle(ctx context.Context, g *group) {
 	s.mu.Unlock()
 
 	rep := &SwitchReport{Model: due.alias, From: due.alias, StartedAt: time.Now()}
-	sctx, cancel := context.WithTimeout(ctx, s.cfg.switchTimeout())
+	sctx, cancel := context.WithTimeout(ctx, s.ctl().switchTimeout())
 	err := s.putToSleep(sctx, due, rep)
 	cancel()
 	if err != nil {
 		s.setState(due, StateError, err)
 	}
-	s.log.Info("idle sleep", zap.String("model", due.alias), zap.Duration("ttl", due.cfg.ttl()),
+	s.log.Info("idle sleep", zap.String("model", due.alias), zap.Duration("ttl", due.cfg().ttl()),
 		zap.Duration("took", time.Since(rep.StartedAt)), zap.Error(err))
 	s.mu.Lock()
 	g.switching = nil

@@ -59,3 +59,10 @@ func (c stateCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	c.m.state.Collect(ch)
 }
+
+// forget drops the series of a model a reload let go (its switch counts
+// and durations stay: they happened).
+func (m *Metrics) forget(alias string) {
+	m.queued.DeleteLabelValues(alias)
+	m.state.DeletePartialMatch(prometheus.Labels{"model": alias})
+}

@@ -6,6 +6,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel/trace"
@@ -73,22 +74,29 @@ type Options struct {
 
 // Switcher is the model-switching state of the Host.
 type Switcher struct {
-	cfg   Controller
-	mover Mover
-	met   *Metrics
-	log   *zap.Logger
-	tr    trace.Tracer // nil: no spans
+	// controller is the switching policy (a reload replaces it: read it
+	// with ctl).
+	controller atomic.Pointer[Controller]
+	mover      Mover
+	met        *Metrics
+	log        *zap.Logger
+	tr         trace.Tracer // nil: no spans
+
+	backend func(alias string, m Model) Backend
 
 	mu      sync.Mutex
 	changed chan struct{} // closed and replaced at every change: drains wait on it
 	models  map[string]*model
 	groups  []*group
+	runCtx  context.Context // Run's (nil before): a group a reload adds starts with it
 	wg      sync.WaitGroup
 }
 
 type model struct {
-	alias       string
-	cfg         Model
+	alias string
+	// conf is the model's configuration (a reload replaces it: read it
+	// with cfg).
+	conf        atomic.Pointer[Model]
 	be          Backend
 	g           *group
 	state       string
@@ -114,6 +122,12 @@ type group struct {
 	kick      chan struct{}
 	retry     *time.Timer // re-kicks the group when a hold ends
 	idle      *time.Timer // re-kicks it when an awake model's ttl may have passed
+	// joining and leaving are the members a reload added or let go, for
+	// the group's goroutine to apply between transitions (it alone reads
+	// members outside s.mu).
+	joining, leaving []*model
+	// resync: the group's states are to be learned again (Resync).
+	resync bool
 }
 
 // waiter is a request (or an admin call) queued for a model.
@@ -137,7 +151,7 @@ func New(o Options) (*Switcher, error) {
 	if o.Metrics == nil {
 		o.Metrics = NewMetrics()
 	}
-	s := &Switcher{cfg: o.Controller, mover: o.Mover, met: o.Metrics, log: o.Log, tr: o.Tracer, changed: make(chan struct{}), models: map[string]*model{}}
+	s := &Switcher{backend: o.Backend, mover: o.Mover, met: o.Metrics, log: o.Log, tr: o.Tracer, changed: make(chan struct{}), models: map[string]*model{}}
 	groups := groupsOf(o.Models, o.Controller.policy())
 	names := make([]string, 0, len(groups))
 	for n := range groups {
@@ -147,19 +161,31 @@ func New(o Options) (*Switcher, error) {
 	for _, n := range names {
 		g := &group{name: n, kick: make(chan struct{}, 1)}
 		for _, alias := range groups[n] {
-			m := &model{alias: alias, cfg: o.Models[alias], g: g, state: StateUnknown, leases: map[*Lease]struct{}{}}
-			m.be = o.Backend(alias, m.cfg)
+			m := &model{alias: alias, g: g, state: StateUnknown, leases: map[*Lease]struct{}{}}
+			cfg := o.Models[alias]
+			m.conf.Store(&cfg)
+			m.be = o.Backend(alias, cfg)
 			g.members = append(g.members, m)
 			s.models[alias] = m
 		}
 		s.groups = append(s.groups, g)
 	}
+	c := o.Controller
+	s.controller.Store(&c)
 	s.met.observe(s)
 	return s, nil
 }
 
+// ctl is the controller's configuration now.
+func (s *Switcher) ctl() Controller { return *s.controller.Load() }
+
+// cfg is the model's configuration now.
+func (m *model) cfg() Model { return *m.conf.Load() }
+
 // Has says whether alias is a switched model.
 func (s *Switcher) Has(alias string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	_, ok := s.models[alias]
 	return ok
 }
@@ -167,8 +193,10 @@ func (s *Switcher) Has(alias string) bool {
 // OwnsBackend says whether url is a switched model's backend.
 func (s *Switcher) OwnsBackend(url string) bool {
 	url = strings.TrimRight(url, "/")
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	for _, m := range s.models {
-		if strings.TrimRight(m.cfg.BackendURL, "/") == url {
+		if strings.TrimRight(m.cfg().BackendURL, "/") == url {
 			return true
 		}
 	}
@@ -177,6 +205,8 @@ func (s *Switcher) OwnsBackend(url string) bool {
 
 // Aliases are the switched models' names, sorted.
 func (s *Switcher) Aliases() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	out := make([]string, 0, len(s.models))
 	for a := range s.models {
 		out = append(out, a)
@@ -188,10 +218,18 @@ func (s *Switcher) Aliases() []string {
 // Run serves the groups until ctx ends; queued requests then fail with
 // ErrClosed. It returns at once; Wait waits for the groups to stop.
 func (s *Switcher) Run(ctx context.Context) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.runCtx = ctx
 	for _, g := range s.groups {
-		s.wg.Add(1)
-		go func() { defer s.wg.Done(); s.serve(ctx, g) }()
+		s.startGroup(ctx, g)
 	}
+}
+
+// startGroup starts g's goroutine (s.mu held).
+func (s *Switcher) startGroup(ctx context.Context, g *group) {
+	s.wg.Add(1)
+	go func() { defer s.wg.Done(); s.serve(ctx, g) }()
 }
 
 // Wait returns when every group's goroutine has stopped.
@@ -214,7 +252,7 @@ func (s *Switcher) setStateLocked(m *model, state string, err error) {
 	case state == StateAwake:
 		m.awakeSince, m.asleepAt = time.Now(), 0
 	case state == StateSleeping && m.asleepAt == 0:
-		m.asleepAt = m.cfg.Level() // found asleep: at the level it is configured for
+		m.asleepAt = m.cfg().Level() // found asleep: at the level it is configured for
 	}
 	s.notifyLocked()
 }
@@ -246,10 +284,10 @@ type Lease struct {
 }
 
 // BackendURL is where the request goes.
-func (l *Lease) BackendURL() string { return l.m.cfg.BackendURL }
+func (l *Lease) BackendURL() string { return l.m.cfg().BackendURL }
 
 // ServedModelName is the engine's name of the model.
-func (l *Lease) ServedModelName() string { return l.m.cfg.ServedName(l.m.alias) }
+func (l *Lease) ServedModelName() string { return l.m.cfg().ServedName(l.m.alias) }
 
 // Release gives the reservation back.
 func (l *Lease) Release() {
@@ -259,7 +297,7 @@ func (l *Lease) Release() {
 		delete(l.m.leases, l)
 		l.m.lastUsed = time.Now()
 		l.s.notifyLocked()
-		if l.m.cfg.ttl() > 0 && len(l.m.leases) == 0 {
+		if l.m.cfg().ttl() > 0 && len(l.m.leases) == 0 {
 			l.m.g.kickNow() // its idle time starts: the group times it
 		}
 	})
@@ -286,7 +324,7 @@ func (s *Switcher) Acquire(ctx context.Context, alias string, stream bool) (*Lea
 	case granted:
 		return w.lease, nil
 	}
-	if err := s.await(ctx, w, s.cfg.requestTimeout()); err != nil {
+	if err := s.await(ctx, w, s.ctl().requestTimeout()); err != nil {
 		return nil, err
 	}
 	return w.lease, nil
@@ -295,13 +333,13 @@ func (s *Switcher) Acquire(ctx context.Context, alias string, stream bool) (*Lea
 // enqueue grants a request at once where it can (granted), else queues
 // it: its lease is then w's to read only after w.ready answered.
 func (s *Switcher) enqueue(alias string, stream, admin bool) (w *waiter, granted bool, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	m, ok := s.models[alias]
 	if !ok {
 		return nil, false, fmt.Errorf("%w: %s", ErrUnknownModel, alias)
 	}
 	w = &waiter{m: m, at: time.Now(), stream: stream, admin: admin, ready: make(chan error, 1)}
-	s.mu.Lock()
-	defer s.mu.Unlock()
 	if m.state == StateAwake && m.g.switching == nil {
 		s.grantLocked(w)
 		<-w.ready
@@ -379,8 +417,8 @@ func (s *Switcher) settleLocked(m *model, err error) {
 func (g *group) nextLocked() *model {
 	var best *waiter
 	for _, w := range g.waiters {
-		if best == nil || w.m.cfg.Priority > best.m.cfg.Priority ||
-			(w.m.cfg.Priority == best.m.cfg.Priority && w.at.Before(best.at)) {
+		if best == nil || w.m.cfg().Priority > best.m.cfg().Priority ||
+			(w.m.cfg().Priority == best.m.cfg().Priority && w.at.Before(best.at)) {
 			best = w
 		}
 	}
@@ -398,7 +436,7 @@ func (s *Switcher) holdLocked(g *group, t *model) time.Time {
 		if m == t || m.state != StateAwake {
 			continue
 		}
-		if h := m.awakeSince.Add(s.cfg.minAwake()); h.After(until) {
+		if h := m.awakeSince.Add(s.ctl().minAwake()); h.After(until) {
 			until = h
 		}
 		if m.pinnedUntil.After(until) {
@@ -410,24 +448,32 @@ func (s *Switcher) holdLocked(g *group, t *model) time.Time {
 
 // serve is g's goroutine: start-up, then one transition at a time.
 func (s *Switcher) serve(ctx context.Context, g *group) {
-	s.startup(ctx, g)
+	s.startup(ctx, g, true)
+	stop := func() {
+		s.mu.Lock()
+		for _, m := range g.members {
+			s.settleLocked(m, ErrClosed)
+		}
+		if g.retry != nil {
+			g.retry.Stop()
+		}
+		if g.idle != nil {
+			g.idle.Stop()
+		}
+		s.mu.Unlock()
+	}
 	for {
 		select {
 		case <-ctx.Done():
-			s.mu.Lock()
-			for _, m := range g.members {
-				s.settleLocked(m, ErrClosed)
-			}
-			if g.retry != nil {
-				g.retry.Stop()
-			}
-			if g.idle != nil {
-				g.idle.Stop()
-			}
-			s.mu.Unlock()
+			stop()
 			return
 		case <-g.kick:
 		}
+		if s.membershipChanges(ctx, g) {
+			stop() // a reload let its last member go
+			return
+		}
+		s.resyncIfAsked(ctx, g)
 		for ctx.Err() == nil {
 			s.mu.Lock()
 			t := g.nextLocked()

@@ -535,3 +535,140 @@ func TestANegativeTTLIsRefused(t *testing.T) {
 		t.Fatalf("a negative ttl: %v", err)
 	}
 }
+
+// waitStates waits until the switcher's states read want.
+func (r *rig) waitStates(want string) {
+	r.t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for r.states() != want {
+		if time.Now().After(deadline) {
+			r.t.Fatalf("states %q, want %q", r.states(), want)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// A reload (vhi host's SIGHUP) changes a running switcher: settings take
+// effect at once, a new model joins its group (put to sleep where another
+// of the group is awake) or starts a group of its own, an idle model no
+// longer configured is let go and one in use stays; what needs a restart
+// (the policy, a model's group or backend) is said and left; a file that
+// does not check changes nothing.
+func TestReconfigureWhileServing(t *testing.T) {
+	r := newRig(t, Controller{}, oneGroup("a", "b"), "a")
+	r.waitStates("a=awake b=sleeping")
+	held := r.acquire("a")
+	r.engines["c"] = &fakeEngine{asleep: false, answer: "answer of c", fail: map[string]error{}} // awake beside a
+	r.engines["d"] = &fakeEngine{asleep: true, answer: "answer of d", fail: map[string]error{}}
+	next := oneGroup("a", "b", "c")
+	delete(next, "b")
+	a := next["a"]
+	a.TTLS, a.BackendURL = 0.2, "http://127.0.0.1:9999" // the ttl applies; the backend does not
+	next["a"] = a
+	next["d"] = Model{BackendURL: "http://127.0.0.1:9100", Group: "gpu1"}
+	left, err := r.s.Reconfigure(next, Controller{Policy: PolicyAwakePrevious})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(left) != 2 || !strings.Contains(left[0], "controller.policy") || !strings.Contains(left[1], "models.a: its group and backend_url") {
+		t.Fatalf("not applied: %q", left)
+	}
+	if r.s.Has("b") {
+		t.Fatal("b, idle and no longer configured, is still switched")
+	}
+	if _, err := r.s.Acquire(context.Background(), "b", true); !errors.Is(err, ErrUnknownModel) {
+		t.Fatalf("a request for b after the reload: %v", err)
+	}
+	r.waitStates("a=awake c=sleeping d=sleeping")
+	if n := r.engines["c"].sleeps(); n != 1 {
+		t.Fatalf("c, added awake beside a, was put to sleep %d times", n)
+	}
+	if got := r.s.State()["a"].BackendURL; got != "http://127.0.0.1:9000" {
+		t.Fatalf("a's backend after the reload: %s", got)
+	}
+	// d's group serves: a request wakes d without touching gpu0.
+	ld := r.acquire("d")
+	r.waitStates("a=awake c=sleeping d=awake")
+	// The ttl applies: a sleeps once idle past it.
+	held.Release()
+	r.waitStates("a=sleeping c=sleeping d=awake")
+
+	// d is in use: removed from the file, it stays until a reload finds
+	// it idle; then its group's goroutine ends.
+	delete(next, "d")
+	if left, err := r.s.Reconfigure(next, Controller{}); err != nil || len(left) != 2 || !strings.Contains(left[1], "models.d: removed from the file, but in use (1 requests)") {
+		t.Fatalf("removing d while in use: %q, %v", left, err)
+	}
+	ld.Release()
+	if left, err := r.s.Reconfigure(next, Controller{}); err != nil || len(left) != 1 || r.s.Has("d") {
+		t.Fatalf("removing d once idle: %q, %v (still there: %v)", left, err, r.s.Has("d"))
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		r.s.mu.Lock()
+		groups := len(r.s.groups)
+		r.s.mu.Unlock()
+		if groups == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d groups after d's left, want 1", groups)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+
+	// A file that does not check changes nothing.
+	bad := oneGroup("a", "c")
+	bad["c"] = Model{BackendURL: "nope"}
+	if _, err := r.s.Reconfigure(bad, Controller{MinAwakeS: 30}); err == nil || !strings.Contains(err.Error(), "models.c.backend_url") {
+		t.Fatalf("a bad file: %v", err)
+	}
+	if r.s.ctl().MinAwakeS != 0 || r.s.State()["c"].BackendURL != "http://127.0.0.1:9002" {
+		t.Fatalf("a bad file changed the running configuration: %+v", r.s.ctl())
+	}
+}
+
+// The engines model switching owns (never a replica spare) are found by
+// their backend URL, a trailing slash either side not mattering.
+func TestOwnsBackendByURL(t *testing.T) {
+	s, err := New(Options{Models: map[string]Model{"a": {BackendURL: "http://10.0.0.1:8001/"}, "b": {BackendURL: "http://10.0.0.1:8002"}},
+		Backend: func(string, Model) Backend { return nil }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for url, want := range map[string]bool{
+		"http://10.0.0.1:8001": true, "http://10.0.0.1:8002/": true, "http://10.0.0.1:8003": false, "": false,
+	} {
+		if got := s.OwnsBackend(url); got != want {
+			t.Errorf("%q: owned %v, want %v", url, got, want)
+		}
+	}
+}
+
+// A Host that takes a shared store over learns the switched models' states
+// again (Resync): the Host before it switched the engines meanwhile, and
+// may have left a switch half done with two awake. The group keeps the
+// awake one (the startup model where it is one of them), puts the other to
+// sleep, and wakes nothing.
+func TestResyncLearnsWhatAnotherHostSwitched(t *testing.T) {
+	r := newRig(t, Controller{StartupAwakeModel: "a"}, oneGroup("a", "b", "c"), "a")
+	r.waitStates("a=awake b=sleeping c=sleeping")
+	// Another Host woke b and put a to sleep.
+	r.engines["a"].set(func(f *fakeEngine) { f.asleep = true })
+	r.engines["b"].set(func(f *fakeEngine) { f.asleep = false })
+	r.s.Resync()
+	r.waitStates("a=sleeping b=awake c=sleeping")
+	if n := r.engines["a"].count("wake"); n != 0 {
+		t.Fatalf("resync woke the startup model %d times", n)
+	}
+	// A switch left half done: b and c awake. One goes back to sleep.
+	r.engines["c"].set(func(f *fakeEngine) { f.asleep = false })
+	r.s.Resync()
+	for deadline := time.Now().Add(5 * time.Second); r.engines["c"].sleeps() != 1; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("c, awake beside b, was put to sleep %d times", r.engines["c"].sleeps())
+		}
+	}
+	r.waitStates("a=sleeping b=awake c=sleeping")
+	r.acquire("b").Release() // serves at once
+}

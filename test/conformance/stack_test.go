@@ -41,7 +41,13 @@ func startAgent(t *testing.T, hostAddr, engineURL, typ string) {
 	// The vLLM engines serve their core channel: the agent takes the
 	// engine core's hooks (pause, resume, list, changes, allocate, stats)
 	// through it, as a deployment with --vllm-hi-core-socket does.
-	core := map[string]string{vllmURL: coreSockets["A"], vllmBURL: coreSockets["B"]}[engineURL]
+	startAgentWith(t, hostAddr, engineURL, typ, map[string]string{vllmURL: coreSockets["A"], vllmBURL: coreSockets["B"]}[engineURL])
+}
+
+// startAgentWith starts an agent for the engine whose core channel is on
+// the socket core.
+func startAgentWith(t *testing.T, hostAddr, engineURL, typ, core string) {
+	t.Helper()
 	a, err := agent.New(agent.Config{Type: typ, HostAddr: hostAddr, EngineURL: engineURL, Listen: "127.0.0.1:0",
 		AdvertiseHost: "127.0.0.1", TP: 1, PP: 1, EngineWait: time.Minute, AgentToken: agentToken, EngineCoreSocket: core}, zap.NewNop())
 	if err != nil {

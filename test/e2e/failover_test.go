@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -37,16 +38,25 @@ func TestEngineCrashFailover(t *testing.T) {
 	}
 }
 
-func crashFailover(t *testing.T, interval, outcome string) {
-	d := deployWith(t, deployOptions{bBlocks: 4096, bActive: true, hostArgs: []string{"--failover-snapshot-interval", interval}})
-	reqs := load(32, 400)
-	want := d.reference(reqs)
-	running := d.startLoad(reqs)
+// loadOnTwoActives deploys A and B, both active, with failover snapshots
+// every interval, and starts n streams of 400 tokens through the Host:
+// their unmigrated runs, the load's result, and how many run on A once
+// all run.
+func loadOnTwoActives(t *testing.T, n int, interval string) (d *deployment, want []loadgen.Stream, running <-chan []loadgen.Stream, onA int) {
+	t.Helper()
+	d = deployWith(t, deployOptions{bBlocks: 4096, bActive: true, hostArgs: []string{"--failover-snapshot-interval", interval}})
+	reqs := load(n, 400)
+	want = d.reference(reqs)
+	running = d.startLoad(reqs)
 	waitUntil(t, "the load to run on A and B", func() bool {
 		a, b := d.stats(t, d.aURL), d.stats(t, d.bURL)
 		return a.Running > 0 && b.Running > 0 && a.Running+b.Running == len(reqs)
 	})
-	onA := d.stats(t, d.aURL).Running
+	return d, want, running, d.stats(t, d.aURL).Running
+}
+
+func crashFailover(t *testing.T, interval, outcome string) {
+	d, want, running, onA := loadOnTwoActives(t, 32, interval)
 	time.Sleep(700 * time.Millisecond) // a few snapshots, and tokens since the last
 	killed := time.Now()
 	d.simA.kill()
@@ -78,4 +88,28 @@ func crashFailover(t *testing.T, interval, outcome string) {
 	if strings.Contains(string(b), "vhi_requests_rerouted_total 0") || !strings.Contains(string(b), "vhi_requests_rerouted_total ") {
 		t.Fatalf("no request was rerouted from the dead engine:\n%s", grepLines(string(b), "rerouted"))
 	}
+}
+
+// An engine that hangs mid-stream (SIGSTOP: its connections stay open,
+// nothing comes) is failed over on its agent's word, not after the
+// relay's idle timeout (2 minutes here): the agent reports it unhealthy,
+// the Host fails its silent streams over to B, and every stream equals
+// its unmigrated run.
+func TestAHungEngineFailsOverOnItsAgentsWord(t *testing.T) {
+	d, want, running, onA := loadOnTwoActives(t, 16, "200ms")
+	time.Sleep(500 * time.Millisecond)
+	pid := d.simA.cmd.Process.Pid
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = syscall.Kill(pid, syscall.SIGCONT) }()
+	hung := time.Now()
+	select {
+	case got := <-running:
+		checkExact(t, got, want)
+	case <-time.After(60 * time.Second):
+		t.Fatal("the hung engine's streams did not go on within a minute")
+	}
+	hostMetrics(t, d.hostURL, fmt.Sprintf(`vhi_failovers_total{outcome="recovered"} %d`, onA))
+	t.Logf("%d streams on the hung engine went on from B; the load ended %v after the hang", onA, time.Since(hung).Round(time.Millisecond))
 }

@@ -94,14 +94,30 @@ func TestTwoHostsServeAndOneDecides(t *testing.T) {
 // with the second.
 func twoHosts(t *testing.T) (d *deployment, h2 *proc, h2URL string) {
 	t.Helper()
-	ep := etcdtest.Start(t)
+	return twoHostsOn(t, "--store", "etcd://"+etcdtest.Start(t))
+}
+
+// twoHostsOn is twoHosts on the store these flags name.
+func twoHostsOn(t *testing.T, storeArgs ...string) (d *deployment, h2 *proc, h2URL string) {
+	t.Helper()
+	return twoHostsWith(t, deployOptions{bBlocks: 4096}, storeArgs...)
+}
+
+// twoHostsWith is twoHostsOn with the deployment's options.
+func twoHostsWith(t *testing.T, o deployOptions, storeArgs ...string) (d *deployment, h2 *proc, h2URL string) {
+	t.Helper()
 	second := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-	d = deployWith(t, deployOptions{bBlocks: 4096, hostArgs: []string{"--store", "etcd://" + ep, "--store-lease", "2s"}, moreHosts: []string{second}})
+	o.hostArgs, o.moreHosts = append(storeArgs, "--store-lease", "2s"), []string{second}
+	d = deployWith(t, o)
 	h2, h2URL = d.secondHost(t, second), "http://"+second
 	waitHealthy(t, h2URL+"/health")
 	waitUntil(t, "both agents registered with the second Host", func() bool {
 		a, b := instance(t, h2URL, "A"), instance(t, h2URL, "B")
-		return a.AgentAddress != "" && b.AgentAddress != "" && a.Lifecycle == "active" && b.Lifecycle == "standby"
+		want := "standby"
+		if o.bActive {
+			want = "active"
+		}
+		return a.AgentAddress != "" && b.AgentAddress != "" && a.Lifecycle == "active" && b.Lifecycle == want
 	})
 	waitLeads(t, d.hostURL)
 	return d, h2, h2URL
@@ -253,16 +269,21 @@ func TestALeaderHandsOverOnSIGTERM(t *testing.T) {
 // streams go on, exactly (from A, which resumes at its pause lease); the
 // Host that takes over ends the migration's record in a terminal state;
 // exactly one of A and B is active; and neither engine holds a block
-// once the streams are over.
+// once the streams are over. After the commit, the Host that takes over
+// also aborts the target's copies that no client reads (the target ran
+// every moved request), while the other Host's streams still run on A.
 func TestTheOtherHostsStreamsOutliveTheLeaderInAMigration(t *testing.T) {
-	for _, tc := range []struct{ fault, state string }{
-		{"crash_before_pause", hostapi.StateAborted},
-		{"crash_after_commit", hostapi.StateFailed},
+	for _, tc := range []struct {
+		fault, state string
+		tokens       int
+	}{
+		{"crash_before_pause", hostapi.StateAborted, 400},
+		{"crash_after_commit", hostapi.StateFailed, 900}, // running past the takeover
 	} {
 		t.Run(tc.fault, func(t *testing.T) {
 			d, h2, h2URL := twoHosts(t)
 			defer h2.stop(t)
-			viaSecond := marked(h2URL, 8, 400)
+			viaSecond := marked(h2URL, 8, tc.tokens)
 			wantSecond := d.reference(viaSecond)
 			runSecond := streamVia(h2URL, viaSecond)
 			viaFirst := d.startLoad(load(8, 400))
@@ -273,6 +294,15 @@ func TestTheOtherHostsStreamsOutliveTheLeaderInAMigration(t *testing.T) {
 			_ = d.host.cmd.Wait() // the leader exits inside the migration
 			d.host.kill()
 			d.hostURL = h2URL
+			if tc.fault == "crash_after_commit" {
+				waitLeads(t, h2URL)
+				waitUntil(t, "the target to run none of the moved requests", func() bool { return d.stats(t, d.bURL).Running == 0 })
+				select {
+				case got := <-runSecond:
+					t.Fatalf("the second Host's streams ended (the first: %v) before the target's copies went: nothing was shown", got[0].Err)
+				default: // they still run, on A
+				}
+			}
 			checkExact(t, <-runSecond, wantSecond)
 			<-viaFirst // those streams ended with the leader
 			waitUntil(t, "the second Host to lead", func() bool {
@@ -283,6 +313,9 @@ func TestTheOtherHostsStreamsOutliveTheLeaderInAMigration(t *testing.T) {
 			if len(list) != 1 || list[0].State != tc.state {
 				t.Fatalf("the migration the leader died in, as the next Host has it: %+v", list)
 			}
+			if tc.fault == "crash_after_commit" && !strings.Contains(list[0].Error, "left 8 moved streams on the source and 0 on the target") {
+				t.Fatalf("the record does not say what the next Host settled: %s", list[0].Error)
+			}
 			if a, b := roleOf(t, h2URL, "A"), roleOf(t, h2URL, "B"); a != "active" || b != "standby" {
 				t.Fatalf("roles after the takeover: A %s, B %s", a, b)
 			}
@@ -290,4 +323,128 @@ func TestTheOtherHostsStreamsOutliveTheLeaderInAMigration(t *testing.T) {
 			t.Logf("%s: the record ended %s: %s", tc.fault, list[0].State, list[0].Error)
 		})
 	}
+}
+
+// The recommended layout: two Hosts on a three-member etcd that serves
+// its clients over TLS and requires a client certificate. The member that
+// leads the etcd cluster goes down under both Hosts' streams: they go on,
+// exactly; once the two members left have elected a leader, a migration
+// moves new streams of both Hosts exactly, and the Hosts still agree on
+// which of them leads.
+func TestHostsOnAThreeMemberEtcdOverTLS(t *testing.T) {
+	p := newPKI(t)
+	srvCert, srvKey := p.issue(t, "etcd")
+	cliCert, cliKey := p.issue(t, "host-etcd")
+	members := etcdtest.StartCluster(t, 3, &etcdtest.TLS{CAFile: p.ca, CertFile: srvCert, KeyFile: srvKey})
+	var eps []string
+	for _, m := range members {
+		eps = append(eps, m.Endpoint)
+	}
+	d, h2, h2URL := twoHostsOn(t, "--store", "etcd://"+strings.Join(eps, ","),
+		"--etcd-ca-file", p.ca, "--etcd-cert-file", cliCert, "--etcd-key-file", cliKey)
+	defer h2.stop(t)
+	both := func(tokens int) (run func() ([]loadgen.Stream, []loadgen.Stream), n int) {
+		viaSecond, viaFirst := marked(h2URL, 8, tokens), load(8, tokens)
+		wantSecond, wantFirst := d.reference(viaSecond), d.reference(viaFirst)
+		second, first := streamVia(h2URL, viaSecond), d.startLoad(viaFirst)
+		return func() ([]loadgen.Stream, []loadgen.Stream) {
+			gotFirst, gotSecond := <-first, <-second
+			checkExact(t, gotFirst, wantFirst)
+			checkExact(t, gotSecond, wantSecond)
+			return gotFirst, gotSecond
+		}, 16
+	}
+	before, _ := both(400)
+	time.Sleep(300 * time.Millisecond)
+	down := time.Now()
+	stopped := ""
+	for _, m := range members {
+		if m.IsLeader() {
+			go m.Stop() // a member's shutdown takes seconds
+			stopped = m.Endpoint
+			break
+		}
+	}
+	if stopped == "" {
+		t.Fatal("no etcd member leads")
+	}
+	before()
+	waitUntil(t, "the two members left to elect a leader", func() bool {
+		for _, m := range members {
+			if m.Endpoint != stopped && m.IsLeader() {
+				return true
+			}
+		}
+		return false
+	})
+	elected := time.Since(down)
+	after, n := both(900)
+	time.Sleep(300 * time.Millisecond)
+	st := d.waitMigration(t, hostapi.MigrateRequest{Src: "A", Dst: "B", Type: hostapi.PreserveSource})
+	if st.State != hostapi.StateSucceeded || st.Migrated != n {
+		t.Fatalf("a migration after the etcd leader %s went down: %s (%s), %d of %d moved", stopped, st.State, st.Error, st.Migrated, n)
+	}
+	after()
+	for _, url := range []string{d.hostURL, h2URL} {
+		hs := hostsOf(t, url)
+		if len(hs) != 2 || !hs[0].Leader || hs[0].Address != strings.TrimPrefix(d.hostURL, "http://") {
+			t.Fatalf("the Hosts as %s lists them: %+v", url, hs)
+		}
+	}
+	t.Logf("etcd member %s (the raft leader) went down under 16 streams, all exact; the others elected a leader %v after; a migration of %d streams of both Hosts then: downtime %.1f ms, all exact",
+		stopped, elected.Round(time.Millisecond), n, st.DowntimeS*1000)
+}
+
+// The leader dies inside a drain: the Host that takes over drains the
+// instance again from where it stands (the records say it is draining) and
+// retires it once empty, as the operator asked. B's drain waits for
+// requests sent to B directly (they cannot move), so the leader dies while
+// it runs; the streams the second Host relays from B move to A, exactly.
+func TestTheNextHostFinishesADrainItsLeaderLeft(t *testing.T) {
+	d, h2, h2URL := twoHostsWith(t, deployOptions{bBlocks: 4096, bActive: true}, "--store", "etcd://"+etcdtest.Start(t))
+	defer h2.stop(t)
+	direct := make(chan []loadgen.Stream, 1)
+	go func() {
+		direct <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: d.bURL, Model: "m"}, load(2, 900))
+	}()
+	viaSecond := marked(h2URL, 8, 900)
+	wantSecond := d.reference(viaSecond)
+	runSecond := streamVia(h2URL, viaSecond)
+	time.Sleep(500 * time.Millisecond)
+	if _, err := hostClient(t, d.hostURL, d.tk.admin).Drain(context.Background(), "B", hostapi.DrainRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(300 * time.Millisecond)
+	if in := instance(t, h2URL, "B"); in.Lifecycle != "draining" {
+		t.Fatalf("B is %s 300 ms into its drain, which waits for its direct requests", in.Lifecycle)
+	}
+	d.host.kill()
+	d.hostURL = h2URL
+	waitLeads(t, h2URL)
+	c := hostClient(t, h2URL, d.tk.admin)
+	var resumed hostapi.DrainStatus
+	waitUntil(t, "the next Host to drain B again", func() bool {
+		list, err := c.Drains(context.Background())
+		if err != nil || len(list) == 0 {
+			return false
+		}
+		resumed = list[0]
+		return resumed.Instance == "B"
+	})
+	for i, s := range <-direct {
+		if s.Err != nil || s.Done != 1 {
+			t.Fatalf("direct request %d to B: %v", i, s.Err)
+		}
+	}
+	checkExact(t, <-runSecond, wantSecond)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	st, err := c.WaitDrain(ctx, resumed.ID, 50*time.Millisecond, nil)
+	if err != nil || st.State != hostapi.StateSucceeded {
+		t.Fatalf("the drain the next Host resumed: %+v %v", st, err)
+	}
+	if in := instance(t, h2URL, "B"); in.Lifecycle != "retired" {
+		t.Fatalf("B is %s after the resumed drain", in.Lifecycle)
+	}
+	t.Logf("the resumed drain: %d moved, %d finished there", st.Moved, st.Finished)
 }

@@ -14,6 +14,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vllm-hi/vllm-hi/internal/credentials"
+
 	"github.com/vllm-hi/vllm-hi/test/framework"
 )
 
@@ -73,8 +75,10 @@ func newTokens(t *testing.T) tokens {
 		}
 		return '_'
 	}, t.Name())
-	tk := tokens{dir: dir, adminFile: filepath.Join(dir, "admin-token"), admin: "admin-" + name,
-		agentFile: filepath.Join(dir, "agent-token"), agent: "agent-" + name}
+	// The test's name (which says whose token it is in a failure) and
+	// random hex: the Host refuses tokens shorter than 32 bytes.
+	tk := tokens{dir: dir, adminFile: filepath.Join(dir, "admin-token"), admin: "admin-" + name + "-" + credentials.NewToken(),
+		agentFile: filepath.Join(dir, "agent-token"), agent: "agent-" + name + "-" + credentials.NewToken()}
 	for _, f := range [][2]string{{tk.adminFile, tk.admin}, {tk.agentFile, tk.agent}} {
 		if err := os.WriteFile(f[0], []byte(f[1]+"\n"), 0o600); err != nil {
 			t.Fatal(err)

@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -254,4 +255,85 @@ func successes(t *testing.T, engine string) string {
 		}
 	}
 	return strings.Join(sum, "; ")
+}
+
+// SIGHUP reloads the switched models of a running Host: a model added to
+// the file joins its GPU group (the Host finds it awake beside the group's
+// awake model and puts it to sleep) and serves once asked for; a model
+// left out of the file, idle, is let go (a request for it is refused as
+// an unknown model); what needs a restart (a
+// model's backend) is said and left as it was.
+func TestSIGHUPReloadsTheSwitchedModels(t *testing.T) {
+	tk := newTokens(t)
+	shm := t.TempDir()
+	ports := map[string]int{"chat": freePort(t), "coder": freePort(t)}
+	url := func(name string) string { return fmt.Sprintf("http://127.0.0.1:%d", ports[name]) }
+	for name := range ports {
+		startVHI(t, "sim", "--port", fmt.Sprint(ports[name]), "--served-model-name", "served-"+name, "--shm-dir", shm,
+			"--num-gpu-blocks", "512", "--max-model-len", "512", "--step-fixed", "2ms", "--log-level", "warn",
+			"--engine-token-file", tk.agentFile, "--enable-sleep-mode", "--sleep-time", "20ms", "--wake-up-time", "50ms")
+		waitHealthy(t, url(name)+"/health")
+	}
+	model := func(name, extra string) string {
+		return fmt.Sprintf("  %s:\n    served_model_name: served-%s\n    backend_url: %s\n    group: gpu0\n%s", name, name, url(name), extra)
+	}
+	conf := filepath.Join(t.TempDir(), "host.yaml")
+	write := func(body string) {
+		t.Helper()
+		if err := os.WriteFile(conf, []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("models:\n" + model("chat", "") + "controller:\n  startup_awake_model: chat\n")
+	hostAddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	hostURL := "http://" + hostAddr
+	h := startVHI(t, append([]string{"host", "--listen", hostAddr, "--config", conf, "--log-level", "info", "--data-dir", t.TempDir()},
+		tk.hostArgs()...)...)
+	waitHealthy(t, hostURL+"/health")
+	c := hostClient(t, hostURL, tk.admin)
+	state := func() map[string]string {
+		st, err := c.AdminState(context.Background())
+		if err != nil {
+			return nil
+		}
+		out := map[string]string{}
+		for alias, m := range st.Models {
+			out[alias] = m.State
+		}
+		return out
+	}
+	waitUntil(t, "chat awake", func() bool { return state()["chat"] == "awake" })
+	allComplete(t, "chat", <-switchLoad(hostURL, "chat", 2, 10), 10)
+
+	// coder joins gpu0; its sim is awake, as chat is: the Host puts it to sleep.
+	write("models:\n" + model("chat", "") + model("coder", "") + "controller:\n  startup_awake_model: chat\n")
+	if err := h.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, "coder joined and asleep beside chat", func() bool {
+		st := state()
+		return st["coder"] == "sleeping" && st["chat"] == "awake"
+	})
+	allComplete(t, "coder", <-switchLoad(hostURL, "coder", 3, 10), 10)
+	waitUntil(t, "coder awake, chat asleep", func() bool {
+		st := state()
+		return st["coder"] == "awake" && st["chat"] == "sleeping"
+	})
+
+	// chat leaves the file, and coder's backend changes (a restart's
+	// matter): chat is let go, coder keeps its backend.
+	write("models:\n" + strings.Replace(model("coder", ""), url("coder"), "http://127.0.0.1:1", 1))
+	_ = h.cmd.Process.Signal(syscall.SIGHUP)
+	waitUntil(t, "chat let go", func() bool {
+		st := state()
+		_, has := st["chat"]
+		return st != nil && !has && st["coder"] == "awake"
+	})
+	allComplete(t, "coder after the second reload", <-switchLoad(hostURL, "coder", 1, 10), 10)
+	if got := <-switchLoad(hostURL, "chat", 1, 10); got[0].Err == nil {
+		t.Fatal("a request for chat, let go by the reload, succeeded")
+	}
+	if !strings.Contains(h.stderr.String(), "models.coder: its group and backend_url are read at start only") {
+		t.Fatalf("the Host did not say what it left:\n%s", h.stderr.String())
+	}
 }

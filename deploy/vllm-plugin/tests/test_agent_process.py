@@ -6,7 +6,7 @@ import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from vllm_hi.agent_process import agent_env  # noqa: E402
+from vllm_hi_plugin.agent_process import agent_env  # noqa: E402
 
 
 class AgentEnvTest(unittest.TestCase):

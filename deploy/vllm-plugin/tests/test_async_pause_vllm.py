@@ -56,7 +56,7 @@ class AsyncPauseTest(unittest.TestCase):
         cls.model = model
 
     def setUp(self):
-        from vllm_hi import config, engine_core
+        from vllm_hi_plugin import config, engine_core
 
         self.saved = list(config._enabled_cache)
         config._enabled_cache[:] = [True]
@@ -78,7 +78,7 @@ class AsyncPauseTest(unittest.TestCase):
         self.reqs = {}
 
     def tearDown(self):
-        from vllm_hi import config
+        from vllm_hi_plugin import config
 
         config._enabled_cache[:] = self.saved
 
@@ -123,7 +123,7 @@ class AsyncPauseTest(unittest.TestCase):
                 self.assertTrue(self.st.log.in_step)
 
     def test_a_paused_request_has_no_token_in_flight_and_none_is_lost(self):
-        from vllm_hi import engine_core
+        from vllm_hi_plugin import engine_core
 
         for rid, n in (("a", 20), ("b", 33), ("c", 7)):
             self.add(rid, n)
@@ -132,7 +132,7 @@ class AsyncPauseTest(unittest.TestCase):
         self.assertTrue(self.sched.requests["b"].num_output_placeholders > 0 or self.sched.requests["b"].num_in_flight_tokens > 0,
                         "b should have a token in flight at a boundary with async scheduling")
 
-        from vllm_hi.core_channel import Deferred
+        from vllm_hi_plugin.core_channel import Deferred
 
         answer = {}
         b = self.sched.requests["b"]
@@ -194,7 +194,7 @@ class AsyncPauseTest(unittest.TestCase):
 
         from vllm.v1.engine.core import EngineCore
 
-        from vllm_hi import engine_core
+        from vllm_hi_plugin import engine_core
 
         engine_core.patch_engine_core()
         for rid, n in (("a", 20), ("b", 33)):

@@ -11,8 +11,8 @@ import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from vllm_hi.core_channel import VERSION, Boundary, ChannelServer, Snapshot, read_frame, write_frame  # noqa: E402
-from vllm_hi.wire import HookError  # noqa: E402
+from vllm_hi_plugin.core_channel import VERSION, Boundary, ChannelServer, Snapshot, read_frame, write_frame  # noqa: E402
+from vllm_hi_plugin.wire import HookError  # noqa: E402
 
 
 class FakeLoop:
@@ -160,8 +160,8 @@ class ServerTest(unittest.TestCase):
         c = Client(self.path)
         return c, c.send({"op": "hello", "token": token, "version": version})
 
-    def test_the_socket_is_the_owners_alone(self):
-        self.assertEqual(os.stat(self.path).st_mode & 0o777, 0o600)
+    def test_the_socket_is_its_owners_and_their_groups_alone(self):
+        self.assertEqual(os.stat(self.path).st_mode & 0o777, 0o660)
 
     def test_hello_checks_the_token_and_the_version(self):
         for token, version, status in (("wrong", VERSION, 401), ("", VERSION, 401), ("sekret", 99, 400)):

@@ -71,7 +71,7 @@ class ReplayTest(unittest.TestCase):
         return IncrementalDetokenizer.from_new_request(self.tok, req)
 
     def test_tail_replay_decodes_the_next_tokens_as_the_source(self):
-        from vllm_hi import hooks
+        from vllm_hi_plugin import hooks
 
         rng = random.Random(5)
         # Tokens that are whole characters, and bytes that split them.
@@ -109,7 +109,7 @@ class ReplayTest(unittest.TestCase):
         source's stream sent after each output token: what vLLM's own
         update() and get_next_output_text() (delta, the streaming kind)
         produce, stop strings held back included."""
-        from vllm_hi import hooks
+        from vllm_hi_plugin import hooks
 
         rng = random.Random(11)
         for trial in range(120):
@@ -145,12 +145,26 @@ class ReplayTest(unittest.TestCase):
 
         import msgspec
 
-        from vllm_hi import hooks
-        from vllm_hi.wire import encode_ints
+        from vllm_hi_plugin import hooks
+        from vllm_hi_plugin.wire import encode_ints
+
+        import json
+        from types import SimpleNamespace
+
+        from vllm_hi_plugin.wire import decode_ints
+
+        hashed = []  # what the engine core was asked to hash (prefix caching on)
+
+        class _Core:
+            async def call_utility_async(self, name, op, payload):
+                hashed.extend((r["request_id"], decode_ints(r["token_ids"])) for r in json.loads(payload)["requests"])
+                return json.dumps({"ok": {"staged": []}})
 
         class _EC:
             class output_processor:  # noqa: N801 - stands in for vLLM's attribute
                 pass
+            vllm_config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True))
+            engine_core = _Core()
 
         _EC.output_processor.tokenizer = self.tok
         h = hooks.Hooks(_EC(), state=None, args=None)
@@ -174,6 +188,8 @@ class ReplayTest(unittest.TestCase):
             self.assertEqual(await h.stage({"requests": [other]}), {"staged": []})
 
         asyncio.run(run())
+        # The engine core hashed the blocks of each stage's tokens.
+        self.assertEqual(hashed, [("cmpl-7", prompt + output[:40]), ("cmpl-7", prompt + output[:75])])
         staged = h.staged["cmpl-7"]
         self.assertEqual(staged.output, output[:75])
         self.assertEqual(staged.meta["model"], "m")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_hi import hooks  # noqa: E402
+from vllm_hi_plugin import hooks  # noqa: E402
 
 
 class PhasesTest(unittest.TestCase):

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from vllm_hi.kvdesc import CudaError, cuda_ipc_memory, layer_slices, layer_stride, view_strides  # noqa: E402
+from vllm_hi_plugin.kvdesc import CudaError, cuda_ipc_memory, layer_slices, layer_stride, view_strides  # noqa: E402
 
 
 def layer_index(name):

@@ -13,7 +13,7 @@ import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from vllm_hi.kvdesc import cuda_ipc_memory  # noqa: E402
+from vllm_hi_plugin.kvdesc import cuda_ipc_memory  # noqa: E402
 
 try:
     import torch

@@ -10,8 +10,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_hi import hooks  # noqa: E402
-from vllm_hi.wire import HookError  # noqa: E402
+from vllm_hi_plugin import hooks  # noqa: E402
+from vllm_hi_plugin.wire import HookError  # noqa: E402
 
 
 def _hooks():
@@ -87,7 +87,8 @@ class CutTest(unittest.TestCase):
     def test_a_cut_opens_with_the_text_the_client_lacks_and_ends_the_older_reader(self):
         async def run():
             h = _hooks()
-            h.chunk = lambda inst, hid, text, finish, stop, n: f"[{text}]"
+            ids = []
+            h.chunk = lambda inst, hid, text, finish, stop, n, token_ids=None: ids.append(token_ids) or f"[{text}]"
             inst = hooks.Installed([5, 6, 7], "abcdef", [2, 4, 6], _Queue(), prompt_len=3,
                                    meta={"include_usage": False})
             h.installed["cmpl-9"] = inst
@@ -98,10 +99,11 @@ class CutTest(unittest.TestCase):
             with self.assertRaises(HookError) as e:
                 await h.attach("cmpl-9", 3, text_from=7)
             self.assertEqual(e.exception.param, "text_from")
-            second = await h.attach("cmpl-9", 3, text_from=2)  # the client has "ab"
+            second = await h.attach("cmpl-9", 1, text_from=2)  # the client has "ab", token 5's event
             await asyncio.sleep(0.01)
             self.assertTrue(reading.cancelled() or reading.done(), "the older reader still waits for outputs")
             self.assertEqual(await second.__anext__(), "[cdef]")
+            self.assertEqual(ids[-1], [6, 7], "the lead chunk's tokens are those after the client's")
             await inst.queue.items.put(_Out("g"))
             await inst.queue.items.put(_Out(""))  # a token with no text yet is an event too
             await inst.queue.items.put(_Out("h", finished=True))
@@ -113,7 +115,8 @@ class CutTest(unittest.TestCase):
     def test_a_pre_attach_held_by_the_host_opens_where_the_install_said(self):
         async def run():
             h = _hooks()
-            h.chunk = lambda inst, hid, text, finish, stop, n: f"[{text}]"
+            ids = []
+            h.chunk = lambda inst, hid, text, finish, stop, n, token_ids=None: ids.append(token_ids) or f"[{text}]"
             pending = asyncio.ensure_future(h.attach("cmpl-8", -1, 5000))
             await asyncio.sleep(0.01)
             inst = hooks.Installed([5, 6, 7], "abcdef", [2, 4, 6], _Queue(), prompt_len=3,
@@ -123,6 +126,7 @@ class CutTest(unittest.TestCase):
             h._wake_pre_attached(["cmpl-8"])
             gen = await asyncio.wait_for(pending, 1)
             self.assertEqual(await gen.__anext__(), "[def]")
+            self.assertIsNone(ids[-1], "a pre-attach's lead chunk names tokens it cannot know the client lacks")
             await inst.queue.items.put(_Out("g", finished=True))
             self.assertEqual([c async for c in gen], ["[g]", "data: [DONE]\n\n"])
 

@@ -7,7 +7,7 @@ import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from vllm_hi import routes  # noqa: E402
+from vllm_hi_plugin import routes  # noqa: E402
 
 
 class RoutesTest(unittest.TestCase):

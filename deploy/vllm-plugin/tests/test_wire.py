@@ -6,8 +6,8 @@ import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from vllm_hi import config  # noqa: E402
-from vllm_hi.wire import Leases, WriteLog, decode_ints, encode_ints  # noqa: E402
+from vllm_hi_plugin import config  # noqa: E402
+from vllm_hi_plugin.wire import Leases, WriteLog, decode_ints, encode_ints  # noqa: E402
 
 
 class IntListTest(unittest.TestCase):
@@ -38,6 +38,22 @@ class WriteLogTest(unittest.TestCase):
         self.assertEqual(ch["cursor"], 2)
         all_ = log.changes(0, lambda b: False)["written"]
         self.assertEqual([(w["block"], w["first_slot"], w["num_slots"]) for w in all_], [(7, 0, 4), (9, 0, 3)])
+
+    def test_whole_blocks_stamped_at_once_change_one_at_a_time(self):
+        # An install's commit stamps whole blocks in one go (they share one
+        # tuple of generations); a later write to one of them changes that
+        # block alone, and a write beyond the block table is not stamped.
+        log = WriteLog(block_size=4)
+        g1 = log.mutation()
+        log.stamp_tokens("r", [3, 5, 8, 2, 6], 2, 15, g1)  # block 3 slots 2-3, 5/8/2 whole, 6 slot 0
+        g2 = log.begin_step()
+        log.stamp_tokens("r", [3, 5, 8, 2, 6], 9, 1, g2)  # block 8 slot 1
+        log.stamp_tokens("q", [4], 3, 9, g2)  # past its one block: slot 3 only
+        log.end_step()
+        got = {w["block"]: (w["first_slot"], w["num_slots"], w["request_id"]) for w in log.changes(0, lambda b: False)["written"]}
+        self.assertEqual(got, {3: (2, 2, "r"), 5: (0, 4, "r"), 8: (0, 4, "r"), 2: (0, 4, "r"), 6: (0, 1, "r"), 4: (3, 1, "q")})
+        since = log.changes(g1, lambda b: False)["written"]
+        self.assertEqual([(w["block"], w["first_slot"], w["num_slots"]) for w in since], [(4, 3, 1), (8, 1, 1)])
 
     def test_frees_between_steps_advance_the_cursor(self):
         log = WriteLog(block_size=4)

@@ -25,7 +25,7 @@ else:
 @unittest.skipIf(SKIP, SKIP)
 class RunnerV2AllocationTest(unittest.TestCase):
     def setUp(self):
-        from vllm_hi import config, worker
+        from vllm_hi_plugin import config, worker
 
         self.worker = worker
         self.shm = tempfile.mkdtemp()
@@ -34,7 +34,7 @@ class RunnerV2AllocationTest(unittest.TestCase):
         worker._patch_runner_v2_allocation(attn_utils, self.shm)
 
     def tearDown(self):
-        from vllm_hi import config
+        from vllm_hi_plugin import config
 
         attn_utils._allocate_kv_cache, enabled, state = self.saved
         if self.worker._state.get("fd") is not None:
@@ -66,7 +66,7 @@ class RunnerV2AllocationTest(unittest.TestCase):
             self.assertEqual((t.storage_offset(), t.numel()), (i * 4096, 4096))
 
     def test_off_when_the_plugin_is_off(self):
-        from vllm_hi import config
+        from vllm_hi_plugin import config
 
         config._enabled_cache[:] = [False]
         names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]

@@ -7,8 +7,8 @@ import time
 
 sys.path.insert(0, sys.argv[1])
 
-from vllm_hi.core_channel import Boundary, ChannelServer, Snapshot  # noqa: E402
-from vllm_hi.wire import HookError  # noqa: E402
+from vllm_hi_plugin.core_channel import Boundary, ChannelServer, Snapshot  # noqa: E402
+from vllm_hi_plugin.wire import HookError  # noqa: E402
 
 b = Boundary()
 snap = Snapshot()

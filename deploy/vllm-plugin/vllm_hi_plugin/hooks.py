@@ -82,6 +82,10 @@ class Installed:
         # points): where the Host's relay holds the client (the install's
         # text_from); -1: after the moved tokens.
         self.text_from = -1
+        # How many output tokens the request's detokenizer counted when
+        # the install handed it over: a fast one counts none of the moved
+        # tokens, a slow one all (it keeps the token list it decodes).
+        self.detok_counted = 0
 
 
 class Hooks:
@@ -223,23 +227,26 @@ class Hooks:
             r["request_id"] = hid
             inst = self.installed.get(hid)
             n = len(r["output_token_ids"])
-            base_text, base_n = "", 0
+            # A request installed here: its detokenizer's text already
+            # starts with the moved tokens' (the install set it so), and it
+            # counted detok_counted tokens when the install handed it over.
+            base_text, base_n, counted = "", 0, 0
             if inst is not None:
-                base_text, base_n = inst.text, len(inst.output_ids)
+                base_text, base_n, counted = inst.text, len(inst.output_ids), inst.detok_counted
             # The engine's last outputs may still be on their way to this
             # process's output processor: wait until it saw them all, so the
             # text below is what the client gets.
             text, visible = base_text, len(base_text)
             st = self.op.request_states.get(iid)
-            if st is not None and st.detokenizer is not None:
+            if st is not None and st.detokenizer is not None and hasattr(st.detokenizer, "output_text"):
                 w0 = time.perf_counter()
                 deadline = time.monotonic() + 2.0
-                while len(st.detokenizer.output_token_ids) < n - base_n and time.monotonic() < deadline:
+                while len(st.detokenizer.output_token_ids) - counted < n - base_n and time.monotonic() < deadline:
                     await asyncio.sleep(0.001)
                 waited += time.perf_counter() - w0
                 d = st.detokenizer
-                text = base_text + d.output_text
-                visible = len(base_text) + max(0, len(d.output_text) - getattr(d, "stop_buffer_length", 0))
+                text = d.output_text
+                visible = max(0, len(text) - getattr(d, "stop_buffer_length", 0))
             resp = self._response(hid)
             r["engine_state"]["prompt_len"] = resp.pop("prompt_len", len(r["prompt_token_ids"]))
             r["prompt_token_ids"] = encode_ints(r["prompt_token_ids"])
@@ -264,6 +271,8 @@ class Hooks:
                "model": meta.get("model", ""), "created": meta.get("created", 0),
                "stream": True, "include_usage": meta.get("include_usage", False),
                "continuous_usage": meta.get("continuous_usage", False)}
+        if meta.get("return_token_ids"):
+            out["return_token_ids"] = True
         if "prompt_len" in meta:
             out["prompt_len"] = meta["prompt_len"]
         return out
@@ -283,7 +292,7 @@ class Hooks:
         now = time.monotonic()
         for rid in [r for r, s in self.staged.items() if now - s.at > STAGED_TTL_S]:
             del self.staged[rid]
-        staged = []
+        staged, hashes = [], []
         for st in body.get("requests") or []:
             rid, prompt, output, ecr = _core_request(st)
             if rid in self.installed:
@@ -296,6 +305,7 @@ class Hooks:
                 ahead.step(output[len(ahead.output):])
                 ahead.at = now
                 staged.append(rid)
+                hashes.append({"request_id": rid, "token_ids": encode_ints(prompt + output)})
                 continue
             if not st.get("response"):
                 continue  # nothing staged to top up, and no metadata to stage with
@@ -305,6 +315,15 @@ class Hooks:
                 ahead.step(output)
             self.staged[rid] = ahead
             staged.append(rid)
+            hashes.append({"request_id": rid, "token_ids": encode_ints(prompt + output)})
+        if hashes and getattr(self.ec.vllm_config.cache_config, "enable_prefix_caching", False):
+            # The engine core hashes the blocks of what it will install
+            # (prefix caching), ahead of the pause. An optimisation: the
+            # install hashes whatever this did not.
+            try:
+                await self.core("stage", {"requests": hashes})
+            except Exception as e:  # noqa: BLE001 - logged; the install does the work
+                LOG.warning("vllm_hi stage: hashing the moved requests' blocks ahead failed: %s", e)
         return {"staged": staged}
 
     async def install(self, body: dict) -> dict:
@@ -350,6 +369,8 @@ class Hooks:
                         d.output_text = replay.text
                         d._last_output_text_offset = shown
                 inst = self.installed[rid] = Installed(output, replay.text, replay.visible, q, meta["prompt_len"], meta)
+                if state.detokenizer is not None:
+                    inst.detok_counted = len(state.detokenizer.output_token_ids)
                 at = text_from.get(rid)
                 if isinstance(at, int) and 0 <= at <= (inst.offsets[-1] if inst.offsets else 0):
                     inst.text_from = at
@@ -454,9 +475,14 @@ class Hooks:
 
     # ---- attach -------------------------------------------------------------
 
-    def chunk(self, inst: Installed, hid: str, text: str, finish, stop_reason, completion_tokens: int) -> str:
+    def chunk(self, inst: Installed, hid: str, text: str, finish, stop_reason, completion_tokens: int,
+              token_ids=None) -> str:
+        """One chunk of a moved stream, as vLLM's own would be: its token
+        ids (token_ids) when the request asked for them, the fields null
+        otherwise (vLLM sets them either way)."""
         UsageInfo = compat.usage_info()
         m = inst.meta
+        ids = list(token_ids) if m.get("return_token_ids") and token_ids is not None else None
         if m["kind"] == "chat":
             from vllm.entrypoints.openai.chat_completion.protocol import (
                 ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse)
@@ -465,7 +491,7 @@ class Hooks:
 
             kw = {"stop_reason": stop_reason} if finish is not None else {}
             choice = ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(content=text), logprobs=None,
-                                                        finish_reason=finish, **kw)
+                                                        finish_reason=finish, token_ids=ids, **kw)
             c = ChatCompletionStreamResponse(id=hid, object="chat.completion.chunk", created=m["created"],
                                              choices=[choice], model=m["model"])
         else:
@@ -473,7 +499,7 @@ class Hooks:
                 CompletionResponseStreamChoice, CompletionStreamResponse)
 
             choice = CompletionResponseStreamChoice(index=0, text=text, logprobs=None, finish_reason=finish,
-                                                    stop_reason=stop_reason)
+                                                    stop_reason=stop_reason, prompt_token_ids=None, token_ids=ids)
             c = CompletionStreamResponse(id=hid, object="text_completion", created=m["created"],
                                          model=m["model"], choices=[choice])
         fp = self._fingerprint(m["kind"])
@@ -569,7 +595,13 @@ class Hooks:
             done_tokens = n
             lo = text_from if text_from >= 0 else (inst.offsets[start - 1] if start > 0 else 0)
             if inst.text[lo:hi]:
-                yield self.chunk(inst, hid, inst.text[lo:hi], None, None, done_tokens)
+                # Its tokens are those after the start the Host named (the
+                # token events its client got). Opened after the moved
+                # tokens (a pre-attach), which of them the client lacks is
+                # not known here: no ids then (null), which tells the
+                # Host's relay that it no longer knows the stream's tokens.
+                ids = inst.output_ids[start:n] if start < n else None
+                yield self.chunk(inst, hid, inst.text[lo:hi], None, None, done_tokens, ids)
             while True:
                 out = inst.queue.get_nowait() or await inst.queue.get()
                 o = out.outputs[0]
@@ -579,7 +611,7 @@ class Hooks:
                 # as in vLLM's own streams: a client that gets no event for
                 # minutes would call the stream dead.
                 if o.text or o.token_ids or o.finish_reason is not None:
-                    yield self.chunk(inst, hid, o.text, o.finish_reason, o.stop_reason, done_tokens)
+                    yield self.chunk(inst, hid, o.text, o.finish_reason, o.stop_reason, done_tokens, o.token_ids)
                 if out.finished:
                     break
             if inst.meta["include_usage"]:
@@ -614,6 +646,7 @@ def _meta(st: dict) -> dict:
     return {"kind": resp.get("kind", "completion"), "model": resp.get("model", ""),
             "created": resp.get("created", 0), "include_usage": resp.get("include_usage", False),
             "continuous_usage": resp.get("continuous_usage", False),
+            "return_token_ids": bool(resp.get("return_token_ids", False)),
             "prompt_len": (st.get("engine_state") or {}).get("prompt_len", len(decode_ints(st["prompt_token_ids"])))}
 
 

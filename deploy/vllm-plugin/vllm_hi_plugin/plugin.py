@@ -40,6 +40,19 @@ def _allow_endpoint_plugin() -> None:
     os.environ["VLLM_PLUGINS"] = ",".join(sorted(names))
 
 
+def seed_package() -> str | None:
+    """The version of PyPI's `vllm-hi` (another project's package, whose
+    module is vllm_hi; ours is vllm_hi_plugin, so their files never mix), if
+    it is installed: it serves hooks of the same names, so an engine runs
+    one or the other."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm-hi")
+    except PackageNotFoundError:
+        return None
+
+
 def register() -> None:
     try:
         parser = _serve_parser()
@@ -52,6 +65,10 @@ def register() -> None:
         cfg = load()
     except ConfigError as e:
         raise SystemExit(f"vllm-hi: {e}") from None
+    if cfg.enabled and (other := seed_package()) is not None:
+        raise SystemExit(f"vllm-hi: PyPI's package vllm-hi {other} (another project's, module vllm_hi) is installed "
+                         "beside vllm-hi-plugin (module vllm_hi_plugin); both extend vLLM with the /vllm_hi hooks, "
+                         "so one engine cannot run both: pip uninstall vllm-hi")
     import vllm
 
     if not vllm.__version__.startswith(SUPPORTED_VLLM):

@@ -1,4 +1,4 @@
-package agent
+package cudaipc
 
 import (
 	"encoding/base64"
@@ -15,61 +15,87 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/cuda"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
 	"github.com/vllm-hi/vllm-hi/internal/transfer"
-	"github.com/vllm-hi/vllm-hi/internal/transfer/cudaipc"
 )
 
-// gpuPlane is the agent's CUDA state, made on first use: the driver and a
+// HashChunk bounds the pinned staging one gather of the integrity check
+// uses: a full check of an engine's KV goes through it in pieces (pinning
+// tens of gigabytes at once stalls the whole device).
+const HashChunk = 256 << 20
+
+// NewPlane returns an agent's CUDA state; the driver loads on first use
+// through open (nil: cuda.Load, which dlopens libcuda).
+func NewPlane(log *zap.Logger, open func() (cuda.Driver, error)) *Plane {
+	if open == nil {
+		open = loadDriver
+	}
+	return &Plane{log: log, open: open}
+}
+
+func loadDriver() (cuda.Driver, error) {
+	lib, err := cuda.Load()
+	if err != nil {
+		// (not returned as is: a nil *Lib in the interface would pass
+		// for a driver)
+		return nil, err
+	}
+	return lib, nil
+}
+
+// Plane is an agent's CUDA state, made on first use: the driver and a
 // stream per device. A migration's IPC mappings of both engines' KV are
 // opened at its first cuda_ipc round and kept for the next ones and the
 // end-to-end check after the final round (opening a peer's allocation of
 // tens of gigabytes is not free, and the final round and the check run
 // inside the pause); they close when a round fails, when the Host
-// releases the migration, or when nothing used them for mappingIdle — an
+// releases the migration, or when nothing used them for MappingIdle — an
 // engine may free its KV (sleep, shutdown) after a migration, and no
 // mapping may outlive it.
-type gpuPlane struct {
+type Plane struct {
+	log  *zap.Logger
+	open func() (cuda.Driver, error) // loads the driver (cuda.Load)
+
 	mu      sync.Mutex
 	drv     cuda.Driver
 	streams map[int]cuda.Stream
 	// targets are this engine's regions mapped for a migration's tcp_shm
 	// writes (GPU KV received over the network), by session.
-	targets map[string]*gpuTarget
+	targets map[string]*target
 	// pairs are both engines' regions mapped for a migration's cuda_ipc
 	// rounds, by session.
 	pairs map[string]*ipcPair
 	// hashers stage the blocks the integrity check reads, one per device,
 	// kept: allocating pinned memory inside the pause would cost more than
 	// the check. hashMu is held while a check reads its staging.
-	hashers map[int]*cudaipc.Copier
+	hashers map[int]*Copier
 	hashMu  sync.Mutex
 	// ordinals are this process's CUDA ordinals by GPU UUID, read once
 	// when a layout first names a GPU by UUID.
 	ordinals map[string]int
 }
 
-// mappingIdle is how long a migration's mappings stay open with no round
+// MappingIdle is how long a migration's mappings stay open with no round
 // using them (a Host that died mid-migration never sends the final one).
-const mappingIdle = time.Minute
+const MappingIdle = time.Minute
 
 // ipcPair is a migration's mappings of the source's and the target's KV.
 type ipcPair struct {
 	key      string // the regions they map: a changed layout re-opens
-	src, dst cudaipc.Regions
+	src, dst Regions
 	close    func()
 	used     time.Time
 }
 
-type gpuTarget struct {
+type target struct {
 	dev   int
 	key   string
-	dst   cudaipc.Regions
+	dst   Regions
 	sizes []uint64
 	close func()
 }
 
 // copierFor returns a copier on the stream of the GPU that holds m (g.mu
 // held).
-func (g *gpuPlane) copierFor(m hooks.Memory) (*cudaipc.Copier, error) {
+func (g *Plane) copierFor(m hooks.Memory) (*Copier, error) {
 	if err := g.load(); err != nil {
 		return nil, err
 	}
@@ -84,7 +110,7 @@ func (g *gpuPlane) copierFor(m hooks.Memory) (*cudaipc.Copier, error) {
 // found by the GPU's UUID where the exporter gave it (an engine started
 // with CUDA_VISIBLE_DEVICES=1 calls that GPU 0), else the exporter's own
 // ordinal (g.mu held, the driver loaded).
-func (g *gpuPlane) ordinal(m hooks.Memory) (int, error) {
+func (g *Plane) ordinal(m hooks.Memory) (int, error) {
 	if m.DeviceUUID == "" {
 		return m.Device, nil
 	}
@@ -111,10 +137,10 @@ func (g *gpuPlane) ordinal(m hooks.Memory) (int, error) {
 	return dev, nil
 }
 
-// sees says why this agent cannot reach every GPU the layouts' regions
+// Sees says why this agent cannot reach every GPU the layouts' regions
 // are on (nil: it can). Regions without a UUID are taken as visible: their
 // ordinal is the exporter's, and only opening them can tell.
-func (g *gpuPlane) sees(layouts ...hooks.Layout) error {
+func (g *Plane) Sees(layouts ...hooks.Layout) error {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	for _, l := range layouts {
@@ -134,24 +160,22 @@ func (g *gpuPlane) sees(layouts ...hooks.Layout) error {
 }
 
 // load loads the driver on first use (g.mu held).
-func (g *gpuPlane) load() error {
+func (g *Plane) load() error {
 	if g.drv != nil {
 		return nil
 	}
-	lib, err := cuda.Load()
+	drv, err := g.open()
 	if err != nil {
-		// (not assigned: a nil *Lib in the interface would pass the
-		// check above next time)
 		return fmt.Errorf("GPU KV: %w", err)
 	}
-	g.drv = lib
-	g.streams, g.targets, g.pairs, g.hashers = map[int]cuda.Stream{}, map[string]*gpuTarget{}, map[string]*ipcPair{}, map[int]*cudaipc.Copier{}
+	g.drv = drv
+	g.streams, g.targets, g.pairs, g.hashers = map[int]cuda.Stream{}, map[string]*target{}, map[string]*ipcPair{}, map[int]*Copier{}
 	return nil
 }
 
 // copier returns a copier on dev's stream, made once per device (g.mu
 // held, the driver loaded).
-func (g *gpuPlane) copier(dev int) (*cudaipc.Copier, error) {
+func (g *Plane) copier(dev int) (*Copier, error) {
 	var err error
 	s, ok := g.streams[dev]
 	if !ok {
@@ -166,12 +190,12 @@ func (g *gpuPlane) copier(dev int) (*cudaipc.Copier, error) {
 		}
 		g.streams[dev] = s
 	}
-	return &cudaipc.Copier{Driver: g.drv, Device: dev, Stream: s}, nil
+	return &Copier{Driver: g.drv, Device: dev, Stream: s}, nil
 }
 
-// release unmaps everything a session mapped: its tcp_shm target regions
+// Release unmaps everything a session mapped: its tcp_shm target regions
 // and its cuda_ipc pair.
-func (g *gpuPlane) release(session string) {
+func (g *Plane) Release(session string) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if t := g.targets[session]; t != nil {
@@ -182,7 +206,7 @@ func (g *gpuPlane) release(session string) {
 }
 
 // dropPair closes a session's cuda_ipc mappings (g.mu held).
-func (g *gpuPlane) dropPair(session string) {
+func (g *Plane) dropPair(session string) {
 	if p := g.pairs[session]; p != nil {
 		p.close()
 		delete(g.pairs, session)
@@ -191,10 +215,10 @@ func (g *gpuPlane) dropPair(session string) {
 
 // pair returns session's mappings of src and dst on dev, opening them on
 // the first round (g.mu held). Other sessions' mappings idle past
-// mappingIdle are closed on the way.
-func (g *gpuPlane) pair(session string, dev int, src, dst hooks.Layout, now time.Time) (*ipcPair, error) {
+// MappingIdle are closed on the way.
+func (g *Plane) pair(session string, dev int, src, dst hooks.Layout, now time.Time) (*ipcPair, error) {
 	for id, p := range g.pairs {
-		if id != session && now.Sub(p.used) > mappingIdle {
+		if id != session && now.Sub(p.used) > MappingIdle {
 			g.dropPair(id)
 		}
 	}
@@ -230,9 +254,9 @@ func regionsKey(l hooks.Layout) string {
 	return b.String()
 }
 
-// target returns session's mapping of this engine's GPU regions, made on
+// mapTarget returns session's mapping of this engine's GPU regions, made on
 // first use (g.mu held).
-func (g *gpuPlane) target(session string, l hooks.Layout) (*cudaipc.Copier, *gpuTarget, error) {
+func (g *Plane) mapTarget(session string, l hooks.Layout) (*Copier, *target, error) {
 	c, err := g.copierFor(l.Regions[0].Memory)
 	if err != nil {
 		return nil, nil, err
@@ -249,7 +273,7 @@ func (g *gpuPlane) target(session string, l hooks.Layout) (*cudaipc.Copier, *gpu
 		if err != nil {
 			return nil, nil, err
 		}
-		t = &gpuTarget{dev: c.Device, key: key, dst: dst, close: closeAll}
+		t = &target{dev: c.Device, key: key, dst: dst, close: closeAll}
 		for _, r := range l.Regions {
 			t.sizes = append(t.sizes, uint64(r.Size))
 		}
@@ -258,12 +282,12 @@ func (g *gpuPlane) target(session string, l hooks.Layout) (*cudaipc.Copier, *gpu
 	return c, t, nil
 }
 
-// prepareTarget maps this engine's GPU regions for session ahead of its
+// PrepareTarget maps this engine's GPU regions for session ahead of its
 // rounds, and readies the integrity check's staging.
-func (g *gpuPlane) prepareTarget(session string, l hooks.Layout) error {
+func (g *Plane) PrepareTarget(session string, l hooks.Layout) error {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	_, t, err := g.target(session, l)
+	_, t, err := g.mapTarget(session, l)
 	if err != nil {
 		return err
 	}
@@ -273,34 +297,35 @@ func (g *gpuPlane) prepareTarget(session string, l hooks.Layout) error {
 
 // hasher returns dev's staging for the integrity check, made once at its
 // full size (g.mu held; the device's copier exists).
-func (g *gpuPlane) hasher(dev int) (*cudaipc.Copier, error) {
+func (g *Plane) hasher(dev int) (*Copier, error) {
 	if g.hashers == nil {
-		g.hashers = map[int]*cudaipc.Copier{}
+		g.hashers = map[int]*Copier{}
 	}
 	if c := g.hashers[dev]; c != nil {
 		return c, nil
 	}
-	c := &cudaipc.Copier{Driver: g.drv, Device: dev, Stream: g.streams[dev]}
-	if err := c.Reserve(gpuHashChunk); err != nil {
+	c := &Copier{Driver: g.drv, Device: dev, Stream: g.streams[dev]}
+	if err := c.Reserve(HashChunk); err != nil {
 		return nil, err
 	}
 	g.hashers[dev] = c
 	return c, nil
 }
 
-// sink is a tcp_shm target writing session's data into this engine's GPU
+// Sink is a tcp_shm target writing session's data into this engine's GPU
 // regions (mapped once per session, staged per connection).
-func (g *gpuPlane) sink(session string, l hooks.Layout) (*cudaipc.Sink, error) {
+func (g *Plane) Sink(session string, l hooks.Layout) (*Sink, error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	c, t, err := g.target(session, l)
+	c, t, err := g.mapTarget(session, l)
 	if err != nil {
 		return nil, err
 	}
-	return cudaipc.NewSink(c, t.dst, t.sizes)
+	return NewSink(c, t.dst, t.sizes)
 }
 
-func (g *gpuPlane) close() {
+// Close unmaps everything and unloads the driver.
+func (g *Plane) Close() {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if g.drv == nil {
@@ -323,14 +348,14 @@ func (g *gpuPlane) close() {
 }
 
 // openRegions maps a layout's regions into dev's context.
-func openRegions(drv cuda.Driver, dev int, l hooks.Layout) (cudaipc.Regions, func(), error) {
+func openRegions(drv cuda.Driver, dev int, l hooks.Layout) (Regions, func(), error) {
 	var opened []cuda.DevicePtr
 	closeAll := func() {
 		for _, p := range opened {
 			_ = drv.IPCClose(dev, p)
 		}
 	}
-	out := make(cudaipc.Regions, len(l.Regions))
+	out := make(Regions, len(l.Regions))
 	for i, r := range l.Regions {
 		if r.Memory.PID == os.Getpid() && r.Memory.DevicePointer != 0 {
 			// Our own allocation (an in-process stack): CUDA will not open
@@ -362,8 +387,7 @@ func openRegions(drv cuda.Driver, dev int, l hooks.Layout) (cudaipc.Regions, fun
 
 // withSource maps a GPU source's regions on its device and hands fn a
 // copier on that device's stream; the mappings close when fn returns.
-func (a *Agent) withSource(src hooks.Layout, fn func(c *cudaipc.Copier, srcPtrs cudaipc.Regions) error) error {
-	g := &a.gpu
+func (g *Plane) withSource(src hooks.Layout, fn func(c *Copier, srcPtrs Regions) error) error {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	c, err := g.copierFor(src.Regions[0].Memory)
@@ -378,14 +402,14 @@ func (a *Agent) withSource(src hooks.Layout, fn func(c *cudaipc.Copier, srcPtrs 
 	return fn(c, srcPtrs)
 }
 
-// cudaCopy runs one round's copies GPU to GPU: the plan's runs, from the
+// Copy runs one round's copies GPU to GPU: the plan's runs, from the
 // source engine's regions to the target's, issued from the source GPU
 // through the session's mappings (closed when a round fails or the Host
 // releases the migration).
-func (a *Agent) cudaCopy(session string, src, dst hooks.Layout, copies []kvlayout.BlockCopy, fault transfer.Fault) (transfer.Stats, error) {
+func (g *Plane) Copy(session string, src, dst hooks.Layout, copies []kvlayout.BlockCopy, fault transfer.Fault) (transfer.Stats, error) {
 	start := time.Now()
 	geo := src.Geometry
-	runs, err := kvlayout.Plan(geo.Layers, geo.KVHeads, int64(geo.HeadSlotBytes()), specs(src), specs(dst), copies)
+	runs, err := kvlayout.Plan(geo.Layers, geo.KVHeads, int64(geo.HeadSlotBytes()), transfer.Specs(src), transfer.Specs(dst), copies)
 	if err != nil {
 		return transfer.Stats{}, err
 	}
@@ -394,7 +418,6 @@ func (a *Agent) cudaCopy(session string, src, dst hooks.Layout, copies []kvlayou
 	if err := checkRuns(src, dst, copies, runs); err != nil {
 		return transfer.Stats{}, err
 	}
-	g := &a.gpu
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	c, err := g.copierFor(src.Regions[0].Memory)
@@ -411,7 +434,7 @@ func (a *Agent) cudaCopy(session string, src, dst hooks.Layout, copies []kvlayou
 	}
 	mapped := time.Now()
 	defer func() {
-		a.log.Debug("cuda_ipc copy", zap.Int("runs", len(runs)), zap.Duration("plan", planned.Sub(start)),
+		g.log.Debug("cuda_ipc copy", zap.Int("runs", len(runs)), zap.Duration("plan", planned.Sub(start)),
 			zap.Duration("map", mapped.Sub(planned)), zap.Duration("copy", time.Since(mapped)))
 	}()
 	switch fault {
@@ -445,11 +468,11 @@ func (a *Agent) cudaCopy(session string, src, dst hooks.Layout, copies []kvlayou
 	return transfer.Stats{Runs: len(runs), Bytes: kvlayout.Bytes(runs)}, nil
 }
 
-// gatherGPU stages a GPU source's runs in pinned host memory for tcp_shm:
+// GatherSource stages a GPU source's runs in pinned host memory for tcp_shm:
 // it returns the bytes and the runs rewritten to read them, and the
 // function that frees the staging once they are sent.
-func (a *Agent) gatherGPU(src hooks.Layout, runs []kvlayout.CopyRun) (host []byte, out []kvlayout.CopyRun, release func(), err error) {
-	err = a.withSource(src, func(c *cudaipc.Copier, srcPtrs cudaipc.Regions) error {
+func (g *Plane) GatherSource(src hooks.Layout, runs []kvlayout.CopyRun) (host []byte, out []kvlayout.CopyRun, release func(), err error) {
+	err = g.withSource(src, func(c *Copier, srcPtrs Regions) error {
 		var gerr error
 		if host, out, gerr = c.Gather(srcPtrs, runs); gerr != nil {
 			c.Close()
@@ -461,12 +484,12 @@ func (a *Agent) gatherGPU(src hooks.Layout, runs []kvlayout.CopyRun) (host []byt
 	return host, out, release, err
 }
 
-// gather reads runs of this engine's GPU KV (layout l) into host memory,
+// Gather reads runs of this engine's GPU KV (layout l) into host memory,
 // through the session's existing mapping of that memory when there is one
 // (the target's, or the source side of a cuda_ipc pair), else through a
 // mapping made for the call. It returns the bytes with the runs rewritten
 // to read them, and the function that frees them.
-func (g *gpuPlane) gather(session string, l hooks.Layout, runs []kvlayout.CopyRun) ([]byte, []kvlayout.CopyRun, func(), error) {
+func (g *Plane) Gather(session string, l hooks.Layout, runs []kvlayout.CopyRun) ([]byte, []kvlayout.CopyRun, func(), error) {
 	g.hashMu.Lock() // until release: the staging is the caller's meanwhile
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -481,7 +504,7 @@ func (g *gpuPlane) gather(session string, l hooks.Layout, runs []kvlayout.CopyRu
 		return nil, nil, nil, err
 	}
 	key := regionsKey(l)
-	var ptrs cudaipc.Regions
+	var ptrs Regions
 	closeView := func() {}
 	switch {
 	case g.targets[session] != nil && g.targets[session].key == key:

@@ -22,7 +22,8 @@ def _wrap_stream_generator(cls, name: str, kind: str) -> None:
         opts = getattr(req, "stream_options", None)
         meta = {"kind": kind, "model": a.get("model_name", ""),
                 "include_usage": bool(opts and opts.include_usage) or bool(getattr(self, "enable_force_include_usage", False)),
-                "continuous_usage": bool(opts and opts.include_usage and opts.continuous_usage_stats)}
+                "continuous_usage": bool(opts and opts.include_usage and opts.continuous_usage_stats),
+                "return_token_ids": bool(getattr(req, "return_token_ids", False))}
         if "created_time" in a:
             meta["created"] = a["created_time"]
         STREAMS[rid] = meta

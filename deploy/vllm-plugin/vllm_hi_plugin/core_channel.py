@@ -261,7 +261,11 @@ class ChannelServer:
         except FileNotFoundError:
             pass
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # the socket is the owner's alone: 0600
+        # The owner's and its group's (0660): an agent in a sidecar
+        # container reaches it through the pod's fsGroup (the directory's
+        # setgid group). Nobody else; and a connection still needs the
+        # agent token.
+        old = os.umask(0o117)
         try:
             s.bind(self.path)
         finally:

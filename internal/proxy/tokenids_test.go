@@ -1,0 +1,125 @@
+package proxy
+
+import (
+	"slices"
+	"testing"
+)
+
+func TestWithReturnTokenIDs(t *testing.T) {
+	for _, c := range []struct {
+		in, want string
+		ok       bool
+	}{
+		{`{"model":"m","stream":true}`, `{"return_token_ids":true,"model":"m","stream":true}`, true},
+		{"  {\n \"model\":\"m\"}", "  {\"return_token_ids\":true,\n \"model\":\"m\"}", true},
+		{`{}`, `{"return_token_ids":true}`, true},
+		{`{ }`, `{"return_token_ids":true }`, true},
+		// The client's own choice stands, either way.
+		{`{"model":"m","return_token_ids":false}`, `{"model":"m","return_token_ids":false}`, false},
+		{`{"model":"m","return_token_ids":true}`, `{"model":"m","return_token_ids":true}`, false},
+		{`[1]`, `[1]`, false},
+		{``, ``, false},
+	} {
+		got, ok := WithReturnTokenIDs([]byte(c.in))
+		if string(got) != c.want || ok != c.ok {
+			t.Errorf("%q: got %q, %v; want %q, %v", c.in, got, ok, c.want, c.ok)
+		}
+	}
+}
+
+// Chunks as vLLM 0.26 and 0.32 write them for /v1/completions, with and
+// without return_token_ids (the fields are set either way: null without).
+const (
+	firstAsked  = "data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\" a\",\"logprobs\":null,\"finish_reason\":null,\"stop_reason\":null,\"prompt_token_ids\":[1, 2,3],\"token_ids\":[7]}]}\n\n"
+	firstPlain  = "data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\" a\",\"logprobs\":null,\"finish_reason\":null,\"stop_reason\":null,\"prompt_token_ids\":null,\"token_ids\":null}]}\n\n"
+	mergedAsked = "data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\" \\\"token_ids\\\":[9]\",\"logprobs\":null,\"finish_reason\":\"length\",\"stop_reason\":null,\"prompt_token_ids\":null,\"token_ids\":[8,9]}]}\n\n"
+	mergedPlain = "data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\" \\\"token_ids\\\":[9]\",\"logprobs\":null,\"finish_reason\":\"length\",\"stop_reason\":null,\"prompt_token_ids\":null,\"token_ids\":null}]}\n\n"
+)
+
+// The relay gives a client that did not ask the chunks vLLM would have
+// sent it, byte for byte, and keeps the ids: the prompt's from the first
+// chunk, every output token's in order (several in a merged chunk).
+func TestTheRelayKeepsTheTokenIDsAndTheClientsBytes(t *testing.T) {
+	var buf []byte
+	for _, c := range [][2]string{{firstAsked, firstPlain}, {mergedAsked, mergedPlain}, {"data: [DONE]\n\n", "data: [DONE]\n\n"}} {
+		got := withoutTokenIDs([]byte(c[0]), buf)
+		if string(got) != c[1] {
+			t.Errorf("got  %s\nwant %s", got, c[1])
+		}
+		buf = got[:0]
+	}
+	s := &Stream{ids: &streamIDs{}}
+	for _, ev := range []string{firstAsked, mergedAsked} {
+		data := []byte(ev[len("data: ") : len(ev)-2])
+		kind, _, _ := ClassifyText(data)
+		s.noteTokenIDs(kind, data)
+	}
+	prompt, output, ok := s.TokenIDs()
+	if !ok || !slices.Equal(prompt, []int{1, 2, 3}) || !slices.Equal(output, []int{7, 8, 9}) {
+		t.Fatalf("prompt %v, output %v, ok %v", prompt, output, ok)
+	}
+	// A token event without ids (an engine that does not report them)
+	// makes the relay's ids unusable: they no longer match the client.
+	data := []byte(firstPlain[len("data: ") : len(firstPlain)-2])
+	s.noteTokenIDs(KindToken, data)
+	if _, _, ok := s.TokenIDs(); ok {
+		t.Fatal("the ids stayed usable after a token came without its id")
+	}
+	if _, _, ok := (&Stream{}).TokenIDs(); ok {
+		t.Fatal("a stream the Host asked no ids for has ids")
+	}
+}
+
+// A chat chunk vLLM sends only because it was asked for ids (an empty
+// delta: a parser held the token's text back) is kept for its ids and not
+// passed on; the last chunk, empty or not, is the client's.
+func TestHeldBackChatChunks(t *testing.T) {
+	held := []byte(`{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":null,"token_ids":[4]}]}`)
+	last := []byte(`{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"stop","stop_reason":null,"token_ids":[5]}]}`)
+	if kind, _, _ := ClassifyText(held); kind != KindOther || !heldBackChunk(held) {
+		t.Fatalf("a held-back chunk: kind %v, held %v", kind, heldBackChunk(held))
+	}
+	if heldBackChunk(last) {
+		t.Fatal("the finishing chunk taken for a held-back one")
+	}
+	s := &Stream{ids: &streamIDs{prompt: []int{1}}}
+	for _, d := range [][]byte{held, last} {
+		kind, _, _ := ClassifyText(d)
+		s.noteTokenIDs(kind, d)
+	}
+	if _, out, ok := s.TokenIDs(); !ok || !slices.Equal(out, []int{4, 5}) {
+		t.Fatalf("ids %v, ok %v", out, ok)
+	}
+}
+
+// What keeping a stream's token ids costs the relay per event: reading
+// them and giving the client the chunk without them.
+func BenchmarkTokenIDsPerEvent(b *testing.B) {
+	raw := []byte(mergedAsked)
+	data := raw[len("data: ") : len(raw)-2]
+	kind, _, _ := ClassifyText(data) // the relay classifies every event anyway
+	s := &Stream{ids: &streamIDs{}}
+	var buf []byte
+	b.ReportAllocs()
+	for b.Loop() {
+		s.noteTokenIDs(kind, data)
+		buf = withoutTokenIDs(raw, buf)[:0]
+		if len(s.ids.output) > 1<<16 {
+			s.ids.output = s.ids.output[:0]
+		}
+	}
+}
+
+func TestIntList(t *testing.T) {
+	for in, want := range map[string][]int{"[]": {}, "[7]": {7}, "[1, 2,3]x": {1, 2, 3}, "[151935]": {151935}} {
+		got, n, ok := intList([]byte(in), []int{})
+		if !ok || !slices.Equal(got, want) || in[n-1] != ']' {
+			t.Errorf("%q: %v %d %v", in, got, n, ok)
+		}
+	}
+	for _, in := range []string{"", "null", "[1,]", "[,1]", "[1", "[-1]", "[1.5]", "[99999999999999999999]"} {
+		if got, _, ok := intList([]byte(in), []int{9}); ok || !slices.Equal(got, []int{9}) {
+			t.Errorf("%q: parsed %v", in, got)
+		}
+	}
+}
