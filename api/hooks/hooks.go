@@ -255,12 +255,21 @@ type Changes struct {
 type PauseRequest struct {
 	RequestIDs []string `json:"request_ids,omitempty"`
 	LeaseMS    int      `json:"lease_ms,omitempty"`
+	// IgnoreMissing pauses the named requests the engine still runs and
+	// lists the others (they finished or their client left) in the
+	// answer's Missing, instead of refusing the whole call: under load a
+	// request ends at almost every step, and a pause of hundreds that
+	// fails for one and is sent again can lose that race every time.
+	IgnoreMissing bool `json:"ignore_missing,omitempty"`
 }
 
 // PauseResponse answers once the engine is at a step boundary with the
 // requests paused.
 type PauseResponse struct {
-	Paused         []string `json:"paused"`
+	Paused []string `json:"paused"`
+	// Missing, with IgnoreMissing, lists the named requests the engine no
+	// longer had at the boundary; they were not paused.
+	Missing        []string `json:"missing,omitempty"`
 	Cursor         uint64   `json:"cursor"`
 	LeaseExpiresAt float64  `json:"lease_expires_at"`
 	// StepWaitS is how long the call waited for the step in flight to end.

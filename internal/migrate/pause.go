@@ -14,15 +14,25 @@ import (
 // pauseSource pauses the moving requests on the source at a step
 // boundary (dropping any that finished meanwhile) and returns how long the
 // engine waited for the step in flight.
+//
+// The engine pauses those it still runs and names the rest in the same
+// boundary (IgnoreMissing). An engine that predates that refuses the
+// whole call for one ended request: the ended ones are then listed and
+// dropped and the pause sent again, a few times.
 func (m *migration) pauseSource(ctx context.Context) (wait time.Duration, err error) {
 	ids := m.ids()
 	for attempt := 0; len(ids) > 0; attempt++ {
 		cctx, cancel := m.pausedCall(ctx)
-		p, err := m.srcA.Engine.Pause(cctx, hooks.PauseRequest{RequestIDs: ids, LeaseMS: int(m.o.cfg.PauseLease / time.Millisecond)})
+		p, err := m.srcA.Engine.Pause(cctx, hooks.PauseRequest{RequestIDs: ids, LeaseMS: int(m.o.cfg.PauseLease / time.Millisecond), IgnoreMissing: true})
 		err = m.slowPausedCall(ctx, cctx, err)
 		cancel()
 		if err == nil {
 			m.pausedSrc = true
+			if len(p.Missing) > 0 {
+				// They ended on the source: their clients have every token.
+				m.log.Debug("requests ended before the pause; not moved", zap.Int("count", len(p.Missing)))
+				m.drop(p.Missing...)
+			}
 			return time.Duration(p.StepWaitS * float64(time.Second)), nil
 		}
 		if !errdefs.IsNotFound(err) || attempt > 3 {

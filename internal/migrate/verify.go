@@ -3,8 +3,11 @@ package migrate
 import (
 	"context"
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"time"
+
+	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
@@ -245,12 +248,49 @@ func (m *migration) compare(ctx context.Context, src, dst []*v1.BlockSlots, at [
 	}
 	if bad > 0 {
 		w := at[first]
+		m.logDifferences(src, dst, at, a.r.GetHashes(), b.r.GetHashes())
 		// Only a check that found a difference is data loss (not one that
 		// could not be made): the metric counts these.
-		return v, errdefs.Newf(errdefs.ErrDataLoss, "integrity check failed: the target does not hold what the source held (%d of %d blocks checked differ; first: block %d of request %s, source block %d, target block %d)",
-			bad, len(src), w.index, w.request, src[first].GetBlock(), dst[first].GetBlock())
+		return v, errdefs.Newf(errdefs.ErrDataLoss, "integrity check failed: the target does not hold what the source held (%d of %d blocks checked differ; first: block %d of request %s, slots [%d, %d), source block %d, target block %d)",
+			bad, len(src), w.index, w.request, src[first].GetFirstSlot(), src[first].GetFirstSlot()+src[first].GetNumSlots(), src[first].GetBlock(), dst[first].GetBlock())
 	}
 	return v, nil
+}
+
+// logDifferences says, for the first few blocks that differ, where they
+// are in their request (the last block, where the next tokens go, or an
+// earlier one) and whether another moving request's table holds the same
+// source block (a prefix shared through the engine's prefix cache): what
+// tells a copy that missed a write from one that read a block too early.
+func (m *migration) logDifferences(src, dst []*v1.BlockSlots, at []blockAt, srcHashes, dstHashes []uint64) {
+	m.mu.Lock()
+	holders := map[int32]int{}
+	tableLen := map[string]int{}
+	for id, rb := range m.moving {
+		tableLen[id] = len(rb.SrcBlockIds)
+		for _, b := range rb.SrcBlockIds {
+			holders[b]++
+		}
+	}
+	stable := maps.Clone(m.stableTokens)
+	m.mu.Unlock()
+	const most = 8
+	n := 0
+	for i := range src {
+		if srcHashes[i] == dstHashes[i] {
+			continue
+		}
+		if n++; n > most {
+			break
+		}
+		w := at[i]
+		m.log.Warn("integrity check: a block differs",
+			zap.String("request", w.request), zap.Int("index", w.index), zap.Int("table_blocks", tableLen[w.request]),
+			zap.Int("stable_tokens", stable[w.request]),
+			zap.Int32("first_slot", src[i].GetFirstSlot()), zap.Int32("num_slots", src[i].GetNumSlots()),
+			zap.Int32("src_block", src[i].GetBlock()), zap.Int32("dst_block", dst[i].GetBlock()),
+			zap.Int("moving_requests_holding_the_src_block", holders[src[i].GetBlock()]))
+	}
 }
 
 // pick chooses up to n of k block indices at random (all when n ≥ k).

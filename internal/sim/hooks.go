@@ -115,6 +115,19 @@ func (e *Engine) lookup(ids []string, allowReserved bool) ([]*request, error) {
 	return out, nil
 }
 
+// present splits ids into the requests the engine runs (or holds paused)
+// and those it no longer has.
+func (e *Engine) present(ids []string) (have, missing []string) {
+	for _, id := range ids {
+		if r := e.requests[id]; r != nil && r.state != stateReserved {
+			have = append(have, id)
+		} else {
+			missing = append(missing, id)
+		}
+	}
+	return have, missing
+}
+
 func (e *Engine) lease(ms int) time.Duration {
 	if ms <= 0 {
 		return e.cfg.DefaultPauseLease
@@ -129,12 +142,19 @@ func (e *Engine) Pause(_ context.Context, req hooks.PauseRequest) (hooks.PauseRe
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	wait := time.Since(called)
-	rs, err := e.lookup(req.RequestIDs, false)
-	if err != nil {
-		return hooks.PauseResponse{}, err
+	ids, missing := req.RequestIDs, []string(nil)
+	if req.IgnoreMissing {
+		ids, missing = e.present(ids)
+	}
+	var rs []*request
+	if len(ids) > 0 || len(missing) == 0 { // every named request gone: pause none, not all
+		var err error
+		if rs, err = e.lookup(ids, false); err != nil {
+			return hooks.PauseResponse{}, err
+		}
 	}
 	deadline := time.Now().Add(e.lease(req.LeaseMS))
-	out := hooks.PauseResponse{Paused: []string{}, Cursor: e.cursor, LeaseExpiresAt: unixSeconds(deadline), StepWaitS: wait.Seconds()}
+	out := hooks.PauseResponse{Paused: []string{}, Missing: missing, Cursor: e.cursor, LeaseExpiresAt: unixSeconds(deadline), StepWaitS: wait.Seconds()}
 	for _, r := range rs {
 		r.paused = true
 		r.pauseDeadline = deadline

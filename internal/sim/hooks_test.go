@@ -8,6 +8,7 @@ import (
 	"math"
 	"net/http"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -560,5 +561,48 @@ func TestAbortReservedOnlyLeavesRunningRequests(t *testing.T) {
 	}
 	if o, err := b.Watch(ctx, "running", 0); err != nil || o.Finished {
 		t.Fatalf("the running request was touched: %+v %v", o, err)
+	}
+}
+
+// A pause that ignores missing requests pauses those still running and
+// names the others; without it, one ended request refuses the whole call;
+// and when every named request is gone it pauses none (not all).
+func TestPauseIgnoresRequestsThatEnded(t *testing.T) {
+	e := startEngine(t, testConfig(t))
+	ctx := context.Background()
+	for _, id := range []string{"live", "other"} {
+		if err := e.Submit(NewRequest{ID: id, Prompt: prompt(10, 1), Params: greedy(400), SeedSet: true}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := e.Watch(ctx, id, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var notFound *Error
+	if _, err := e.Pause(ctx, hooks.PauseRequest{RequestIDs: []string{"live", "ended"}}); !errors.As(err, &notFound) || notFound.Status != http.StatusNotFound {
+		t.Fatalf("a pause naming an ended request: %v, want not found", err)
+	}
+	p, err := e.Pause(ctx, hooks.PauseRequest{RequestIDs: []string{"ended"}, IgnoreMissing: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(p.Paused) != 0 || !slices.Equal(p.Missing, []string{"ended"}) {
+		t.Fatalf("only ended requests named: paused %v, missing %v", p.Paused, p.Missing)
+	}
+	p, err = e.Pause(ctx, hooks.PauseRequest{RequestIDs: []string{"live", "ended"}, LeaseMS: 5000, IgnoreMissing: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(p.Paused, []string{"live"}) || !slices.Equal(p.Missing, []string{"ended"}) {
+		t.Fatalf("paused %v, missing %v; want [live] and [ended]", p.Paused, p.Missing)
+	}
+	list, err := e.Requests(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range list.Requests {
+		if want := r.RequestID == "live"; r.Paused != want {
+			t.Fatalf("%s paused=%v, want %v", r.RequestID, r.Paused, want)
+		}
 	}
 }

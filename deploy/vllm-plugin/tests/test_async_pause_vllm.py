@@ -185,6 +185,42 @@ class AsyncPauseTest(unittest.TestCase):
                              f"{rid}: tokens lost or repeated")
         self.assertFalse(self.st.log.in_step)
 
+    def test_a_pause_that_ignores_missing_requests_pauses_the_rest_in_one_boundary(self):
+        """Under load a request ends at almost every step: a pause naming one
+        that ended pauses the others and names it, rather than refusing."""
+        from vllm_hi_plugin import engine_core
+        from vllm_hi_plugin.core_channel import Deferred
+        from vllm_hi_plugin.engine_core import HookError
+
+        for rid, n in (("a", 20), ("b", 33)):
+            self.add(rid, n)
+        for _ in range(12):
+            self.iteration()
+        with self.assertRaises(HookError) as refused:
+            engine_core._ch_pause(self.st, self.ids, {"request_ids": ["b", "ended"], "lease_ms": 60000})
+        self.assertEqual(refused.exception.status, 404)
+        out = engine_core._ch_pause(self.st, self.ids, {"request_ids": ["b", "ended"], "lease_ms": 60000,
+                                                        "ignore_missing": True})
+        for _ in range(4):
+            if not isinstance(out, Deferred) or out.ready():
+                break
+            self.iteration()
+        if isinstance(out, Deferred):
+            self.assertTrue(out.ready(), "the pause never landed")
+            out = out.result()
+        self.assertEqual(out["paused"], ["b"])
+        self.assertEqual(out["missing"], ["ended"])
+        self.assertIn("b", self.st.leases)
+        self.assertNotIn("a", self.st.leases)
+        engine_core._ch_resume(self.st, self.ids, {"request_ids": ["b"]})
+        for _ in range(400):
+            if not self.sched.has_requests() and not self.queue:
+                break
+            self.iteration()
+        for rid in ("a", "b"):
+            self.assertEqual(list(self.reqs[rid].output_token_ids), [token(rid, i) for i in range(MAX_TOKENS)],
+                             f"{rid}: tokens lost or repeated")
+
     def test_the_hooks_utility_call_answers_once_the_step_in_flight_came_back(self):
         """The API server's path (the vllm_hi_hook utility call): with a step
         in flight it returns a Future, which vLLM answers when it is done."""

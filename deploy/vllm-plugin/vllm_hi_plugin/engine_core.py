@@ -129,14 +129,26 @@ class CoreState:
     def changes(self, since: int) -> dict:
         return self.log.changes(since, self.is_free)
 
-    def pause(self, ids, lease_ms: int) -> dict:
-        ids = self._known(ids) if ids else [r for r, q in self.sched.requests.items() if not q.is_finished()]
+    def pause(self, ids, lease_ms: int, ignore_missing: bool = False) -> dict:
+        missing = []
+        if not ids:
+            ids = [r for r, q in self.sched.requests.items() if not q.is_finished()]
+        elif ignore_missing:
+            # Under load a request ends at almost every step: pause those
+            # still here and name the rest, in this one boundary.
+            missing = [i for i in ids if not self._live(i)]
+            ids = [i for i in ids if self._live(i)]
+        else:
+            ids = self._known(ids)
         lease = (lease_ms / 1000.0) if lease_ms else self.hook_lease_s
         exp = self.leases.pause(ids, time.time(), lease)
         # paused_at: when the pause took effect (between steps); the
         # endpoint turns it into the step wait the Host leaves out of the
         # downtime.
-        return {"paused": ids, "cursor": self.log.cursor, "lease_expires_at": exp, "paused_at": time.time()}
+        out = {"paused": ids, "cursor": self.log.cursor, "lease_expires_at": exp, "paused_at": time.time()}
+        if missing:
+            out["missing"] = missing
+        return out
 
     def quiescent(self, ids) -> bool:
         """No step in flight touches these requests: their last scheduled
@@ -157,8 +169,12 @@ class CoreState:
             self.log.mutation()
         return {"resumed": pending + self.leases.resume(ids or None)}
 
+    def _live(self, rid: str) -> bool:
+        req = self.sched.requests.get(rid)
+        return req is not None and not req.is_finished()
+
     def _known(self, ids) -> list[str]:
-        missing = [i for i in ids if i not in self.sched.requests or self.sched.requests[i].is_finished()]
+        missing = [i for i in ids if not self._live(i)]
         if missing:
             raise HookError(404, f"Request {missing[0]} is not running here.", "request_ids")
         return list(ids)
@@ -575,7 +591,7 @@ def _pause_op(st, p: dict):
     paused requests: at once with synchronous scheduling, with asynchronous
     scheduling (a step is in flight at every boundary) once their last
     step's output came back, the next step having left them out."""
-    out = st.pause(p.get("request_ids") or [], int(p.get("lease_ms") or 0))
+    out = st.pause(p.get("request_ids") or [], int(p.get("lease_ms") or 0), bool(p.get("ignore_missing")))
     if st.quiescent(out["paused"]):
         return out
 
@@ -701,10 +717,16 @@ def _ch_changes(st, ids: HostIDs, p: dict) -> dict:
 
 def _ch_pause(st, ids: HostIDs, p: dict):
     """The pause hook (_pause_op) in the Host's ids."""
-    res = _pause_op(st, {"request_ids": ids.internal(p.get("request_ids") or []), "lease_ms": p.get("lease_ms")})
+    asked = p.get("request_ids") or []
+    internal = ids.internal(asked)
+    res = _pause_op(st, {"request_ids": internal, "lease_ms": p.get("lease_ms"),
+                         "ignore_missing": bool(p.get("ignore_missing"))})
 
     def in_host_ids(out: dict) -> dict:
         out["paused"] = [ids.host(i) for i in out["paused"]]
+        if out.get("missing"):
+            back = dict(zip(internal, asked))  # an ended request has no state left to map back
+            out["missing"] = [back.get(i, i) for i in out["missing"]]
         out.pop("paused_at", None)  # the channel's own wait_ms says how long the boundary took
         return out
 

@@ -189,10 +189,16 @@ class Hooks:
         return out
 
     async def pause(self, body: dict) -> dict:
-        ids = [self.internal(i) for i in body.get("request_ids") or []]
+        asked = body.get("request_ids") or []
+        ids = [self.internal(i) for i in asked]
         called = time.time()
-        out = await self.core("pause", {"request_ids": ids, "lease_ms": body.get("lease_ms", 0)})
+        out = await self.core("pause", {"request_ids": ids, "lease_ms": body.get("lease_ms", 0),
+                                        "ignore_missing": bool(body.get("ignore_missing"))})
         out["paused"] = [self.host_id(i) for i in out["paused"]]
+        if out.get("missing"):
+            # A request that ended has no state left to map its id back.
+            back = dict(zip(ids, asked))
+            out["missing"] = [back.get(i, i) for i in out["missing"]]
         out["step_wait_s"] = max(0.0, out.pop("paused_at", called) - called)
         return out
 
