@@ -11,6 +11,7 @@ import (
 	"github.com/spf13/cobra"
 	"go.uber.org/zap"
 
+	"github.com/vllm-hi/vllm-hi/internal/failover"
 	"github.com/vllm-hi/vllm-hi/internal/host"
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
 	"github.com/vllm-hi/vllm-hi/internal/sim"
@@ -24,12 +25,15 @@ func newBenchFailoverCommand(g *Options) *cobra.Command {
 		Use:   "failover",
 		Short: "Engine-crash failover: the clients' gap when a loaded engine dies, by snapshot and by replay, against none",
 		Long: `Starts a Host with two active sims of one model in this process and streams --streams
-streams through it (round robin: half on each). After --delay, engine A stops at once, its
+streams through it (spread over them; --engines 3 adds a third active sim). After --delay, engine A stops at once, its
 connections cut as a killed process's are. Each --mode runs on a fresh deployment:
   snapshot  failover on (the Host's default): A's streams are reinstalled on B (recompute
             of prompt + output) with exactly the tokens each client has, as the relay read
             them (the engines' token ids), the sampling state from a snapshot taken every
             --snapshot-interval
+  alone     the snapshot mode with each of A's streams placed alone (--failover-gather-window 0):
+            on the survivor with the most free KV at its last heartbeat, rather than
+            gathered and spread over the survivors
   snapshot-only  the same with the relay's token ids off (--failover-token-ids=false):
             from the latest snapshot alone, cut to what the client has, the tokens since
             regenerated
@@ -37,7 +41,9 @@ connections cut as a killed process's are. Each --mode runs on a fresh deploymen
             sent again to B, the tokens the client has skipped
   off       failover off: what a client gets without it
 For A's streams that went on it reports the gap across the crash (each one's longest
-inter-token gap from the crash on) and crash → that gap's end (p50, p99, max), and every stream is checked against an
+inter-token gap from the crash on) and crash → that gap's end (p50, p99, max), the
+survivors' own streams' longest gap in the 3 s after the crash (p50, p99) against the run's
+median gap, and every stream is checked against an
 unmigrated run. Then, on B alone, one prefill of the longest context A carried (its prompt
 and the text it had sent) is timed: the goal is a p99 gap within detection (here the cut
 connection, at once) plus that prefill.`,
@@ -49,9 +55,12 @@ connection, at once) plus that prefill.`,
 			}
 			o.log = log
 			for _, m := range modes {
-				if m != "snapshot" && m != "snapshot-only" && m != "replay" && m != "off" {
-					return fmt.Errorf("--mode %q: want snapshot, snapshot-only, replay or off", m)
+				if m != "snapshot" && m != "alone" && m != "snapshot-only" && m != "replay" && m != "off" {
+					return fmt.Errorf("--mode %q: want snapshot, alone, snapshot-only, replay or off", m)
 				}
+			}
+			if o.actives != 2 && o.actives != 3 {
+				return fmt.Errorf("--engines %d: want 2 or 3", o.actives)
 			}
 			if interval <= 0 {
 				return fmt.Errorf("--snapshot-interval %v must be positive", interval)
@@ -61,7 +70,8 @@ connection, at once) plus that prefill.`,
 	}
 	o.register(cmd.Flags(), 128, 400, 3*time.Second)
 	cmd.Flags().DurationVar(&interval, "snapshot-interval", time.Second, "the Host's --failover-snapshot-interval in the snapshot mode")
-	cmd.Flags().StringSliceVar(&modes, "mode", []string{"snapshot", "snapshot-only", "replay", "off"}, "failover modes to compare (snapshot, snapshot-only, replay, off)")
+	cmd.Flags().StringSliceVar(&modes, "mode", []string{"snapshot", "snapshot-only", "replay", "off"}, "failover modes to compare (snapshot, alone, snapshot-only, replay, off)")
+	cmd.Flags().IntVar(&o.actives, "engines", 2, "active sims (2 or 3); A is the one killed")
 	return cmd
 }
 
@@ -69,7 +79,11 @@ connection, at once) plus that prefill.`,
 type crashResult struct {
 	affected      int // streams on A when it died
 	gaps, resumes []time.Duration
-	check         streamCheck
+	// The survivors' own streams: each one's longest gap in the 3 s after
+	// the crash, and the median inter-token gap of the whole run.
+	survivorGaps []time.Duration
+	medianGap    time.Duration
+	check        streamCheck
 	// The stream of A's with the most context at the crash: its prompt,
 	// the text it had sent by then, and the two's words.
 	longestPrompt, longestSent string
@@ -81,7 +95,8 @@ func runBenchFailover(ctx context.Context, out io.Writer, o opsBench, interval t
 	if o.log == nil {
 		o.log = zap.NewNop()
 	}
-	header(out, "failover", o, fmt.Sprintf("; two active engines, A killed after %v", o.delay))
+	o.actives = max(o.actives, 2)
+	header(out, "failover", o, fmt.Sprintf("; %d active engines, A killed after %v", o.actives, o.delay))
 	reqs := o.requests()
 	ref, err := o.reference(ctx, reqs)
 	if err != nil {
@@ -97,7 +112,11 @@ func runBenchFailover(ctx context.Context, out io.Writer, o opsBench, interval t
 		case "off":
 			iv = 0
 		}
-		r, err := o.crashOnce(ctx, reqs, ref, iv, mode != "snapshot-only")
+		window := failover.DefaultConfig().GatherWindow
+		if mode == "alone" {
+			window = 0
+		}
+		r, err := o.crashOnce(ctx, reqs, ref, iv, mode != "snapshot-only", window)
 		if err != nil {
 			return fmt.Errorf("mode %s: %w", mode, err)
 		}
@@ -107,7 +126,12 @@ func runBenchFailover(ctx context.Context, out io.Writer, o opsBench, interval t
 				len(r.gaps), msText(loadgen.Percentile(r.gaps, 0.5)), msText(loadgen.Percentile(r.gaps, 0.99)), msText(loadgen.Percentile(r.gaps, 1)),
 				msText(loadgen.Percentile(r.resumes, 0.5)), msText(loadgen.Percentile(r.resumes, 0.99)), msText(loadgen.Percentile(r.resumes, 1)))
 		}
-		fmt.Fprintf(out, "%-13s A carried %d streams, %s; every stream: %s\n", mode, r.affected, gaps, r.check)
+		own := ""
+		if len(r.survivorGaps) > 0 {
+			own = fmt.Sprintf("; the survivors' own %d streams' worst gap in the 3 s after the crash p50 %s, p99 %s (the run's median gap %s)",
+				len(r.survivorGaps), msText(loadgen.Percentile(r.survivorGaps, 0.5)), msText(loadgen.Percentile(r.survivorGaps, 0.99)), msText(r.medianGap))
+		}
+		fmt.Fprintf(out, "%-13s A carried %d streams, %s; every stream: %s%s\n", mode, r.affected, gaps, r.check, own)
 		if mode != "off" && (r.check.Failed > 0 || r.check.Inexact > 0) {
 			failed = append(failed, mode)
 		}
@@ -135,9 +159,11 @@ func runBenchFailover(ctx context.Context, out io.Writer, o opsBench, interval t
 
 // crashOnce runs the load on a fresh deployment with failover snapshots
 // every iv (0: off) and kills engine A after the delay.
-func (o opsBench) crashOnce(ctx context.Context, reqs []loadgen.Request, ref []loadgen.Stream, iv time.Duration, tokenIDs bool) (crashResult, error) {
+func (o opsBench) crashOnce(ctx context.Context, reqs []loadgen.Request, ref []loadgen.Stream, iv time.Duration, tokenIDs bool, window time.Duration) (crashResult, error) {
 	var r crashResult
-	st, err := o.start(func(c *host.Config) { c.Failover.SnapshotInterval, c.Failover.RelayTokenIDs = iv, tokenIDs })
+	st, err := o.start(func(c *host.Config) {
+		c.Failover.SnapshotInterval, c.Failover.RelayTokenIDs, c.Failover.GatherWindow = iv, tokenIDs, window
+	})
 	if err != nil {
 		return r, err
 	}
@@ -158,8 +184,18 @@ func (o opsBench) crashOnce(ctx context.Context, reqs []loadgen.Request, ref []l
 	for _, q := range onA.Requests {
 		ids[q.RequestID] = true
 	}
+	var all []time.Duration
+	for _, s := range streams {
+		for j := 1; j < len(s.Arrivals); j++ {
+			all = append(all, s.Arrivals[j].Sub(s.Arrivals[j-1]))
+		}
+	}
+	r.medianGap = loadgen.Percentile(all, 0.5)
 	for i, s := range streams {
 		if !ids[s.ID] {
+			if g := worstGapIn(s.Arrivals, killed, killed.Add(3*time.Second)); g > 0 {
+				r.survivorGaps = append(r.survivorGaps, g)
+			}
 			continue
 		}
 		r.affected++
@@ -190,6 +226,17 @@ func (o opsBench) crashOnce(ctx context.Context, reqs []loadgen.Request, ref []l
 		}
 	}
 	return r, nil
+}
+
+// worstGapIn is the longest gap between arrivals that ends in [from, to].
+func worstGapIn(arrivals []time.Time, from, to time.Time) time.Duration {
+	var worst time.Duration
+	for j := 1; j < len(arrivals); j++ {
+		if at := arrivals[j]; !at.Before(from) && !at.After(to) {
+			worst = max(worst, at.Sub(arrivals[j-1]))
+		}
+	}
+	return worst
 }
 
 // timePrefill times, on a fresh idle sim, the first token of one request

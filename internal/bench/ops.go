@@ -25,6 +25,8 @@ type opsBench struct {
 	delay                           time.Duration
 	geo                             simGeometryFlags
 	log                             *zap.Logger
+	// actives: the active sims start brings up (0: two, A and B).
+	actives int
 }
 
 func (o *opsBench) register(f *pflag.FlagSet, streams, tokens int, delay time.Duration) {
@@ -61,10 +63,11 @@ func (o opsBench) reference(ctx context.Context, reqs []loadgen.Request) ([]load
 	return ref, nil
 }
 
-// start brings up a Host with sims A and B, both active.
+// start brings up a Host with sims A and B, both active (and more
+// active ones beside them, to o.actives).
 func (o opsBench) start(tune func(*host.Config)) (*stack.Stack, error) {
 	c := o.simConfig()
-	return stack.Start(stack.Options{Model: "demo-model", SimA: c, SimB: c, Log: o.log, BActive: true, TuneHost: tune})
+	return stack.Start(stack.Options{Model: "demo-model", SimA: c, SimB: c, Log: o.log, BActive: true, MoreActives: max(0, o.actives-2), TuneHost: tune})
 }
 
 // loadOnA streams reqs through the Host with every one of them on A — B

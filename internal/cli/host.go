@@ -156,6 +156,7 @@ across restarts.`,
 	f.DurationVar(&cfg.Migration.RetireWait, "migration-retire-wait", cfg.Migration.RetireWait, "how long a destroy_source source waits for its remaining requests before releasing its KV")
 	f.DurationVar(&cfg.Failover.SnapshotInterval, "failover-snapshot-interval", defaultFailoverSnapshot, "engine-crash failover: how often the Host snapshots the state of the streams it relays, to go on with them on another instance if their engine dies (0: off)")
 	f.IntVar(&cfg.Failover.MaxPerModel, "failover-max-per-model", cfg.Failover.MaxPerModel, "engine-crash failover: streams of one model recovered at once")
+	f.DurationVar(&cfg.Failover.GatherWindow, "failover-gather-window", cfg.Failover.GatherWindow, "engine-crash failover: how long a dead engine's first broken stream waits for the others, so that they are spread over the survivors by free KV, shortest context first, with one reservation and one install per survivor (0: each placed alone)")
 	f.BoolVar(&cfg.Failover.RelayTokenIDs, "failover-token-ids", cfg.Failover.RelayTokenIDs, "engine-crash failover: ask the engines for each stream's token ids (hidden from clients that did not ask), so a survivor takes exactly the client's tokens; false: from the last snapshot")
 	f.DurationVar(&cfg.Scale.HoldTimeout, "scale-hold-timeout", cfg.Scale.HoldTimeout, "scaling: how long one request is held through an elastic-EP commit (vLLM's 503) before the 503 goes through")
 	f.IntVar(&cfg.Scale.MaxHeld, "scale-max-held", cfg.Scale.MaxHeld, "scaling: requests held through a commit at once")

@@ -44,17 +44,21 @@ type Config struct {
 	// ids (return_token_ids, hidden from clients), so that a recovery
 	// takes exactly the client's tokens rather than the last snapshot's.
 	RelayTokenIDs bool
+	// GatherWindow is how long the first broken stream of a dead engine
+	// waits for the others, to place them together over the survivors
+	// (spread.go); 0 places each alone.
+	GatherWindow time.Duration
 }
 
 // DefaultConfig is off, with the limits a user turning it on starts from.
 func DefaultConfig() Config {
-	return Config{MaxPerModel: 256, Timeout: 10 * time.Second, RelayTokenIDs: true}
+	return Config{MaxPerModel: 256, Timeout: 10 * time.Second, RelayTokenIDs: true, GatherWindow: 10 * time.Millisecond}
 }
 
 // Check says what is wrong with c.
 func (c Config) Check() error {
-	if c.SnapshotInterval < 0 || c.MaxPerModel < 1 || c.Timeout <= 0 {
-		return fmt.Errorf("failover: snapshot interval ≥ 0, max per model ≥ 1, timeout > 0")
+	if c.SnapshotInterval < 0 || c.MaxPerModel < 1 || c.Timeout <= 0 || c.GatherWindow < 0 || c.GatherWindow >= c.Timeout {
+		return fmt.Errorf("failover: snapshot interval ≥ 0, max per model ≥ 1, timeout > 0, 0 ≤ gather window < timeout")
 	}
 	return nil
 }
@@ -102,15 +106,16 @@ type Manager struct {
 	met     *Metrics
 	log     *zap.Logger
 
-	mu       sync.Mutex
-	states   map[string]hooks.RequestState // by request id: the latest snapshot
-	inflight map[string]int                // recoveries running, by model
+	mu        sync.Mutex
+	states    map[string]hooks.RequestState // by request id: the latest snapshot
+	inflight  map[string]int                // recoveries running, by model
+	gathering map[string]*gathering         // by model and dead instance: streams waiting to be placed together
 }
 
 // New returns a manager (met may be nil).
 func New(cfg Config, reg *registry.Registry, agents *agentclient.Pool, streams *proxy.Streams, met *Metrics, log *zap.Logger) *Manager {
 	return &Manager{cfg: cfg, reg: reg, agents: agents, streams: streams, met: met, log: log,
-		states: map[string]hooks.RequestState{}, inflight: map[string]int{}}
+		states: map[string]hooks.RequestState{}, inflight: map[string]int{}, gathering: map[string]*gathering{}}
 }
 
 // Enabled reports whether failover is on.
@@ -320,6 +325,20 @@ func (m *Manager) reinstallState(ctx context.Context, s *proxy.Stream, state hoo
 		return "", "", OutcomeLimited, fmt.Errorf("%d streams of %s are being recovered already", m.cfg.MaxPerModel, s.Model)
 	}
 	defer m.leave(s.Model)
+	if m.cfg.GatherWindow > 0 {
+		url, id, outcome, err = m.placeGathered(ctx, s, state)
+	} else {
+		url, id, outcome, err = m.placeAlone(ctx, s, state)
+	}
+	if err == nil {
+		m.abortOn(s)
+	}
+	return url, id, outcome, err
+}
+
+// placeAlone installs state on the first survivor (the most free KV at
+// its last heartbeat) that takes it.
+func (m *Manager) placeAlone(ctx context.Context, s *proxy.Stream, state hooks.RequestState) (url, id, outcome string, err error) {
 	targets := m.targets(s)
 	if len(targets) == 0 {
 		return "", "", OutcomeNoTarget, fmt.Errorf("no healthy instance of %s besides %s can take the stream", s.Model, s.Instance)
@@ -328,11 +347,10 @@ func (m *Manager) reinstallState(ctx context.Context, s *proxy.Stream, state hoo
 	defer cancel()
 	var last error
 	for _, t := range targets {
-		if err := m.install(ctx, t, state); err != nil {
+		if err := m.install(ctx, t, []hooks.RequestState{state}); err != nil {
 			last = fmt.Errorf("%s: %w", t.ID, err)
 			continue
 		}
-		m.abortOn(s)
 		return t.Engine.URL, t.ID, OutcomeRecovered, nil
 	}
 	return "", "", OutcomeFailed, last
@@ -381,20 +399,28 @@ func (m *Manager) targets(s *proxy.Stream) []registry.Instance {
 	return out
 }
 
-// install reserves the request on t as one to recompute (no KV moves:
-// the dead engine's is gone) and installs its state, running.
-func (m *Manager) install(ctx context.Context, t registry.Instance, st hooks.RequestState) error {
+// install reserves the requests on t as ones to recompute (no KV moves:
+// the dead engine's is gone) and installs their states, running, in their
+// order: one reservation call and one install call for all of them.
+func (m *Manager) install(ctx context.Context, t registry.Instance, states []hooks.RequestState) error {
 	a, err := m.agents.Get(t.AgentAddress, t.TLS)
 	if err != nil {
 		return err
 	}
-	need := len(st.PromptTokenIDs) + max(st.Sampling.MaxTokens, len(st.OutputTokenIDs)+1)
-	if _, err := a.Engine.Allocate(ctx, hooks.AllocateRequest{Requests: []hooks.AllocateItem{{RequestID: st.RequestID, NumTokens: need, Recompute: true}}}); err != nil {
+	items := make([]hooks.AllocateItem, len(states))
+	ids := make([]string, len(states))
+	for i, st := range states {
+		items[i] = hooks.AllocateItem{RequestID: st.RequestID, NumTokens: tokensNeeded(st), Recompute: true}
+		ids[i] = st.RequestID
+	}
+	if _, err := a.Engine.Allocate(ctx, hooks.AllocateRequest{Requests: items}); err != nil {
+		// A refused reservation of several may have reserved some.
+		_, _ = a.Engine.Abort(context.WithoutCancel(ctx), hooks.AbortRequest{RequestIDs: ids, Silent: true, IgnoreMissing: true})
 		return fmt.Errorf("reserve: %w", err)
 	}
-	if _, err := a.Engine.Install(ctx, hooks.InstallRequest{Requests: []hooks.RequestState{st}, Resume: true}); err != nil {
-		// The reservation's lease frees it; say so at once where we can.
-		_, _ = a.Engine.Abort(context.WithoutCancel(ctx), hooks.AbortRequest{RequestIDs: []string{st.RequestID}, Silent: true, IgnoreMissing: true})
+	if _, err := a.Engine.Install(ctx, hooks.InstallRequest{Requests: states, Resume: true}); err != nil {
+		// The reservations' lease frees them; say so at once where we can.
+		_, _ = a.Engine.Abort(context.WithoutCancel(ctx), hooks.AbortRequest{RequestIDs: ids, Silent: true, IgnoreMissing: true})
 		return fmt.Errorf("install: %w", err)
 	}
 	return nil

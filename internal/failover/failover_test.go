@@ -1,10 +1,12 @@
 package failover
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
+	"github.com/vllm-hi/vllm-hi/internal/registry"
 )
 
 func state(n int) hooks.RequestState {
@@ -57,5 +59,36 @@ func TestCut(t *testing.T) {
 	_, _ = cut(st, 3, 6)
 	if len(st.OutputTokenIDs) != 10 {
 		t.Fatal("cut changed the snapshot")
+	}
+}
+
+// spread places a batch shortest context first, each stream on the
+// survivor with the most free blocks left after what the batch gave it.
+func TestSpreadPlacesShortestFirstByFreeKV(t *testing.T) {
+	w := func(id string, prompt, output, maxTokens int) *waiting {
+		st := hooks.RequestState{RequestID: id, PromptTokenIDs: make(hooks.IntList, prompt), OutputTokenIDs: make(hooks.IntList, output)}
+		st.Sampling.MaxTokens = maxTokens
+		return &waiting{state: st}
+	}
+	targets := []registry.Instance{
+		{Registration: registry.Registration{ID: "b", Engine: registry.Engine{Geometry: registry.Geometry{BlockSize: 16}}}, Stats: registry.Stats{FreeBlocks: 100}},
+		{Registration: registry.Registration{ID: "c", Engine: registry.Engine{Geometry: registry.Geometry{BlockSize: 16}}}, Stats: registry.Stats{FreeBlocks: 70}},
+	}
+	// Contexts 640, 80, 320 and 160 tokens; each reserves prompt + max_tokens.
+	batch := []*waiting{w("long", 320, 320, 640), w("short", 48, 32, 80), w("mid", 160, 160, 320), w("small", 96, 64, 160)}
+	shares := spread(batch, targets)
+	got := [][]string{}
+	for _, share := range shares {
+		var ids []string
+		for _, x := range share {
+			ids = append(ids, x.state.RequestID)
+		}
+		got = append(got, ids)
+	}
+	// short (128 tokens: 8 blocks) → b (100 → 92); small (256: 16) → b
+	// (92 → 76); mid (480: 30) → b (76 → 46); long (960: 60) → c.
+	want := [][]string{{"short", "small", "mid"}, {"long"}}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("shares %v, want %v", got, want)
 	}
 }

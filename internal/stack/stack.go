@@ -1,7 +1,8 @@
 // Package stack starts a whole vllm-hi deployment in one process on
-// loopback — a Host, two sims (A active, B standby) and their agents — for
-// the demo, the migration benchmark and tests. Each piece is the real
-// component on its own listener; only the processes are shared.
+// loopback — a Host, two sims (A active, B standby; MoreActives adds
+// active ones beside A) and their agents — for the demo, the migration
+// benchmark and tests. Each piece is the real component on its own
+// listener; only the processes are shared.
 package stack
 
 import (
@@ -43,6 +44,9 @@ type Options struct {
 	// store (its Store must be etcd://…): every one serves, the agents
 	// register with all of them (HostURLs).
 	MoreHosts int
+	// MoreActives starts that many more sims of the model (configured as
+	// SimB), each with its agent, active beside A: sim-c, sim-d, …
+	MoreActives int
 }
 
 // Stack is a running deployment. Every plane is authenticated as in a
@@ -54,6 +58,8 @@ type Stack struct {
 	AURL, BURL string   // engines
 	AID, BID   string   // vllm_hi_ids
 	A, B       *sim.Engine
+	// More are the sims of Options.MoreActives, in order.
+	More       []Sim
 	Host       *host.Host
 	AdminToken string
 	AgentToken string
@@ -80,6 +86,14 @@ func Start(o Options) (*Stack, error) {
 	}
 	if s.B, s.BURL, err = s.startSim(o.SimB, o.Model, fmt.Sprintf("vhi-stack-%d-b", pid), o.Log, wrapB...); err != nil {
 		return fail(err)
+	}
+	for i := range o.MoreActives {
+		name := string(rune('c' + i))
+		e, url, err := s.startSim(o.SimB, o.Model, fmt.Sprintf("vhi-stack-%d-%s", pid, name), o.Log)
+		if err != nil {
+			return fail(err)
+		}
+		s.More = append(s.More, Sim{ID: "sim-" + name, URL: url, Engine: e})
 	}
 	cfg := o.HostCfg
 	if cfg.Listen == "" {
@@ -120,7 +134,11 @@ func Start(o Options) (*Stack, error) {
 	if o.BActive {
 		bType = "A"
 	}
-	for _, a := range []struct{ typ, id, url string }{{"A", s.AID, s.AURL}, {bType, s.BID, s.BURL}} {
+	agents := []struct{ typ, id, url string }{{"A", s.AID, s.AURL}, {bType, s.BID, s.BURL}}
+	for _, m := range s.More {
+		agents = append(agents, struct{ typ, id, url string }{"A", m.ID, m.URL})
+	}
+	for _, a := range agents {
 		ag, err := agent.New(agent.Config{Type: a.typ, HostAddr: strings.Join(addrs, ","), EngineURL: a.url, ID: a.id,
 			Listen: "127.0.0.1:0", AdvertiseHost: "127.0.0.1", TP: 1, PP: 1, EngineWait: 10 * time.Second, AgentToken: s.AgentToken,
 			TransferBackend: o.TransferBackend},
@@ -138,10 +156,16 @@ func Start(o Options) (*Stack, error) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
-	if err := s.client.WaitInstances(ctx, 2); err != nil {
+	if err := s.client.WaitInstances(ctx, 2+len(s.More)); err != nil {
 		return fail(fmt.Errorf("the agents did not register: %w", err))
 	}
 	return s, nil
+}
+
+// Sim is one more active sim of the stack.
+type Sim struct {
+	ID, URL string
+	Engine  *sim.Engine
 }
 
 // Client is the typed client of the stack's Host, with the admin token.
@@ -160,14 +184,20 @@ func (s *Stack) startSim(c sim.Config, model, prefix string, log *zap.Logger, wr
 	return r.Engine, r.URL, nil
 }
 
-// KillEngine stops engine id (AID or BID) at once, cutting its
-// connections mid-stream as a crashed process's are; its agent stays.
+// KillEngine stops engine id (AID, BID or one of More's) at once,
+// cutting its connections mid-stream as a crashed process's are; its
+// agent stays.
 func (s *Stack) KillEngine(id string) {
 	switch id {
 	case s.AID:
 		s.kills[0]()
 	case s.BID:
 		s.kills[1]()
+	}
+	for i, m := range s.More {
+		if m.ID == id {
+			s.kills[2+i]()
+		}
 	}
 }
 
