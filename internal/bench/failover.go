@@ -34,6 +34,9 @@ connections cut as a killed process's are. Each --mode runs on a fresh deploymen
   alone     the snapshot mode with each of A's streams placed alone (--failover-gather-window 0):
             on the survivor with the most free KV at its last heartbeat, rather than
             gathered and spread over the survivors
+  paced     the snapshot mode with each survivor fed its share in installs of at most
+            --paced-tokens tokens of context, each once the last one's prefill is done
+            (--failover-recompute-per-step)
   snapshot-only  the same with the relay's token ids off (--failover-token-ids=false):
             from the latest snapshot alone, cut to what the client has, the tokens since
             regenerated
@@ -55,8 +58,8 @@ connection, at once) plus that prefill.`,
 			}
 			o.log = log
 			for _, m := range modes {
-				if m != "snapshot" && m != "alone" && m != "snapshot-only" && m != "replay" && m != "off" {
-					return fmt.Errorf("--mode %q: want snapshot, alone, snapshot-only, replay or off", m)
+				if m != "snapshot" && m != "alone" && m != "paced" && m != "snapshot-only" && m != "replay" && m != "off" {
+					return fmt.Errorf("--mode %q: want snapshot, alone, paced, snapshot-only, replay or off", m)
 				}
 			}
 			if o.actives != 2 && o.actives != 3 {
@@ -70,7 +73,8 @@ connection, at once) plus that prefill.`,
 	}
 	o.register(cmd.Flags(), 128, 400, 3*time.Second)
 	cmd.Flags().DurationVar(&interval, "snapshot-interval", time.Second, "the Host's --failover-snapshot-interval in the snapshot mode")
-	cmd.Flags().StringSliceVar(&modes, "mode", []string{"snapshot", "snapshot-only", "replay", "off"}, "failover modes to compare (snapshot, alone, snapshot-only, replay, off)")
+	cmd.Flags().StringSliceVar(&modes, "mode", []string{"snapshot", "snapshot-only", "replay", "off"}, "failover modes to compare (snapshot, alone, paced, snapshot-only, replay, off)")
+	cmd.Flags().IntVar(&o.pacedTokens, "paced-tokens", 2048, "the paced mode's --failover-recompute-per-step")
 	cmd.Flags().IntVar(&o.actives, "engines", 2, "active sims (2 or 3); A is the one killed")
 	return cmd
 }
@@ -112,11 +116,15 @@ func runBenchFailover(ctx context.Context, out io.Writer, o opsBench, interval t
 		case "off":
 			iv = 0
 		}
-		window := failover.DefaultConfig().GatherWindow
-		if mode == "alone" {
-			window = 0
+		fc := failover.DefaultConfig()
+		fc.SnapshotInterval, fc.RelayTokenIDs = iv, mode != "snapshot-only"
+		switch mode {
+		case "alone":
+			fc.GatherWindow = 0
+		case "paced":
+			fc.RecomputePerStep = o.pacedTokens
 		}
-		r, err := o.crashOnce(ctx, reqs, ref, iv, mode != "snapshot-only", window)
+		r, err := o.crashOnce(ctx, reqs, ref, fc)
 		if err != nil {
 			return fmt.Errorf("mode %s: %w", mode, err)
 		}
@@ -157,13 +165,11 @@ func runBenchFailover(ctx context.Context, out io.Writer, o opsBench, interval t
 	return nil
 }
 
-// crashOnce runs the load on a fresh deployment with failover snapshots
-// every iv (0: off) and kills engine A after the delay.
-func (o opsBench) crashOnce(ctx context.Context, reqs []loadgen.Request, ref []loadgen.Stream, iv time.Duration, tokenIDs bool, window time.Duration) (crashResult, error) {
+// crashOnce runs the load on a fresh deployment with failover fc and
+// kills engine A after the delay.
+func (o opsBench) crashOnce(ctx context.Context, reqs []loadgen.Request, ref []loadgen.Stream, fc failover.Config) (crashResult, error) {
 	var r crashResult
-	st, err := o.start(func(c *host.Config) {
-		c.Failover.SnapshotInterval, c.Failover.RelayTokenIDs, c.Failover.GatherWindow = iv, tokenIDs, window
-	})
+	st, err := o.start(func(c *host.Config) { c.Failover = fc })
 	if err != nil {
 		return r, err
 	}

@@ -27,6 +27,8 @@ type opsBench struct {
 	log                             *zap.Logger
 	// actives: the active sims start brings up (0: two, A and B).
 	actives int
+	// pacedTokens: vhi bench failover's paced mode's recompute per step.
+	pacedTokens int
 }
 
 func (o *opsBench) register(f *pflag.FlagSet, streams, tokens int, delay time.Duration) {

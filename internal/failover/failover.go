@@ -48,6 +48,11 @@ type Config struct {
 	// waits for the others, to place them together over the survivors
 	// (spread.go); 0 places each alone.
 	GatherWindow time.Duration
+	// RecomputePerStep, with GatherWindow, feeds each survivor its share
+	// of a dead engine's streams in installs of at most this many tokens
+	// of context, each once the last one's prefill is done, so that the
+	// survivor's own streams see short steps (0: the whole share at once).
+	RecomputePerStep int
 }
 
 // DefaultConfig is off, with the limits a user turning it on starts from.
@@ -57,8 +62,8 @@ func DefaultConfig() Config {
 
 // Check says what is wrong with c.
 func (c Config) Check() error {
-	if c.SnapshotInterval < 0 || c.MaxPerModel < 1 || c.Timeout <= 0 || c.GatherWindow < 0 || c.GatherWindow >= c.Timeout {
-		return fmt.Errorf("failover: snapshot interval ≥ 0, max per model ≥ 1, timeout > 0, 0 ≤ gather window < timeout")
+	if c.SnapshotInterval < 0 || c.MaxPerModel < 1 || c.Timeout <= 0 || c.GatherWindow < 0 || c.GatherWindow >= c.Timeout || c.RecomputePerStep < 0 {
+		return fmt.Errorf("failover: snapshot interval ≥ 0, max per model ≥ 1, timeout > 0, 0 ≤ gather window < timeout, recompute per step ≥ 0")
 	}
 	return nil
 }
@@ -403,25 +408,45 @@ func (m *Manager) targets(s *proxy.Stream) []registry.Instance {
 // the dead engine's is gone) and installs their states, running, in their
 // order: one reservation call and one install call for all of them.
 func (m *Manager) install(ctx context.Context, t registry.Instance, states []hooks.RequestState) error {
+	return m.installParts(ctx, t, [][]hooks.RequestState{states}, nil)
+}
+
+// installParts reserves every part's requests on t in one call, then
+// installs the parts in order, each once the last one's prefill is done
+// (waitPrefilled), calling installed after each. What a failed install
+// left (its part and those after it) is dropped on t again.
+func (m *Manager) installParts(ctx context.Context, t registry.Instance, parts [][]hooks.RequestState, installed func(part int)) error {
 	a, err := m.agents.Get(t.AgentAddress, t.TLS)
 	if err != nil {
 		return err
 	}
-	items := make([]hooks.AllocateItem, len(states))
-	ids := make([]string, len(states))
-	for i, st := range states {
-		items[i] = hooks.AllocateItem{RequestID: st.RequestID, NumTokens: tokensNeeded(st), Recompute: true}
-		ids[i] = st.RequestID
+	var items []hooks.AllocateItem
+	var ids []string
+	for _, part := range parts {
+		for _, st := range part {
+			items = append(items, hooks.AllocateItem{RequestID: st.RequestID, NumTokens: tokensNeeded(st), Recompute: true})
+			ids = append(ids, st.RequestID)
+		}
 	}
 	if _, err := a.Engine.Allocate(ctx, hooks.AllocateRequest{Requests: items}); err != nil {
 		// A refused reservation of several may have reserved some.
 		_, _ = a.Engine.Abort(context.WithoutCancel(ctx), hooks.AbortRequest{RequestIDs: ids, Silent: true, IgnoreMissing: true})
 		return fmt.Errorf("reserve: %w", err)
 	}
-	if _, err := a.Engine.Install(ctx, hooks.InstallRequest{Requests: states, Resume: true}); err != nil {
-		// The reservations' lease frees them; say so at once where we can.
-		_, _ = a.Engine.Abort(context.WithoutCancel(ctx), hooks.AbortRequest{RequestIDs: ids, Silent: true, IgnoreMissing: true})
-		return fmt.Errorf("install: %w", err)
+	done := 0
+	for i, part := range parts {
+		if i > 0 {
+			m.waitPrefilled(ctx, a, parts[i-1])
+		}
+		if _, err := a.Engine.Install(ctx, hooks.InstallRequest{Requests: part, Resume: true}); err != nil {
+			// The reservations' lease frees them; say so at once where we can.
+			_, _ = a.Engine.Abort(context.WithoutCancel(ctx), hooks.AbortRequest{RequestIDs: ids[done:], Silent: true, IgnoreMissing: true})
+			return fmt.Errorf("install: %w", err)
+		}
+		done += len(part)
+		if installed != nil {
+			installed(i)
+		}
 	}
 	return nil
 }

@@ -6,11 +6,13 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
+	"github.com/vllm-hi/vllm-hi/internal/agentclient"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
 )
@@ -89,6 +91,9 @@ func (m *Manager) placeGathered(ctx context.Context, s *proxy.Stream, state hook
 func (m *Manager) placeBatch(batch []*waiting) {
 	ctx, cancel := context.WithTimeout(context.Background(), m.cfg.Timeout)
 	defer cancel()
+	// A stream is its relay's again once its waiter is answered (the relay
+	// moves it to its new instance): what the log needs is read first.
+	from := batch[0].s.Instance
 	targets := m.targets(batch[0].s)
 	if len(targets) == 0 {
 		for _, w := range batch {
@@ -97,6 +102,7 @@ func (m *Manager) placeBatch(batch []*waiting) {
 		return
 	}
 	shares := spread(batch, targets)
+	var installs atomic.Int64
 	var wg sync.WaitGroup
 	for i, share := range shares {
 		if len(share) == 0 {
@@ -104,21 +110,30 @@ func (m *Manager) placeBatch(batch []*waiting) {
 		}
 		t := targets[i]
 		wg.Go(func() {
-			states := make([]hooks.RequestState, len(share))
-			for j, w := range share {
-				states[j] = w.state
-			}
-			if err := m.install(ctx, t, states); err != nil {
-				m.log.Info("a survivor refused its share of a dead engine's streams; placing them one by one",
-					zap.String("target", t.ID), zap.Int("streams", len(share)), zap.Error(err))
-				for _, w := range share {
-					url, id, outcome, err := m.placeAlone(ctx, w.s, w.state)
-					w.done <- placement{url, id, outcome, err}
+			parts := split(share, m.cfg.RecomputePerStep)
+			installs.Add(int64(len(parts)))
+			states := make([][]hooks.RequestState, len(parts))
+			for j, part := range parts {
+				for _, w := range part {
+					states[j] = append(states[j], w.state)
 				}
-				return
 			}
-			for _, w := range share {
-				w.done <- placement{url: t.Engine.URL, id: t.ID, outcome: OutcomeRecovered}
+			placed := 0 // parts installed, their clients told
+			err := m.installParts(ctx, t, states, func(j int) {
+				for _, w := range parts[j] {
+					w.done <- placement{url: t.Engine.URL, id: t.ID, outcome: OutcomeRecovered}
+				}
+				placed = j + 1
+			})
+			if err != nil {
+				m.log.Info("a survivor refused its share of a dead engine's streams; placing the rest one by one",
+					zap.String("target", t.ID), zap.Int("parts_installed", placed), zap.Int("parts", len(parts)), zap.Error(err))
+				for _, part := range parts[placed:] {
+					for _, w := range part {
+						url, id, outcome, err := m.placeAlone(ctx, w.s, w.state)
+						w.done <- placement{url, id, outcome, err}
+					}
+				}
 			}
 		})
 	}
@@ -128,7 +143,8 @@ func (m *Manager) placeBatch(batch []*waiting) {
 		for i, share := range shares {
 			counts = append(counts, zap.Int(targets[i].ID, len(share)))
 		}
-		m.log.Info("a dead engine's streams placed together", append(counts, zap.String("from", batch[0].s.Instance), zap.Int("streams", len(batch)))...)
+		m.log.Info("a dead engine's streams placed together", append(counts, zap.String("from", from),
+			zap.Int("streams", len(batch)), zap.Int64("installs", installs.Load()))...)
 	}
 }
 
@@ -159,6 +175,58 @@ func spread(batch []*waiting, targets []registry.Instance) [][]*waiting {
 		free[best] -= (tokensNeeded(w.state) + bs - 1) / bs
 	}
 	return shares
+}
+
+// split cuts a survivor's share, in its order, into parts of at most
+// perStep tokens of context (at least one stream each); 0: one part.
+func split(share []*waiting, perStep int) [][]*waiting {
+	if perStep <= 0 {
+		return [][]*waiting{share}
+	}
+	var parts [][]*waiting
+	sum := 0
+	for _, w := range share {
+		if n := len(parts); n == 0 || sum+w.context() > perStep && len(parts[n-1]) > 0 {
+			parts = append(parts, nil)
+			sum = 0
+		}
+		parts[len(parts)-1] = append(parts[len(parts)-1], w)
+		sum += w.context()
+	}
+	return parts
+}
+
+// waitPrefilled waits, polling the survivor's requests, until each of
+// part's has its context computed or a token past it (or is gone):
+// then its prefill is done and the next part's may start. A failed poll
+// or the context's end stops the wait: the next part goes in anyway.
+func (m *Manager) waitPrefilled(ctx context.Context, a agentclient.Agent, part []hooks.RequestState) {
+	for {
+		list, err := a.Engine.Requests(ctx)
+		if err != nil {
+			return
+		}
+		byID := make(map[string]hooks.RequestInfo, len(list.Requests))
+		for _, r := range list.Requests {
+			byID[r.RequestID] = r
+		}
+		pending := false
+		for _, st := range part {
+			r, ok := byID[st.RequestID]
+			if ok && r.NumComputedTokens < len(st.PromptTokenIDs)+len(st.OutputTokenIDs) && r.NumOutputTokens <= len(st.OutputTokenIDs) {
+				pending = true
+				break
+			}
+		}
+		if !pending {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(2 * time.Millisecond):
+		}
+	}
 }
 
 // tokensNeeded is what a survivor reserves for a recovered request: its

@@ -21,16 +21,29 @@ import (
 // had the most free KV at its last heartbeat), and every stream equals its
 // run without the crash.
 func TestADeadEnginesStreamsAreSpreadOverTheSurvivors(t *testing.T) {
-	to := crashOneOfThree(t, 10*time.Millisecond)
+	to, installs := crashOneOfThree(t, 10*time.Millisecond, 0)
 	if to["sim-b"] == 0 || to["sim-c"] == 0 {
 		t.Fatalf("A's streams went to %v: want some on each survivor", to)
+	}
+	if installs != 2 {
+		t.Fatalf("%d installs, want one per survivor", installs)
+	}
+}
+
+// Paced, each survivor gets its share in installs of a few hundred tokens
+// of context, each once the last one's prefill is done, and every stream
+// still equals its run without the crash.
+func TestAPacedRecoveryFeedsEachSurvivorInParts(t *testing.T) {
+	to, installs := crashOneOfThree(t, 10*time.Millisecond, 200)
+	if n := int64(to["sim-b"] + to["sim-c"]); installs <= 2 || installs > n {
+		t.Fatalf("%d installs for %d streams (%v): want more than one per survivor, at most one per stream", installs, n, to)
 	}
 }
 
 // crashOneOfThree runs 15 streams over sims A, B and C, kills A once each
 // runs some, checks every stream against its unmigrated run and returns
-// how many of A's streams each survivor took.
-func crashOneOfThree(t *testing.T, window time.Duration) map[string]int {
+// how many of A's streams each survivor took, and in how many installs.
+func crashOneOfThree(t *testing.T, window time.Duration, perStep int) (map[string]int, int64) {
 	t.Helper()
 	c := sim.DefaultConfig()
 	c.Profile, c.KVScale, c.NumBlocks, c.MaxModelLen = "tiny", 1, 2048, 512
@@ -41,6 +54,7 @@ func crashOneOfThree(t *testing.T, window time.Duration) map[string]int {
 		TuneHost: func(hc *host.Config) {
 			hc.Failover.SnapshotInterval = 200 * time.Millisecond
 			hc.Failover.GatherWindow = window
+			hc.Failover.RecomputePerStep = perStep
 		}})
 	if err != nil {
 		t.Fatal(err)
@@ -87,6 +101,10 @@ func crashOneOfThree(t *testing.T, window time.Duration) map[string]int {
 	if n := to["sim-b"] + to["sim-c"]; n != onA {
 		t.Fatalf("%d of A's %d streams recovered (%v)", n, onA, to)
 	}
-	t.Logf("A's %d streams went to %v", onA, to)
-	return to
+	var installs int64
+	for _, e := range logs.FilterMessage("a dead engine's streams placed together").All() {
+		installs += e.ContextMap()["installs"].(int64)
+	}
+	t.Logf("A's %d streams went to %v in %d installs", onA, to, installs)
+	return to, installs
 }
