@@ -42,5 +42,9 @@ fi
 # (setuptools builds in the tree: an earlier build's leftovers could carry
 # files that are gone.)
 rm -rf deploy/vllm-plugin/build
+# The plugin's license is an SPDX expression, which setuptools reads from
+# 77 on; a Python 3.11 venv seeds 65.5 (torch 2.11 wants it below 82).
+"$venv/bin/python" -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' ||
+  "$venv/bin/pip" install -q --disable-pip-version-check 'setuptools>=77,<82' >&2
 "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation --force-reinstall ./deploy/vllm-plugin >&2
 echo "$venv"

@@ -88,6 +88,20 @@ class AsyncPauseTest(unittest.TestCase):
         self.reqs[rid] = req  # finished requests leave the scheduler
         self.sched.add_request(req)
 
+    def resume_to_the_end(self, paused: str, rids):
+        """Resumes the paused request, runs every request to its end and
+        checks each one's tokens: none lost or repeated."""
+        from vllm_hi_plugin import engine_core
+
+        engine_core._ch_resume(self.st, self.ids, {"request_ids": [paused]})
+        for _ in range(400):
+            if not self.sched.has_requests() and not self.queue:
+                break
+            self.iteration()
+        for rid in rids:
+            self.assertEqual(list(self.reqs[rid].output_token_ids), [token(rid, i) for i in range(MAX_TOKENS)],
+                             f"{rid}: tokens lost or repeated")
+
     def output_for(self, out):
         """What the model returns for a step: a token for each request whose
         step ends its prompt or decodes (the next output position)."""
@@ -212,14 +226,7 @@ class AsyncPauseTest(unittest.TestCase):
         self.assertEqual(out["missing"], ["ended"])
         self.assertIn("b", self.st.leases)
         self.assertNotIn("a", self.st.leases)
-        engine_core._ch_resume(self.st, self.ids, {"request_ids": ["b"]})
-        for _ in range(400):
-            if not self.sched.has_requests() and not self.queue:
-                break
-            self.iteration()
-        for rid in ("a", "b"):
-            self.assertEqual(list(self.reqs[rid].output_token_ids), [token(rid, i) for i in range(MAX_TOKENS)],
-                             f"{rid}: tokens lost or repeated")
+        self.resume_to_the_end("b", ("a", "b"))
 
     def test_the_hooks_utility_call_answers_once_the_step_in_flight_came_back(self):
         """The API server's path (the vllm_hi_hook utility call): with a step
@@ -251,13 +258,7 @@ class AsyncPauseTest(unittest.TestCase):
         self.assertTrue(fut.done(), "the utility call's answer never came")
         self.assertEqual(json.loads(fut.result())["ok"]["paused"], ["b"])
         self.assertEqual(seen["in_flight"], (0, 0))
-        engine_core._ch_resume(self.st, self.ids, {"request_ids": ["b"]})
-        for _ in range(400):
-            if not self.sched.has_requests() and not self.queue:
-                break
-            self.iteration()
-        for rid in ("a", "b"):
-            self.assertEqual(list(self.reqs[rid].output_token_ids), [token(rid, i) for i in range(MAX_TOKENS)])
+        self.resume_to_the_end("b", ("a", "b"))
 
 
 if __name__ == "__main__":
