@@ -201,11 +201,13 @@ func migrationEnv(c *migrate.Config) error {
 	for _, v := range []struct {
 		key string
 		dst *int
-	}{{"VLLM_HI_MAX_INCR_ROUNDS", &c.MaxIncrRounds}, {"VLLM_HI_INCR_STALL_ROUNDS", &c.StallRounds}} {
+		min int
+	}{{"VLLM_HI_MAX_INCR_ROUNDS", &c.MaxIncrRounds, 1}, {"VLLM_HI_INCR_STALL_ROUNDS", &c.StallRounds, 1},
+		{"VLLM_HI_CATCH_UP_ROUNDS", &c.CatchUpRounds, 0}} {
 		if s := os.Getenv(v.key); s != "" {
 			n, err := strconv.Atoi(s)
-			if err != nil || n < 1 {
-				return fmt.Errorf("%s=%q: want an integer ≥ 1", v.key, s)
+			if err != nil || n < v.min {
+				return fmt.Errorf("%s=%q: want an integer ≥ %d", v.key, s, v.min)
 			}
 			*v.dst = n
 		}

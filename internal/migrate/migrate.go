@@ -33,9 +33,17 @@ import (
 type Config struct {
 	// RestoreLater: New does not read the records back; Restore does
 	// (a Host that follows a shared store's leader until it leads).
-	RestoreLater     bool
-	MaxIncrRounds    int           // VLLM_HI_MAX_INCR_ROUNDS, default 8
-	StallRounds      int           // VLLM_HI_INCR_STALL_ROUNDS, default 2
+	RestoreLater  bool
+	MaxIncrRounds int // VLLM_HI_MAX_INCR_ROUNDS, default 8
+	StallRounds   int // VLLM_HI_INCR_STALL_ROUNDS, default 2
+	// CatchUpRounds bounds the copy rounds taken after the check before
+	// the pause, each followed by a check of what it copied, while that
+	// check took longer than CatchUpRatio × the last copy round
+	// (VLLM_HI_CATCH_UP_ROUNDS, default 2; 0: none). The source decodes
+	// through the check; without them what it wrote meanwhile is the
+	// final round's copy and the check inside the pause.
+	CatchUpRounds    int
+	CatchUpRatio     float64       // default 2; 0: catch up whenever CatchUpRounds allows
 	DefaultFilter    string        // VLLM_HI_REQUEST_FILTER, default all
 	DefaultTN        int           // data-plane connections, default 2
 	PauseLease       time.Duration // how long the source stays paused without confirmation
@@ -95,7 +103,7 @@ type Config struct {
 
 // DefaultConfig returns the defaults.
 func DefaultConfig() Config {
-	return Config{MaxIncrRounds: 8, StallRounds: 2, DefaultTN: 2, PauseLease: 10 * time.Second, ReservationLease: 60 * time.Second,
+	return Config{MaxIncrRounds: 8, StallRounds: 2, CatchUpRounds: 2, CatchUpRatio: 2, DefaultTN: 2, PauseLease: 10 * time.Second, ReservationLease: 60 * time.Second,
 		SpliceTimeout: 5 * time.Second, RPCTimeout: 10 * time.Second, PauseCallTimeout: 2 * time.Second,
 		HeartbeatTimeout: 3 * time.Second, PauseHeartbeatTimeout: 500 * time.Millisecond, Verify: hostapi.VerifySample, VerifySamples: 2,
 		RetireWait: 10 * time.Minute, DrainTimeout: 10 * time.Minute, MaxHistory: 1000}
@@ -118,6 +126,8 @@ func (c Config) check() error {
 		return fmt.Errorf("migration timeouts must be positive")
 	case c.Verify != hostapi.VerifySample && c.Verify != hostapi.VerifyFull && c.Verify != hostapi.VerifyOff:
 		return fmt.Errorf("migration verify %q: want sample, full or off", c.Verify)
+	case c.CatchUpRounds < 0 || c.CatchUpRatio < 0:
+		return fmt.Errorf("migration catch-up rounds and ratio must not be negative")
 	case c.VerifySamples < 0:
 		return fmt.Errorf("migration verify samples must not be negative")
 	case c.MaxHistory < 1:

@@ -170,7 +170,7 @@ func (m *migration) run() {
 		// while the check of what is on the target already runs, both
 		// while the source decodes.
 		staged = m.stageState(ctx)
-		err = m.checkCopied(ctx, since)
+		since, err = m.checkCopied(ctx, since)
 	}
 	if staged != nil {
 		<-staged

@@ -330,6 +330,53 @@ func TestMigrationSucceeds(t *testing.T) {
 	}
 }
 
+// When the check before the pause outlasts a copy round, the source wrote
+// meanwhile what would otherwise be the final round's copy and the check
+// inside the pause: a catch-up round copies it, and a check of its tokens
+// follows, before the pause. Every stream stays exact and the verification
+// counts both checks; without catch-up rounds the check is followed by the
+// pause at once.
+func TestACatchUpRoundFollowsALongCheck(t *testing.T) {
+	for _, rounds := range []int{2, 0} {
+		t.Run(fmt.Sprintf("catch-up rounds %d", rounds), func(t *testing.T) {
+			var mu sync.Mutex
+			var calls []string // the Host's copy rounds and checks, in order
+			record := func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+				switch r := req.(type) {
+				case *v1.CopyRoundRequest:
+					mu.Lock()
+					calls = append(calls, r.GetKind())
+					mu.Unlock()
+				case *v1.HashBlocksRequest:
+					mu.Lock()
+					if n := len(calls); n == 0 || calls[n-1] != "check" {
+						calls = append(calls, "check") // one per side: counted once
+					}
+					mu.Unlock()
+				}
+				return invoker(ctx, method, req, reply, cc, opts...)
+			}
+			r := newRig(t, rigOptions{tune: func(hc *host.Config) {
+				hc.Migration.AgentDialOptions = append(hc.Migration.AgentDialOptions, grpc.WithChainUnaryInterceptor(record))
+				hc.Migration.CatchUpRounds, hc.Migration.CatchUpRatio = rounds, 0 // however quick the check
+				hc.Migration.Verify = hostapi.VerifyFull
+			}})
+			st, err := r.migrate(hostapi.MigrateRequest{Type: hostapi.PreserveSource})
+			if err != nil || st.State != hostapi.StateSucceeded || st.Migrated == 0 {
+				t.Fatalf("%+v %v", st, err)
+			}
+			mu.Lock()
+			got := strings.Join(calls, " ")
+			mu.Unlock()
+			_, tail, ok := strings.Cut(got, "check")
+			want := strings.Repeat(" incremental check", rounds) + " final check"
+			if !ok || tail != want {
+				t.Fatalf("copy rounds and checks %q: want the first check followed by%q", got, want)
+			}
+		})
+	}
+}
+
 // Calls that fail once and are retried, as when a request finishes just
 // as the pause or the export names it, do not fail the migration.
 func TestMigrationRetriesVanishedRequests(t *testing.T) {

@@ -113,7 +113,9 @@ func destroySource(t *testing.T, c Cluster) {
 		t.Fatalf("instance %s reports neither GPUs nor why there are none", in.ID)
 	}
 	// The status says which data plane moved the KV, and why.
-	if (st.TransferBackend != "tcp_shm" && st.TransferBackend != "cuda_ipc") || !strings.HasPrefix(st.TransferBackendReason, "auto: ") {
+	// (auto, unless the agents were told one: VLLM_HI_TRANSFER_BACKEND)
+	if (st.TransferBackend != "tcp_shm" && st.TransferBackend != "cuda_ipc") ||
+		!strings.HasPrefix(st.TransferBackendReason, "auto: ") && !strings.HasPrefix(st.TransferBackendReason, "asked for") {
 		t.Fatalf("transfer backend %q (%q)", st.TransferBackend, st.TransferBackendReason)
 	}
 	Roles(t, c, "standby", "active")

@@ -11,6 +11,7 @@ import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from vllm_hi_plugin import core_channel  # noqa: E402
 from vllm_hi_plugin.core_channel import VERSION, Boundary, ChannelServer, Snapshot, read_frame, write_frame  # noqa: E402
 from vllm_hi_plugin.wire import HookError  # noqa: E402
 
@@ -147,7 +148,8 @@ class ServerTest(unittest.TestCase):
         def conflict(p):
             raise HookError(409, "Request r is not paused.", "request_ids")
 
-        ops = {"echo": lambda p: {"got": p, "thread": threading.get_ident()}, "boom": boom, "conflict": conflict}
+        ops = {"echo": lambda p: {"got": p, "thread": threading.get_ident()}, "boom": boom, "conflict": conflict,
+               "big": lambda p: {"blob": "x" * p["n"]}}
         snap_ops = {"stats": lambda p, s: s.get("stats")}
         self.srv = ChannelServer(self.path, "sekret", self.b, ops, snap_ops, self.snap)
         self.srv.start()
@@ -190,6 +192,37 @@ class ServerTest(unittest.TestCase):
         with self.assertLogs("vllm", level="ERROR"):  # an engine-side bug is logged with its traceback
             self.assertEqual(c.call("boom")["error"]["status"], 500)
         self.assertEqual(c.call("echo", {"y": 2})["ok"]["got"], {"y": 2}, "the channel lives on after a failed op")
+        c.close()
+
+    def test_an_answer_is_written_by_the_loop_thread_the_moment_it_is_there(self):
+        # Handing it to the connection's thread would wait for the GIL
+        # while the loop schedules its next step.
+        writers = []
+        orig = core_channel.frame
+
+        def frame(msg):
+            if "ok" in msg or "error" in msg:  # an answer, not the test client's request
+                writers.append((msg.get("id"), threading.get_ident()))
+            return orig(msg)
+
+        core_channel.frame = frame
+        try:
+            c, _ = self.hello()
+            c.call("echo", {"x": 1})
+            c.call("conflict")
+            c.call("stats")
+        finally:
+            core_channel.frame = orig
+        self.assertEqual(writers[1:3], [(1, self.loop.t.ident), (2, self.loop.t.ident)], writers)  # [0]: the hello
+        self.assertNotEqual(writers[3][1], self.loop.t.ident, "a snapshot op answers from the connection's thread")
+        c.close()
+
+    def test_an_answer_larger_than_the_sockets_buffer_arrives_whole_and_in_order(self):
+        c, _ = self.hello()
+        for n in (8 << 20, 10, 3 << 20):
+            got = c.call("big", {"n": n})
+            self.assertEqual(len(got["ok"]["blob"]), n)
+        self.assertEqual(c.call("echo", {"y": 2})["ok"]["got"], {"y": 2})
         c.close()
 
     def test_bad_frames_are_refused(self):

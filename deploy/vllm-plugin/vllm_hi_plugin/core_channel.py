@@ -80,11 +80,15 @@ class Boundary:
         self.waiting: list = []  # (Deferred, future, t0, t1): run, not yet answered
         self.watchers: list = []  # (Deferred, fire): answers another path (a utility call) waits on
 
-    def submit(self, fn):
+    def submit(self, fn, on_done=None):
         """Runs fn at the next boundary; returns (result, wait_ms, core_ms).
         fn's exceptions propagate; a boundary that does not come within
-        timeout_s raises HookError 504 (and fn never runs)."""
+        timeout_s raises HookError 504 (and fn never runs). on_done(future)
+        is called on the loop's thread the moment the answer is there (or
+        on the caller's, with a cancelled future, when fn never ran)."""
         fut: Future = Future()
+        if on_done is not None:
+            fut.add_done_callback(on_done)
         with self.mu:
             self.pending.append((fn, fut, time.perf_counter()))
         if self.wake is not None:
@@ -220,9 +224,51 @@ def read_frame(conn: socket.socket):
     return msg
 
 
-def write_frame(conn: socket.socket, msg: dict) -> None:
+def frame(msg: dict) -> bytes:
     body = json.dumps(msg, separators=(",", ":")).encode()
-    conn.sendall(struct.pack(">I", len(body)) + body)
+    return struct.pack(">I", len(body)) + body
+
+
+def write_frame(conn: socket.socket, msg: dict) -> None:
+    conn.sendall(frame(msg))
+
+
+class _Reply:
+    """One request's answer, written once by whichever thread has it first.
+
+    The loop's thread writes it the moment the command is done: handing it
+    to the connection's thread instead would wait for the GIL, which the
+    loop keeps while it schedules the next step (Python's switch interval,
+    5 ms: the pause's answer came ~5 ms after its boundary on the H100).
+    The loop never blocks on the socket: what does not fit in the socket's
+    buffer (a large export) is left for the connection's thread to send."""
+
+    def __init__(self, conn: socket.socket):
+        self.conn = conn
+        self.mu = threading.Lock()
+        self.claimed = False
+        self.rest = b""
+        self.written = threading.Event()
+
+    def claim(self) -> bool:
+        with self.mu:
+            if self.claimed:
+                return False
+            self.claimed = True
+            return True
+
+    def send_from_loop(self, msg: dict) -> None:
+        if not self.claim():
+            return
+        data = frame(msg)
+        try:
+            n = self.conn.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            n = 0
+        except OSError:
+            n = len(data)  # the connection is gone: its thread ends it
+        self.rest = data[n:]
+        self.written.set()
 
 
 def _error(e: HookError, rid=None) -> dict:
@@ -316,7 +362,7 @@ class ChannelServer:
                     return
                 if msg is None:
                     return
-                write_frame(conn, self.handle(msg))
+                self.serve_one(conn, msg)
         except OSError:
             pass
         finally:
@@ -347,6 +393,48 @@ class ChannelServer:
             return False
         write_frame(conn, {"ok": {"version": VERSION, "pid": os.getpid()}})
         return True
+
+    def serve_one(self, conn: socket.socket, msg: dict) -> None:
+        """Answers one request: a boundary op from the loop's thread
+        (_Reply), anything else from this one. The next request is read
+        only once this answer is out, so answers keep their order."""
+        fn = self.boundary_ops.get(msg.get("op"))
+        payload = msg.get("payload") or {}
+        if fn is None or not isinstance(payload, dict) or msg.get("op") in self.snapshot_ops:
+            write_frame(conn, self.handle(msg))
+            return
+        rid, op, reply = msg.get("id"), msg.get("op"), _Reply(conn)
+
+        def on_done(fut: Future) -> None:
+            if fut.cancelled():
+                return  # never ran: the connection's thread answers 504
+            try:
+                out, wait_ms, core_ms = fut.result()
+                ans = {"id": rid, "ok": out, "core_ms": core_ms, "wait_ms": wait_ms}
+            except BaseException as e:  # noqa: BLE001 - answered, as handle() would
+                ans = self._failed(op, e, rid)
+            try:
+                reply.send_from_loop(ans)
+            except Exception as e:  # noqa: BLE001 - an answer that will not encode
+                LOG.exception("vllm_hi core channel op %s: its answer", op)
+                reply.claimed = False
+                reply.send_from_loop(self._failed(op, e, rid))
+
+        try:
+            self.boundary.submit(lambda: fn(payload), on_done)
+        except BaseException as e:  # noqa: BLE001 - on_done answered it, or nobody did (a timeout)
+            if reply.claim():
+                write_frame(conn, self._failed(op, e, rid))
+                return
+        reply.written.wait()
+        if reply.rest:
+            conn.sendall(reply.rest)
+
+    def _failed(self, op, e: BaseException, rid) -> dict:
+        if isinstance(e, HookError):
+            return _error(e, rid)
+        LOG.error("vllm_hi core channel op %s failed", op, exc_info=e)
+        return _error(HookError(500, f"{op}: {type(e).__name__}: {e}"), rid)
 
     def handle(self, msg: dict) -> dict:
         rid = msg.get("id")
