@@ -55,6 +55,11 @@ func (a *Admin) do(ctx context.Context, method, path string, body, out any) erro
 	return decode(method, path, b, out)
 }
 
+// Health is vLLM's GET /health: nil once it answers 2xx.
+func (a *Admin) Health(ctx context.Context) error {
+	return a.do(ctx, http.MethodGet, "/health", nil, nil)
+}
+
 // Sleep is vLLM's POST /sleep?level=N.
 func (a *Admin) Sleep(ctx context.Context, level int) error {
 	return a.do(ctx, http.MethodPost, fmt.Sprintf("/sleep?level=%d", level), nil, nil)

@@ -94,7 +94,7 @@ func Backends(ctx context.Context, o BackendsOptions) (PIDFile, error) {
 			return fail(fmt.Errorf("%s: reading the started process: %w (its log: %s)", alias, err, logFile))
 		}
 		fmt.Fprintf(o.Out, "%s: started pid %d (log %s)\n", alias, p.Pid(), logFile)
-		if err := waitHealthy(ctx, client, m.BackendURL, p, o.Ready); err != nil {
+		if err := waitHealthy(ctx, be, m.BackendURL, p, o.Ready); err != nil {
 			return fail(fmt.Errorf("%s: %w", alias, err))
 		}
 		healthy := time.Since(t0)
@@ -152,22 +152,17 @@ func checkPrevious(path string) error {
 
 // waitHealthy polls GET /health until it answers 200, the process exits
 // or the ready timeout passes.
-func waitHealthy(ctx context.Context, client *http.Client, base string, p *Process, ready time.Duration) error {
+func waitHealthy(ctx context.Context, be *engine.Admin, base string, p *Process, ready time.Duration) error {
 	deadline := time.Now().Add(ready)
-	url := strings.TrimRight(base, "/") + "/health"
 	for {
 		rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		req, _ := http.NewRequestWithContext(rctx, http.MethodGet, url, nil)
-		resp, err := client.Do(req)
-		if err == nil {
-			resp.Body.Close()
-		}
+		err := be.Health(rctx)
 		cancel()
-		if err == nil && resp.StatusCode == http.StatusOK {
+		if err == nil {
 			return nil
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("not healthy at %s within %v", url, ready)
+			return fmt.Errorf("not healthy at %s/health within %v (last: %v)", strings.TrimRight(base, "/"), ready, err)
 		}
 		select {
 		case <-ctx.Done():

@@ -63,6 +63,20 @@ type Span struct {
 	Children   []Span
 }
 
+// Operation is the span of an operation from its status: it ends when
+// the operation finished (now, while it runs) and carries errMsg unless
+// it succeeded.
+func Operation(name string, created, finished time.Time, succeeded bool, errMsg string, attrs ...attribute.KeyValue) Span {
+	if finished.IsZero() {
+		finished = time.Now()
+	}
+	s := Span{Name: name, Start: created, End: finished, Attributes: attrs}
+	if !succeeded {
+		s.Err = errMsg
+	}
+	return s
+}
+
 // Record writes s and its children as spans of t, timed as they ran: the
 // drains, scale operations and switches, whose steps are known once
 // each ended, are traced so. Nothing without a tracer.

@@ -155,18 +155,24 @@ class ReplayTest(unittest.TestCase):
 
         hashed = []  # what the engine core was asked to hash (prefix caching on)
 
+        from vllm.v1.engine.output_processor import OutputProcessor
+
+        installs = []  # what the engine core was asked to install
+
         class _Core:
             async def call_utility_async(self, name, op, payload):
-                hashed.extend((r["request_id"], decode_ints(r["token_ids"])) for r in json.loads(payload)["requests"])
+                p = json.loads(payload)
+                if op == "install":
+                    installs.append(p)
+                    return json.dumps({"ok": {"installed": [r["request_id"] for r in p["requests"]]}})
+                hashed.extend((r["request_id"], decode_ints(r["token_ids"])) for r in p["requests"])
                 return json.dumps({"ok": {"staged": []}})
 
         class _EC:
-            class output_processor:  # noqa: N801 - stands in for vLLM's attribute
-                pass
+            output_processor = OutputProcessor(self.tok, log_stats=False)
             vllm_config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True))
             engine_core = _Core()
 
-        _EC.output_processor.tokenizer = self.tok
         h = hooks.Hooks(_EC(), state=None, args=None)
         rng = random.Random(3)
         prompt = [rng.randrange(3, self.vocab) for _ in range(12)]
@@ -198,6 +204,63 @@ class ReplayTest(unittest.TestCase):
         whole.detokenizer.stop_buffer_length = staged.detokenizer.stop_buffer_length
         whole.step(output[:75])
         self.assertEqual((staged.text, staged.visible), (whole.text, whole.visible))
+        # The stage registered the stream with the output processor, before
+        # the pause; the install (in the pause) steps the same state through
+        # the tokens since and registers nothing again.
+        registered = h.op.request_states["cmpl-7"]
+        self.assertIs(registered.detokenizer, staged.detokenizer)
+        out = asyncio.run(h.install({"requests": [state(90, False)], "resume": False}))
+        self.assertEqual(out["installed"], ["cmpl-7"])
+        self.assertIs(h.op.request_states["cmpl-7"], registered)
+        self.assertIs(h.installed["cmpl-7"].queue, staged.queue)
+        whole.step(output[75:90])
+        self.assertEqual((h.installed["cmpl-7"].text, out["visible_text"]["cmpl-7"]), (whole.text, whole.visible[-1]))
+        # The engine core got the token ids as they came (base64 IntLists).
+        self.assertEqual(installs[0]["requests"][0]["output_token_ids"], encode_ints(output[:90]))
+
+    def test_a_staged_stream_that_is_never_installed_leaves_the_output_processor(self):
+        """A stage registers the stream; an abort of the migration (the
+        target's reservations), or the stage's time running out, takes it
+        out again without an output."""
+        import asyncio
+        import base64
+        import json
+        from types import SimpleNamespace
+
+        import msgspec
+        from vllm.v1.engine.output_processor import OutputProcessor
+
+        from vllm_hi_plugin import hooks
+        from vllm_hi_plugin.wire import encode_ints
+
+        class _Core:
+            async def call_utility_async(self, name, op, payload):
+                p = json.loads(payload)
+                ids = p.get("request_ids") or [r["request_id"] for r in p.get("requests") or []]
+                return json.dumps({"ok": {"staged": [], "aborted": ids}})
+
+        class _EC:
+            output_processor = OutputProcessor(self.tok, log_stats=False)
+            vllm_config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False))
+            engine_core = _Core()
+
+        h = hooks.Hooks(_EC(), state=None, args=None)
+        sp = base64.b64encode(msgspec.msgpack.encode(SamplingParams(max_tokens=50))).decode()
+
+        def state(rid):
+            return {"request_id": rid, "prompt_token_ids": encode_ints([5, 6, 7]), "output_token_ids": encode_ints([8, 9]),
+                    "engine_state": {"sampling_params": sp, "prompt_len": 3},
+                    "response": {"kind": "completion", "model": "m", "created": 5}}
+
+        asyncio.run(h.stage({"requests": [state("cmpl-1"), state("cmpl-2")]}))
+        self.assertEqual(set(h.op.request_states), {"cmpl-1", "cmpl-2"})
+        out = asyncio.run(h.abort({"request_ids": ["cmpl-1"], "silent": True, "reserved_only": True}))
+        self.assertEqual(out["aborted"], ["cmpl-1"])
+        self.assertEqual(set(h.op.request_states), {"cmpl-2"})
+        h.staged["cmpl-2"].at -= hooks.STAGED_TTL_S + 1  # its migration never came back
+        asyncio.run(h.stage({"requests": []}))
+        self.assertEqual(h.op.request_states, {})
+        self.assertEqual(h.staged, {})
 
 
 if __name__ == "__main__":

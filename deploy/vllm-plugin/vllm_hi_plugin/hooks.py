@@ -293,11 +293,10 @@ class Hooks:
         each token added). The install then steps only through the tokens
         generated since (or everything, when the snapshot does not lead to
         the state it installs)."""
-        from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+        from vllm.v1.engine.output_processor import RequestOutputCollector
 
         now = time.monotonic()
-        for rid in [r for r, s in self.staged.items() if now - s.at > STAGED_TTL_S]:
-            del self.staged[rid]
+        self._sweep(now)
         staged, hashes = [], []
         for st in body.get("requests") or []:
             rid, prompt, output, ecr = _core_request(st)
@@ -315,10 +314,17 @@ class Hooks:
                 continue
             if not st.get("response"):
                 continue  # nothing staged to top up, and no metadata to stage with
+            self._unstage(rid)  # an earlier stage of it (a migration tried again)
             ahead = Staged(prompt, _meta(st), now)
-            if ecr.sampling_params.detokenize and self.op.tokenizer is not None:
-                ahead.detokenizer = IncrementalDetokenizer.from_new_request(tokenizer=self.op.tokenizer, request=ecr)
-                ahead.step(output)
+            # The stream is registered with the output processor now, not
+            # in the pause: its request state (and detokenizer) is built
+            # here, and the install only steps it through the tokens since.
+            # No output can reach it before the engine core has the request.
+            ahead.queue = RequestOutputCollector(ecr.sampling_params.output_kind, rid)
+            self.op.add_request(ecr, None, None, 0, ahead.queue)
+            ahead.registered = True
+            ahead.detokenizer = self.op.request_states[rid].detokenizer
+            ahead.step(output)
             self.staged[rid] = ahead
             staged.append(rid)
             hashes.append({"request_id": rid, "token_ids": encode_ints(prompt + output)})
@@ -331,6 +337,31 @@ class Hooks:
             except Exception as e:  # noqa: BLE001 - logged; the install does the work
                 LOG.warning("vllm_hi stage: hashing the moved requests' blocks ahead failed: %s", e)
         return {"staged": staged}
+
+    def _sweep(self, now: float) -> None:
+        """Drops the stages whose migration never came back for them (each
+        stage, install and abort sweeps)."""
+        for rid in [r for r, s in self.staged.items() if now - s.at > STAGED_TTL_S]:
+            self._unstage(rid)
+
+    def _unstage(self, rid: str) -> None:
+        """Drops what a stage prepared for rid, and the stream it registered
+        with the output processor (never installed: nothing reads it)."""
+        ahead = self.staged.pop(rid, None)
+        if ahead is None or not ahead.registered or rid in self.installed:
+            return
+        self._forget(rid)
+
+    def _forget(self, iid: str) -> None:
+        """Takes a request out of the output processor without an output."""
+        st = self.op.request_states.pop(iid, None)
+        if st is None:
+            return
+        ext = self.op.external_req_ids.get(getattr(st, "external_req_id", None)) if hasattr(self.op, "external_req_ids") else None
+        if ext and iid in ext:
+            ext.remove(iid)
+            if not ext:
+                del self.op.external_req_ids[st.external_req_id]
 
     async def install(self, body: dict) -> dict:
         """Registers each moved request with this API server's output
@@ -345,22 +376,32 @@ class Hooks:
         text_from = body.get("text_from") or {}
         added, visible = [], {}
         ph = Phases()
+        self._sweep(time.monotonic())
         try:
             for st in states:
-                rid, prompt, output, ecr = _core_request(st)
+                rid = st["request_id"]
+                prompt, output = decode_ints(st["prompt_token_ids"]), decode_ints(st["output_token_ids"])
                 ahead = self.staged.pop(rid, None)
                 meta = _meta(st) if st.get("response") else (ahead.meta if ahead is not None else None)
                 if meta is None:
                     raise HookError(409, f"Request {rid} came without its stream's metadata and was not staged here "
                                          "(an export from the engine core alone needs the stage hook first).",
                                     "requests")
-                q = RequestOutputCollector(ecr.sampling_params.output_kind, rid)
-                self.op.add_request(ecr, None, None, 0, q)
-                state = self.op.request_states[rid]
+                fits = ahead is not None and ahead.prompt == prompt and output[:len(ahead.output)] == ahead.output
+                if ahead is not None and ahead.registered and (not fits or self.op.request_states.get(rid) is None):
+                    self._forget(rid)  # staged over other tokens: registered again below
+                    ahead.registered = False
+                if fits and ahead.registered:
+                    # Registered by the stage before the pause.
+                    q, state = ahead.queue, self.op.request_states[rid]
+                else:
+                    _, _, _, ecr = _core_request(st)
+                    q = RequestOutputCollector(ecr.sampling_params.output_kind, rid)
+                    self.op.add_request(ecr, None, None, 0, q)
+                    state = self.op.request_states[rid]
                 replay = Staged(prompt, meta, 0.0)
                 if state.detokenizer is not None:
-                    if ahead is not None and ahead.detokenizer is not None and ahead.prompt == prompt \
-                            and output[:len(ahead.output)] == ahead.output:
+                    if fits and ahead.detokenizer is not None:
                         # Staged before the pause: only the tokens since.
                         replay = ahead
                     else:
@@ -402,6 +443,7 @@ class Hooks:
             raise
 
     async def abort(self, body: dict) -> dict:
+        self._sweep(time.monotonic())
         hids = body.get("request_ids") or []
         silent = bool(body.get("silent"))
         iids = [self.internal(h) for h in hids]
@@ -415,7 +457,7 @@ class Hooks:
             if not iids:
                 return {"aborted": []}
         for hid, iid in zip(hids, iids):
-            self.staged.pop(hid, None)
+            self.staged.pop(hid, None)  # a stream it registered is in request_states: dropped below
             if silent:
                 SILENCED.add(hid)
             st = self.op.request_states.get(iid)
@@ -675,6 +717,10 @@ class Staged:
         self.prompt = prompt
         self.meta = meta
         self.at = at
+        # registered: the stage added the stream to the output processor
+        # (queue: its output collector), so the install does not.
+        self.registered = False
+        self.queue = None
         self.detokenizer = None
         self.output: list[int] = []
         self.text = ""

