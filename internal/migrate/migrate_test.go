@@ -3,6 +3,7 @@ package migrate
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -227,6 +228,32 @@ func TestVerifyPicks(t *testing.T) {
 			}
 			if len(got) != min(k, n) {
 				t.Fatalf("k=%d n=%d: %v", k, n, got)
+			}
+		}
+	}
+}
+
+// sampleRange keeps both ends of a catch-up's range and n blocks between,
+// in order, the three lists alike; a short range stays whole.
+func TestSampleRangeKeepsBothEnds(t *testing.T) {
+	for k := 0; k < 30; k++ {
+		src, dst, at := make([]int, k), make([]string, k), make([]int, k)
+		for i := range k {
+			src[i], dst[i], at[i] = i, fmt.Sprint(i), i
+		}
+		for _, n := range []int{0, 2, 5} {
+			s, d, w := sampleRange(src, dst, at, n)
+			want := min(k, n+2)
+			if len(s) != want || len(d) != want || len(w) != want {
+				t.Fatalf("k=%d n=%d: kept %d, want %d", k, n, len(s), want)
+			}
+			if k > 0 && (s[0] != 0 || s[len(s)-1] != k-1) {
+				t.Fatalf("k=%d n=%d: %v lost an end", k, n, s)
+			}
+			for i := range s {
+				if d[i] != fmt.Sprint(s[i]) || w[i] != s[i] || i > 0 && s[i] <= s[i-1] {
+					t.Fatalf("k=%d n=%d: %v %v %v", k, n, s, d, w)
+				}
 			}
 		}
 	}

@@ -333,12 +333,16 @@ func TestMigrationSucceeds(t *testing.T) {
 // When the check before the pause outlasts a copy round, the source wrote
 // meanwhile what would otherwise be the final round's copy and the check
 // inside the pause: a catch-up round copies it, and a check of its tokens
-// follows, before the pause. Every stream stays exact and the verification
-// counts both checks; without catch-up rounds the check is followed by the
-// pause at once.
+// (all of them, or sampled) follows, before the pause. Every stream stays
+// exact; without catch-up rounds the check is followed by the pause at
+// once.
 func TestACatchUpRoundFollowsALongCheck(t *testing.T) {
-	for _, rounds := range []int{2, 0} {
-		t.Run(fmt.Sprintf("catch-up rounds %d", rounds), func(t *testing.T) {
+	for _, c := range []struct {
+		rounds int
+		verify string
+	}{{2, hostapi.VerifyFull}, {2, hostapi.VerifySample}, {0, hostapi.VerifySample}} {
+		rounds := c.rounds
+		t.Run(fmt.Sprintf("catch-up rounds %d, verify %s", rounds, c.verify), func(t *testing.T) {
 			var mu sync.Mutex
 			var calls []string // the Host's copy rounds and checks, in order
 			record := func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
@@ -359,7 +363,7 @@ func TestACatchUpRoundFollowsALongCheck(t *testing.T) {
 			r := newRig(t, rigOptions{tune: func(hc *host.Config) {
 				hc.Migration.AgentDialOptions = append(hc.Migration.AgentDialOptions, grpc.WithChainUnaryInterceptor(record))
 				hc.Migration.CatchUpRounds, hc.Migration.CatchUpRatio = rounds, 0 // however quick the check
-				hc.Migration.Verify = hostapi.VerifyFull
+				hc.Migration.Verify = c.verify
 			}})
 			st, err := r.migrate(hostapi.MigrateRequest{Type: hostapi.PreserveSource})
 			if err != nil || st.State != hostapi.StateSucceeded || st.Migrated == 0 {
