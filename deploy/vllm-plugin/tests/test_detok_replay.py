@@ -261,6 +261,17 @@ class ReplayTest(unittest.TestCase):
         asyncio.run(h.stage({"requests": []}))
         self.assertEqual(h.op.request_states, {})
         self.assertEqual(h.staged, {})
+        # An install that fails after it took a stage leaves no state behind:
+        # vLLM's add_request would update a state it holds under the same id
+        # instead of making the next stage's.
+        asyncio.run(h.stage({"requests": [state("cmpl-3")]}))
+        first = h.op.request_states["cmpl-3"]
+        broken = dict(state("cmpl-3"), output_token_ids=encode_ints([8, 1]), engine_state={})
+        with self.assertRaises(KeyError):
+            asyncio.run(h.install({"requests": [broken], "resume": False}))
+        self.assertEqual(h.op.request_states, {})
+        asyncio.run(h.stage({"requests": [state("cmpl-3")]}))
+        self.assertIsNot(h.op.request_states["cmpl-3"], first)
 
 
 if __name__ == "__main__":

@@ -315,6 +315,9 @@ class Hooks:
             if not st.get("response"):
                 continue  # nothing staged to top up, and no metadata to stage with
             self._unstage(rid)  # an earlier stage of it (a migration tried again)
+            # One an install took and then failed on: vLLM's add_request
+            # would update it (streaming input) instead of making a new one.
+            self._forget(rid)
             ahead = Staged(prompt, _meta(st), now)
             # The stream is registered with the output processor now, not
             # in the pause: its request state (and detokenizer) is built
@@ -396,6 +399,10 @@ class Hooks:
                     q, state = ahead.queue, self.op.request_states[rid]
                 else:
                     _, _, _, ecr = _core_request(st)
+                    if rid not in self.installed:
+                        # vLLM's add_request updates a state it holds under
+                        # the same id (streaming input) instead of making one.
+                        self._forget(rid)
                     q = RequestOutputCollector(ecr.sampling_params.output_kind, rid)
                     self.op.add_request(ecr, None, None, 0, q)
                     state = self.op.request_states[rid]
@@ -440,6 +447,9 @@ class Hooks:
             for rid in added:
                 self.op.request_states.pop(rid, None)
                 self.installed.pop(rid, None)
+            for st in states:  # registered by a stage this install took, and did not get to
+                if st.get("request_id") not in self.installed:
+                    self._forget(st.get("request_id"))
             raise
 
     async def abort(self, body: dict) -> dict:
