@@ -4,7 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sort"
+	"maps"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -100,12 +101,7 @@ func (m *migration) drop(ids ...string) {
 func (m *migration) ids() []string {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	out := make([]string, 0, len(m.moving))
-	for id := range m.moving {
-		out = append(out, id)
-	}
-	sort.Strings(out)
-	return out
+	return slices.Sorted(maps.Keys(m.moving))
 }
 
 // call bounds one control call to an agent by the RPC timeout (and the

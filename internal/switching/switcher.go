@@ -3,6 +3,8 @@ package switching
 import (
 	"context"
 	"fmt"
+	"maps"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -207,12 +209,7 @@ func (s *Switcher) OwnsBackend(url string) bool {
 func (s *Switcher) Aliases() []string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	out := make([]string, 0, len(s.models))
-	for a := range s.models {
-		out = append(out, a)
-	}
-	sort.Strings(out)
-	return out
+	return slices.Sorted(maps.Keys(s.models))
 }
 
 // Run serves the groups until ctx ends; queued requests then fail with

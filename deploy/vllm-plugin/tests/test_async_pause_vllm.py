@@ -22,7 +22,10 @@ from collections import deque
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-try:
+from vllm_here import missing  # noqa: E402
+
+SKIP = missing("torch", "vllm.config", "vllm.v1.core.sched.async_scheduler", "vllm.v1.outputs", "vllm.v1.structured_output")
+if not SKIP:
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.sampling_params import SamplingParams
@@ -31,10 +34,6 @@ try:
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
-except Exception as e:  # noqa: BLE001 - any import failure means "no vLLM here"
-    SKIP = f"vLLM not importable here: {e}"
-else:
-    SKIP = ""
 
 BLOCK = 16
 MAX_TOKENS = 40

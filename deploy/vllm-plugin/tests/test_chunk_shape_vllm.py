@@ -12,12 +12,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from vllm_hi_plugin import hooks  # noqa: E402
 
-try:
-    import vllm.entrypoints.openai.completion.protocol  # noqa: F401
-except Exception as e:  # noqa: BLE001 - any import failure means "no vLLM here"
-    SKIP = f"vLLM not importable here: {e}"
-else:
-    SKIP = ""
+from vllm_here import missing  # noqa: E402
+
+SKIP = missing("vllm.entrypoints.openai.completion.protocol")
 
 
 class _State:

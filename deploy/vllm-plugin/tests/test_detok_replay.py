@@ -14,16 +14,15 @@ import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-try:
+from vllm_here import missing  # noqa: E402
+
+SKIP = missing("tokenizers", "transformers", "vllm.sampling_params", "vllm.v1.engine.detokenizer")
+if not SKIP:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.engine.detokenizer import IncrementalDetokenizer
-except Exception as e:  # noqa: BLE001 - any import failure means "no vLLM here"
-    SKIP = f"vLLM not importable here: {e}"
-else:
-    SKIP = ""
 
 CORPUS = ["hello world, the quick brown fox", "héllo wörld — naïve café", "世界 你好 🙂 🚀 ünïcödé"] * 10
 
