@@ -276,10 +276,9 @@ class _Reply:
             self.claimed = True
             return True
 
-    def send_from_loop(self, msg: dict) -> None:
+    def send_from_loop(self, data: bytes) -> None:
         if not self.claim():
             return
-        data = frame(msg)
         try:
             n = self.conn.send(data, socket.MSG_DONTWAIT)
         except BlockingIOError:
@@ -433,11 +432,11 @@ class ChannelServer:
             except BaseException as e:  # noqa: BLE001 - answered, as handle() would
                 ans = self._failed(op, e, rid)
             try:
-                reply.send_from_loop(ans)
+                data = frame(ans)
             except Exception as e:  # noqa: BLE001 - an answer that will not encode
                 LOG.exception("vllm_hi core channel op %s: its answer", op)
-                reply.claimed = False
-                reply.send_from_loop(self._failed(op, e, rid))
+                data = frame(self._failed(op, e, rid))
+            reply.send_from_loop(data)
 
         try:
             self.boundary.submit(lambda: fn(payload), on_done)

@@ -355,16 +355,18 @@ class Hooks:
             return
         self._forget(rid)
 
-    def _forget(self, iid: str) -> None:
-        """Takes a request out of the output processor without an output."""
+    def _forget(self, iid: str):
+        """Takes a request out of the output processor without an output;
+        returns its state (None if it had none)."""
         st = self.op.request_states.pop(iid, None)
         if st is None:
-            return
+            return None
         ext = self.op.external_req_ids.get(getattr(st, "external_req_id", None)) if hasattr(self.op, "external_req_ids") else None
         if ext and iid in ext:
             ext.remove(iid)
             if not ext:
                 del self.op.external_req_ids[st.external_req_id]
+        return st
 
     async def install(self, body: dict) -> dict:
         """Registers each moved request with this API server's output
@@ -391,17 +393,15 @@ class Hooks:
                                          "(an export from the engine core alone needs the stage hook first).",
                                     "requests")
                 fits = ahead is not None and ahead.prompt == prompt and output[:len(ahead.output)] == ahead.output
-                if ahead is not None and ahead.registered and (not fits or self.op.request_states.get(rid) is None):
-                    self._forget(rid)  # staged over other tokens: registered again below
-                    ahead.registered = False
-                if fits and ahead.registered:
+                if fits and ahead.registered and rid in self.op.request_states:
                     # Registered by the stage before the pause.
                     q, state = ahead.queue, self.op.request_states[rid]
                 else:
                     _, _, _, ecr = _core_request(st)
                     if rid not in self.installed:
-                        # vLLM's add_request updates a state it holds under
-                        # the same id (streaming input) instead of making one.
+                        # A stage's registration over other tokens goes:
+                        # vLLM's add_request would update a state it holds
+                        # under the same id (streaming input), not make one.
                         self._forget(rid)
                     q = RequestOutputCollector(ecr.sampling_params.output_kind, rid)
                     self.op.add_request(ecr, None, None, 0, q)
@@ -445,9 +445,8 @@ class Hooks:
             return out
         except BaseException:
             for rid in added:
-                self.op.request_states.pop(rid, None)
                 self.installed.pop(rid, None)
-            for st in states:  # registered by a stage this install took, and did not get to
+            for st in states:  # what this install registered, or a stage it took did
                 if st.get("request_id") not in self.installed:
                     self._forget(st.get("request_id"))
             raise
@@ -476,12 +475,7 @@ class Hooks:
             if silent:
                 # Drop the request from the output processor without a final
                 # output, and wake its generator so its stream just ends.
-                self.op.request_states.pop(iid, None)
-                ext = self.op.external_req_ids.get(st.external_req_id)
-                if ext and iid in ext:
-                    ext.remove(iid)
-                    if not ext:
-                        del self.op.external_req_ids[st.external_req_id]
+                self._forget(iid)
                 if st.queue is not None:
                     st.queue.put(_Silenced())
             else:
