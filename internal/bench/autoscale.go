@@ -75,11 +75,7 @@ commit) and a restart costing the blocking one (99.6 s). Reports per deployment 
 completed and failed, the largest rolling p95 TTFT and the time it spent over the SLO; --plot
 writes the rolling p95 over time for the three, as the seed's figure 3.`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := g.Logger()
-			if err != nil {
-				return err
-			}
+		RunE: g.runLogged(func(cmd *cobra.Command, log *zap.Logger) error {
 			b.log = log
 			for _, d := range b.deployments {
 				if d != deployStatic && d != deployRestart && d != deployElastic {
@@ -90,7 +86,7 @@ writes the rolling p95 over time for the three, as the seed's figure 3.`,
 				return fmt.Errorf("want --duration, --rate-from, --rate-to, --slo, --window > 0, 1 ≤ --from < --to, --tokens and --max-num-seqs ≥ 1")
 			}
 			return runBenchAutoscale(cmd.Context(), cmd.OutOrStdout(), b)
-		},
+		}),
 	}
 	f := cmd.Flags()
 	f.DurationVar(&b.duration, "duration", 150*time.Second, "how long the scenario runs")

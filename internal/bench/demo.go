@@ -26,14 +26,10 @@ requests on a lone engine, token for token, with exactly one [DONE] and correct 
 It prints the migration summary table and exits 0 only if every stream is exact. Everything
 runs in this process and is stopped on exit or Ctrl-C.`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := g.Logger()
-			if err != nil {
-				return err
-			}
+		RunE: g.runLogged(func(cmd *cobra.Command, log *zap.Logger) error {
 			sc.Log = log
 			return runDemo(cmd.Context(), cmd.OutOrStdout(), sc)
-		},
+		}),
 	}
 	f := cmd.Flags()
 	f.IntVar(&sc.Streams, "streams", 64, "concurrent streams")

@@ -26,14 +26,10 @@ taken (A's last stream's end in the unmigrated reference run); every stream is c
 against the reference. The goal (docs/operations.md): the drain within two migrations' time,
 no stream failed or inexact.`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := g.Logger()
-			if err != nil {
-				return err
-			}
+		RunE: g.runLogged(func(cmd *cobra.Command, log *zap.Logger) error {
 			o.log = log
 			return runBenchDrain(cmd.Context(), cmd.OutOrStdout(), o)
-		},
+		}),
 	}
 	o.register(cmd.Flags(), 256, 400, 3*time.Second)
 	return cmd

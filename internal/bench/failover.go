@@ -51,11 +51,7 @@ unmigrated run. Then, on B alone, one prefill of the longest context A carried (
 and the text it had sent) is timed: the goal is a p99 gap within detection (here the cut
 connection, at once) plus that prefill.`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := g.Logger()
-			if err != nil {
-				return err
-			}
+		RunE: g.runLogged(func(cmd *cobra.Command, log *zap.Logger) error {
 			o.log = log
 			for _, m := range modes {
 				if m != "snapshot" && m != "alone" && m != "paced" && m != "snapshot-only" && m != "replay" && m != "off" {
@@ -69,7 +65,7 @@ connection, at once) plus that prefill.`,
 				return fmt.Errorf("--snapshot-interval %v must be positive", interval)
 			}
 			return runBenchFailover(cmd.Context(), cmd.OutOrStdout(), o, interval, modes)
-		},
+		}),
 	}
 	o.register(cmd.Flags(), 128, 400, 3*time.Second)
 	cmd.Flags().DurationVar(&interval, "snapshot-interval", time.Second, "the Host's --failover-snapshot-interval in the snapshot mode")

@@ -44,11 +44,7 @@ deployment is left with an active and a standby instance, as it was found. The H
 --migration-verify applies (--verify is for the sims). hack/gpu-vllm-bench.sh sets up
 such a deployment and runs this.`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := g.Logger()
-			if err != nil {
-				return err
-			}
+		RunE: g.runLogged(func(cmd *cobra.Command, log *zap.Logger) error {
 			sc.Log = log
 			for _, n := range []string{"tp-a", "pp-a", "tp-b", "pp-b"} {
 				v, _ := cmd.Flags().GetInt(n)
@@ -60,6 +56,7 @@ such a deployment and runs this.`,
 				}
 			}
 			if ext.host != "" {
+				var err error
 				if sc.External, err = ext.resolve(cmd.Context()); err != nil {
 					return err
 				}
@@ -82,7 +79,7 @@ such a deployment and runs this.`,
 				}
 			}
 			return runBenchMigrate(cmd.Context(), cmd.OutOrStdout(), sc, geo, benchDims{grans: grans, verifies: verifies, preAttach: preAttach, backends: backends}, jsonOut)
-		},
+		}),
 	}
 	f := cmd.Flags()
 	f.IntVar(&sc.Streams, "streams", 256, "concurrent streams")

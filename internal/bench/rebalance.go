@@ -37,11 +37,7 @@ ones wait behind them. The same load runs twice on fresh deployments, the policy
 the long ones' completion time, the balancer's decisions, and checks that every stream of the
 run with the policy on equals the same stream with it off.`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := g.Logger()
-			if err != nil {
-				return err
-			}
+		RunE: g.runLogged(func(cmd *cobra.Command, log *zap.Logger) error {
 			b.log = log
 			if b.policy.Interval <= 0 {
 				return fmt.Errorf("--rebalance-interval %v must be positive", b.policy.Interval)
@@ -53,7 +49,7 @@ run with the policy on equals the same stream with it off.`,
 				return fmt.Errorf("--streams ≥ 6 (one pattern) and --short-tokens ≥ 1")
 			}
 			return runBenchRebalance(cmd.Context(), cmd.OutOrStdout(), b)
-		},
+		}),
 	}
 	f := cmd.Flags()
 	b.register(f, 96, 600, 0)

@@ -50,11 +50,7 @@ the seed's DeepSeek V4 Pro 16→20 GPU figures divided by 20 (workers, communica
 and commit, the Host's downtime and total, what the Host added to the commit, the requests held,
 and the errors each client saw; --plot writes a PNG of downtime and total per mode.`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := g.Logger()
-			if err != nil {
-				return err
-			}
+		RunE: g.runLogged(func(cmd *cobra.Command, log *zap.Logger) error {
 			b.log = log
 			for _, m := range b.modes {
 				if m != sim.ElasticBlocking && m != sim.ElasticAsync && m != sim.ElasticAsyncGraphReuse {
@@ -65,7 +61,7 @@ and the errors each client saw; --plot writes a PNG of downtime and total per mo
 				return fmt.Errorf("--from and --to: two different sizes ≥ 1; --interval and --direct-interval > 0")
 			}
 			return runBenchScale(cmd.Context(), cmd.OutOrStdout(), b)
-		},
+		}),
 	}
 	f := cmd.Flags()
 	f.StringSliceVar(&b.modes, "modes", []string{sim.ElasticBlocking, sim.ElasticAsync, sim.ElasticAsyncGraphReuse}, "reconfiguration modes to run")

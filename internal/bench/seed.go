@@ -72,13 +72,9 @@ checked against the baseline; total task time against the baseline), ROW.json (t
 migration's status and the token-rate series) and ROW.png (the clients' token rate over time,
 baseline beside it).`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := g.Logger()
-			if err != nil {
-				return err
-			}
+		RunE: g.runLogged(func(cmd *cobra.Command, log *zap.Logger) error {
 			return runBenchSeed(cmd.Context(), cmd.OutOrStdout(), log, f, geo)
-		},
+		}),
 	}
 	fl := cmd.Flags()
 	fl.StringVar(&f.out, "out", "seed-bench", "directory for seed.md, ROW.json and ROW.png")

@@ -60,11 +60,7 @@ docs/benchmarks.md, Qwen3-8B shape on one H200).
 Reports failed requests, TTFT p50/p99/max of every request and of the first request of each
 phase (what a switch costs a client), and the Host's switch times.`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := g.Logger()
-			if err != nil {
-				return err
-			}
+		RunE: g.runLogged(func(cmd *cobra.Command, log *zap.Logger) error {
 			b.log = log
 			if b.models < 2 || b.phases < 2 || b.phase <= 0 || b.interval <= 0 || b.longEvery < 1 {
 				return fmt.Errorf("--models ≥ 2, --phases ≥ 2, --phase and --interval > 0, --long-every ≥ 1")
@@ -75,7 +71,7 @@ phase (what a switch costs a client), and the Host's switch times.`,
 				}
 			}
 			return runBenchSwitch(cmd.Context(), cmd.OutOrStdout(), b)
-		},
+		}),
 	}
 	f := cmd.Flags()
 	f.IntVar(&b.models, "models", 2, "models sharing the GPU")

@@ -264,8 +264,8 @@ func (o *Drainer) List() []hostapi.DrainStatus {
 	order := slices.Clone(o.order)
 	o.mu.Unlock()
 	out := make([]hostapi.DrainStatus, 0, len(order))
-	for i := len(order) - 1; i >= 0; i-- {
-		if s, ok := o.Get(order[i]); ok {
+	for _, id := range slices.Backward(order) { // newest first
+		if s, ok := o.Get(id); ok {
 			out = append(out, s)
 		}
 	}

@@ -48,6 +48,7 @@ func StartCluster(t testing.TB, n int, tls *TLS) []*Member {
 		cfg.Name = fmt.Sprintf("m%d", i)
 		cfg.Dir = t.TempDir()
 		cfg.LogLevel = "fatal"
+		cfg.UnsafeNoFsync = true // as Start's
 		cu, pu := localURL(t), localURL(t)
 		cu.Scheme = scheme
 		cfg.ListenClientUrls, cfg.AdvertiseClientUrls = []url.URL{cu}, []url.URL{cu}

@@ -28,6 +28,7 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/internal/agentclient"
+	"github.com/vllm-hi/vllm-hi/internal/periodic"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
 )
@@ -136,17 +137,10 @@ func (m *Manager) Run(ctx context.Context) {
 		return
 	}
 	m.log.Info("failover on", zap.Duration("snapshot_interval", m.cfg.SnapshotInterval), zap.Int("max_per_model", m.cfg.MaxPerModel))
-	t := time.NewTicker(m.cfg.SnapshotInterval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			m.snapshot(ctx)
-			m.abandonUnhealthy()
-		}
-	}
+	periodic.Do(ctx, m.cfg.SnapshotInterval, func() {
+		m.snapshot(ctx)
+		m.abandonUnhealthy()
+	})
 }
 
 // snapshot reads the state of every relayed stream from its engine, and

@@ -34,6 +34,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/failover"
 	"github.com/vllm-hi/vllm-hi/internal/grpcauth"
 	"github.com/vllm-hi/vllm-hi/internal/migrate"
+	"github.com/vllm-hi/vllm-hi/internal/periodic"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
 	"github.com/vllm-hi/vllm-hi/internal/rebalance"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
@@ -497,16 +498,7 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 }
 
 func (h *Host) sweep(ctx context.Context) {
-	t := time.NewTicker(h.reg.HeartbeatInterval() / 2)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			h.reg.Sweep()
-		}
-	}
+	periodic.Do(ctx, h.reg.HeartbeatInterval()/2, h.reg.Sweep)
 }
 
 func (h *Host) logInstance(what string, i registry.Instance) {

@@ -3,6 +3,7 @@ package migrate
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -224,8 +225,8 @@ func (o *Orchestrator) List() []hostapi.MigrationStatus {
 	ids := append([]string(nil), o.order...)
 	o.mu.Unlock()
 	out := make([]hostapi.MigrationStatus, 0, len(ids))
-	for i := len(ids) - 1; i >= 0; i-- {
-		if s, ok := o.Get(ids[i]); ok {
+	for _, id := range slices.Backward(ids) { // newest first
+		if s, ok := o.Get(id); ok {
 			out = append(out, s)
 		}
 	}

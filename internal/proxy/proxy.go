@@ -196,7 +196,7 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 	// The upstream request has a context of its own so that a splice can
 	// stop reading the source engine while the client stream goes on.
 	upCtx, cancelUp := context.WithCancel(ctx)
-	defer cancelUp()
+	defer func() { cancelUp() }() // the last upstream's (a reroute takes a new one)
 	req, err := post(upCtx, up.BaseURL, up)
 	if err != nil {
 		return p.fail(w, up, http.StatusBadGateway, "bad_url", fmt.Sprintf("bad engine URL %q: %v", up.BaseURL, err))
@@ -230,7 +230,7 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 	}()
 	resp, err := p.client.Do(req)
 	tried := []string{up.InstanceID}
-	for n := 0; err != nil && unreachable(err) && up.Reroute != nil && ctx.Err() == nil && n < maxReroutes; n++ {
+	for n := 0; err != nil && (unreachable(err) || s.abandonedUnanswered(upCtx)) && up.Reroute != nil && ctx.Err() == nil && n < maxReroutes; n++ {
 		url, id, ok := up.Reroute(tried)
 		if !ok {
 			break
@@ -242,6 +242,13 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 		up.BaseURL, up.InstanceID = url, id
 		s.mu.Lock()
 		s.Instance = id
+		if upCtx.Err() != nil {
+			// Failover gave the unhealthy engine up before it answered
+			// (Streams.Abandon): the client has nothing yet, so the
+			// request starts afresh elsewhere, on a context of its own.
+			upCtx, cancelUp = context.WithCancel(ctx)
+			s.cancelA = cancelUp
+		}
 		s.mu.Unlock()
 		if req, err = post(upCtx, url, up); err != nil {
 			break

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 	"testing/iotest"
@@ -24,6 +25,7 @@ func testMetrics() *Metrics {
 		UpstreamErrors:  prometheus.NewCounterVec(prometheus.CounterOpts{Name: "e"}, []string{"model", "kind"}),
 		StreamsInFlight: prometheus.NewGauge(prometheus.GaugeOpts{Name: "s"}),
 		StreamTokens:    prometheus.NewCounter(prometheus.CounterOpts{Name: "t"}),
+		Rerouted:        prometheus.NewCounter(prometheus.CounterOpts{Name: "r"}),
 	}
 }
 
@@ -294,4 +296,56 @@ func FuzzSSE(f *testing.F) {
 			}
 		}
 	})
+}
+
+// A request whose engine has not answered yet when failover gives that
+// engine up (Streams.Abandon: its agent missed its heartbeats) starts
+// afresh on another instance: the client has nothing yet, and gets the
+// whole stream from there, not a 502. (TestChaosWithThreeHosts broke a
+// stream this way on a loaded machine.)
+func TestAStreamAbandonedBeforeItsEngineAnsweredGoesElsewhere(t *testing.T) {
+	hung := make(chan struct{})
+	stuck := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body) // then the server sees the connection close
+		close(hung)
+		<-r.Context().Done() // never answers
+	}))
+	defer stuck.Close()
+	other := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, upstreamStream)
+	}))
+	defer other.Close()
+	m := testMetrics()
+	p := New(Options{}, m, zap.NewNop())
+	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		p.Forward(w, r, Upstream{BaseURL: stuck.URL, Path: r.URL.Path, Body: body, Model: "m", InstanceID: "B", RequestID: "r1",
+			Header: http.Header{"Content-Type": {"application/json"}},
+			Reroute: func(tried []string) (string, string, bool) {
+				if slices.Contains(tried, "A") {
+					return "", "", false
+				}
+				return other.URL, "A", true
+			}})
+	}))
+	defer front.Close()
+	go func() {
+		<-hung
+		if n := p.Streams().Abandon("B", 0); n != 1 {
+			t.Errorf("abandoned %d streams, want 1", n)
+		}
+	}()
+	resp, err := http.Post(front.URL+"/v1/chat/completions", "application/json", strings.NewReader(`{}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || string(b) != upstreamStream {
+		t.Fatalf("%d %q, want the other instance's whole stream", resp.StatusCode, b)
+	}
+	if got := testutil.ToFloat64(m.Rerouted); got != 1 {
+		t.Fatalf("rerouted %v, want 1", got)
+	}
 }

@@ -223,6 +223,19 @@ func (t *Streams) Abandon(instance string, quiet time.Duration) int {
 	return len(silent)
 }
 
+// abandonedUnanswered reports whether the stream's upstream request
+// (upCtx) was cancelled by Abandon before its engine answered: the
+// client is still there and no splice is pending (a splice's cancel
+// means the stream moved).
+func (s *Stream) abandonedUnanswered(upCtx context.Context) bool {
+	if upCtx.Err() == nil || s.ctx.Err() != nil {
+		return false
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.splice == nil || s.splice.switched == nil
+}
+
 // Len is the number of live streams.
 func (t *Streams) Len() int {
 	t.mu.Lock()

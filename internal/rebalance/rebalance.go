@@ -22,6 +22,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/internal/periodic"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
 )
 
@@ -124,16 +125,7 @@ func (b *Balancer) Run(ctx context.Context) {
 	}
 	b.log.Info("rebalancing on", zap.Duration("interval", b.cfg.Interval), zap.Float64("kv_high", b.cfg.KVHigh),
 		zap.Int("waiting_high", b.cfg.WaitingHigh), zap.Float64("spread", b.cfg.Spread), zap.Bool("dry_run", b.cfg.DryRun))
-	t := time.NewTicker(b.cfg.Interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			b.Step()
-		}
-	}
+	periodic.Do(ctx, b.cfg.Interval, func() { b.Step() })
 }
 
 // Decisions are the latest decisions, newest first.

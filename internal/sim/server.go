@@ -149,6 +149,15 @@ func decodeBody(r *http.Request, v any) error {
 	return nil
 }
 
+// decodeFor decodes a request's body into v and checks the model it
+// names (*model, a field of v).
+func (s *Server) decodeFor(r *http.Request, v any, model *string) error {
+	if err := decodeBody(r, v); err != nil {
+		return err
+	}
+	return s.checkModel(*model)
+}
+
 func (s *Server) checkModel(name string) error {
 	for _, m := range s.eng.cfg.ServedModelNames {
 		if m == name {
@@ -194,11 +203,7 @@ func (s *Server) sampling(f openai.SamplingFields, defaultMax int) (hooks.Sampli
 
 func (s *Server) completions(w http.ResponseWriter, r *http.Request) {
 	var req openai.CompletionRequest
-	if err := decodeBody(r, &req); err != nil {
-		writeError(w, err)
-		return
-	}
-	if err := s.checkModel(req.Model); err != nil {
+	if err := s.decodeFor(r, &req, &req.Model); err != nil {
 		writeError(w, err)
 		return
 	}
@@ -230,11 +235,7 @@ func (s *Server) completions(w http.ResponseWriter, r *http.Request) {
 
 func (s *Server) chatCompletions(w http.ResponseWriter, r *http.Request) {
 	var req openai.ChatCompletionRequest
-	if err := decodeBody(r, &req); err != nil {
-		writeError(w, err)
-		return
-	}
-	if err := s.checkModel(req.Model); err != nil {
+	if err := s.decodeFor(r, &req, &req.Model); err != nil {
 		writeError(w, err)
 		return
 	}

@@ -132,10 +132,19 @@ func (d *deployment) fault(t *testing.T, id, kind string) {
 	// The new agent's registration (it listens on a port of its own), not
 	// its predecessor's, which looks active until its heartbeats are
 	// missed.
-	waitUntil(t, id+" to be active again", func() bool {
-		in := instance(t, d.hostURL, id)
-		return in.Lifecycle == "active" && in.AgentAddress != before
+	var last hostapi.Instance
+	back, ag := false, *agent
+	t.Cleanup(func() {
+		if !back {
+			t.Logf("%s as the Host at %s last listed it: %+v (its agent before the fault: %s)", id, d.hostURL, last, before)
+			t.Logf("the log of %s's agent:\n%s", id, notable(ag.stderr.String()))
+		}
 	})
+	waitUntil(t, id+" to be active again", func() bool {
+		last = instance(t, d.hostURL, id)
+		return last.Lifecycle == "active" && last.AgentAddress != before
+	})
+	back = true
 }
 
 // A target engine frozen (SIGSTOP) before the pause — in round 0, or the

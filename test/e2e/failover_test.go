@@ -24,6 +24,17 @@ func grepLines(s, sub string) string {
 	return strings.Join(out, "\n")
 }
 
+// notable are the lines of a process's log at WARN or above.
+func notable(s string) string {
+	var out []string
+	for _, l := range strings.Split(s, "\n") {
+		if strings.Contains(l, "WARN") || strings.Contains(l, "ERROR") || strings.Contains(l, "FATAL") || strings.Contains(l, "panic") {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
+}
+
 // An engine killed mid-stream (SIGKILL): every stream it carried goes on
 // from the other active instance, from the client's next token, each
 // equal to its unmigrated run — nothing repeated, nothing lost, no error.
