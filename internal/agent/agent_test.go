@@ -18,6 +18,7 @@ import (
 
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 	"github.com/vllm-hi/vllm-hi/internal/host"
+	"github.com/vllm-hi/vllm-hi/internal/host/hosttest"
 	"github.com/vllm-hi/vllm-hi/internal/registry"
 	"github.com/vllm-hi/vllm-hi/internal/sim"
 )
@@ -38,14 +39,8 @@ func runHost(t *testing.T, addr string, token string) (h *host.Host, bound strin
 	}
 	cfg := host.DefaultConfig()
 	cfg.HeartbeatInterval, cfg.ShutdownTimeout, cfg.AgentToken = 100*time.Millisecond, time.Second, token
-	h, err = host.New(cfg, zap.NewNop())
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = h.Serve(ctx, ln) }()
-	return h, ln.Addr().String(), func() { cancel(); <-done }
+	h, stop = hosttest.Serve(t, cfg, ln)
+	return h, ln.Addr().String(), stop
 }
 
 func runSim(t *testing.T) string {

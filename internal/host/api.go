@@ -181,12 +181,7 @@ func (h *Host) drain(w http.ResponseWriter, r *http.Request) {
 }
 
 func (h *Host) drainStatus(w http.ResponseWriter, r *http.Request) {
-	s, ok := h.drainer.Get(chi.URLParam(r, "id"))
-	if !ok {
-		fail(w, errdefs.Newf(errdefs.ErrNotFound, "unknown drain %s", chi.URLParam(r, "id")))
-		return
-	}
-	writeJSON(w, http.StatusOK, s)
+	writeRecord(w, r, "drain", h.drainer.Get)
 }
 
 func (h *Host) drains(w http.ResponseWriter, _ *http.Request) {
@@ -254,6 +249,18 @@ func (h *Host) forget(w http.ResponseWriter, r *http.Request) {
 
 // fail answers an error in the contract's shape, its status by its kind
 // (internal/errdefs): the REST API's one translation.
+// writeRecord answers GET …/{id} for an operation's record: the record,
+// or 404 naming the unknown id.
+func writeRecord[T any](w http.ResponseWriter, r *http.Request, what string, get func(id string) (T, bool)) {
+	id := chi.URLParam(r, "id")
+	rec, ok := get(id)
+	if !ok {
+		fail(w, errdefs.Newf(errdefs.ErrNotFound, "unknown %s %s", what, id))
+		return
+	}
+	writeJSON(w, http.StatusOK, rec)
+}
+
 func fail(w http.ResponseWriter, err error) {
 	status := errdefs.HTTPStatus(err)
 	proxy.WriteError(w, status, errdefs.Type(status), err.Error())
@@ -276,12 +283,7 @@ func (h *Host) migrate(w http.ResponseWriter, r *http.Request) {
 }
 
 func (h *Host) migrationStatus(w http.ResponseWriter, r *http.Request) {
-	s, ok := h.mig.Get(chi.URLParam(r, "id"))
-	if !ok {
-		fail(w, errdefs.Newf(errdefs.ErrNotFound, "unknown migration %s", chi.URLParam(r, "id")))
-		return
-	}
-	writeJSON(w, http.StatusOK, s)
+	writeRecord(w, r, "migration", h.mig.Get)
 }
 
 func (h *Host) migrations(w http.ResponseWriter, _ *http.Request) {
@@ -304,12 +306,7 @@ func (h *Host) scale(w http.ResponseWriter, r *http.Request) {
 }
 
 func (h *Host) scaleStatus(w http.ResponseWriter, r *http.Request) {
-	st, ok := h.scaler.Get(chi.URLParam(r, "id"))
-	if !ok {
-		fail(w, errdefs.New(errdefs.ErrNotFound, "no such scale operation"))
-		return
-	}
-	writeJSON(w, http.StatusOK, st)
+	writeRecord(w, r, "scale operation", h.scaler.Get)
 }
 
 func (h *Host) scales(w http.ResponseWriter, _ *http.Request) {

@@ -61,26 +61,18 @@ func TestShardsPartitionTheModel(t *testing.T) {
 			r := NewRegionLayout(g, sh)
 			total += r.Size()
 			used := make([]bool, r.Size())
-			for l := 0; l < r.NumLayers; l++ {
-				for kv := 0; kv < 2; kv++ {
-					for b := 0; b < g.NumBlocks; b++ {
-						for h := 0; h < r.NumHeads; h++ {
-							for s := 0; s < g.BlockSize; s++ {
-								k := key{r.FirstLayer + l, kv, r.FirstHead + h, b, s}
-								if seen[k] {
-									t.Fatalf("%+v: %+v in two shards", par, k)
-								}
-								seen[k] = true
-								off := r.Offset(l, kv, b, h, s)
-								for i := off; i < off+int64(g.HeadSlotBytes()); i++ {
-									if used[i] {
-										t.Fatalf("%+v: byte %d used twice", par, i)
-									}
-									used[i] = true
-								}
-							}
-						}
+			for v := range vectors(r.NumLayers, g.NumBlocks, r.NumHeads, g.BlockSize) {
+				k := key{r.FirstLayer + v.l, v.kv, r.FirstHead + v.h, v.b, v.s}
+				if seen[k] {
+					t.Fatalf("%+v: %+v in two shards", par, k)
+				}
+				seen[k] = true
+				off := r.Offset(v.l, v.kv, v.b, v.h, v.s)
+				for i := off; i < off+int64(g.HeadSlotBytes()); i++ {
+					if used[i] {
+						t.Fatalf("%+v: byte %d used twice", par, i)
 					}
+					used[i] = true
 				}
 			}
 		}

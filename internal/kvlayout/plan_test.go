@@ -1,6 +1,7 @@
 package kvlayout
 
 import (
+	"iter"
 	"math/rand/v2"
 	"testing"
 )
@@ -8,24 +9,39 @@ import (
 // value is what byte i of head vector (layer, kv, head, block, slot) holds.
 func value(l, kv, h, b, s, i int) byte { return byte(l*131 + kv*71 + h*37 + b*17 + s*7 + i*3 + 1) }
 
+// vec is one head vector's place: layer, K or V, block, head, slot.
+type vec struct{ l, kv, b, h, s int }
+
+// vectors visits every head vector of layers × K/V × blocks × heads ×
+// slots.
+func vectors(layers, blocks, heads, slots int) iter.Seq[vec] {
+	return func(yield func(vec) bool) {
+		for l := range layers {
+			for kv := range 2 {
+				for b := range blocks {
+					for h := range heads {
+						for s := range slots {
+							if !yield(vec{l, kv, b, h, s}) {
+								return
+							}
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
 func fill(g Geometry, par Parallel) ([][]byte, []RegionSpec) {
 	var mem [][]byte
 	var specs []RegionSpec
 	for _, sh := range Shards(par) {
 		r := NewRegionLayout(g, sh)
 		buf := make([]byte, r.Size())
-		for l := 0; l < r.NumLayers; l++ {
-			for kv := 0; kv < 2; kv++ {
-				for b := 0; b < g.NumBlocks; b++ {
-					for h := 0; h < r.NumHeads; h++ {
-						for s := 0; s < g.BlockSize; s++ {
-							off := r.Offset(l, kv, b, h, s)
-							for i := 0; i < g.HeadSlotBytes(); i++ {
-								buf[off+int64(i)] = value(r.FirstLayer+l, kv, r.FirstHead+h, b, s, i)
-							}
-						}
-					}
-				}
+		for v := range vectors(r.NumLayers, g.NumBlocks, r.NumHeads, g.BlockSize) {
+			off := r.Offset(v.l, v.kv, v.b, v.h, v.s)
+			for i := 0; i < g.HeadSlotBytes(); i++ {
+				buf[off+int64(i)] = value(r.FirstLayer+v.l, v.kv, r.FirstHead+v.h, v.b, v.s, i)
 			}
 		}
 		mem = append(mem, buf)
@@ -70,26 +86,18 @@ func TestPlanMovesExactlyTheAskedSlots(t *testing.T) {
 			}
 			for ri, sh := range Shards(dp) {
 				r := NewRegionLayout(g, sh)
-				for l := 0; l < r.NumLayers; l++ {
-					for kv := 0; kv < 2; kv++ {
-						for b := 0; b < g.NumBlocks; b++ {
-							for h := 0; h < r.NumHeads; h++ {
-								for s := 0; s < g.BlockSize; s++ {
-									off := r.Offset(l, kv, b, h, s)
-									from, moved := want[[3]int{b, s}]
-									for i := 0; i < g.HeadSlotBytes(); i++ {
-										got := dst[ri][off+int64(i)]
-										var exp byte
-										if moved {
-											exp = value(r.FirstLayer+l, kv, r.FirstHead+h, from[0], from[1], i)
-										}
-										if got != exp {
-											t.Fatalf("%+v→%+v: layer %d kv %d block %d head %d slot %d byte %d = %d, want %d",
-												sp, dp, r.FirstLayer+l, kv, b, r.FirstHead+h, s, i, got, exp)
-										}
-									}
-								}
-							}
+				for v := range vectors(r.NumLayers, g.NumBlocks, r.NumHeads, g.BlockSize) {
+					off := r.Offset(v.l, v.kv, v.b, v.h, v.s)
+					from, moved := want[[3]int{v.b, v.s}]
+					for i := 0; i < g.HeadSlotBytes(); i++ {
+						got := dst[ri][off+int64(i)]
+						var exp byte
+						if moved {
+							exp = value(r.FirstLayer+v.l, v.kv, r.FirstHead+v.h, from[0], from[1], i)
+						}
+						if got != exp {
+							t.Fatalf("%+v→%+v: layer %d kv %d block %d head %d slot %d byte %d = %d, want %d",
+								sp, dp, r.FirstLayer+v.l, v.kv, v.b, r.FirstHead+v.h, v.s, i, got, exp)
 						}
 					}
 				}
@@ -225,22 +233,14 @@ func TestPlanSlotMajorLayouts(t *testing.T) {
 		}
 	}
 	// Nothing else was written onward.
-	for l := 0; l < g.Layers; l++ {
-		for kv := 0; kv < 2; kv++ {
-			for b := 0; b < g.NumBlocks; b++ {
-				for h := 0; h < g.KVHeads; h++ {
-					for s := 0; s < g.BlockSize; s++ {
-						if moved[[2]int{b, s}] {
-							continue
-						}
-						off := nhd.offset(l, kv, b, h, s)
-						for k := int64(0); k < hs; k++ {
-							if onward[off+k] != 0 {
-								t.Fatalf("layer %d kv %d block %d head %d slot %d written", l, kv, b, h, s)
-							}
-						}
-					}
-				}
+	for v := range vectors(g.Layers, g.NumBlocks, g.KVHeads, g.BlockSize) {
+		if moved[[2]int{v.b, v.s}] {
+			continue
+		}
+		off := nhd.offset(v.l, v.kv, v.b, v.h, v.s)
+		for k := int64(0); k < hs; k++ {
+			if onward[off+k] != 0 {
+				t.Fatalf("layer %d kv %d block %d head %d slot %d written", v.l, v.kv, v.b, v.h, v.s)
 			}
 		}
 	}
@@ -286,18 +286,10 @@ func TestPlanEveryVLLMLayout(t *testing.T) {
 	all := layouts(g)
 	for sn, src := range all {
 		mem := make([]byte, size)
-		for l := 0; l < g.Layers; l++ {
-			for kv := 0; kv < 2; kv++ {
-				for b := 0; b < g.NumBlocks; b++ {
-					for h := 0; h < g.KVHeads; h++ {
-						for s := 0; s < g.BlockSize; s++ {
-							off := src.offset(l, kv, b, h, s)
-							for i := int64(0); i < hs; i++ {
-								mem[off+i] = value(l, kv, h, b, s, int(i))
-							}
-						}
-					}
-				}
+		for v := range vectors(g.Layers, g.NumBlocks, g.KVHeads, g.BlockSize) {
+			off := src.offset(v.l, v.kv, v.b, v.h, v.s)
+			for i := int64(0); i < hs; i++ {
+				mem[off+i] = value(v.l, v.kv, v.h, v.b, v.s, int(i))
 			}
 		}
 		for dn, dst := range all {
@@ -322,25 +314,17 @@ func TestPlanEveryVLLMLayout(t *testing.T) {
 			for _, r := range runs {
 				copy(out[r.DstOffset:r.DstOffset+r.Length], mem[r.SrcOffset:r.SrcOffset+r.Length])
 			}
-			for l := 0; l < g.Layers; l++ {
-				for kv := 0; kv < 2; kv++ {
-					for b := 0; b < g.NumBlocks; b++ {
-						for h := 0; h < g.KVHeads; h++ {
-							for s := 0; s < g.BlockSize; s++ {
-								from, ok := moved[[2]int{b, s}]
-								off := dst.offset(l, kv, b, h, s)
-								for i := int64(0); i < hs; i++ {
-									var want byte
-									if ok {
-										want = value(l, kv, h, from[0], from[1], int(i))
-									}
-									if out[off+i] != want {
-										t.Fatalf("%s → %s: layer %d kv %d block %d head %d slot %d byte %d = %d, want %d",
-											sn, dn, l, kv, b, h, s, i, out[off+i], want)
-									}
-								}
-							}
-						}
+			for v := range vectors(g.Layers, g.NumBlocks, g.KVHeads, g.BlockSize) {
+				from, ok := moved[[2]int{v.b, v.s}]
+				off := dst.offset(v.l, v.kv, v.b, v.h, v.s)
+				for i := int64(0); i < hs; i++ {
+					var want byte
+					if ok {
+						want = value(v.l, v.kv, v.h, from[0], from[1], int(i))
+					}
+					if out[off+i] != want {
+						t.Fatalf("%s → %s: layer %d kv %d block %d head %d slot %d byte %d = %d, want %d",
+							sn, dn, v.l, v.kv, v.b, v.h, v.s, i, out[off+i], want)
 					}
 				}
 			}

@@ -248,16 +248,7 @@ func (r *rig) hold(id string) (release func()) {
 // however slow the machine is (a fixed sleep left some with nothing).
 func (r *rig) waitRunning() {
 	r.t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for time.Now().Before(deadline) {
-		a, _ := r.st.A.Stats(context.Background())
-		b, _ := r.st.B.Stats(context.Background())
-		if a.NumRunning+b.NumRunning >= len(r.reqs) {
-			break
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-	time.Sleep(50 * time.Millisecond)
+	r.st.WaitRunning(len(r.reqs), 5*time.Second)
 }
 
 // rolledBack checks a migration that must have rolled back: aborted,

@@ -96,14 +96,7 @@ func TestSpliceFollowsTextWhenTheSourceMergesTokens(t *testing.T) {
 	}))
 	defer a.Close()
 	var from string
-	b := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		from = r.URL.Query().Get("from")
-		w.Header().Set("Content-Type", "text/event-stream")
-		for i := k; i < total; i++ {
-			_, _ = io.WriteString(w, tokenEvent(i))
-		}
-		_, _ = io.WriteString(w, "data: [DONE]\n\n")
-	}))
+	b := tokensTarget("", k, total, func(r *http.Request) { from = r.URL.Query().Get("from") })
 	defer b.Close()
 	p := New(Options{}, testMetrics(), zap.NewNop())
 	got := streamThrough(t, p, a.URL)
@@ -385,10 +378,16 @@ const cutGap = " t4 t5"
 // cutTarget is a target engine whose attach opens with cutGap and then
 // streams tokens k … total-1; seen sees each attach request.
 func cutTarget(k, total int, seen func(*http.Request)) *httptest.Server {
+	return tokensTarget(gapEvent(), k, total, seen)
+}
+
+// tokensTarget is a target engine's attach: first, then tokens k to
+// total and [DONE]; seen gets each request.
+func tokensTarget(first string, k, total int, seen func(*http.Request)) *httptest.Server {
 	return httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		seen(r)
 		w.Header().Set("Content-Type", "text/event-stream")
-		_, _ = io.WriteString(w, gapEvent())
+		_, _ = io.WriteString(w, first)
 		for i := k; i < total; i++ {
 			_, _ = io.WriteString(w, tokenEvent(i))
 		}
@@ -450,14 +449,7 @@ func TestASecondMoveHoldsAndFencesTheEngineTheStreamReadsNow(t *testing.T) {
 	}))
 	defer b.Close()
 	var fromC string
-	c := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		fromC = r.URL.Query().Get("from")
-		w.Header().Set("Content-Type", "text/event-stream")
-		for i := k2; i < total; i++ {
-			_, _ = io.WriteString(w, tokenEvent(i))
-		}
-		_, _ = io.WriteString(w, "data: [DONE]\n\n")
-	}))
+	c := tokensTarget("", k2, total, func(r *http.Request) { fromC = r.URL.Query().Get("from") })
 	defer c.Close()
 
 	p := New(Options{StreamIdleTimeout: 3 * time.Second}, testMetrics(), zap.NewNop())

@@ -39,16 +39,7 @@ func (l *replicaLoad) start() <-chan []loadgen.Stream {
 	go func() {
 		done <- loadgen.Run(context.Background(), loadgen.Config{BaseURL: l.st.HostURL, Model: "m"}, l.reqs)
 	}()
-	deadline := time.Now().Add(5 * time.Second)
-	for time.Now().Before(deadline) {
-		a, _ := l.st.A.Stats(context.Background())
-		b, _ := l.st.B.Stats(context.Background())
-		if a.NumRunning+b.NumRunning >= len(l.reqs) {
-			break
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-	time.Sleep(50 * time.Millisecond)
+	l.st.WaitRunning(len(l.reqs), 5*time.Second)
 	return done
 }
 

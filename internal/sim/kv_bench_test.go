@@ -25,19 +25,12 @@ func BenchmarkWriteToken(b *testing.B) {
 	}
 }
 
-func BenchmarkHashFullBlock(b *testing.B) {
-	m := benchKV(b)
-	var d xxhash.Digest
-	for i := 0; i < 64; i++ {
-		m.writeToken(1+i/16, i%16, 7, 300, i)
-	}
-	for i := 0; i < b.N; i++ {
-		d.Reset()
-		m.hashSlots(&d, hostReader{m}, 1+i%4, 16, 0, 1)
-	}
-}
+func BenchmarkHashFullBlock(b *testing.B) { benchHashSlots(b, 16) }
 
-func BenchmarkHashPartialBlock(b *testing.B) {
+func BenchmarkHashPartialBlock(b *testing.B) { benchHashSlots(b, 9) }
+
+// benchHashSlots hashes the first slots slots of a written block.
+func benchHashSlots(b *testing.B, slots int) {
 	m := benchKV(b)
 	var d xxhash.Digest
 	for i := 0; i < 64; i++ {
@@ -45,7 +38,7 @@ func BenchmarkHashPartialBlock(b *testing.B) {
 	}
 	for i := 0; i < b.N; i++ {
 		d.Reset()
-		m.hashSlots(&d, hostReader{m}, 1+i%4, 9, 0, 1)
+		m.hashSlots(&d, hostReader{m}, 1+i%4, slots, 0, 1)
 	}
 }
 
@@ -68,24 +61,19 @@ func BenchmarkWriteTokenScattered(b *testing.B) {
 	}
 }
 
-func BenchmarkHashFullScattered(b *testing.B) {
-	m := benchKV(b)
-	warm(m)
-	b.ResetTimer()
-	var d xxhash.Digest
-	for i := 0; i < b.N; i++ {
-		d.Reset()
-		m.hashSlots(&d, hostReader{m}, 1+(i*7919)%20000, 16, 0, 1)
-	}
-}
+func BenchmarkHashFullScattered(b *testing.B) { benchHashScattered(b, 16) }
 
-func BenchmarkHashPartialScattered(b *testing.B) {
+func BenchmarkHashPartialScattered(b *testing.B) { benchHashScattered(b, 9) }
+
+// benchHashScattered hashes the first slots slots of blocks all over a
+// warm KV.
+func benchHashScattered(b *testing.B, slots int) {
 	m := benchKV(b)
 	warm(m)
 	b.ResetTimer()
 	var d xxhash.Digest
 	for i := 0; i < b.N; i++ {
 		d.Reset()
-		m.hashSlots(&d, hostReader{m}, 1+(i*7919)%20000, 9, 0, 1)
+		m.hashSlots(&d, hostReader{m}, 1+(i*7919)%20000, slots, 0, 1)
 	}
 }

@@ -201,6 +201,24 @@ func (s *Stack) KillEngine(id string) {
 	}
 }
 
+// WaitRunning waits, at most within, until engines A and B run n
+// requests together, then a little more (a migration started then has
+// tokens to move however slow the machine is); it reports whether they
+// did.
+func (s *Stack) WaitRunning(n int, within time.Duration) bool {
+	deadline := time.Now().Add(within)
+	for time.Now().Before(deadline) {
+		a, _ := s.A.Stats(context.Background())
+		b, _ := s.B.Stats(context.Background())
+		if a.NumRunning+b.NumRunning >= n {
+			time.Sleep(50 * time.Millisecond)
+			return true
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return false
+}
+
 // Stop shuts everything down in reverse order of start.
 func (s *Stack) Stop() {
 	for i := len(s.stops) - 1; i >= 0; i-- {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/internal/agent"
 	"github.com/vllm-hi/vllm-hi/internal/host"
+	"github.com/vllm-hi/vllm-hi/internal/host/hosttest"
 )
 
 func startHost(t *testing.T) (url, addr string) {
@@ -25,14 +26,8 @@ func startHostWith(t *testing.T, cfg host.Config) (url, addr string, h *host.Hos
 	}
 	cfg.HeartbeatInterval, cfg.ShutdownTimeout = 200*time.Millisecond, 2*time.Second
 	cfg.AdminToken, cfg.AgentToken = adminToken, agentToken
-	h, err = host.New(cfg, zap.NewNop())
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = h.Serve(ctx, ln) }()
-	t.Cleanup(func() { cancel(); <-done })
+	h, stop := hosttest.Serve(t, cfg, ln)
+	t.Cleanup(stop)
 	return "http://" + ln.Addr().String(), ln.Addr().String(), h
 }
 

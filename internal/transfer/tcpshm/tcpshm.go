@@ -108,6 +108,31 @@ type Memory struct {
 	Guard *kvlayout.BlockGuard
 }
 
+// Slot is the bytes of head vector (layer, kv, head, block, slot)
+// wherever m's regions keep it; nil when no region holds that layer and
+// head.
+func (m *Memory) Slot(l, kv, h, b, s int) []byte {
+	for i, r := range m.Specs {
+		if l >= r.FirstLayer && l < r.FirstLayer+r.NumLayers && h >= r.FirstHead && h < r.FirstHead+r.NumHeads {
+			st := r.Strides
+			off := int64(l-r.FirstLayer)*st.Layer + int64(kv)*st.KV + int64(b)*st.Block + int64(h-r.FirstHead)*st.Head + int64(s)*st.Slot
+			return m.Data[i][off : off+m.SlotBytes]
+		}
+	}
+	return nil
+}
+
+// GuardBlocks is a guard that lets writes reach only the given blocks of
+// m's regions (g: the KV's geometry) — what a target holding m in
+// memory sets as its Guard.
+func (m *Memory) GuardBlocks(g kvlayout.Geometry, blocks []int) (*kvlayout.BlockGuard, error) {
+	sizes := make([]int64, len(m.Data))
+	for i, d := range m.Data {
+		sizes[i] = int64(len(d))
+	}
+	return kvlayout.NewBlockGuard(m.Specs, sizes, g.NumBlocks, g.BlockSize, m.SlotBytes, blocks)
+}
+
 // Sink takes a target's writes (see Memory.Sink).
 type Sink interface {
 	Write(region int, at uint64, b []byte) error

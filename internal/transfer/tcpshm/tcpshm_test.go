@@ -43,11 +43,7 @@ func memoryOf(g kvlayout.Geometry, p kvlayout.Parallel, fill bool) *Memory {
 // guard lets writes reach blocks of m.
 func guard(t testing.TB, g kvlayout.Geometry, m *Memory, blocks ...int) *kvlayout.BlockGuard {
 	t.Helper()
-	sizes := make([]int64, len(m.Data))
-	for i, d := range m.Data {
-		sizes[i] = int64(len(d))
-	}
-	gd, err := kvlayout.NewBlockGuard(m.Specs, sizes, g.NumBlocks, g.BlockSize, m.SlotBytes, blocks)
+	gd, err := m.GuardBlocks(g, blocks)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -77,12 +73,8 @@ func dest(srv *Server) Dest {
 // readSlot returns the bytes of (layer, kv, head, block, slot) wherever the
 // layout keeps them.
 func readSlot(m *Memory, l, kv, h, b, s int) []byte {
-	for i, r := range m.Specs {
-		if l >= r.FirstLayer && l < r.FirstLayer+r.NumLayers && h >= r.FirstHead && h < r.FirstHead+r.NumHeads {
-			st := r.Strides
-			off := int64(l-r.FirstLayer)*st.Layer + int64(kv)*st.KV + int64(b)*st.Block + int64(h-r.FirstHead)*st.Head + int64(s)*st.Slot
-			return m.Data[i][off : off+m.SlotBytes]
-		}
+	if v := m.Slot(l, kv, h, b, s); v != nil {
+		return v
 	}
 	panic("not held")
 }
