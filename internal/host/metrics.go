@@ -23,6 +23,9 @@ type metrics struct {
 	// another Host of a shared store ran.
 	hostSwitches *prometheus.CounterVec
 	leader       prometheus.Gauge // 1 while this Host decides
+	// storeRejoins counts the new leases this Host took on its shared
+	// store after its last one ended while it followed.
+	storeRejoins prometheus.Counter
 	proxy        *proxy.Metrics
 	migrations   *migrate.Metrics
 	drains       *drain.Metrics
@@ -52,6 +55,9 @@ func newMetrics(reg prometheus.Registerer, instances *registry.Registry) *metric
 		leader: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "vhi_host_leader", Help: "1 while this Host decides (it leads its shared store and took it over, or has none to share), else 0.",
 		}),
+		storeRejoins: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "vhi_host_store_rejoins_total", Help: "New leases this Host took on its shared store after its last one ended while it followed (etcd stalled or out of reach past the lease).",
+		}),
 		proxy:      proxy.NewMetrics(),
 		migrations: migrate.NewMetrics(),
 		drains:     drain.NewMetrics(),
@@ -75,7 +81,7 @@ func newMetrics(reg prometheus.Registerer, instances *registry.Registry) *metric
 	instancesByState := prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "vhi_instances", Help: "Registered instances by state.",
 	}, []string{"state"})
-	reg.MustRegister(m.requests, m.heartbeats, m.registrations, m.hostSwitches, m.leader, m.rebalance, m.scales, &stateCollector{vec: instancesByState, reg: instances})
+	reg.MustRegister(m.requests, m.heartbeats, m.registrations, m.hostSwitches, m.leader, m.storeRejoins, m.rebalance, m.scales, &stateCollector{vec: instancesByState, reg: instances})
 	reg.MustRegister(m.proxy.Collectors()...)
 	reg.MustRegister(m.migrations.Collectors()...)
 	reg.MustRegister(m.drains.Collectors()...)

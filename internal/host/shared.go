@@ -2,6 +2,7 @@ package host
 
 import (
 	"context"
+	"errors"
 	"encoding/json"
 	"maps"
 	"net/http"
@@ -32,6 +33,7 @@ import (
 type sharedStore interface {
 	store.Store
 	Campaign(context.Context) error
+	Rejoin(context.Context) error
 	Leading() <-chan struct{}
 	Leads() bool
 	Me() store.Member
@@ -314,11 +316,33 @@ func (h *Host) leadership(ctx context.Context, wg *sync.WaitGroup) <-chan struct
 	}
 	wg.Go(func() { h.follow(ctx) })
 	wg.Go(func() {
-		if err := h.shared.Campaign(ctx); err != nil {
-			if ctx.Err() == nil {
-				h.log.Error("campaigning to lead the shared store failed; this Host only follows", zap.Error(err))
+		for {
+			err := h.shared.Campaign(ctx)
+			if err == nil {
+				break
 			}
-			return
+			if ctx.Err() != nil {
+				return
+			}
+			if !errors.Is(err, store.ErrLeaseEnded) {
+				h.log.Error("campaigning to lead the shared store failed; this Host only follows", zap.Error(err))
+				return
+			}
+			// etcd stalled or was out of reach past the lease: a Host that
+			// follows decided nothing, so it takes a new lease and goes on
+			// (its clients' streams with it) instead of stopping.
+			h.log.Warn("this Host's lease on the shared store ended while it followed; taking a new one", zap.Error(err))
+			h.m.storeRejoins.Inc()
+			for {
+				err := h.shared.Rejoin(ctx)
+				if err == nil {
+					break
+				}
+				h.log.Warn("taking a new lease on the shared store failed; retrying", zap.Error(err))
+				if !sleepCtx(ctx, time.Second) {
+					return
+				}
+			}
 		}
 		h.takeOver()
 		close(led)
@@ -360,5 +384,18 @@ func whenLeading(ctx context.Context, led <-chan struct{}, run func(context.Cont
 	case <-led:
 		run(ctx)
 	case <-ctx.Done():
+	}
+}
+
+// sleepCtx waits d, or less if ctx ends first; it reports whether ctx is
+// still alive.
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
 	}
 }

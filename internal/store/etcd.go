@@ -76,7 +76,10 @@ func (s *Etcd) Members(ctx context.Context) ([]Member, error) {
 // (partitioned, paused) cannot overwrite its successor's state; it learns
 // so from Lost and stops.
 type Etcd struct {
-	cli       *clientv3.Client
+	cli *clientv3.Client
+	// mu guards sess and election: a Host that follows takes a new lease
+	// when its last one ended (Rejoin).
+	mu        sync.Mutex
 	sess      *concurrency.Session
 	election  *concurrency.Election
 	prefix    string
@@ -87,7 +90,14 @@ type Etcd struct {
 	log       *zap.Logger
 	leading   chan struct{} // closed once this Host leads
 	leadOnce  sync.Once
+	lost      chan struct{} // closed when the lease this Host led under ended
+	lostOnce  sync.Once
 }
+
+// ErrLeaseEnded is Campaign's answer when this Host's lease ended while it
+// waited to lead (etcd stalled or unreachable past the lease): Rejoin
+// takes a new one.
+var ErrLeaseEnded = errors.New("this Host's lease on the shared store ended while it followed")
 
 // ErrNotLeader is returned by a write of a Host that no longer leads.
 var ErrNotLeader = errors.New("this Host does not lead the shared store (another Host does, or it took over)")
@@ -151,7 +161,7 @@ func ConnectEtcd(ctx context.Context, o EtcdOptions) (*Etcd, error) {
 	if err != nil {
 		return nil, fmt.Errorf("etcd %s: %w", strings.Join(o.Endpoints, ","), err)
 	}
-	s := &Etcd{cli: cli, prefix: o.Prefix, timeout: o.OpTimeout, endpoints: o.Endpoints, log: log, leading: make(chan struct{})}
+	s := &Etcd{cli: cli, prefix: o.Prefix, timeout: o.OpTimeout, endpoints: o.Endpoints, log: log, leading: make(chan struct{}), lost: make(chan struct{})}
 	s.me = Member{ID: o.ID, Address: o.Address}
 	// A first round trip, bounded: a wrong address or credential is said
 	// at once, not as a wait for leadership.
@@ -171,21 +181,72 @@ func ConnectEtcd(ctx context.Context, o EtcdOptions) (*Etcd, error) {
 	return s, nil
 }
 
+// session is this Host's lease and its place in the election now.
+func (s *Etcd) session() (*concurrency.Session, *concurrency.Election) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.sess, s.election
+}
+
 // Campaign waits until this Host leads the store, or ctx ends. Leading
-// is closed then.
+// is closed then. A lease that ends meanwhile ends the wait
+// (ErrLeaseEnded): a campaign won on a lease that is gone would lead
+// with an election key etcd deleted.
 func (s *Etcd) Campaign(ctx context.Context) error {
+	sess, election := s.session()
 	lctx, lcancel := context.WithTimeout(ctx, s.timeout)
-	if leader, err := s.election.Leader(lctx); err == nil && len(leader.Kvs) > 0 {
+	if leader, err := election.Leader(lctx); err == nil && len(leader.Kvs) > 0 {
 		s.log.Info("another Host leads the shared store: this one follows it and takes over when its lease ends",
 			zap.ByteString("leader", leader.Kvs[0].Value), zap.Int("lease_ttl_s", s.ttl))
 	}
 	lcancel()
+	cctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-sess.Done():
+			cancel()
+		case <-cctx.Done():
+		}
+	}()
 	me, _ := json.Marshal(s.me)
-	if err := s.election.Campaign(ctx, string(me)); err != nil {
+	err := election.Campaign(cctx, string(me))
+	select {
+	case <-sess.Done():
+		return ErrLeaseEnded
+	default:
+	}
+	if err != nil {
 		return fmt.Errorf("etcd: waiting to lead the shared store: %w", err)
 	}
 	s.leadOnce.Do(func() { close(s.leading) })
+	go func() {
+		<-sess.Done()
+		s.lostOnce.Do(func() { close(s.lost) })
+	}()
 	s.log.Info("leading the shared store", zap.String("prefix", s.prefix), zap.Strings("endpoints", s.endpoints))
+	return nil
+}
+
+// Rejoin gives a Host that follows a new lease after its last one ended
+// (Campaign said ErrLeaseEnded): it goes on following and campaigns again
+// instead of stopping — it decided nothing, so nothing of its can clash
+// with the leader's. A Host that led cannot rejoin: another may have
+// decided since its lease ended (Lost).
+func (s *Etcd) Rejoin(ctx context.Context) error {
+	if s.Leads() {
+		return errors.New("a Host that led the shared store cannot take a new lease: it stops")
+	}
+	sess, err := concurrency.NewSession(s.cli, concurrency.WithTTL(s.ttl), concurrency.WithContext(ctx))
+	if err != nil {
+		return fmt.Errorf("etcd: a new lease for this Host: %w", err)
+	}
+	s.mu.Lock()
+	old := s.sess
+	s.sess, s.election = sess, concurrency.NewElection(sess, s.prefix+"election")
+	s.mu.Unlock()
+	_ = old.Close() // its lease is gone: this only stops its keep-alive
+	s.log.Info("this Host took a new lease on the shared store and follows again", zap.Int("lease_ttl_s", s.ttl))
 	return nil
 }
 
@@ -210,7 +271,8 @@ func (s *Etcd) Me() Member { return s.me }
 func (s *Etcd) Leader(ctx context.Context) (m Member, ok bool, err error) {
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
-	resp, err := s.election.Leader(ctx)
+	_, election := s.session()
+	resp, err := election.Leader(ctx)
 	if errors.Is(err, concurrency.ErrElectionNoLeader) {
 		return Member{}, false, nil
 	}
@@ -232,22 +294,25 @@ func (s *Etcd) Leader(ctx context.Context) (m Member, ok bool, err error) {
 func (s *Etcd) Resign(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
-	return s.election.Resign(ctx)
+	_, election := s.session()
+	return election.Resign(ctx)
 }
 
-// Lost implements Store: closed when this Host's lease ended.
-func (s *Etcd) Lost() <-chan struct{} { return s.sess.Done() }
+// Lost implements Store: closed when the lease this Host led under ended
+// (a Host that follows takes a new one: Rejoin).
+func (s *Etcd) Lost() <-chan struct{} { return s.lost }
 
 // Close gives the leadership up (another Host takes over at once) and
 // disconnects.
 func (s *Etcd) Close() error {
 	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
 	defer cancel()
-	if s.election != nil {
-		_ = s.election.Resign(ctx)
+	sess, election := s.session()
+	if election != nil {
+		_ = election.Resign(ctx)
 	}
-	if s.sess != nil {
-		_ = s.sess.Close()
+	if sess != nil {
+		_ = sess.Close()
 	}
 	return s.cli.Close()
 }
@@ -259,7 +324,8 @@ func (s *Etcd) write(op clientv3.Op) error {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
 	defer cancel()
-	leads := clientv3.Compare(clientv3.CreateRevision(s.election.Key()), "=", s.election.Rev())
+	_, election := s.session()
+	leads := clientv3.Compare(clientv3.CreateRevision(election.Key()), "=", election.Rev())
 	resp, err := s.cli.Txn(ctx).If(leads).Then(op).Commit()
 	if err != nil {
 		return fmt.Errorf("etcd: %w", err)

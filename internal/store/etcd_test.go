@@ -137,6 +137,87 @@ func TestOneHostLeadsTheSharedStore(t *testing.T) {
 	h1.Close()
 }
 
+// A Host that follows and whose lease ends (etcd stalled past it) is told
+// so by its campaign, not by Lost — it decided nothing, so it need not
+// stop: it takes a new lease, is listed again, and takes over when the
+// leader goes; the leader notices nothing.
+func TestAFollowerWhoseLeaseEndedTakesANewOne(t *testing.T) {
+	ep := etcdtest.Start(t)
+	h1 := openEtcd(t, ep, "h1")
+	defer h1.Close()
+	h2, err := ConnectEtcd(context.Background(), EtcdOptions{Endpoints: []string{ep}, Prefix: "/t/", LeaseTTL: time.Second, ID: "h2", Address: "h2:1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h2.Close()
+	campaign := func() <-chan error {
+		ch := make(chan error, 1)
+		go func() { ch <- h2.Campaign(context.Background()) }()
+		return ch
+	}
+	first := campaign()
+	waitMembers := func(n int) []Member {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			ms, err := h1.Members(context.Background())
+			if err == nil && len(ms) == n {
+				return ms
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the store's Hosts: %+v %v, want %d", ms, err, n)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	waitMembers(2)
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{ep}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cli.Close()
+	if _, err := cli.Revoke(context.Background(), h2.lease()); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-first:
+		if !errors.Is(err, ErrLeaseEnded) {
+			t.Fatalf("the follower's campaign after its lease ended: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the follower's campaign did not end with its lease")
+	}
+	for name, h := range map[string]*Etcd{"h1": h1, "h2": h2} {
+		select {
+		case <-h.Lost():
+			t.Fatalf("%s's Lost closed: a follower's lease is not the lead", name)
+		default:
+		}
+	}
+	if err := h2.Rejoin(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	second := campaign()
+	if ms := waitMembers(2); ms[0].ID != "h1" || ms[1].ID != "h2" {
+		t.Fatalf("after the rejoin: %+v", ms)
+	}
+	if err := h1.Rejoin(context.Background()); err == nil {
+		t.Fatal("the leader took a new lease: it may not (another Host may have decided since its own ended)")
+	}
+	h1.Close()
+	select {
+	case err := <-second:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the rejoined Host did not take over from the leader that left")
+	}
+	if err := h2.PutInstance(Instance{ID: "a", Role: "active"}); err != nil {
+		t.Fatalf("a write of the rejoined Host that leads: %v", err)
+	}
+}
+
 // A Host that follows (connected, not leading) cannot write; it sees the
 // leader's instance records as they are written, and the two talk over
 // the board: a question the leader posts reaches the follower, whose

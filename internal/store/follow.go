@@ -134,7 +134,13 @@ func (s *Etcd) Post(board, id string, v any) error {
 	if err != nil {
 		return err
 	}
-	return s.write(clientv3.OpPut(s.prefix+board+"/"+id, string(b), clientv3.WithLease(s.sess.Lease())))
+	return s.write(clientv3.OpPut(s.prefix+board+"/"+id, string(b), clientv3.WithLease(s.lease())))
+}
+
+// lease is this Host's lease now.
+func (s *Etcd) lease() clientv3.LeaseID {
+	sess, _ := s.session()
+	return sess.Lease()
 }
 
 // Unpost takes a question and its answers off the board.
@@ -175,7 +181,7 @@ func (s *Etcd) Answer(board, id string, v any) error {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
 	defer cancel()
-	if _, err := s.cli.Put(ctx, s.prefix+board+"-answers/"+id+"/"+s.me.ID, string(b), clientv3.WithLease(s.sess.Lease())); err != nil {
+	if _, err := s.cli.Put(ctx, s.prefix+board+"-answers/"+id+"/"+s.me.ID, string(b), clientv3.WithLease(s.lease())); err != nil {
 		return fmt.Errorf("etcd: %w", err)
 	}
 	return nil

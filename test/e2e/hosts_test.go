@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
+
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/etcdtest"
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
@@ -447,4 +449,60 @@ func TestTheNextHostFinishesADrainItsLeaderLeft(t *testing.T) {
 		t.Fatalf("B is %s after the resumed drain", in.Lifecycle)
 	}
 	t.Logf("the resumed drain: %d moved, %d finished there", st.Moved, st.Finished)
+}
+
+// A Host that follows and whose lease on the store ends behind its back —
+// etcd stalled or out of reach past --store-lease, as a loaded machine
+// made it in a CI run — goes on: the streams it relays finish exactly, it
+// takes a new lease (listed again, ready, vhi_host_store_rejoins_total 1)
+// and still takes over when the leader dies. (Before, it stopped and
+// exited, and its clients' streams ended with it.)
+func TestAFollowingHostOutlivesItsLease(t *testing.T) {
+	ep := etcdtest.Start(t)
+	d, h2, h2URL := twoHostsOn(t, "--store", "etcd://"+ep)
+	defer h2.stop(t)
+	via := marked(h2URL, 8, 400)
+	want := d.reference(via)
+	run := streamVia(h2URL, via)
+	time.Sleep(300 * time.Millisecond)
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{ep}, DialTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cli.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	keys, err := cli.Get(ctx, "/vllm-hi/election/", clientv3.WithPrefix())
+	if err != nil {
+		t.Fatal(err)
+	}
+	second := strings.TrimPrefix(h2URL, "http://")
+	var lease clientv3.LeaseID
+	for _, kv := range keys.Kvs {
+		if strings.Contains(string(kv.Value), `"address":"`+second+`"`) {
+			lease = clientv3.LeaseID(kv.Lease)
+		}
+	}
+	if lease == 0 {
+		t.Fatalf("no election key of the second Host among %d", len(keys.Kvs))
+	}
+	if _, err := cli.Revoke(ctx, lease); err != nil {
+		t.Fatal(err)
+	}
+	checkExact(t, <-run, want)
+	waitUntil(t, "the second Host listed again, under a new lease", func() bool {
+		hs := hostsOf(t, h2URL)
+		return len(hs) == 2 && hs[1].Address == second
+	})
+	resp, err := http.Get(h2URL + "/readyz")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("the second Host's /readyz after its new lease: %d", resp.StatusCode)
+	}
+	hostMetrics(t, h2URL, "vhi_host_store_rejoins_total 1")
+	d.host.kill()
+	waitLeads(t, h2URL)
 }
