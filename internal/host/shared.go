@@ -2,8 +2,8 @@ package host
 
 import (
 	"context"
-	"errors"
 	"encoding/json"
+	"errors"
 	"maps"
 	"net/http"
 	"net/http/httputil"
