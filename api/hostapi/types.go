@@ -116,6 +116,14 @@ type Round struct {
 	// another moving request holds too (a shared prefix in vLLM's prefix
 	// cache): each went to the target once per request holding it.
 	SharedBlocks int `json:"shared_blocks,omitempty"`
+	// PacedChunks, for a round the source's agent paced by its engine's
+	// steps (vhi agent --pace-round0), are the chunks it went in;
+	// SourceStepBeforeS the engine's step time before the round and
+	// SourceStepSlowestS the slowest a chunk saw it: what the source's
+	// clients waited between tokens while the round copied.
+	PacedChunks        int     `json:"paced_chunks,omitempty"`
+	SourceStepBeforeS  float64 `json:"source_step_before_s,omitempty"`
+	SourceStepSlowestS float64 `json:"source_step_slowest_s,omitempty"`
 }
 
 // Verification is the check that the target holds what the source held.

@@ -71,6 +71,10 @@ type Config struct {
 	// for it before the engine is stopped.
 	DrainedFile string
 	DefaultTN   int // data-plane connections when the Host names none
+	// PaceRound0, above 0, sends a full copy round in chunks of about that
+	// share of the source's step time, one per step (pace.go), so that
+	// the copy does not slow its decode and its clients.
+	PaceRound0 float64
 	// HealthListen serves GET /healthz there (health.go; "": off).
 	HealthListen string
 	// Failpoint makes the agent die at a chosen point (failpoint.go;

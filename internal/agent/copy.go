@@ -94,7 +94,19 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 	if src != nil {
 		round.SrcMemory = src.Data
 	}
-	st, err := backend.Send(ctx, round)
+	var st transfer.Stats
+	if a.cfg.PaceRound0 > 0 && req.GetKind() == transfer.KindFull && round.Fault == transfer.NoFault {
+		var paced pacedRound
+		paced, err = sendPaced(ctx, a.engineSteps, backend, round, a.cfg.PaceRound0)
+		st = paced.Stats
+		if err == nil {
+			resp.PacedChunks, resp.SourceStepBeforeS, resp.SourceStepSlowestS = int32(paced.Chunks), paced.BaseStep.Seconds(), paced.MaxStep.Seconds()
+			a.log.Info("round 0 paced by the source's steps", zap.String("migration_id", req.GetMigrationId()), zap.Int("chunks", paced.Chunks),
+				zap.Int64("bytes", st.Bytes), zap.Duration("source_step_before", paced.BaseStep), zap.Duration("source_step_slowest", paced.MaxStep))
+		}
+	} else {
+		st, err = backend.Send(ctx, round)
+	}
 	a.log.Debug("copy round", zap.String("kind", req.GetKind()), zap.String("backend", name), zap.Int("blocks", len(plan.Copies)),
 		zap.Duration("changes", tChanges.Sub(start)), zap.Duration("requests", tRequests.Sub(tChanges)),
 		zap.Duration("select", tSelect.Sub(tRequests)), zap.Duration("send", time.Since(tSelect)))

@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -23,7 +24,7 @@ import (
 
 func newBenchMigrateCommand(g *Options) *cobra.Command {
 	sc := scenario{Type: hostapi.DestroySource}
-	var grans, verifies, preAttach, backends []string
+	var grans, verifies, preAttach, backends, pace []string
 	var jsonOut string
 	geo := simGeometryFlags{}
 	var ext externalFlags
@@ -65,6 +66,14 @@ such a deployment and runs this.`,
 					sc.Greedy = true
 				}
 			}
+			for _, p := range pace {
+				if v, err := strconv.ParseFloat(p, 64); err != nil || v < 0 || v > 100 {
+					return fmt.Errorf("--pace-round0: %q is not a share of the source's step from 0 (off) to 100", p)
+				}
+				if p != "0" && ext.host != "" {
+					return fmt.Errorf("--pace-round0 is for the sims' agents: with --host the deployment's agents have their own (vhi agent --pace-round0)")
+				}
+			}
 			for _, p := range preAttach {
 				if p != "on" && p != "off" {
 					return fmt.Errorf("--pre-attach: %q is not on or off", p)
@@ -78,7 +87,7 @@ such a deployment and runs this.`,
 					return fmt.Errorf("--transfer-backend: %q is not one of %v", b, transfer.Names())
 				}
 			}
-			return runBenchMigrate(cmd.Context(), cmd.OutOrStdout(), sc, geo, benchDims{grans: grans, verifies: verifies, preAttach: preAttach, backends: backends}, jsonOut)
+			return runBenchMigrate(cmd.Context(), cmd.OutOrStdout(), sc, geo, benchDims{grans: grans, verifies: verifies, preAttach: preAttach, backends: backends, pace: pace}, jsonOut)
 		}),
 	}
 	f := cmd.Flags()
@@ -91,6 +100,7 @@ such a deployment and runs this.`,
 	f.StringSliceVar(&grans, "final-granularity", []string{"block", "slot"}, "final-round granularities to compare")
 	f.StringVar(&sc.Type, "type", sc.Type, "migration type: destroy_source (the source's KV released after), preserve_source, keep_source_active")
 	f.StringSliceVar(&backends, "transfer-backend", []string{transfer.Auto}, "the agents' data planes to compare (auto, tcp_shm, cuda_ipc, rdma): each runs with every granularity")
+	f.StringSliceVar(&pace, "pace-round0", []string{"0"}, "the sims' agents' round 0 pacing, a share of the source's step per chunk (0: off; vhi agent --pace-round0): each runs with every granularity")
 	f.StringSliceVar(&preAttach, "pre-attach", []string{"off"}, "the Host opening the moving streams on the target before the pause (on, off): each runs with every granularity")
 	f.StringSliceVar(&verifies, "verify", []string{hostapi.VerifySample}, "checks before the commit to compare (off, sample, full): each runs with every granularity")
 	f.StringVar(&jsonOut, "json", "", "also write the statuses as JSON to this file")
@@ -234,7 +244,7 @@ func (g simGeometryFlags) apply(c *sim.Config) {
 
 // benchDims are what bench migrate compares: every combination runs.
 type benchDims struct {
-	grans, verifies, preAttach, backends []string
+	grans, verifies, preAttach, backends, pace []string
 }
 
 func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeometryFlags, dims benchDims, jsonOut string) (err error) {
@@ -268,21 +278,27 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 			}
 		}()
 	}
-	var runs [][4]string
+	var runs [][5]string
 	if len(dims.backends) == 0 {
 		dims.backends = []string{""}
 	}
+	if len(dims.pace) == 0 {
+		dims.pace = []string{"0"}
+	}
 	for _, b := range dims.backends {
-		for _, pa := range dims.preAttach {
-			for _, v := range dims.verifies {
-				for _, gran := range dims.grans {
-					runs = append(runs, [4]string{v, gran, pa, b})
+		for _, pace := range dims.pace {
+			for _, pa := range dims.preAttach {
+				for _, v := range dims.verifies {
+					for _, gran := range dims.grans {
+						runs = append(runs, [5]string{v, gran, pa, b, pace})
+					}
 				}
 			}
 		}
 	}
 	for _, r := range runs {
 		sc.Verify, sc.FinalGranularity, sc.PreAttach, sc.TransferBackend = r[0], r[1], r[2] == "on", r[3]
+		sc.PaceRound0, _ = strconv.ParseFloat(r[4], 64)
 		res, err := sc.run(ctx)
 		if err != nil {
 			return err
@@ -292,7 +308,7 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 		if sc.External != nil {
 			r[0] = "the Host's"
 		}
-		fmt.Fprintf(out, "\n== final round: %s, check before the commit: %s, pre-attach %s (%d streams), data plane %s ==\n", r[1], r[0], r[2], st.PreAttached, st.TransferBackend)
+		fmt.Fprintf(out, "\n== final round: %s, check before the commit: %s, pre-attach %s (%d streams), data plane %s, round 0 paced %s ==\n", r[1], r[0], r[2], st.PreAttached, st.TransferBackend, r[4])
 		report.Migration(out, st)
 		var steps []string
 		for _, s := range st.StepHistory {
@@ -318,6 +334,11 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 		fmt.Fprintf(out, "final round = %.2f %% of round 0; client inter-token gap: median %v, max during the migration %v (%s; goal ≤ 2×median + 50 ms = %v), max over the whole run %v (prefill stalls included)\n",
 			pct, res.MedianGap.Round(100*time.Microsecond), res.MaxGapDuringMigration.Round(100*time.Microsecond), stepsDuring(st, res.MigrationGapFrom, res.MigrationGapTo),
 			(2*res.MedianGap + 50*time.Millisecond).Round(100*time.Microsecond), res.MaxGap.Round(100*time.Microsecond))
+		if res.Round0Gaps > 0 && res.BaselineGaps > 0 {
+			fmt.Fprintf(out, "round 0 and the source's clients: inter-token gap p99 %v during round 0 (%d gaps) against %v just before the migration (%d gaps): ×%.2f (goal ≤ 1.3)\n",
+				res.Round0GapP99.Round(100*time.Microsecond), res.Round0Gaps, res.BaselineGapP99.Round(100*time.Microsecond), res.BaselineGaps,
+				float64(res.Round0GapP99)/float64(res.BaselineGapP99))
+		}
 		exact := "every stream exact"
 		if n := len(res.Unjudged); n > 0 {
 			exact = fmt.Sprintf("%d/%d streams exact; %d went their own way before the migration began, so the engine "+

@@ -41,9 +41,10 @@ type scenario struct {
 	Type             string
 	FinalGranularity string
 	TN               int
-	Verify           string // the Host's --migration-verify ("" = its default)
-	PreAttach        bool   // the Host's --migration-pre-attach
-	TransferBackend  string // the agents' --transfer-backend ("": auto)
+	Verify           string  // the Host's --migration-verify ("" = its default)
+	PreAttach        bool    // the Host's --migration-pre-attach
+	PaceRound0       float64 // the sims' agents' --pace-round0 (0: off)
+	TransferBackend  string  // the agents' --transfer-backend ("": auto)
 	Log              *zap.Logger
 	CPUProfile       string // write a CPU profile of the migration window here
 	Trace            string // write an execution trace of the migration window here
@@ -108,6 +109,14 @@ type scenarioResult struct {
 	MigrationGapFrom, MigrationGapTo time.Time
 	MigrationStart                   time.Time
 	StatsA                           string
+	// Round0GapP99 is the 99th percentile of the clients' inter-token
+	// gaps that ended during round 0 (the source decodes while its KV is
+	// copied); BaselineGapP99 that of the gaps that ended in as long a
+	// window (at least 500 ms) just before the migration, once every
+	// stream had its first token (no prefill stalls): what round 0 costs
+	// the source's clients (issue 35). Zero where a window has no gap.
+	Round0GapP99, BaselineGapP99 time.Duration
+	Round0Gaps, BaselineGaps     int
 }
 
 func (sc scenario) requests() []loadgen.Request {
@@ -167,7 +176,7 @@ func (sc scenario) run(ctx context.Context) (scenarioResult, error) {
 			c.StorePrefix = sc.HostStorePrefix
 		}
 	}
-	st, err := stack.Start(stack.Options{Model: "demo-model", SimA: simA, SimB: simB, Log: sc.Log, TuneHost: tune, TransferBackend: sc.TransferBackend,
+	st, err := stack.Start(stack.Options{Model: "demo-model", SimA: simA, SimB: simB, Log: sc.Log, TuneHost: tune, TransferBackend: sc.TransferBackend, PaceRound0: sc.PaceRound0,
 		MoreHosts: max(0, sc.Hosts-1)})
 	if err != nil {
 		return scenarioResult{}, err
@@ -330,6 +339,49 @@ func (res *scenarioResult) judge(ref []loadgen.Stream, sim bool, hosts int) {
 		}
 	}
 	res.MedianGap = loadgen.Percentile(gaps, 0.5)
+	res.round0Gaps()
+}
+
+// round0Gaps measures Round0GapP99 and BaselineGapP99.
+func (res *scenarioResult) round0Gaps() {
+	var r0From, r0To time.Time
+	for _, st := range res.Status.StepHistory {
+		if st.Step == "round_0" {
+			r0From, r0To = st.StartedAt, st.EndedAt
+		}
+	}
+	if r0From.IsZero() || r0To.IsZero() {
+		return
+	}
+	var steady time.Time // every stream had its first token
+	for _, s := range res.Streams {
+		if len(s.Arrivals) > 0 && s.Arrivals[0].After(steady) {
+			steady = s.Arrivals[0]
+		}
+	}
+	baseFrom := res.MigrationStart.Add(-max(r0To.Sub(r0From), 500*time.Millisecond))
+	if baseFrom.Before(steady) {
+		baseFrom = steady
+	}
+	var during, before []time.Duration
+	for _, s := range res.Streams {
+		for j := 1; j < len(s.Arrivals); j++ {
+			g, at := s.Arrivals[j].Sub(s.Arrivals[j-1]), s.Arrivals[j]
+			switch {
+			case !at.Before(r0From) && !at.After(r0To):
+				during = append(during, g)
+			case !at.Before(baseFrom) && at.Before(res.MigrationStart) && !s.Arrivals[j-1].Before(steady):
+				before = append(before, g)
+			}
+		}
+	}
+	res.Round0Gaps, res.BaselineGaps = len(during), len(before)
+	if len(during) > 0 {
+		res.Round0GapP99 = loadgen.Percentile(during, 0.99)
+	}
+	if len(before) > 0 {
+		res.BaselineGapP99 = loadgen.Percentile(before, 0.99)
+	}
 }
 
 // captureWindow starts the CPU profile and the execution trace the

@@ -26,6 +26,7 @@ func newAgentCommand(g *globalFlags) *cobra.Command {
 		tokenFile   string
 		legacyToken string
 		dataPort    string
+		paceRound0  string
 	)
 	cmd := &cobra.Command{
 		Use:   "agent",
@@ -51,6 +52,9 @@ VLLM_HI_ENGINE_TOKEN_FILE naming the same file.`,
 			defer func() { _ = log.Sync() }()
 			if cfg.DataPort, err = strconv.Atoi(dataPort); err != nil {
 				return fmt.Errorf("--data-port (or VLLM_HI_DATA_PORT) %q is not a port number", dataPort)
+			}
+			if cfg.PaceRound0, err = strconv.ParseFloat(paceRound0, 64); err != nil || cfg.PaceRound0 < 0 || cfg.PaceRound0 > 100 {
+				return usageError{fmt.Errorf("--pace-round0 (or VLLM_HI_PACE_ROUND0) %q: want a share of the engine's step from 0 (off) to 100", paceRound0)}
 			}
 			if tokenFile == "" {
 				tokenFile = legacyToken
@@ -84,6 +88,7 @@ VLLM_HI_ENGINE_TOKEN_FILE naming the same file.`,
 	f.DurationVar(&cfg.EngineWait, "engine-wait", 15*time.Minute, "how long to wait for the engine to become healthy")
 	f.DurationVar(&cfg.DrainGrace, "drain-grace", 30*time.Second, "on SIGTERM, how long an active instance's agent waits for the Host to drain it (its streams move to the other instances) before it exits; 0: exit at once")
 	f.StringVar(&cfg.HealthListen, "health-listen", envDefault("VLLM_HI_HEALTH_LISTEN", ""), "serve GET /healthz on this address (off when empty) [VLLM_HI_HEALTH_LISTEN]")
+	f.StringVar(&paceRound0, "pace-round0", envDefault("VLLM_HI_PACE_ROUND0", "0"), "send a migration's round 0 in chunks of about this share of the engine's step time, one per step, so that the copy does not slow its decode and its clients (0: off; 0.25: a quarter of each step) [VLLM_HI_PACE_ROUND0]")
 	f.StringVar(&cfg.Failpoint, "failpoint", "", "die at a chosen point of a migration (tests): exit-on-<hook>, e.g. exit-on-export")
 	_ = f.MarkHidden("failpoint")
 	f.StringVar(&cfg.DrainedFile, "drained-file", "", "on SIGTERM, create this file once that drain is over (an engine container's preStop hook waits for it)")

@@ -115,7 +115,8 @@ func (m *migration) copyRound(ctx context.Context, kind string, since uint64, sl
 		m.st.TransferBackend, m.st.TransferBackendReason = b, resp.GetBackendReason()
 	}
 	r := hostapi.Round{Round: len(m.st.Rounds), Kind: kind, BlockCount: int(resp.GetBlockCount()),
-		TokenSlots: int(resp.GetTokenSlots()), Bytes: resp.GetBytes(), DurationS: resp.GetDurationS()}
+		TokenSlots: int(resp.GetTokenSlots()), Bytes: resp.GetBytes(), DurationS: resp.GetDurationS(),
+		PacedChunks: int(resp.GetPacedChunks()), SourceStepBeforeS: resp.GetSourceStepBeforeS(), SourceStepSlowestS: resp.GetSourceStepSlowestS()}
 	if kind == roundFull {
 		r.SharedBlocks = sharedBlocks(resp.GetRequests())
 	}

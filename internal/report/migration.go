@@ -50,6 +50,10 @@ func Migration(out io.Writer, st hostapi.MigrationStatus) {
 				fmt.Fprintf(out, "shared prefixes: %d of round %d's %d block copies are of a source block another moving request holds too (%.1f %% of its bytes sent more than once)\n",
 					r.SharedBlocks, r.Round, r.BlockCount, 100*float64(r.SharedBlocks)/float64(r.BlockCount))
 			}
+			if r.PacedChunks > 0 {
+				fmt.Fprintf(out, "round %d paced by the source's steps: %d chunks; the source's step %.1f ms before it, %.1f ms at the slowest chunk\n",
+					r.Round, r.PacedChunks, 1000*r.SourceStepBeforeS, 1000*r.SourceStepSlowestS)
+			}
 		}
 		if n := len(st.Recomputed); n > 0 {
 			fmt.Fprintf(out, "moved as state only (the target had no room for their KV and recomputes it): %d of %d requests\n", n, st.Migrated)

@@ -40,6 +40,8 @@ type Options struct {
 	WrapB func(http.Handler) http.Handler
 	// TransferBackend is the agents' --transfer-backend ("": auto).
 	TransferBackend string
+	// PaceRound0 is the agents' --pace-round0 (0: off).
+	PaceRound0 float64
 	// MoreHosts starts that many more Hosts on the first one's shared
 	// store (its Store must be etcd://…): every one serves, the agents
 	// register with all of them (HostURLs).
@@ -141,7 +143,7 @@ func Start(o Options) (*Stack, error) {
 	for _, a := range agents {
 		ag, err := agent.New(agent.Config{Type: a.typ, HostAddr: strings.Join(addrs, ","), EngineURL: a.url, ID: a.id,
 			Listen: "127.0.0.1:0", AdvertiseHost: "127.0.0.1", TP: 1, PP: 1, EngineWait: 10 * time.Second, AgentToken: s.AgentToken,
-			TransferBackend: o.TransferBackend},
+			TransferBackend: o.TransferBackend, PaceRound0: o.PaceRound0},
 			o.Log.Named("agent-"+a.id))
 		if err != nil {
 			return fail(err)

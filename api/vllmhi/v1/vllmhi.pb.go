@@ -667,8 +667,14 @@ type CopyRoundResponse struct {
 	// agent chose it.
 	Backend       string `protobuf:"bytes,8,opt,name=backend,proto3" json:"backend,omitempty"`
 	BackendReason string `protobuf:"bytes,9,opt,name=backend_reason,json=backendReason,proto3" json:"backend_reason,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// A round the agent paced by the source's steps (vhi agent
+	// --pace-round0): the chunks it went in, and the source's step time
+	// before the round and the slowest a chunk saw (0: not paced).
+	PacedChunks        int32   `protobuf:"varint,10,opt,name=paced_chunks,json=pacedChunks,proto3" json:"paced_chunks,omitempty"`
+	SourceStepBeforeS  float64 `protobuf:"fixed64,11,opt,name=source_step_before_s,json=sourceStepBeforeS,proto3" json:"source_step_before_s,omitempty"`
+	SourceStepSlowestS float64 `protobuf:"fixed64,12,opt,name=source_step_slowest_s,json=sourceStepSlowestS,proto3" json:"source_step_slowest_s,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *CopyRoundResponse) Reset() {
@@ -762,6 +768,27 @@ func (x *CopyRoundResponse) GetBackendReason() string {
 		return x.BackendReason
 	}
 	return ""
+}
+
+func (x *CopyRoundResponse) GetPacedChunks() int32 {
+	if x != nil {
+		return x.PacedChunks
+	}
+	return 0
+}
+
+func (x *CopyRoundResponse) GetSourceStepBeforeS() float64 {
+	if x != nil {
+		return x.SourceStepBeforeS
+	}
+	return 0
+}
+
+func (x *CopyRoundResponse) GetSourceStepSlowestS() float64 {
+	if x != nil {
+		return x.SourceStepSlowestS
+	}
+	return 0
 }
 
 // BlockSlots names slots [first_slot, first_slot + num_slots) of a block.
@@ -2304,7 +2331,7 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\n" +
 	"target_tls\x18\v \x01(\bR\ttargetTls\x124\n" +
 	"\vtarget_rdma\x18\f \x01(\v2\x13.vllmhi.v1.RDMAInfoR\n" +
-	"targetRdma\"\xc9\x02\n" +
+	"targetRdma\"\xd0\x03\n" +
 	"\x11CopyRoundResponse\x12\x16\n" +
 	"\x06cursor\x18\x01 \x01(\x04R\x06cursor\x12\x1f\n" +
 	"\vblock_count\x18\x02 \x01(\x05R\n" +
@@ -2317,7 +2344,11 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\vtoken_slots\x18\a \x01(\x05R\n" +
 	"tokenSlots\x12\x18\n" +
 	"\abackend\x18\b \x01(\tR\abackend\x12%\n" +
-	"\x0ebackend_reason\x18\t \x01(\tR\rbackendReason\"^\n" +
+	"\x0ebackend_reason\x18\t \x01(\tR\rbackendReason\x12!\n" +
+	"\fpaced_chunks\x18\n" +
+	" \x01(\x05R\vpacedChunks\x12/\n" +
+	"\x14source_step_before_s\x18\v \x01(\x01R\x11sourceStepBeforeS\x121\n" +
+	"\x15source_step_slowest_s\x18\f \x01(\x01R\x12sourceStepSlowestS\"^\n" +
 	"\n" +
 	"BlockSlots\x12\x14\n" +
 	"\x05block\x18\x01 \x01(\x05R\x05block\x12\x1b\n" +
