@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"sync"
 	"time"
 
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
@@ -170,4 +171,98 @@ func nextStep(ctx context.Context, count stepCount, steps uint64, within time.Du
 			return steps, ctx.Err()
 		}
 	}
+}
+
+// stepPacer paces a round inside one send (transfer.Round.Pace, which
+// tcp_shm honours frame by frame): each source step, the round may send
+// about share × the step time of bytes; then its frames wait for the
+// source's next step. The budget is the data plane's speed end to end,
+// measured on a first chunk sent on its own (the sender alone cannot
+// see it: the target still receives, checks and writes what the kernel
+// took from the sender). The connections of a round take from it in
+// turn.
+type stepPacer struct {
+	count  stepCount
+	base   time.Duration // the source's step time before the round
+	target time.Duration // a burst's time: share × base
+
+	mu      sync.Mutex
+	budget  int64  // bytes per source step
+	used    int64  // sent since the step began
+	steps   uint64 // the source's step count the budget is for
+	burstAt time.Time
+	out     pacedRound
+}
+
+// newStepPacer measures the source's step time and returns a pacer of
+// share × that per step, or nil where the source makes no steps to pace
+// by (its round goes at once).
+func newStepPacer(ctx context.Context, count stepCount, share float64) *stepPacer {
+	base, steps, ok := stepTime(ctx, count)
+	if !ok || share <= 0 {
+		return nil
+	}
+	return &stepPacer{count: count, base: base, target: time.Duration(share * float64(base)), budget: pacedMinChunk,
+		steps: steps, out: pacedRound{BaseStep: base}}
+}
+
+// Take implements transfer.Pacer.
+func (p *stepPacer) Take(ctx context.Context, n int64) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.used > 0 && p.used+n > p.budget {
+		before := p.steps
+		steps, err := nextStep(ctx, p.count, p.steps, 2*p.base)
+		if err != nil {
+			return err
+		}
+		waited := time.Since(p.burstAt)
+		if steps > before {
+			p.out.MaxStep = max(p.out.MaxStep, waited/time.Duration(steps-before))
+		}
+		p.steps, p.used = steps, 0
+		p.out.Chunks++
+	}
+	if p.used == 0 {
+		p.burstAt = time.Now()
+	}
+	p.used += n
+	return nil
+}
+
+// sendStepPaced sends round r paced by p: a first chunk on its own,
+// whose time end to end sets the budget per step, then the rest in one
+// send that takes its frames' bytes from p.
+func sendStepPaced(ctx context.Context, p *stepPacer, backend transfer.Backend, r transfer.Round) (pacedRound, error) {
+	slotBytes := int64(r.Src.Geometry.BlockBytes()) / int64(max(1, r.Src.Geometry.BlockSize))
+	n := chunkOf(r.Copies, pacedFirstChunk, slotBytes, r.Src.Geometry.BlockSize, r.SlotGranular)
+	first, rest := r, r
+	first.Copies, rest.Copies = r.Copies[:n], r.Copies[n:]
+	t0 := time.Now()
+	st, err := backend.Send(ctx, first)
+	if err != nil || len(rest.Copies) == 0 {
+		return pacedRound{Stats: st, Chunks: 1, BaseStep: p.base}, err
+	}
+	rate := float64(st.Bytes) / max(time.Since(t0).Seconds(), 1e-6) // bytes per second
+	p.budget = max(int64(rate*p.target.Seconds()), pacedMinChunk/4)
+	steps, err := nextStep(ctx, p.count, p.steps, 2*p.base)
+	if err != nil {
+		return pacedRound{}, err
+	}
+	p.steps, p.out.Chunks = steps, 1
+	rest.Pace = p
+	st2, err := backend.Send(ctx, rest)
+	st.Runs += st2.Runs
+	st.Bytes += st2.Bytes
+	return p.result(st), err
+}
+
+// result is what the pacer did: its bursts as the round's chunks.
+func (p *stepPacer) result(st transfer.Stats) pacedRound {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := p.out
+	out.Chunks++ // the last burst
+	out.Stats = st
+	return out
 }

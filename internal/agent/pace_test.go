@@ -147,3 +147,37 @@ func TestRound0PacedByTheSourcesSteps(t *testing.T) {
 		})
 	}
 }
+
+// Inside one send the pacer lets a step's budget go at once and holds
+// the next bytes until the source's next step.
+func TestStepPacerHoldsBytesPastTheBudgetUntilTheNextStep(t *testing.T) {
+	e := &pacedEngine{step: 5 * time.Millisecond}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go e.run(ctx)
+	p := newStepPacer(ctx, e.count, 0.5)
+	if p == nil {
+		t.Fatal("no pacer for an engine that steps")
+	}
+	p.budget = 100
+	for round := 0; round < 3; round++ {
+		at := e.steps.Load()
+		for _, n := range []int64{60, 40} { // the budget: no wait
+			if err := p.Take(ctx, n); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if now := e.steps.Load(); now > at+1 {
+			t.Fatalf("the budget's bytes waited for %d steps", now-at)
+		}
+		if err := p.Take(ctx, 1); err != nil { // one byte past it
+			t.Fatal(err)
+		}
+		if e.steps.Load() == at {
+			t.Fatal("bytes past the step's budget went before the source's next step")
+		}
+	}
+	if r := p.result(transfer.Stats{Bytes: 303}); r.Chunks < 4 || r.BaseStep <= 0 {
+		t.Fatalf("%+v", r)
+	}
+}

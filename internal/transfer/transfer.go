@@ -116,6 +116,18 @@ type Round struct {
 	// SrcMemory is the source's KV regions mapped, when they are host
 	// memory (nil for GPU KV).
 	SrcMemory [][]byte
+	// Pace, when set, spreads the round over the source's steps: a
+	// backend that honours it (tcp_shm) takes each frame's bytes from it
+	// before sending them; the others ignore it (the agent paces their
+	// rounds by sending them in chunks).
+	Pace Pacer
+}
+
+// Pacer hands out a round's bytes as the source can spare the time to
+// send them (the agent's step pacer). Take returns when n more bytes may
+// go, or with ctx's error.
+type Pacer interface {
+	Take(ctx context.Context, n int64) error
 }
 
 // Backend moves rounds of KV from this agent's engine to a target.

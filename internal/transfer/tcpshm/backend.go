@@ -59,6 +59,7 @@ func (b Backend) Dest(t transfer.Target) (Dest, error) {
 // SendTo sends a round as frames to dest (their payloads in the stream,
 // or through dest's carrier).
 func (b Backend) SendTo(ctx context.Context, dest Dest, r transfer.Round) (transfer.Stats, error) {
+	dest.Pace = r.Pace
 	geo := r.Src.Geometry
 	switch {
 	case transfer.OnGPU(r.Src) || transfer.OnGPU(r.Dst):

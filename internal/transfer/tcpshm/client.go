@@ -30,6 +30,21 @@ type Dest struct {
 	// plane); the connection keeps the handshake, descriptors, checksums
 	// and acknowledgements.
 	Carrier Carrier
+	// Pace, when set, paces the frames (transfer.Round.Pace): each takes
+	// its bytes from it and goes out at once, in frames of at most
+	// pacedFrame.
+	Pace transfer.Pacer
+}
+
+// pacedFrame bounds a paced round's frames: the pacer's grain.
+const pacedFrame = 64 << 10
+
+// frameLimit is the largest payload of dst's frames.
+func (dst Dest) frameLimit() int64 {
+	if dst.Pace != nil {
+		return pacedFrame
+	}
+	return maxFrame
 }
 
 // Send copies runs from src (mapped source regions) to the target over tn
@@ -47,8 +62,9 @@ func Send(ctx context.Context, dst Dest, tn int, src [][]byte, runs []kvlayout.C
 		if r.SrcRegion < 0 || r.SrcRegion >= len(src) || r.SrcOffset < 0 || r.Length < 0 || r.SrcOffset > int64(len(src[r.SrcRegion]))-r.Length {
 			return transfer.Stats{}, fmt.Errorf("tcp_shm: run %+v outside the source regions", r)
 		}
-		for off := int64(0); off < r.Length; off += maxFrame {
-			n := min(maxFrame, r.Length-off)
+		limit := dst.frameLimit()
+		for off := int64(0); off < r.Length; off += limit {
+			n := min(limit, r.Length-off)
 			i := 0
 			for j := range load {
 				if load[j] < load[i] {
@@ -104,6 +120,19 @@ type frameWriter struct {
 	frames, bytes uint64
 	fault         transfer.Fault
 	carried       *carriage // nil: payloads go in the stream
+	// pace, when set, gives each frame its bytes before it goes (ctx
+	// bounds the wait), and the frame is written out at once.
+	pace transfer.Pacer
+	ctx  context.Context
+}
+
+// paced makes f take each frame's bytes from dst's pacer (none: as it is).
+func (f *frameWriter) paced(ctx context.Context, dst Dest) *frameWriter {
+	if dst.Pace != nil {
+		f.pace, f.ctx = dst.Pace, ctx
+		f.limit = min(f.limit, pacedFrame)
+	}
+	return f
 }
 
 func newFrameWriter(w *bufio.Writer, kind uint32, descSize int, fault transfer.Fault, c *carriage) *frameWriter {
@@ -139,6 +168,11 @@ func (f *frameWriter) flush() error {
 	if len(f.descs) == 0 {
 		return nil
 	}
+	if f.pace != nil {
+		if err := f.pace.Take(f.ctx, int64(len(f.payload))); err != nil {
+			return err
+		}
+	}
 	if f.fault == transfer.CorruptSilently && f.frames == 0 {
 		f.payload[0] ^= 0xFF
 	}
@@ -172,6 +206,12 @@ func (f *frameWriter) flush() error {
 			return err
 		}
 	}
+	if f.pace != nil {
+		// A paced frame goes now: the pacer's accounting is of bytes sent.
+		if err := f.w.Flush(); err != nil {
+			return err
+		}
+	}
 	f.frames++
 	f.bytes += uint64(len(f.payload))
 	f.descs, f.payload = f.descs[:0], f.payload[:0]
@@ -195,7 +235,7 @@ func emptyRoundFault(fault transfer.Fault) error {
 
 func sendConn(ctx context.Context, dst Dest, src [][]byte, runs []kvlayout.CopyRun, fault transfer.Fault) error {
 	return withConn(ctx, dst, func(w *bufio.Writer, c *carriage) (uint64, uint64, error) {
-		fw := newFrameWriter(w, frameRuns, runDescSize, fault, c)
+		fw := newFrameWriter(w, frameRuns, runDescSize, fault, c).paced(ctx, dst)
 		if len(runs) == 0 {
 			if err := emptyRoundFault(fault); err != nil {
 				return 0, 0, err
@@ -252,7 +292,7 @@ func SendSlots(ctx context.Context, dst Dest, tn int, src *Memory, jobs []kvlayo
 
 func sendSlotsConn(ctx context.Context, dst Dest, src *Memory, places []slotPlace, jobs []kvlayout.BlockCopy, fault transfer.Fault) error {
 	return withConn(ctx, dst, func(w *bufio.Writer, c *carriage) (uint64, uint64, error) {
-		fw := newFrameWriter(w, frameSlots, jobSize, fault, c)
+		fw := newFrameWriter(w, frameSlots, jobSize, fault, c).paced(ctx, dst)
 		if len(jobs) == 0 {
 			if err := emptyRoundFault(fault); err != nil {
 				return 0, 0, err
@@ -297,6 +337,12 @@ func withConn(ctx context.Context, dst Dest, send func(w *bufio.Writer, c *carri
 		return fmt.Errorf("tcp_shm: dial %s: %w", dst.Addr, err)
 	}
 	defer raw.Close()
+	if tc, ok := raw.(*net.TCPConn); ok && dst.Pace != nil {
+		// Paced, a burst is the pacer's bytes, not as many more as the
+		// kernel's socket buffer takes (megabytes on loopback): the
+		// sender's writes wait for the target once it lags a few frames.
+		_ = tc.SetWriteBuffer(4 * pacedFrame)
+	}
 	stop := context.AfterFunc(ctx, func() { raw.Close() })
 	defer stop()
 	conn := raw

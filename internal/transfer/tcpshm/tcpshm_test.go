@@ -396,3 +396,63 @@ func TestRoundsOutlastTheHandshakeDeadline(t *testing.T) {
 		t.Fatal("the round's bytes did not land")
 	}
 }
+
+// takes records what a paced round took.
+type takes struct {
+	mu    sync.Mutex
+	n     []int64
+	total int64
+}
+
+func (p *takes) Take(_ context.Context, n int64) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.n = append(p.n, n)
+	p.total += n
+	return nil
+}
+
+// A paced round takes every byte it sends from its pacer, frame by frame
+// (none over pacedFrame), and lands exactly as an unpaced one.
+func TestAPacedRoundTakesEveryFramesBytes(t *testing.T) {
+	g := testGeo
+	src := memoryOf(g, kvlayout.Parallel{TP: 1, PP: 1}, true)
+	for _, slots := range []bool{false, true} {
+		dst := memoryOf(g, kvlayout.Parallel{TP: 1, PP: 1}, false)
+		dst.Guard = guard(t, g, dst, 1, 5, 6)
+		srv := serveMemory(t, dst, time.Now().Add(time.Minute), Options{})
+		copies := []kvlayout.BlockCopy{{Src: 3, Dst: 5, FirstSlot: 2, NumSlots: 3}, {Src: 4, Dst: 6, NumSlots: 8}, {Src: 9, Dst: 1, FirstSlot: 7, NumSlots: 1}}
+		p := &takes{}
+		d := dest(srv)
+		d.Pace = p
+		var st transfer.Stats
+		var err error
+		if slots {
+			st, err = SendSlots(context.Background(), d, 2, src, copies, transfer.NoFault)
+		} else {
+			runs, perr := kvlayout.Plan(g.Layers, g.KVHeads, src.SlotBytes, src.Specs, dst.Specs, copies)
+			if perr != nil {
+				t.Fatal(perr)
+			}
+			st, err = Send(context.Background(), d, 2, src.Data, runs, transfer.NoFault)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(p.n) == 0 || p.total < st.Bytes {
+			t.Fatalf("slots=%v: the pacer gave %d bytes in %d takes; the round sent %d", slots, p.total, len(p.n), st.Bytes)
+		}
+		for _, n := range p.n {
+			if n > pacedFrame {
+				t.Fatalf("a paced frame of %d bytes (over %d)", n, pacedFrame)
+			}
+		}
+		for _, c := range copies {
+			for s := c.FirstSlot; s < c.FirstSlot+c.NumSlots; s++ {
+				if !bytes.Equal(readSlot(dst, 1, 1, 2, c.Dst, s), readSlot(src, 1, 1, 2, c.Src, s)) {
+					t.Fatalf("slots=%v: block %d slot %d differs", slots, c.Dst, s)
+				}
+			}
+		}
+	}
+}

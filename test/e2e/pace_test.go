@@ -1,0 +1,35 @@
+package e2e
+
+import (
+	"testing"
+	"time"
+
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/test/framework"
+)
+
+// A source agent started with --pace-round0 sends round 0 in steps of
+// its engine (issue 35): the round's status says how many chunks and the
+// engine's step time, and every stream still moves and equals its
+// unmigrated run.
+func TestAPacedRound0MovesEveryStreamExactly(t *testing.T) {
+	d := deployWith(t, deployOptions{bBlocks: 4096, kvScale: 16, agentArgs: [2][]string{{"--pace-round0", "0.5"}, nil}})
+	reqs := load(32, 600)
+	want := d.reference(reqs)
+	release := framework.HoldStreams(t, d, "A")
+	running := d.startLoad(reqs)
+	waitUntil(t, "A to run every stream", func() bool { return d.stats(t, d.aURL).Running == len(reqs) })
+	time.Sleep(300 * time.Millisecond)
+	st := d.waitMigration(t, hostapi.MigrateRequest{Src: "A", Dst: "B"})
+	release()
+	if st.State != hostapi.StateSucceeded || st.Migrated != len(reqs) {
+		t.Fatalf("%s, %d of %d moved: %s\n%+v", st.State, st.Migrated, len(reqs), st.Error, st)
+	}
+	r0 := st.Rounds[0]
+	if r0.Kind != "full" || r0.PacedChunks < 2 || r0.SourceStepBeforeS <= 0 || r0.SourceStepSlowestS <= 0 {
+		t.Fatalf("round 0 not paced: %+v", r0)
+	}
+	t.Logf("round 0: %d blocks, %d bytes in %.2f s, %d chunks; the source's step %.1f ms before, %.1f ms at the slowest",
+		r0.BlockCount, r0.Bytes, r0.DurationS, r0.PacedChunks, 1000*r0.SourceStepBeforeS, 1000*r0.SourceStepSlowestS)
+	checkExact(t, <-running, want)
+}
