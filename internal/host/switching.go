@@ -80,7 +80,7 @@ func (h *Host) switched(w http.ResponseWriter, r *http.Request, rid string, body
 	hdr, engineID := h.upstreamHeader(r, rid)
 	res := h.proxy.Forward(w, r, proxy.Upstream{
 		BaseURL: lease.BackendURL(), Path: r.URL.Path, Body: body, Header: hdr, Model: served,
-		InstanceID: instanceID, RequestID: engineID, Sent: sent,
+		InstanceID: instanceID, RequestID: engineID, Sent: sent, Stream: stream,
 	})
 	h.count(alias, res.Status)
 }

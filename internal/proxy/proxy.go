@@ -120,6 +120,10 @@ type Upstream struct {
 	// (WithReturnTokenIDs): the relay keeps them for a failover and gives
 	// the client its chunks as they would have been without them.
 	TokenIDs bool
+	// Stream says the client asked for a stream (the body's "stream":
+	// true): one a migration moves before its engine answered goes on
+	// from the target.
+	Stream bool
 	// OnFirstToken, when set, is called once, when the client is sent its
 	// first token event (a stream) or the answer's head (anything else
 	// that succeeded): the time to first token as the client sees it.
@@ -270,6 +274,12 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 	}
 	if up.Sent != nil {
 		up.Sent()
+	}
+	if err != nil && up.Stream && ctx.Err() == nil && s.splicePending() {
+		// A migration moved the stream before its engine answered (the
+		// source had produced nothing the client has): the stream opens
+		// on the target, from the relay's switch.
+		return p.relay(ctx, w, failedRead{err}, s, up)
 	}
 	if err != nil {
 		if r.Context().Err() != nil {

@@ -349,3 +349,44 @@ func TestAStreamAbandonedBeforeItsEngineAnsweredGoesElsewhere(t *testing.T) {
 		t.Fatalf("rerouted %v, want 1", got)
 	}
 }
+
+// A stream a migration moves before its source engine answered (nothing
+// produced yet) opens on the target instead of ending in a 502.
+// (TestChaosWithThreeHosts broke a stream this way: a drain moved a
+// request still waiting for its engine's first answer.)
+func TestAStreamMovedBeforeItsEngineAnsweredOpensOnTheTarget(t *testing.T) {
+	hung := make(chan struct{})
+	source := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		close(hung)
+		<-r.Context().Done() // never answers
+	}))
+	defer source.Close()
+	target := tokensTarget("", 0, 3, func(*http.Request) {})
+	defer target.Close()
+	p := New(Options{}, testMetrics(), zap.NewNop())
+	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		p.Forward(w, r, Upstream{BaseURL: source.URL, Path: r.URL.Path, Body: body, Model: "m", InstanceID: "A", RequestID: "cmpl-x", Stream: true,
+			Header: http.Header{"Content-Type": {"application/json"}}})
+	}))
+	defer front.Close()
+	switched := make(chan error, 1)
+	go func() {
+		<-hung
+		switched <- <-p.Streams().Get("cmpl-x").Splice(target.URL, "B", 0, -1)
+	}()
+	resp, err := http.Post(front.URL+"/v1/completions", "application/json", strings.NewReader(`{"stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	want := tokenEvent(0) + tokenEvent(1) + tokenEvent(2) + "data: [DONE]\n\n"
+	if resp.StatusCode != http.StatusOK || string(b) != want {
+		t.Fatalf("%d %q, want the target's stream %q", resp.StatusCode, b, want)
+	}
+	if err := <-switched; err != nil {
+		t.Fatalf("the splice: %v", err)
+	}
+}

@@ -223,6 +223,20 @@ func (t *Streams) Abandon(instance string, quiet time.Duration) int {
 	return len(silent)
 }
 
+// splicePending reports whether a splice was requested and has not
+// switched yet.
+func (s *Stream) splicePending() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.splice != nil && s.splice.switched != nil
+}
+
+// failedRead is the body of an upstream that never answered: its first
+// read fails with the request's error.
+type failedRead struct{ err error }
+
+func (f failedRead) Read([]byte) (int, error) { return 0, f.err }
+
 // abandonedUnanswered reports whether the stream's upstream request
 // (upCtx) was cancelled by Abandon before its engine answered: the
 // client is still there and no splice is pending (a splice's cancel
