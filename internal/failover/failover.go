@@ -272,12 +272,15 @@ func (m *Manager) recover(ctx context.Context, s *proxy.Stream, sent, text int) 
 // another instance and what the client has is skipped — when the client
 // has nothing yet, or its engine replays exactly.
 func (m *Manager) replay(s *proxy.Stream, sent int) (proxy.Recovery, string, error) {
-	old, _ := m.reg.Get(s.Instance)
+	kind := s.EngineKind
+	if old, err := m.reg.Get(s.Instance); err == nil {
+		kind = old.Engine.Kind
+	}
 	switch {
 	case !s.CanReplay():
 		return proxy.Recovery{}, OutcomeNoState, fmt.Errorf("no snapshot of stream %s, and its request was too large to keep", s.ID)
-	case sent > 0 && old.Engine.Kind != deterministicEngine:
-		return proxy.Recovery{}, OutcomeNoState, fmt.Errorf("no snapshot of stream %s yet, and a replay on %s engines may not repeat its %d tokens", s.ID, old.Engine.Kind, sent)
+	case sent > 0 && kind != deterministicEngine:
+		return proxy.Recovery{}, OutcomeNoState, fmt.Errorf("no snapshot of stream %s yet, and a replay on %q engines may not repeat its %d tokens", s.ID, kind, sent)
 	}
 	for _, in := range m.reg.List() {
 		if in.ID != s.Instance && in.Lifecycle() == registry.LifecycleActive && in.Serves(s.Model) {

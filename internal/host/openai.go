@@ -160,7 +160,7 @@ func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 		body, trackIDs = proxy.WithReturnTokenIDs(body)
 	}
 	res := h.proxy.Forward(w, r, proxy.Upstream{
-		BaseURL: inst.Engine.URL, Path: r.URL.Path, Body: body, Header: hdr, Model: head.Model, InstanceID: inst.ID, TokenIDs: trackIDs, Stream: head.Stream,
+		BaseURL: inst.Engine.URL, Path: r.URL.Path, Body: body, Header: hdr, Model: head.Model, InstanceID: inst.ID, TokenIDs: trackIDs, Stream: head.Stream, EngineKind: inst.Engine.Kind,
 		RequestID: engineID, Sent: release, Hold: h.scaler.Hold, OnFirstToken: h.observeTTFT(head.Model, arrived),
 		Reroute: func(tried []string) (string, string, bool) {
 			i, _, ok := h.route(head.Model, tried)

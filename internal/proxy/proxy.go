@@ -120,6 +120,8 @@ type Upstream struct {
 	// (WithReturnTokenIDs): the relay keeps them for a failover and gives
 	// the client its chunks as they would have been without them.
 	TokenIDs bool
+	// EngineKind is the kind of the instance's engine (Stream.EngineKind).
+	EngineKind string
 	// Stream says the client asked for a stream (the body's "stream":
 	// true): one a migration moves before its engine answered goes on
 	// from the target.
@@ -207,7 +209,7 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 	}
 	// Register the stream before the engine answers: a migration that
 	// starts while the request is still prefilling must find it.
-	s := &Stream{ID: up.RequestID, Instance: up.InstanceID, Model: up.Model, Tag: clientTag(r.Header),
+	s := &Stream{ID: up.RequestID, Instance: up.InstanceID, Model: up.Model, Tag: clientTag(r.Header), EngineKind: up.EngineKind,
 		Started: time.Now(), cancelA: cancelUp, done: make(chan struct{}), ctx: ctx}
 	if up.TokenIDs {
 		s.ids = &streamIDs{}
@@ -246,6 +248,7 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 		up.BaseURL, up.InstanceID = url, id
 		s.mu.Lock()
 		s.Instance = id
+		s.EngineKind = "" // the other instance's: the registry says
 		if upCtx.Err() != nil {
 			// Failover gave the unhealthy engine up before it answered
 			// (Streams.Abandon): the client has nothing yet, so the

@@ -31,6 +31,12 @@ type Stream struct {
 	Model   string
 	Tag     string
 	Started time.Time
+	// EngineKind is the kind of the engine the stream started on (vllm,
+	// vhi-sim; "" when the Host did not say, or the request went to
+	// another instance): what a failover may replay on once that instance
+	// has left the registry (a drained agent deregisters before its
+	// engine stops). Written and read by the relay's goroutine only.
+	EngineKind string
 
 	mu     sync.Mutex
 	tokens int // token events relayed
