@@ -100,9 +100,8 @@ func (c *Client) viaCore(ctx context.Context, op string, in, out any) (ok bool, 
 // work is the engine core's go there — the pause path's calls reach the
 // engine at its next step boundary without waiting on the API server's
 // event loop, which also serves every client stream; a snapshot export
-// with the streams' metadata (only the API server has it), the install
-// (the target's API server registers each stream), stage and abort go
-// over HTTP.
+// with the streams' metadata (only the API server has it), stage and
+// abort go over HTTP, and an install goes both ways at once (install.go).
 func (c *Client) Hook(ctx context.Context, route hooks.Route, since uint64, body []byte) ([]byte, error) {
 	if op, ok := c.coreOp(route.Name, body); ok {
 		var payload any = json.RawMessage(body)
@@ -125,6 +124,9 @@ func (c *Client) Hook(ctx context.Context, route hooks.Route, since uint64, body
 			p.StepWaitS = t.Wait.Seconds()
 			return json.Marshal(p)
 		}
+	}
+	if route.Name == hooks.HookInstall {
+		return c.install(ctx, body)
 	}
 	path := route.Path
 	if route.Name == hooks.HookChanges {
@@ -350,7 +352,15 @@ func (c *Client) Allocate(ctx context.Context, req hooks.AllocateRequest) (out h
 
 // Install implements hooks.Engine.
 func (c *Client) Install(ctx context.Context, req hooks.InstallRequest) (out hooks.InstallResponse, err error) {
-	return out, c.do(ctx, http.MethodPost, hooks.PathInstall, req, &out)
+	body, err := json.Marshal(req)
+	if err != nil {
+		return out, err
+	}
+	b, err := c.install(ctx, body)
+	if err != nil {
+		return out, err
+	}
+	return out, decode(http.MethodPost, hooks.PathInstall, b, &out)
 }
 
 // Abort implements hooks.Engine.

@@ -30,6 +30,9 @@ type CoreChannel struct {
 	idle        []*coreConn
 	closed      bool
 	nextID      uint64
+	// ops are the commands the engine's channel takes, as its hello
+	// listed them (none listed: a plugin from before the list).
+	ops map[string]bool
 }
 
 // coreChannelVersion is the wire version this client speaks.
@@ -71,25 +74,34 @@ type CoreTiming struct {
 // checks its version.
 func DialCore(ctx context.Context, path, token string) (*CoreChannel, error) {
 	ch := &CoreChannel{path: path, token: token}
-	c, err := ch.dial(ctx)
+	c, ops, err := ch.dial(ctx)
 	if err != nil {
 		return nil, err
+	}
+	ch.ops = make(map[string]bool, len(ops))
+	for _, op := range ops {
+		ch.ops[op] = true
 	}
 	ch.put(c)
 	return ch, nil
 }
 
-func (ch *CoreChannel) dial(ctx context.Context) (*coreConn, error) {
+// Takes reports whether the engine's channel takes op (its hello listed
+// it): an agent newer than the engine's plugin uses HTTP for the rest.
+func (ch *CoreChannel) Takes(op string) bool { return ch.ops[op] }
+
+func (ch *CoreChannel) dial(ctx context.Context) (*coreConn, []string, error) {
 	var d net.Dialer
 	nc, err := d.DialContext(ctx, "unix", ch.path)
 	if err != nil {
-		return nil, fmt.Errorf("core channel %s: %w", ch.path, err)
+		return nil, nil, fmt.Errorf("core channel %s: %w", ch.path, err)
 	}
 	c := &coreConn{c: nc}
 	setDeadline(ctx, nc)
 	var hello struct {
 		OK *struct {
-			Version int `json:"version"`
+			Version int      `json:"version"`
+			Ops     []string `json:"ops"`
 		} `json:"ok"`
 		Error *coreErrorBody `json:"error"`
 	}
@@ -103,9 +115,9 @@ func (ch *CoreChannel) dial(ctx context.Context) (*coreConn, error) {
 	}
 	if err != nil {
 		nc.Close()
-		return nil, fmt.Errorf("core channel %s: %w", ch.path, err)
+		return nil, nil, fmt.Errorf("core channel %s: %w", ch.path, err)
 	}
-	return c, nil
+	return c, hello.OK.Ops, nil
 }
 
 func setDeadline(ctx context.Context, c net.Conn) {
@@ -129,7 +141,8 @@ func (ch *CoreChannel) get(ctx context.Context) (*coreConn, error) {
 		return c, nil
 	}
 	ch.mu.Unlock()
-	return ch.dial(ctx)
+	c, _, err := ch.dial(ctx)
+	return c, err
 }
 
 func (ch *CoreChannel) put(c *coreConn) {

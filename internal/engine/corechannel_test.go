@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"os/exec"
@@ -126,7 +127,8 @@ func TestCoreChannelTalksToThePluginsServer(t *testing.T) {
 
 // TestHookGoesThroughTheCoreChannel: the agent relays the pause path's
 // hooks over the core channel, and the rest (a snapshot export, which
-// needs the API server's stream metadata; the install) over HTTP.
+// needs the API server's stream metadata) over HTTP; an install's answer
+// is the API server's (TestAnInstallGoesToBothHalvesAtOnce).
 func TestHookGoesThroughTheCoreChannel(t *testing.T) {
 	sock := startCoreServer(t, "tok")
 	var httpPaths []string
@@ -193,5 +195,93 @@ func TestHookGoesThroughTheCoreChannel(t *testing.T) {
 	}
 	if out, err := plain.Hook(ctx, route(hooks.HookPause), 0, nil); err != nil || string(out) != `{"via":"http"}` {
 		t.Fatalf("pause without a channel went %s (%v)", out, err)
+	}
+}
+
+// TestAnInstallGoesToBothHalvesAtOnce: with a channel that takes
+// "install", the engine core installs over it while the API server only
+// registers the streams (skip_engine_core); a failure of either half
+// fails the install; an install that also commits goes over HTTP alone.
+func TestAnInstallGoesToBothHalvesAtOnce(t *testing.T) {
+	sock := startCoreServer(t, "tok")
+	var bodies []string
+	var mu sync.Mutex
+	fail := false
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		mu.Lock()
+		bodies = append(bodies, string(b))
+		f := fail
+		mu.Unlock()
+		if f {
+			w.WriteHeader(http.StatusConflict)
+			_, _ = w.Write([]byte(`{"error":{"message":"the stream is gone","type":"conflict","param":"requests","code":409}}`))
+			return
+		}
+		_, _ = w.Write([]byte(`{"installed":["a"],"visible_text":{"a":3},"engine_core":"skipped"}`))
+	}))
+	defer srv.Close()
+	c, err := NewClient(srv.URL, Options{Token: "tok", CoreSocket: sock})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	route, _ := hooks.RouteOf(hooks.HookInstall)
+	coreInstalled := func() []string {
+		ch, err := c.coreChannel(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out struct{ Installed []string }
+		if _, err := ch.Call(ctx, "installed", nil, &out); err != nil {
+			t.Fatal(err)
+		}
+		return out.Installed
+	}
+
+	out, err := c.Hook(ctx, route, 0, []byte(` {"resume":false,"lease_ms":500,"requests":[{"request_id":"a"}]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(out) != `{"installed":["a"],"visible_text":{"a":3},"engine_core":"skipped"}` {
+		t.Fatalf("the install answered %s, want the API server's answer", out)
+	}
+	if got := coreInstalled(); strings.Join(got, ",") != "a" {
+		t.Fatalf("the engine core installed %v, want a", got)
+	}
+	var sent map[string]any
+	if err := json.Unmarshal([]byte(bodies[0]), &sent); err != nil || sent["skip_engine_core"] != true || sent["lease_ms"] != 500.0 {
+		t.Fatalf("the API server was sent %s (%v)", bodies[0], err)
+	}
+
+	// The engine core refuses: the install fails, whatever the API server said.
+	if _, err := c.Hook(ctx, route, 0, []byte(`{"requests":[{"request_id":"taken"}]}`)); !errors.Is(err, errdefs.ErrConflict) {
+		t.Fatalf("an install the engine core refused: %v, want a conflict", err)
+	}
+	// The API server refuses: the install fails.
+	mu.Lock()
+	fail = true
+	mu.Unlock()
+	if _, err := c.Install(ctx, hooks.InstallRequest{}); err == nil || !strings.Contains(err.Error(), "the stream is gone") {
+		t.Fatalf("an install the API server refused: %v", err)
+	}
+	mu.Lock()
+	fail = false
+	mu.Unlock()
+	// Install and commit at once: HTTP alone, as sent.
+	before := len(coreInstalled())
+	if _, err := c.Hook(ctx, route, 0, []byte(`{"resume":true,"requests":[{"request_id":"b"}]}`)); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	last := bodies[len(bodies)-1]
+	mu.Unlock()
+	if last != `{"resume":true,"requests":[{"request_id":"b"}]}` || len(coreInstalled()) != before {
+		t.Fatalf("an install that commits was sent %s, and the core has %v", last, coreInstalled())
+	}
+	if _, err := c.Hook(ctx, route, 0, []byte(`[]`)); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Fatalf("a body that is not an object: %v", err)
 	}
 }

@@ -40,6 +40,14 @@ func TestCoreChannelOnVLLM(t *testing.T) {
 		t.Fatalf("%v\n%s", err, tail(vllmLogs.String()))
 	}
 	defer ch.Close()
+	// The hello lists what the channel takes: the migrations of
+	// TestMigrateBetweenVLLMServers install over it (and the API server
+	// beside it) only where it lists "install".
+	for _, op := range []string{"pause", "export", "resume", "allocate", "install", "stats"} {
+		if !ch.Takes(op) {
+			t.Fatalf("the core channel's hello does not list %q", op)
+		}
+	}
 
 	const n = 4
 	want := runStreamsFrom(t, vllmA, 20, n, nil)

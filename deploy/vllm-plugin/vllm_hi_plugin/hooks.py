@@ -18,7 +18,7 @@ import logging
 import time
 
 from . import HOOKS_VERSION, compat
-from .wire import HookError, decode_ints, encode_ints
+from .wire import HookError, decode_ints, encode_ints, extends, ints_after
 
 # Stream metadata by response id, captured from vLLM's own stream
 # generators (model, created, usage options) on the source.
@@ -297,7 +297,7 @@ class Hooks:
 
         now = time.monotonic()
         self._sweep(now)
-        staged, hashes = [], []
+        staged, to_core = [], []
         for st in body.get("requests") or []:
             rid, prompt, output, ecr = _core_request(st)
             if rid in self.installed:
@@ -308,9 +308,10 @@ class Hooks:
                 # A top-up (a tokens-only snapshot, taken later): step only
                 # through the tokens since, keeping the stream's metadata.
                 ahead.step(output[len(ahead.output):])
+                ahead.encoded = (st["prompt_token_ids"], st["output_token_ids"])
                 ahead.at = now
                 staged.append(rid)
-                hashes.append({"request_id": rid, "token_ids": encode_ints(prompt + output)})
+                to_core.append(_for_core(st))
                 continue
             if not st.get("response"):
                 continue  # nothing staged to top up, and no metadata to stage with
@@ -328,17 +329,18 @@ class Hooks:
             ahead.registered = True
             ahead.detokenizer = self.op.request_states[rid].detokenizer
             ahead.step(output)
+            ahead.encoded = (st["prompt_token_ids"], st["output_token_ids"])
             self.staged[rid] = ahead
             staged.append(rid)
-            hashes.append({"request_id": rid, "token_ids": encode_ints(prompt + output)})
-        if hashes and getattr(self.ec.vllm_config.cache_config, "enable_prefix_caching", False):
-            # The engine core hashes the blocks of what it will install
-            # (prefix caching), ahead of the pause. An optimisation: the
-            # install hashes whatever this did not.
+            to_core.append(_for_core(st))
+        if to_core:
+            # The engine core builds the requests it will install (and
+            # hashes their blocks for the prefix cache) ahead of the pause.
+            # An optimisation: the install does whatever this did not.
             try:
-                await self.core("stage", {"requests": hashes})
+                await self.core("stage", {"requests": to_core})
             except Exception as e:  # noqa: BLE001 - logged; the install does the work
-                LOG.warning("vllm_hi stage: hashing the moved requests' blocks ahead failed: %s", e)
+                LOG.warning("vllm_hi stage: building the moved requests ahead in the engine core failed: %s", e)
         return {"staged": staged}
 
     def _sweep(self, now: float) -> None:
@@ -379,20 +381,31 @@ class Hooks:
 
         states = body.get("requests") or []
         text_from = body.get("text_from") or {}
+        if body.get("skip_engine_core") and body.get("resume"):
+            raise HookError(400, "an install with skip_engine_core cannot resume: the commit comes after both "
+                                 "halves answered", "resume")
         added, visible = [], {}
         ph = Phases()
         self._sweep(time.monotonic())
         try:
             for st in states:
                 rid = st["request_id"]
-                prompt, output = decode_ints(st["prompt_token_ids"]), decode_ints(st["output_token_ids"])
                 ahead = self.staged.pop(rid, None)
+                enc = ahead.encoded if ahead is not None else None
+                if enc is not None and st["prompt_token_ids"] == enc[0] \
+                        and extends(st["output_token_ids"], enc[1], len(ahead.output)):
+                    # A later state of what was staged: only the tokens
+                    # since are decoded (the pause's whole work here).
+                    prompt, fits = ahead.prompt, True
+                    output = ahead.output + ints_after(st["output_token_ids"], len(ahead.output))
+                else:
+                    prompt, output = decode_ints(st["prompt_token_ids"]), decode_ints(st["output_token_ids"])
+                    fits = ahead is not None and ahead.prompt == prompt and output[:len(ahead.output)] == ahead.output
                 meta = _meta(st) if st.get("response") else (ahead.meta if ahead is not None else None)
                 if meta is None:
                     raise HookError(409, f"Request {rid} came without its stream's metadata and was not staged here "
                                          "(an export from the engine core alone needs the stage hook first).",
                                     "requests")
-                fits = ahead is not None and ahead.prompt == prompt and output[:len(ahead.output)] == ahead.output
                 if fits and ahead.registered and rid in self.op.request_states:
                     # Registered by the stage before the pause.
                     q, state = ahead.queue, self.op.request_states[rid]
@@ -430,11 +443,18 @@ class Hooks:
                     inst.text_from = at
                 added.append(rid)
             ph.add("registering and replaying the detokenizers", ph.since_start())
-            # The states go on as they came: their token ids stay base64
-            # IntLists, which encode and decode ~10× faster than JSON
-            # arrays of 256 × 1,100 numbers on both loops.
-            out = await self.core("install", {"requests": states, "resume": bool(body.get("resume")),
-                                              "lease_ms": int(body.get("lease_ms") or 0)}, ph)
+            if body.get("skip_engine_core"):
+                # The agent installs the engine core's half over the core
+                # channel side by side with this one; it commits neither
+                # until both answered, so no output reaches these streams
+                # before they are ready for it.
+                out = {"installed": list(added), "engine_core": "skipped"}
+            else:
+                # The states go on as they came: their token ids stay
+                # base64 IntLists, which encode and decode ~10× faster
+                # than JSON arrays of 256 × 1,100 numbers on both loops.
+                out = await self.core("install", {"requests": states, "resume": bool(body.get("resume")),
+                                                  "lease_ms": int(body.get("lease_ms") or 0)}, ph)
             out["visible_text"] = {h: visible[h] for h in out.get("installed", []) if h in visible}
             armed = {h: self.installed[h].text_from for h in out.get("installed", [])
                      if h in self.installed and self.installed[h].text_from >= 0}
@@ -694,6 +714,13 @@ def _core_request(st: dict):
     return rid, prompt, output, ecr
 
 
+def _for_core(st: dict) -> dict:
+    """What the engine core's stage builds a moving request from: the
+    snapshot's state without the stream's metadata (the API server's)."""
+    return {k: st[k] for k in ("request_id", "prompt_token_ids", "output_token_ids", "engine_state",
+                               "arrival_time", "priority") if k in st}
+
+
 def _meta(st: dict) -> dict:
     """The response metadata of an exported request's stream."""
     resp = st.get("response") or {}
@@ -729,6 +756,10 @@ class Staged:
         self.output: list[int] = []
         self.text = ""
         self.visible: list[int] = []
+        # (prompt, output) token ids as the staged snapshot encoded them:
+        # the install recognises a later state of the request by its
+        # encoding and decodes only the tokens since.
+        self.encoded = None
 
     def step(self, tokens: list[int]) -> None:
         d = self.detokenizer

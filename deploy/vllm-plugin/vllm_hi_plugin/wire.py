@@ -31,6 +31,38 @@ def decode_ints(v) -> list[int]:
     return list(struct.unpack(f"<{len(raw) // 4}I", raw))
 
 
+def ints_after(v, k: int) -> list[int]:
+    """The ints of IntList v from index k on, decoding only that tail: an
+    install in the pause needs the tokens generated since its stage, not
+    the thousand before them."""
+    if not isinstance(v, str):
+        return decode_ints(v)[k:]
+    first = 4 * k // 3 * 3  # the byte where the base64 group holding byte 4k begins
+    raw = base64.b64decode(v[first // 3 * 4:], validate=True)[4 * k - first:]
+    if len(raw) % 4:
+        raise ValueError("IntList: bad base64 of uint32s")
+    return list(struct.unpack(f"<{len(raw) // 4}I", raw))
+
+
+def extends(v, prefix, k: int) -> bool:
+    """Whether IntList v begins with prefix, an IntList of k ints, comparing
+    their encodings where both are base64 (the groups they share, then the
+    up to two bytes of prefix's last group) instead of decoding them."""
+    if not isinstance(v, str) or not isinstance(prefix, str):
+        return decode_ints(v)[:k] == decode_ints(prefix)
+    whole = 4 * k // 3 * 4  # the characters of prefix's complete groups
+    if v[:whole] != prefix[:whole]:
+        return False
+    rest = 4 * k - 4 * k // 3 * 3
+    if rest == 0:
+        return len(v) >= whole
+    try:
+        tail = base64.b64decode(v[whole:whole + 4], validate=True)
+    except ValueError:
+        return False
+    return tail[:rest] == base64.b64decode(prefix[whole:])[:rest] and len(tail) >= rest
+
+
 class HookError(Exception):
     """An error the hook routes answer with vLLM's error shape."""
 

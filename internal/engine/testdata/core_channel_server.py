@@ -27,7 +27,17 @@ def export(p):
     return {"cursor": 7, "requests": [{"request_id": i, "via": "core channel"} for i in p.get("request_ids") or []]}
 
 
-srv = ChannelServer(sys.argv[2], sys.argv[3], b, {"pause": pause, "export": export}, {"stats": lambda p, s: s}, snap)
+def install(p):
+    ids = [r["request_id"] for r in p.get("requests") or []]
+    if "taken" in ids:
+        raise HookError(409, "Request taken has no reservation here.", "request_id")
+    state["installed"] = state.get("installed", []) + ids
+    return {"installed": ids}
+
+
+ops = {"pause": pause, "export": export, "install": install,
+       "installed": lambda p: {"installed": state.get("installed", [])}}
+srv = ChannelServer(sys.argv[2], sys.argv[3], b, ops, {"stats": lambda p, s: s}, snap)
 srv.start()
 print("ready", flush=True)
 steps = 0
