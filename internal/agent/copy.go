@@ -96,19 +96,14 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 	}
 	var st transfer.Stats
 	if a.cfg.PaceRound0 > 0 && req.GetKind() == transfer.KindFull && round.Fault == transfer.NoFault {
-		var paced pacedRound
+		// The other data planes ignore Round.Pace: chunks of the round;
+		// tcp_shm is paced frame by frame inside one send.
+		send := sendPaced
 		if name == transfer.TCPShm {
-			// Paced frame by frame inside one send.
-			if p := newStepPacer(ctx, a.engineSteps, a.cfg.PaceRound0); p != nil {
-				paced, err = sendStepPaced(ctx, p, backend, round)
-			} else {
-				st, err = backend.Send(ctx, round)
-				paced = pacedRound{Stats: st, Chunks: 1}
-			}
-		} else {
-			// The other data planes ignore Round.Pace: chunks of the round.
-			paced, err = sendPaced(ctx, a.engineSteps, backend, round, a.cfg.PaceRound0)
+			send = sendStepPaced
 		}
+		var paced pacedRound
+		paced, err = send(ctx, a.engineSteps, backend, round, a.cfg.PaceRound0)
 		st = paced.Stats
 		if err == nil {
 			resp.PacedChunks, resp.SourceStepBeforeS, resp.SourceStepSlowestS = int32(paced.Chunks), paced.BaseStep.Seconds(), paced.MaxStep.Seconds()

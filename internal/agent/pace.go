@@ -230,10 +230,16 @@ func (p *stepPacer) Take(ctx context.Context, n int64) error {
 	return nil
 }
 
-// sendStepPaced sends round r paced by p: a first chunk on its own,
-// whose time end to end sets the budget per step, then the rest in one
-// send that takes its frames' bytes from p.
-func sendStepPaced(ctx context.Context, p *stepPacer, backend transfer.Backend, r transfer.Round) (pacedRound, error) {
+// sendStepPaced sends round r paced by a stepPacer of share of the
+// source's step: a first chunk on its own, whose time end to end sets the
+// budget per step, then the rest in one send that takes its frames'
+// bytes from the pacer. Without a measurable source step it sends r whole.
+func sendStepPaced(ctx context.Context, count stepCount, backend transfer.Backend, r transfer.Round, share float64) (pacedRound, error) {
+	p := newStepPacer(ctx, count, share)
+	if p == nil {
+		st, err := backend.Send(ctx, r)
+		return pacedRound{Stats: st, Chunks: 1}, err
+	}
 	slotBytes := int64(r.Src.Geometry.BlockBytes()) / int64(max(1, r.Src.Geometry.BlockSize))
 	n := chunkOf(r.Copies, pacedFirstChunk, slotBytes, r.Src.Geometry.BlockSize, r.SlotGranular)
 	first, rest := r, r

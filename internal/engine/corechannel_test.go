@@ -140,13 +140,7 @@ func TestHookGoesThroughTheCoreChannel(t *testing.T) {
 		_, _ = w.Write([]byte(`{"via":"http"}`))
 	}))
 	defer srv.Close()
-	c, err := NewClient(srv.URL, Options{Token: "tok", CoreSocket: sock})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
+	c, ctx := channelClient(t, srv.URL, sock)
 	route := func(name string) hooks.Route {
 		r, ok := hooks.RouteOf(name)
 		if !ok {
@@ -221,13 +215,7 @@ func TestAnInstallGoesToBothHalvesAtOnce(t *testing.T) {
 		_, _ = w.Write([]byte(`{"installed":["a"],"visible_text":{"a":3},"engine_core":"skipped"}`))
 	}))
 	defer srv.Close()
-	c, err := NewClient(srv.URL, Options{Token: "tok", CoreSocket: sock})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
+	c, ctx := channelClient(t, srv.URL, sock)
 	route, _ := hooks.RouteOf(hooks.HookInstall)
 	coreInstalled := func() []string {
 		ch, err := c.coreChannel(ctx)
@@ -284,4 +272,18 @@ func TestAnInstallGoesToBothHalvesAtOnce(t *testing.T) {
 	if _, err := c.Hook(ctx, route, 0, []byte(`[]`)); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Fatalf("a body that is not an object: %v", err)
 	}
+}
+
+// channelClient is a client of the engine at url whose core channel is
+// sock, and a context for the test's calls.
+func channelClient(t *testing.T, url, sock string) (*Client, context.Context) {
+	t.Helper()
+	c, err := NewClient(url, Options{Token: "tok", CoreSocket: sock})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	t.Cleanup(cancel)
+	return c, ctx
 }

@@ -69,6 +69,25 @@ class ReplayTest(unittest.TestCase):
                                 data_parallel_rank=None)
         return IncrementalDetokenizer.from_new_request(self.tok, req)
 
+    def hooks_with(self, core, prefix_caching=False):
+        """The plugin's hooks over vLLM's OutputProcessor and this test's
+        tokenizer, core standing in for the engine core's utility calls."""
+        from types import SimpleNamespace
+
+        from vllm.v1.engine.output_processor import OutputProcessor
+
+        from vllm_hi_plugin import hooks
+
+        cfg = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching))
+        ec = SimpleNamespace(output_processor=OutputProcessor(self.tok, log_stats=False), vllm_config=cfg,
+                             engine_core=core)
+        return hooks.Hooks(ec, state=None, args=None)
+
+    def token_ids(self, seed, n_prompt, n_output):
+        rng = random.Random(seed)
+        prompt = [rng.randrange(3, self.vocab) for _ in range(n_prompt)]
+        return prompt, [rng.randrange(3, self.vocab) for _ in range(n_output)]
+
     def test_tail_replay_decodes_the_next_tokens_as_the_source(self):
         from vllm_hi_plugin import hooks
 
@@ -148,13 +167,11 @@ class ReplayTest(unittest.TestCase):
         from vllm_hi_plugin.wire import encode_ints
 
         import json
-        from types import SimpleNamespace
 
         from vllm_hi_plugin.wire import decode_ints
 
         hashed = []  # what the engine core was asked to build ahead
 
-        from vllm.v1.engine.output_processor import OutputProcessor
 
         installs = []  # what the engine core was asked to install
 
@@ -169,15 +186,8 @@ class ReplayTest(unittest.TestCase):
                 assert "response" not in p["requests"][0]  # the stream's metadata stays in the API server
                 return json.dumps({"ok": {"staged": []}})
 
-        class _EC:
-            output_processor = OutputProcessor(self.tok, log_stats=False)
-            vllm_config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True))
-            engine_core = _Core()
-
-        h = hooks.Hooks(_EC(), state=None, args=None)
-        rng = random.Random(3)
-        prompt = [rng.randrange(3, self.vocab) for _ in range(12)]
-        output = [rng.randrange(3, self.vocab) for _ in range(90)]
+        h = self.hooks_with(_Core(), prefix_caching=True)
+        prompt, output = self.token_ids(3, 12, 90)
         sp = base64.b64encode(msgspec.msgpack.encode(SamplingParams(max_tokens=500, stop=["zzzq"]))).decode()
 
         def state(n, response):
@@ -227,10 +237,8 @@ class ReplayTest(unittest.TestCase):
         import asyncio
         import base64
         import json
-        from types import SimpleNamespace
 
         import msgspec
-        from vllm.v1.engine.output_processor import OutputProcessor
 
         from vllm_hi_plugin import hooks
         from vllm_hi_plugin.wire import HookError, encode_ints
@@ -242,15 +250,8 @@ class ReplayTest(unittest.TestCase):
                 asked.append(op)
                 return json.dumps({"ok": {"staged": [], "installed": []}})
 
-        class _EC:
-            output_processor = OutputProcessor(self.tok, log_stats=False)
-            vllm_config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False))
-            engine_core = _Core()
-
-        h = hooks.Hooks(_EC(), state=None, args=None)
-        rng = random.Random(5)
-        prompt = [rng.randrange(3, self.vocab) for _ in range(8)]
-        output = [rng.randrange(3, self.vocab) for _ in range(30)]
+        h = self.hooks_with(_Core(), prefix_caching=False)
+        prompt, output = self.token_ids(5, 8, 30)
         sp = base64.b64encode(msgspec.msgpack.encode(SamplingParams(max_tokens=100))).decode()
 
         def state(n, response):
@@ -282,10 +283,8 @@ class ReplayTest(unittest.TestCase):
         import asyncio
         import base64
         import json
-        from types import SimpleNamespace
 
         import msgspec
-        from vllm.v1.engine.output_processor import OutputProcessor
 
         from vllm_hi_plugin import hooks
         from vllm_hi_plugin.wire import encode_ints
@@ -296,12 +295,7 @@ class ReplayTest(unittest.TestCase):
                 ids = p.get("request_ids") or [r["request_id"] for r in p.get("requests") or []]
                 return json.dumps({"ok": {"staged": [], "aborted": ids}})
 
-        class _EC:
-            output_processor = OutputProcessor(self.tok, log_stats=False)
-            vllm_config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False))
-            engine_core = _Core()
-
-        h = hooks.Hooks(_EC(), state=None, args=None)
+        h = self.hooks_with(_Core(), prefix_caching=False)
         sp = base64.b64encode(msgspec.msgpack.encode(SamplingParams(max_tokens=50))).decode()
 
         def state(rid):
