@@ -90,6 +90,64 @@ class WriteLogTest(unittest.TestCase):
         self.assertEqual(log.changes(1, lambda b: True)["freed"], [])
 
 
+class InstalledStampsTest(unittest.TestCase):
+    def test_an_installs_stamps_applied_later_read_as_applied_at_once(self):
+        """A commit's stamps wait for the next read of the log; whatever
+        happened in between (the requests' next tokens, their blocks freed
+        and taken by other requests, more installs), changes() reads the
+        same as with the stamps applied at the commit."""
+        import random
+
+        bs = 4
+        for seed in range(200):
+            rng = random.Random(seed)
+            now, later = WriteLog(block_size=bs), WriteLog(block_size=bs)
+            free = set()
+            tables = {}
+            pool = list(range(1, 24))
+            rng.shuffle(pool)
+
+            def both(fn):
+                fn(now)
+                fn(later)
+
+            for op in range(12):
+                kind = rng.choice(["install", "step", "free"] if tables else ["install"])
+                if kind == "install" and len(pool) >= 3:
+                    rid = f"r{op}"
+                    blocks = [pool.pop() for _ in range(rng.randint(1, 3))]
+                    free.difference_update(blocks)
+                    n = rng.randint(1, len(blocks) * bs)
+                    tables[rid] = [blocks, n]
+                    g = now.mutation()
+                    self.assertEqual(later.mutation(), g)
+                    now.stamp_tokens(rid, blocks, 0, n, g)
+                    later.stamp_installed(rid, blocks, n, g)
+                elif kind == "step":
+                    rid = rng.choice(sorted(tables))
+                    blocks, n = tables[rid]
+                    if n >= len(blocks) * bs:
+                        continue
+                    both(lambda log: log.begin_step())
+                    g = now.issued
+                    both(lambda log: log.stamp_tokens(rid, blocks, n, 1, g))
+                    both(lambda log: log.end_step())
+                    tables[rid][1] = n + 1
+                elif kind == "free":
+                    rid = rng.choice(sorted(tables))
+                    blocks, _ = tables.pop(rid)
+                    both(lambda log: log.stamp_free(blocks))
+                    free.update(blocks)
+                    pool.extend(blocks)
+                    rng.shuffle(pool)
+                if rng.random() < 0.2:  # a read in between applies what waits
+                    since = rng.randint(0, now.issued)
+                    self.assertEqual(later.changes(since, free.__contains__), now.changes(since, free.__contains__))
+            for since in range(0, now.issued + 1):
+                self.assertEqual(later.changes(since, free.__contains__), now.changes(since, free.__contains__),
+                                 (seed, since))
+
+
 class WriteLogAsyncTest(unittest.TestCase):
     """With asynchronous scheduling the next step is scheduled (and its
     writes stamped) before the last one's output is processed: the cursor

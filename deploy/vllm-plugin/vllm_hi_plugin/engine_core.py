@@ -343,28 +343,21 @@ class CoreState:
         """Schedules installed requests, each (id, Request, computed tokens,
         block ids): a placeholder's blocks become its request's (they are
         keyed by request id in the KV cache manager). The installed slots
-        are marked written, so a later migration off this engine sees
-        them — under one generation, after the answer, in this boundary
-        (a third of a commit of 256 requests, which the Host's pause need
-        not wait for; nothing can read the log in between)."""
+        are marked written under one generation, so a later migration off
+        this engine sees them: when the log is next read (stamp_installed),
+        not before the engine's next step."""
         gen = self.log.mutation()
-        stamps, spent = [], []
+        spent = []
         for rid, req, computed, blocks in items:
-            # The placeholder is freed after the answer too: deallocating
-            # 256 of them (each a Request over its whole length) was half
-            # of a commit.
+            # The placeholder is freed after the answer: deallocating 256
+            # of them (each a Request over its whole length) was half of a
+            # commit.
             spent.append(self.reserved.pop(rid))
             req.num_computed_tokens = computed
             self.sched.add_request(req)
             if computed:
-                stamps.append((rid, blocks, computed))
-
-        def after():
-            for rid, blocks, computed in stamps:
-                self.log.stamp_tokens(rid, blocks, 0, computed, gen)
-            spent.clear()
-
-        self.boundary.later(after)
+                self.log.stamp_installed(rid, blocks, computed, gen)
+        self.boundary.later(spent.clear)
 
     def abort(self, ids, ignore_missing: bool, reserved_only: bool = False) -> dict:
         from vllm.v1.request import RequestStatus
