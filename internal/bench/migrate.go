@@ -3,6 +3,7 @@ package bench
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -296,6 +297,7 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 			}
 		}
 	}
+	var failed []error
 	for _, r := range runs {
 		sc.Verify, sc.FinalGranularity, sc.PreAttach, sc.TransferBackend = r[0], r[1], r[2] == "on", r[3]
 		sc.PaceRound0, _ = strconv.ParseFloat(r[4], 64)
@@ -357,17 +359,35 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 				return err
 			}
 		}
-		if st.State == hostapi.StateSucceeded && st.Migrated == 0 {
-			return fmt.Errorf("the migration moved no request, so it proves nothing: the streams ended before it began (raise --max-tokens or lower --delay)")
-		}
-		if st.State != hostapi.StateSucceeded || len(res.Mismatches) > 0 {
-			return fmt.Errorf("migration %s with %d mismatches", st.State, len(res.Mismatches))
-		}
-		if len(res.Unjudged) == len(res.Streams) {
-			return fmt.Errorf("every stream differed from its reference before the migration began: the engine is not deterministic for this load, so nothing was checked")
+		if goOn, err := outcome(st, res); err != nil {
+			if !goOn {
+				return errors.Join(append(failed, err)...)
+			}
+			failed = append(failed, fmt.Errorf("final round %s, check %s, pre-attach %s, data plane %s, pace %s: %w", r[1], r[0], r[2], st.TransferBackend, r[4], err))
 		}
 	}
-	return nil
+	return errors.Join(failed...)
+}
+
+// outcome judges one run: whether the comparison may go on, and an
+// error when it failed. A migration that aborted (and rolled back) or
+// moved a token wrong is reported and the next run goes on — each run of
+// a GPU bench costs minutes of a lent machine, and the deployment is as
+// it was after a rollback; a run that proves nothing says how to fix the
+// load instead.
+func outcome(st hostapi.MigrationStatus, res scenarioResult) (goOn bool, err error) {
+	switch {
+	case st.State == hostapi.StateSucceeded && st.Migrated == 0:
+		return false, fmt.Errorf("the migration moved no request, so it proves nothing: the streams ended before it began (raise --max-tokens or lower --delay)")
+	case st.State != hostapi.StateSucceeded || len(res.Mismatches) > 0:
+		if st.Error != "" {
+			return true, fmt.Errorf("migration %s with %d mismatches: %s", st.State, len(res.Mismatches), st.Error)
+		}
+		return true, fmt.Errorf("migration %s with %d mismatches", st.State, len(res.Mismatches))
+	case len(res.Unjudged) == len(res.Streams):
+		return false, fmt.Errorf("every stream differed from its reference before the migration began: the engine is not deterministic for this load, so nothing was checked")
+	}
+	return true, nil
 }
 
 // stepsDuring names the migration steps that a client gap from → to
