@@ -83,6 +83,18 @@ class ReplayTest(unittest.TestCase):
                              engine_core=core)
         return hooks.Hooks(ec, state=None, args=None)
 
+    @staticmethod
+    def snapshot(rid, prompt, output, sp, response):
+        """A request's state as a snapshot export carries it (with its
+        stream's metadata when response)."""
+        from vllm_hi_plugin.wire import encode_ints
+
+        st = {"request_id": rid, "prompt_token_ids": encode_ints(prompt), "output_token_ids": encode_ints(output),
+              "engine_state": {"sampling_params": sp, "prompt_len": len(prompt)}}
+        if response:
+            st["response"] = {"kind": "completion", "model": "m", "created": 5}
+        return st
+
     def token_ids(self, seed, n_prompt, n_output):
         rng = random.Random(seed)
         prompt = [rng.randrange(3, self.vocab) for _ in range(n_prompt)]
@@ -191,11 +203,7 @@ class ReplayTest(unittest.TestCase):
         sp = base64.b64encode(msgspec.msgpack.encode(SamplingParams(max_tokens=500, stop=["zzzq"]))).decode()
 
         def state(n, response):
-            st = {"request_id": "cmpl-7", "prompt_token_ids": encode_ints(prompt),
-                  "output_token_ids": encode_ints(output[:n]), "engine_state": {"sampling_params": sp, "prompt_len": 12}}
-            if response:
-                st["response"] = {"kind": "completion", "model": "m", "created": 5}
-            return st
+            return self.snapshot("cmpl-7", prompt, output[:n], sp, response)
 
         async def run():
             self.assertEqual(await h.stage({"requests": [state(40, True)]}), {"staged": ["cmpl-7"]})
@@ -241,7 +249,7 @@ class ReplayTest(unittest.TestCase):
         import msgspec
 
         from vllm_hi_plugin import hooks
-        from vllm_hi_plugin.wire import HookError, encode_ints
+        from vllm_hi_plugin.wire import HookError
 
         asked = []
 
@@ -255,11 +263,7 @@ class ReplayTest(unittest.TestCase):
         sp = base64.b64encode(msgspec.msgpack.encode(SamplingParams(max_tokens=100))).decode()
 
         def state(n, response):
-            st = {"request_id": "cmpl-3", "prompt_token_ids": encode_ints(prompt),
-                  "output_token_ids": encode_ints(output[:n]), "engine_state": {"sampling_params": sp, "prompt_len": 8}}
-            if response:
-                st["response"] = {"kind": "completion", "model": "m", "created": 5}
-            return st
+            return self.snapshot("cmpl-3", prompt, output[:n], sp, response)
 
         asyncio.run(h.stage({"requests": [state(20, True)]}))
         with self.assertRaises(HookError) as e:
