@@ -96,8 +96,16 @@ func crashFailover(t *testing.T, interval, outcome string) {
 	}
 	b, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
-	if strings.Contains(string(b), "vhi_requests_rerouted_total 0") || !strings.Contains(string(b), "vhi_requests_rerouted_total ") {
-		t.Fatalf("no request was rerouted from the dead engine:\n%s", grepLines(string(b), "rerouted"))
+	// A late request the Host still sent to the dead engine was rerouted
+	// to B (checked exact above). Whether any was sent there is a race
+	// with the Host learning of the death from the broken streams, which
+	// it often wins on a loaded machine: then none needed rerouting. The
+	// reroute itself is tested without the race in internal/proxy.
+	if !strings.Contains(string(b), "vhi_requests_rerouted_total ") {
+		t.Fatalf("the Host exports no vhi_requests_rerouted_total:\n%s", grepLines(string(b), "rerouted"))
+	}
+	if strings.Contains(string(b), "vhi_requests_rerouted_total 0") {
+		t.Logf("no late request went to the dead engine: the Host had stopped routing to it")
 	}
 }
 
