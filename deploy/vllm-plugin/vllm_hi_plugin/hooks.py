@@ -18,7 +18,7 @@ import logging
 import time
 
 from . import HOOKS_VERSION, compat
-from .wire import HookError, decode_ints, encode_ints, extends, ints_after
+from .wire import HookError, continues, decode_ints, encode_ints, ints_after
 
 # Stream metadata by response id, captured from vLLM's own stream
 # generators (model, created, usage options) on the source.
@@ -391,9 +391,8 @@ class Hooks:
             for st in states:
                 rid = st["request_id"]
                 ahead = self.staged.pop(rid, None)
-                enc = ahead.encoded if ahead is not None else None
-                if enc is not None and st["prompt_token_ids"] == enc[0] \
-                        and extends(st["output_token_ids"], enc[1], len(ahead.output)):
+                if ahead is not None and ahead.encoded is not None \
+                        and continues(st, *ahead.encoded, len(ahead.output)):
                     # A later state of what was staged: only the tokens
                     # since are decoded (the pause's whole work here).
                     prompt, fits = ahead.prompt, True

@@ -15,7 +15,7 @@ over the whole state at once, field by field."""
 
 from __future__ import annotations
 
-from .wire import extends, ints_after
+from .wire import continues, ints_after
 
 
 class StagedRequest:
@@ -35,19 +35,17 @@ class StagedRequest:
         # The limits as the client sent them (the Request's are shrunk by
         # the output it already has).
         self.max_tokens = None if sp.max_tokens is None else sp.max_tokens + self.n_output
-        self.min_tokens = (sp.min_tokens or 0) + self.n_output if sp.min_tokens else 0
+        self.min_tokens = sp.min_tokens + self.n_output if sp.min_tokens else 0
         self.expires = 0.0
 
     def leads_to(self, st: dict, tokens_only: bool = False) -> bool:
         """Whether st is this request's state now or later: the same prompt
         and sampling parameters, an output that begins with the staged one.
         A tokens-only snapshot (a top-up) may leave the sampling out."""
-        if st.get("prompt_token_ids") != self.prompt:
-            return False
         sp = (st.get("engine_state") or {}).get("sampling_params")
         if sp != self.sampling and not (tokens_only and sp is None):
             return False
-        return extends(st.get("output_token_ids"), self.output, self.n_output)
+        return continues(st, self.prompt, self.output, self.n_output)
 
     def caught_up(self, st: dict):
         """The Request brought to st (which leads_to said is a later state):

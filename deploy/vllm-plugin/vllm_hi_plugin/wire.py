@@ -63,6 +63,13 @@ def extends(v, prefix, k: int) -> bool:
     return tail[:rest] == base64.b64decode(prefix[whole:])[:rest] and len(tail) >= rest
 
 
+def continues(st: dict, prompt, output, n: int) -> bool:
+    """Whether st (a request's state in the export's shape) is a state of
+    the request an earlier snapshot encoded as prompt and output (n output
+    tokens): the same prompt, an output that begins with that one."""
+    return st.get("prompt_token_ids") == prompt and extends(st.get("output_token_ids"), output, n)
+
+
 class HookError(Exception):
     """An error the hook routes answer with vLLM's error shape."""
 
