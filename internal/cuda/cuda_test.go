@@ -3,6 +3,7 @@ package cuda
 import (
 	"bytes"
 	"errors"
+	"sync"
 	"testing"
 
 	"github.com/vllm-hi/vllm-hi/internal/gpu"
@@ -143,5 +144,90 @@ func TestDeviceUUIDIsNVMLs(t *testing.T) {
 			t.Errorf("GPU %d: CUDA says %s, NVML knows %v", dev, u, inv.Devices)
 		}
 		t.Logf("GPU %d: %s", dev, u)
+	}
+}
+
+// Goroutines that launch copy kernels on one stream at once (a tcp_shm
+// target's connections flushing into one GPU) each get their own copies
+// done: the stream's descriptor buffer is not overwritten between one
+// launch's upload and its kernel. Each goroutine copies its own piece
+// pattern, so a launch that ran another's descriptors leaves its
+// destination zero.
+func TestConcurrentKernelCopiesOnOneStream(t *testing.T) {
+	l := loadOrSkip(t)
+	if n, err := l.DeviceCount(); err != nil || n == 0 {
+		t.Skip("no device: ", err)
+	}
+	const workers, pieces, piece = 8, 256, 4096
+	const size = workers * pieces * piece
+	src, err := l.Alloc(0, size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Free(0, src)
+	dst, err := l.Alloc(0, size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Free(0, dst)
+	host := make([]byte, size)
+	for i := range host {
+		host[i] = byte(i*7 + i/4096)
+	}
+	if err := l.HtoD(0, src, host); err != nil {
+		t.Fatal(err)
+	}
+	s, err := l.NewStream(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.DestroyStream(0, s)
+	for round := 0; round < 20; round++ {
+		if err := l.HtoD(0, dst, make([]byte, size)); err != nil {
+			t.Fatal(err)
+		}
+		var wg sync.WaitGroup
+		errs := make(chan error, workers)
+		for w := 0; w < workers; w++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				// Worker w copies its pieces one launch per few pieces,
+				// reversed within its range.
+				base := uint64(w * pieces * piece)
+				for k := 0; k < pieces; k += 8 {
+					var cs []Copy
+					for j := k; j < k+8; j++ {
+						cs = append(cs, Copy{Dst: dst + DevicePtr(base+uint64(pieces-1-j)*piece), Src: src + DevicePtr(base+uint64(j)*piece), Len: piece})
+					}
+					if err := l.KernelCopy(0, s, cs); err != nil {
+						errs <- err
+						return
+					}
+				}
+			}()
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			t.Fatal(err)
+		}
+		if err := l.Sync(0, s); err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, size)
+		if err := l.DtoH(0, got, dst); err != nil {
+			t.Fatal(err)
+		}
+		for w := 0; w < workers; w++ {
+			base := w * pieces * piece
+			for j := 0; j < pieces; j++ {
+				want := host[base+j*piece : base+(j+1)*piece]
+				at := base + (pieces-1-j)*piece
+				if !bytes.Equal(got[at:at+piece], want) {
+					t.Fatalf("round %d: worker %d's piece %d did not land", round, w, j)
+				}
+			}
+		}
 	}
 }

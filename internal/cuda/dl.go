@@ -511,7 +511,18 @@ func (l *Lib) KernelCopy(dev int, s Stream, copies []Copy) error {
 	if err := l.PrepareKernels(dev); err != nil {
 		return err
 	}
-	buf, err := l.descBuffer(dev, s, uint64(len(desc))*8)
+	// The stream's descriptor buffer is one: the upload of these
+	// descriptors and the launch that reads them must not interleave with
+	// another goroutine's on the same stream (two tcp_shm connections
+	// flushing into one target share its device's stream). Interleaved,
+	// both launches read the later upload, and the earlier copies never
+	// happen: whole blocks missing on the target, which the integrity
+	// check caught intermittently on the GPU (issue 30). Once both are
+	// enqueued, the stream's order keeps the next upload behind this
+	// launch.
+	l.descMu.Lock()
+	defer l.descMu.Unlock()
+	buf, err := l.descBufferLocked(dev, s, uint64(len(desc))*8)
 	if err != nil {
 		return err
 	}
@@ -555,12 +566,10 @@ type descBuf struct {
 	cap uint64
 }
 
-// descBuffer returns stream s's descriptor buffer, grown to n bytes. A
-// stream runs its work in order, so the old buffer is free once the stream
-// drained.
-func (l *Lib) descBuffer(dev int, s Stream, n uint64) (DevicePtr, error) {
-	l.descMu.Lock()
-	defer l.descMu.Unlock()
+// descBufferLocked returns stream s's descriptor buffer, grown to n
+// bytes (l.descMu held). A stream runs its work in order, so the old
+// buffer is free once the stream drained.
+func (l *Lib) descBufferLocked(dev int, s Stream, n uint64) (DevicePtr, error) {
 	if l.descs == nil {
 		l.descs = map[Stream]descBuf{}
 	}

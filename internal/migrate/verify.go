@@ -184,7 +184,10 @@ func (m *migration) verifyCopied(ctx context.Context, since uint64) error {
 		}
 	}
 	m.mu.Unlock()
-	v, err := m.compare(ctx, src, dst, at)
+	v, diff, err := m.compare(ctx, src, dst, at)
+	if err == nil {
+		err = m.judge(ctx, src, dst, at, diff, true)
+	}
 	m.mu.Lock()
 	if m.st.Verification == nil {
 		m.st.Verification = &hostapi.Verification{Mode: mode}
@@ -239,7 +242,11 @@ func (m *migration) verify(ctx context.Context, states []movedState) error {
 		src, dst, at = append(src, s...), append(dst, d...), append(at, w...)
 	}
 	m.mu.Unlock()
-	v, err := m.compare(ctx, src, dst, at)
+	v, diff, err := m.compare(ctx, src, dst, at)
+	if err == nil {
+		// Paused requests do not end: every difference here is data loss.
+		err = m.judge(ctx, src, dst, at, diff, false)
+	}
 	m.mu.Lock()
 	if m.st.Verification == nil {
 		m.st.Verification = &hostapi.Verification{Mode: m.o.cfg.Verify}
@@ -264,11 +271,12 @@ type blockAt struct {
 	index   int
 }
 
-// compare has both agents hash their blocks at once and compares.
-func (m *migration) compare(ctx context.Context, src, dst []*v1.BlockSlots, at []blockAt) (hostapi.Verification, error) {
+// compare has both agents hash their blocks at once and returns the
+// indices of the blocks whose hashes differ.
+func (m *migration) compare(ctx context.Context, src, dst []*v1.BlockSlots, at []blockAt) (hostapi.Verification, []int, error) {
 	var v hostapi.Verification
 	if len(src) == 0 {
-		return v, nil
+		return v, nil, nil
 	}
 	start := time.Now()
 	type answer struct {
@@ -287,31 +295,86 @@ func (m *migration) compare(ctx context.Context, src, dst []*v1.BlockSlots, at [
 	a, b := <-srcC, <-dstC
 	switch {
 	case a.err != nil:
-		return v, fmt.Errorf("integrity check: hash the source's blocks: %w", a.err)
+		return v, nil, fmt.Errorf("integrity check: hash the source's blocks: %w", a.err)
 	case b.err != nil:
-		return v, fmt.Errorf("integrity check: hash the target's blocks: %w", b.err)
+		return v, nil, fmt.Errorf("integrity check: hash the target's blocks: %w", b.err)
 	case len(a.r.GetHashes()) != len(src) || len(b.r.GetHashes()) != len(dst):
-		return v, fmt.Errorf("integrity check: %d and %d hashes for %d blocks", len(a.r.GetHashes()), len(b.r.GetHashes()), len(src))
+		return v, nil, fmt.Errorf("integrity check: %d and %d hashes for %d blocks", len(a.r.GetHashes()), len(b.r.GetHashes()), len(src))
 	}
 	v.Blocks, v.Bytes, v.DurationS = len(src), a.r.GetBytes(), time.Since(start).Seconds()
-	bad, first := 0, -1
+	var diff []int
 	for i := range src {
 		if a.r.GetHashes()[i] != b.r.GetHashes()[i] {
-			bad++
-			if first < 0 {
-				first = i
-			}
+			diff = append(diff, i)
 		}
 	}
-	if bad > 0 {
-		w := at[first]
-		m.logDifferences(src, dst, at, a.r.GetHashes(), b.r.GetHashes())
-		// Only a check that found a difference is data loss (not one that
-		// could not be made): the metric counts these.
-		return v, errdefs.Newf(errdefs.ErrDataLoss, "integrity check failed: the target does not hold what the source held (%d of %d blocks checked differ; first: block %d of request %s, slots [%d, %d), source block %d, target block %d)",
-			bad, len(src), w.index, w.request, src[first].GetFirstSlot(), src[first].GetFirstSlot()+src[first].GetNumSlots(), src[first].GetBlock(), dst[first].GetBlock())
+	return v, diff, nil
+}
+
+// judge turns the blocks that differ (compare) into the check's verdict.
+// Before the pause (leaveEnded) the source decodes on: a request that
+// ends meanwhile (its last token, or its client left) frees its blocks,
+// and the source may hand them to another request and write them before
+// its side is hashed. Its blocks then differ with nothing copied wrong
+// (vLLM at a near-full KV pool: the H100's cut load, 2026-12-06, about
+// one in twelve of the requests ending during the migration). Such a
+// request moves nowhere anyway: the source's requests are read again
+// after the hashes, and a differing block whose request no longer runs
+// with that block at that place is left behind with its request. A
+// request still running with it was running all through the hash, so
+// its difference is data loss.
+func (m *migration) judge(ctx context.Context, src, dst []*v1.BlockSlots, at []blockAt, diff []int, leaveEnded bool) error {
+	if len(diff) == 0 {
+		return nil
 	}
-	return v, nil
+	if leaveEnded {
+		ended, err := m.endedDuringCheck(ctx, src, at, diff)
+		if err != nil {
+			m.log.Warn("integrity check: could not read the source's requests again to tell a request that ended from a difference", zap.Error(err))
+		}
+		if len(ended) > 0 {
+			diff = slices.DeleteFunc(diff, func(i int) bool { return ended[at[i].request] })
+			ids := slices.Sorted(maps.Keys(ended))
+			m.log.Info("integrity check: requests that ended during the check are left behind (their blocks were freed and may hold other bytes)", zap.Strings("request_ids", ids))
+			m.drop(ids...)
+		}
+		if len(diff) == 0 {
+			return nil
+		}
+	}
+	first := diff[0]
+	w := at[first]
+	m.logDifferences(src, dst, at, diff)
+	// Only a check that found a difference is data loss (not one that
+	// could not be made): the metric counts these.
+	return errdefs.Newf(errdefs.ErrDataLoss, "integrity check failed: the target does not hold what the source held (%d of %d blocks checked differ; first: block %d of request %s, slots [%d, %d), source block %d, target block %d)",
+		len(diff), len(src), w.index, w.request, src[first].GetFirstSlot(), src[first].GetFirstSlot()+src[first].GetNumSlots(), src[first].GetBlock(), dst[first].GetBlock())
+}
+
+// endedDuringCheck names the requests of the differing blocks that the
+// source no longer runs with the checked block at its place.
+func (m *migration) endedDuringCheck(ctx context.Context, src []*v1.BlockSlots, at []blockAt, diff []int) (map[string]bool, error) {
+	cctx, cancel := m.call(ctx)
+	list, err := m.srcA.Engine.Requests(cctx)
+	cancel()
+	if err != nil {
+		return nil, err
+	}
+	running := map[string][]int{}
+	for _, r := range list.Requests {
+		if r.Status == hooks.StatusRunning {
+			running[r.RequestID] = r.BlockIDs
+		}
+	}
+	ended := map[string]bool{}
+	for _, i := range diff {
+		w := at[i]
+		table, ok := running[w.request]
+		if !ok || w.index >= len(table) || table[w.index] != int(src[i].GetBlock()) {
+			ended[w.request] = true
+		}
+	}
+	return ended, nil
 }
 
 // logDifferences says, for the first few blocks that differ, where they
@@ -319,7 +382,7 @@ func (m *migration) compare(ctx context.Context, src, dst []*v1.BlockSlots, at [
 // earlier one) and whether another moving request's table holds the same
 // source block (a prefix shared through the engine's prefix cache): what
 // tells a copy that missed a write from one that read a block too early.
-func (m *migration) logDifferences(src, dst []*v1.BlockSlots, at []blockAt, srcHashes, dstHashes []uint64) {
+func (m *migration) logDifferences(src, dst []*v1.BlockSlots, at []blockAt, diff []int) {
 	m.mu.Lock()
 	holders := map[int32]int{}
 	tableLen := map[string]int{}
@@ -332,14 +395,7 @@ func (m *migration) logDifferences(src, dst []*v1.BlockSlots, at []blockAt, srcH
 	stable := maps.Clone(m.stableTokens)
 	m.mu.Unlock()
 	const most = 8
-	n := 0
-	for i := range src {
-		if srcHashes[i] == dstHashes[i] {
-			continue
-		}
-		if n++; n > most {
-			break
-		}
+	for _, i := range diff[:min(len(diff), most)] {
 		w := at[i]
 		m.log.Warn("integrity check: a block differs",
 			zap.String("request", w.request), zap.Int("index", w.index), zap.Int("table_blocks", tableLen[w.request]),
