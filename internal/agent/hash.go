@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
@@ -60,7 +61,10 @@ func (s *agentService) HashBlocks(ctx context.Context, req *v1.HashBlocksRequest
 	var hashes []uint64
 	var bytes int64
 	if transfer.OnGPU(lay) {
-		hashes, bytes, err = a.hashGPU(req.GetMigrationId(), lay, blocks)
+		var read, hashed time.Duration
+		hashes, bytes, read, hashed, err = a.hashGPU(req.GetMigrationId(), lay, blocks)
+		a.log.Debug("hash blocks", zap.String("migration_id", req.GetMigrationId()), zap.Bool("target", target), zap.Int("blocks", len(blocks)),
+			zap.Int64("bytes", bytes), zap.Duration("read", read), zap.Duration("hash", hashed), zap.Duration("total", time.Since(start)))
 	} else {
 		hashes, bytes, err = hashMapped(mem.Data, lay, blocks)
 	}
@@ -201,7 +205,9 @@ func hashMapped(data [][]byte, lay hooks.Layout, blocks []hashBlock) ([]uint64, 
 // block, into pinned host memory (one kernel launch and one download per
 // chunk of up to cudaipc.HashChunk bytes), and each block's bytes are then one
 // contiguous stretch to hash.
-func (a *Agent) hashGPU(session string, lay hooks.Layout, blocks []hashBlock) ([]uint64, int64, error) {
+// hashGPU also returns how long reading the GPU's bytes into host memory
+// and hashing them took.
+func (a *Agent) hashGPU(session string, lay hooks.Layout, blocks []hashBlock) (_ []uint64, _ int64, read, hashed time.Duration, _ error) {
 	out := make([]uint64, len(blocks))
 	var total int64
 	for start := 0; start < len(blocks); {
@@ -214,34 +220,36 @@ func (a *Agent) hashGPU(session string, lay hooks.Layout, blocks []hashBlock) ([
 			size += n
 			end++
 		}
-		n, err := a.hashGPUChunk(session, lay, blocks[start:end], out[start:end])
+		n, r, h, err := a.hashGPUChunk(session, lay, blocks[start:end], out[start:end])
 		if err != nil {
-			return nil, 0, err
+			return nil, 0, 0, 0, err
 		}
-		total += n
+		total, read, hashed = total+n, read+r, hashed+h
 		start = end
 	}
-	return out, total, nil
+	return out, total, read, hashed, nil
 }
 
-func (a *Agent) hashGPUChunk(session string, lay hooks.Layout, blocks []hashBlock, out []uint64) (int64, error) {
+func (a *Agent) hashGPUChunk(session string, lay hooks.Layout, blocks []hashBlock, out []uint64) (_ int64, read, hashed time.Duration, _ error) {
 	st, err := planStaging(lay, blocks)
 	if err != nil {
-		return 0, err
+		return 0, 0, 0, err
 	}
 	if len(st.runs) == 0 {
 		for i := range out {
 			out[i] = xxhash.Sum64(nil)
 		}
-		return 0, nil
+		return 0, 0, 0, nil
 	}
+	start := time.Now()
 	host, _, release, err := a.gpu.Gather(session, lay, st.runs)
 	if err != nil {
-		return 0, fmt.Errorf("read GPU KV: %w", err)
+		return 0, 0, 0, fmt.Errorf("read GPU KV: %w", err)
 	}
 	defer release()
+	gathered := time.Now()
 	st.hash(host, out)
-	return st.bytes, nil
+	return st.bytes, gathered.Sub(start), time.Since(gathered), nil
 }
 
 // staging is how a chunk of blocks is read for hashing: runs gathers the

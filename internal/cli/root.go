@@ -32,7 +32,7 @@ func NewRootCommand() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.PersistentFlags().StringVar(&g.logLevel, "log-level", "info", "log level: debug, info, warn, error")
+	root.PersistentFlags().StringVar(&g.logLevel, "log-level", envDefault("VLLM_HI_LOG_LEVEL", "info"), "log level: debug, info, warn, error [VLLM_HI_LOG_LEVEL]")
 	root.PersistentFlags().StringVar(&g.logFormat, "log-format", "console", "log format: console or json")
 	root.AddCommand(newVersionCommand(), newHostCommand(g), newAgentCommand(g), newSimCommand(g), newDemoCommand(g),
 		newBenchCommand(g), newInstancesCommand(), newMigrateCommand(), newMigrationCommand(), newWakeCommand(),
