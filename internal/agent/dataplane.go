@@ -61,7 +61,7 @@ func (s *agentService) Hook(ctx context.Context, req *v1.HookRequest) (*v1.HookR
 // not what the mapping holds (the engine slept and woke, re-creating its
 // KV under the same path). GPU KV is mapped through IPC per migration.
 func (a *Agent) regions(ctx context.Context, writable bool) (*shm.Regions, hooks.Layout, error) {
-	lay, err := a.eng.Layout(ctx)
+	lay, err := a.eng.KVLayout(ctx)
 	if err != nil {
 		return nil, lay, err
 	}

@@ -303,6 +303,25 @@ func (c *Client) Layout(ctx context.Context) (out hooks.Layout, err error) {
 	return out, c.do(ctx, http.MethodGet, hooks.PathLayout, nil, &out)
 }
 
+// KVLayout is the engine's layout as the data plane needs it (its KV
+// regions, geometry and generation): over the core channel where the
+// engine's channel takes "layout" — at the engine core's next step
+// boundary, not behind the API server's event loop, which under load
+// answered in ~80–100 ms inside a migration's pause (H100, 2026-12-06) —
+// else Layout. The channel's answer names the model, not the API
+// server's served names: registration reads Layout.
+func (c *Client) KVLayout(ctx context.Context) (hooks.Layout, error) {
+	if ch, err := c.coreChannel(ctx); err == nil && ch != nil && ch.Takes(opLayout) {
+		var out hooks.Layout
+		_, _, err := c.viaCore(ctx, opLayout, nil, &out)
+		return out, err
+	}
+	return c.Layout(ctx)
+}
+
+// opLayout is the core channel's layout op.
+const opLayout = "layout"
+
 // Requests implements hooks.Engine.
 func (c *Client) Requests(ctx context.Context) (out hooks.RequestList, err error) {
 	if ok, _, err := c.viaCore(ctx, "requests", nil, &out); ok {

@@ -10,6 +10,7 @@ import (
 	"net/http/httptest"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -22,7 +23,7 @@ import (
 // startCoreServer runs the plugin's own core channel server (Python,
 // deploy/vllm-plugin/vllm_hi_plugin/core_channel.py) on a loop that steps every
 // 5 ms, and returns its socket.
-func startCoreServer(t *testing.T, token string) string {
+func startCoreServer(t *testing.T, token string, flags ...string) string {
 	t.Helper()
 	py, err := exec.LookPath("python3")
 	if err != nil {
@@ -30,7 +31,7 @@ func startCoreServer(t *testing.T, token string) string {
 	}
 	sock := filepath.Join(t.TempDir(), "core.sock")
 	plugin, _ := filepath.Abs("../../deploy/vllm-plugin")
-	cmd := exec.Command(py, "testdata/core_channel_server.py", plugin, sock, token)
+	cmd := exec.Command(py, append([]string{"testdata/core_channel_server.py", plugin, sock, token}, flags...)...)
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -286,4 +287,32 @@ func channelClient(t *testing.T, url, sock string) (*Client, context.Context) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	t.Cleanup(cancel)
 	return c, ctx
+}
+
+// The data plane's layout comes over the channel where it lists "layout"
+// (not behind the API server's loop), the registration's from the API
+// server (its served names); a channel without the op leaves both to HTTP.
+func TestTheDataPlanesLayoutComesOverTheChannel(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != hooks.PathLayout {
+			http.NotFound(w, r)
+			return
+		}
+		_, _ = w.Write([]byte(`{"engine":"vllm","model":"m","served_model_names":["served"],"kv_generation":3}`))
+	}))
+	defer srv.Close()
+	for _, c := range []struct {
+		flags []string
+		want  string
+	}{{nil, "from-the-engine-core"}, {[]string{"--no-layout"}, "m"}} {
+		cl, ctx := channelClient(t, srv.URL, startCoreServer(t, "tok", c.flags...))
+		kv, err := cl.KVLayout(ctx)
+		if err != nil || kv.Model != c.want || kv.KVGeneration != 3 {
+			t.Fatalf("%v: the data plane's layout %+v (%v), want the model %q", c.flags, kv, err, c.want)
+		}
+		reg, err := cl.Layout(ctx)
+		if err != nil || !slices.Equal(reg.ServedModels, []string{"served"}) {
+			t.Fatalf("%v: the registration's layout %+v (%v), want the API server's", c.flags, reg, err)
+		}
+	}
 }

@@ -3,6 +3,8 @@ package conformance
 import (
 	"context"
 	"errors"
+	"reflect"
+	"slices"
 	"sort"
 	"testing"
 	"time"
@@ -43,7 +45,7 @@ func TestCoreChannelOnVLLM(t *testing.T) {
 	// The hello lists what the channel takes: the migrations of
 	// TestMigrateBetweenVLLMServers install over it (and the API server
 	// beside it) only where it lists "install".
-	for _, op := range []string{"pause", "export", "resume", "allocate", "install", "stats"} {
+	for _, op := range []string{"pause", "export", "resume", "allocate", "install", "stats", "layout"} {
 		if !ch.Takes(op) {
 			t.Fatalf("the core channel's hello does not list %q", op)
 		}
@@ -54,6 +56,24 @@ func TestCoreChannelOnVLLM(t *testing.T) {
 	hooksClient, err := engine.NewClient(vllmA, engine.Options{Token: agentToken})
 	if err != nil {
 		t.Fatal(err)
+	}
+	// The layout the agent's copies and checks read over the channel is
+	// the API server's hook's, but for the served names (the API server's
+	// flags): the model stands in for them.
+	var viaChannel hooks.Layout
+	if _, err := ch.Call(ctx, "layout", nil, &viaChannel); err != nil {
+		t.Fatal(err)
+	}
+	viaHook, err := hooksClient.Layout(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(viaChannel.ServedModels, []string{viaHook.Model}) {
+		t.Fatalf("the channel's layout serves %v, want the model %q", viaChannel.ServedModels, viaHook.Model)
+	}
+	viaChannel.ServedModels = viaHook.ServedModels
+	if !reflect.DeepEqual(viaChannel, viaHook) || len(viaHook.Regions) == 0 {
+		t.Fatalf("the channel's layout %+v, the API server's hook's %+v", viaChannel, viaHook)
 	}
 	var waits, snaps, viaHTTP []time.Duration
 	var step time.Duration

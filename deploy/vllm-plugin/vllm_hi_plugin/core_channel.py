@@ -47,6 +47,11 @@ MAX_FRAME = 64 << 20  # a request's JSON: an install of 256 requests' tokens fit
 # How long a command waits for a step boundary before it is answered 504:
 # the busy loop reaches one within a step unless the engine is wedged.
 BOUNDARY_TIMEOUT_S = 10.0
+# A boundary op whose answer took longer than this is logged with where
+# its time went (the wait for a boundary, the engine core's own work, the
+# answer's encoding): inside a migration's pause every such millisecond is
+# the clients' gap.
+SLOW_OP_MS = 50.0
 
 
 class Deferred:
@@ -435,11 +440,18 @@ class ChannelServer:
                 ans = {"id": rid, "ok": out, "core_ms": core_ms, "wait_ms": wait_ms}
             except BaseException as e:  # noqa: BLE001 - answered, as handle() would
                 ans = self._failed(op, e, rid)
+            t_enc = time.perf_counter()
             try:
                 data = frame(ans)
             except Exception as e:  # noqa: BLE001 - an answer that will not encode
                 LOG.exception("vllm_hi core channel op %s: its answer", op)
                 data = frame(self._failed(op, e, rid))
+            enc_ms = (time.perf_counter() - t_enc) * 1e3
+            slow = ans.get("wait_ms", 0.0) + ans.get("core_ms", 0.0) + enc_ms
+            if slow >= SLOW_OP_MS:
+                LOG.info("vllm_hi core channel op %s took %.1f ms: %.1f ms waiting for a step boundary, %.1f ms "
+                         "in the engine core, %.1f ms encoding its answer (%d bytes)",
+                         op, slow, ans.get("wait_ms", 0.0), ans.get("core_ms", 0.0), enc_ms, len(data))
             reply.send_from_loop(data)
 
         try:

@@ -18,7 +18,7 @@ import logging
 import time
 
 from . import HOOKS_VERSION, compat
-from .wire import HookError, continues, decode_ints, encode_ints, ints_after
+from .wire import HookError, build_layout, continues, decode_ints, encode_ints, ints_after
 
 # Stream metadata by response id, captured from vLLM's own stream
 # generators (model, created, usage options) on the source.
@@ -153,26 +153,9 @@ class Hooks:
     async def layout(self) -> dict:
         import vllm
 
-        regions = await self.core("regions")
-        geo = dict(regions[0]["_geometry"])
-        pc = self.ec.vllm_config.parallel_config
         mc = self.ec.vllm_config.model_config
-        out_regions = []
-        for r in regions:
-            r = {k: v for k, v in r.items() if not k.startswith("_")}
-            if r["first_layer"] is None or regions[0]["_base_offset"] != 0:
-                raise HookError(409, "pipeline parallelism is not supported by the vllm-hi plugin yet")
-            out_regions.append(r)
-        names = self.args.served_model_name or [mc.model]
-        return {"engine": "vllm", "engine_version": vllm.__version__, "hooks_version": HOOKS_VERSION,
-                "model": mc.model, "served_model_names": list(names), "geometry": geo,
-                "parallel": {"tp": pc.tensor_parallel_size,
-                             "pp": pc.pipeline_parallel_size},
-                "kv_layout": regions[0].get("_kv_layout", ""),
-                "opaque_blocks": bool(regions[0].get("_opaque")),
-                "stages_state": True,
-                "kv_generation": max(int(r.get("_kv_generation") or 0) for r in regions),
-                "regions": out_regions}
+        return build_layout(await self.core("regions"), self.ec.vllm_config, vllm.__version__, HOOKS_VERSION,
+                            list(self.args.served_model_name or [mc.model]))
 
     async def requests(self) -> dict:
         out = await self.core("requests")

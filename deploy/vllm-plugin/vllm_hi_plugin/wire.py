@@ -287,3 +287,29 @@ class Leases:
 
     def __len__(self) -> int:
         return len(self.until)
+
+
+def build_layout(regions: list, vllm_config, engine_version: str, hooks_version: int, served_names: list) -> dict:
+    """The layout hook's answer from the workers' regions (worker.
+    describe_region) and the engine's config: the same in the API server's
+    hook and the core channel's layout op, which differ only in the served
+    names they know (the engine core knows the model, not the API
+    server's --served-model-name)."""
+    geo = dict(regions[0]["_geometry"])
+    pc = vllm_config.parallel_config
+    mc = vllm_config.model_config
+    out_regions = []
+    for r in regions:
+        r = {k: v for k, v in r.items() if not k.startswith("_")}
+        if r["first_layer"] is None or regions[0]["_base_offset"] != 0:
+            raise HookError(409, "pipeline parallelism is not supported by the vllm-hi plugin yet")
+        out_regions.append(r)
+    return {"engine": "vllm", "engine_version": engine_version, "hooks_version": hooks_version,
+            "model": mc.model, "served_model_names": served_names, "geometry": geo,
+            "parallel": {"tp": pc.tensor_parallel_size,
+                         "pp": pc.pipeline_parallel_size},
+            "kv_layout": regions[0].get("_kv_layout", ""),
+            "opaque_blocks": bool(regions[0].get("_opaque")),
+            "stages_state": True,
+            "kv_generation": max(int(r.get("_kv_generation") or 0) for r in regions),
+            "regions": out_regions}

@@ -1,5 +1,5 @@
 """The plugin's core channel server on a loop that steps every 5 ms, for
-corechannel_test.go: python3 core_channel_server.py PLUGIN_DIR SOCKET TOKEN"""
+corechannel_test.go: python3 core_channel_server.py PLUGIN_DIR SOCKET TOKEN [--no-layout]"""
 
 import sys
 import threading
@@ -37,6 +37,9 @@ def install(p):
 
 ops = {"pause": pause, "export": export, "install": install,
        "installed": lambda p: {"installed": state.get("installed", [])}}
+if "--no-layout" not in sys.argv:
+    ops["layout"] = lambda p: {"engine": "vllm", "model": "from-the-engine-core", "served_model_names": ["from-the-engine-core"],
+                               "kv_generation": 3}
 srv = ChannelServer(sys.argv[2], sys.argv[3], b, ops, {"stats": lambda p, s: s}, snap)
 srv.start()
 print("ready", flush=True)
