@@ -54,6 +54,12 @@ class CoreState:
         self.staged: dict[str, StagedRequest] = {}
         self.block_hasher = None  # the engine core's request_block_hasher (None: no prefix caching)
         self.steps = 0
+        # The workers' KV regions as the layout op last read them: the
+        # collective call costs ~15–30 ms of a migration's pause on a busy
+        # GPU engine (H100, 2026-12-06), and the regions change only when
+        # the workers re-create their KV — through a utility call (sleep,
+        # wake-up, a reconfiguration), which drops this (kv_input).
+        self.regions = None
         scheduler.kv_cache_manager._vhi_log = self.log
         # The core channel's commands, run by the busy loop at step
         # boundaries; its server (if any) and what the loop publishes for
@@ -574,7 +580,19 @@ def _install(core, st, p: dict) -> dict:
 def _regions(core, st, p: dict):
     from . import worker
 
-    return core.model_executor.collective_rpc(worker.describe_region)
+    st.regions = core.model_executor.collective_rpc(worker.describe_region)
+    return st.regions
+
+
+def kv_input(st, request_type, request) -> None:
+    """An input to the engine core that may re-create the workers' KV (any
+    utility call but the plugin's own hooks) drops the regions the layout
+    op keeps: the next layout asks the workers again."""
+    if getattr(request_type, "name", str(request_type)) != "UTILITY":
+        return
+    name = request[2] if isinstance(request, (tuple, list)) and len(request) > 2 else None
+    if name != "vllm_hi_hook":
+        st.regions = None
 
 
 def _layout(core, st) -> dict:
@@ -585,7 +603,8 @@ def _layout(core, st) -> dict:
     from . import HOOKS_VERSION
 
     cfg = getattr(core, "vllm_config", None) or core.model_executor.vllm_config
-    return build_layout(_regions(core, st, {}), cfg, vllm.__version__, HOOKS_VERSION, [cfg.model_config.model])
+    regions = st.regions if st.regions is not None else _regions(core, st, {})
+    return build_layout(regions, cfg, vllm.__version__, HOOKS_VERSION, [cfg.model_config.model])
 
 
 # The engine-core side of each hook: (core, scheduler state, payload) → answer.
@@ -821,8 +840,10 @@ def _patch_core_channel(proc_cls, dp_cls) -> None:
                 if st.channel is not None:
                     st.publish()
             return None
-        out = orig_handle(self, request_type, request)
         st = getattr(self.scheduler, "_vhi", None)
+        if st is not None:
+            kv_input(st, request_type, request)
+        out = orig_handle(self, request_type, request)
         if st is not None and st.channel is not None:
             # An input between steps (an abort, a utility call) changes
             # what an idle engine's snapshot says.
