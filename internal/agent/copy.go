@@ -35,7 +35,12 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 	if err := json.Unmarshal(req.GetTargetLayout(), &dstLayout); err != nil {
 		return nil, errdefs.Newf(errdefs.ErrInvalidArgument, "target_layout: %v", err)
 	}
-	src, srcLayout, err := a.regions(ctx, false)
+	in, err := a.roundInputs(ctx, req.GetKind() != transfer.KindFull, req.GetSinceCursor())
+	if err != nil {
+		return nil, err
+	}
+	tRead := time.Now()
+	src, srcLayout, err := a.regionsOf(in.Layout, false)
 	if err != nil {
 		return nil, err
 	}
@@ -46,26 +51,10 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 	// An engine whose blocks are opaque (vLLM's CPU kernels tile the
 	// slots inside a block) gets whole changed blocks instead of slots.
 	slotGranular := req.GetSlotGranular() && !srcLayout.OpaqueBlocks && !dstLayout.OpaqueBlocks
-
-	var cursor uint64
-	var changes hooks.Changes
-	// The changes first: a block a step allocates and writes between the
-	// two reads is then in the request list, and copied next round if not
-	// now. The other order could miss it for good.
+	changes, list := in.Changes, in.Requests
+	cursor := list.Cursor
 	if req.GetKind() != transfer.KindFull {
-		if changes, err = a.eng.Changes(ctx, req.GetSinceCursor()); err != nil {
-			return nil, err
-		}
 		cursor = changes.Cursor
-	}
-	tChanges := time.Now()
-	list, err := a.eng.Requests(ctx)
-	if err != nil {
-		return nil, err
-	}
-	tRequests := time.Now()
-	if req.GetKind() == transfer.KindFull {
-		cursor = list.Cursor
 	}
 	plan := transfer.PlanRound(req.GetKind(), movingFromProto(req.GetRequests()), list.Requests, changes.Written, geo.BlockSize, slotGranular)
 	resp := &v1.CopyRoundResponse{Cursor: cursor, DroppedRequestIds: plan.Dropped, BlockCount: int32(len(plan.Copies)), TokenSlots: int32(plan.TokenSlots)}
@@ -114,8 +103,8 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 		st, err = backend.Send(ctx, round)
 	}
 	a.log.Debug("copy round", zap.String("kind", req.GetKind()), zap.String("backend", name), zap.Int("blocks", len(plan.Copies)),
-		zap.Duration("changes", tChanges.Sub(start)), zap.Duration("requests", tRequests.Sub(tChanges)),
-		zap.Duration("select", tSelect.Sub(tRequests)), zap.Duration("send", time.Since(tSelect)))
+		zap.Bool("inputs_in_one_op", in.oneOp), zap.Duration("read", tRead.Sub(start)),
+		zap.Duration("select", tSelect.Sub(tRead)), zap.Duration("send", time.Since(tSelect)))
 	if err != nil {
 		a.log.Warn("copy round failed", zap.String("migration_id", req.GetMigrationId()), zap.String("kind", req.GetKind()), zap.Error(err))
 		return nil, errdefs.New(errdefs.ErrAborted, err.Error())
@@ -123,6 +112,45 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 	resp.Bytes = st.Bytes
 	resp.DurationS = time.Since(start).Seconds()
 	return resp, nil
+}
+
+// roundInputs are what a copy round reads from the source engine.
+type roundInputs struct {
+	Layout   hooks.Layout
+	Requests hooks.RequestList
+	Changes  hooks.Changes // since the round's cursor; empty for a full round
+	oneOp    bool          // read in one step boundary of the engine core
+}
+
+// roundInputs reads the source's layout, its changes since since (with
+// changes) and its request list: in one boundary of the engine core where
+// its channel takes that, else one by one — the changes before the list,
+// so that a block a step allocates and writes between the two reads is in
+// the list and copied next round if not now (the other order could miss
+// it for good).
+func (a *Agent) roundInputs(ctx context.Context, withChanges bool, since uint64) (roundInputs, error) {
+	var in roundInputs
+	one, ok, err := a.eng.RoundInputs(ctx, since, withChanges)
+	if ok {
+		if err != nil {
+			return in, err
+		}
+		in = roundInputs{Layout: one.Layout, Requests: one.Requests, oneOp: true}
+		if one.Changes != nil {
+			in.Changes = *one.Changes
+		}
+		return in, nil
+	}
+	if in.Layout, err = a.eng.KVLayout(ctx); err != nil {
+		return in, err
+	}
+	if withChanges {
+		if in.Changes, err = a.eng.Changes(ctx, since); err != nil {
+			return in, err
+		}
+	}
+	in.Requests, err = a.eng.Requests(ctx)
+	return in, err
 }
 
 func movingFromProto(rbs []*v1.RequestBlocks) []transfer.Moving {

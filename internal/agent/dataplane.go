@@ -65,6 +65,11 @@ func (a *Agent) regions(ctx context.Context, writable bool) (*shm.Regions, hooks
 	if err != nil {
 		return nil, lay, err
 	}
+	return a.regionsOf(lay, writable)
+}
+
+// regionsOf is regions for a layout already read.
+func (a *Agent) regionsOf(lay hooks.Layout, writable bool) (*shm.Regions, hooks.Layout, error) {
 	if len(lay.Regions) == 0 {
 		return nil, lay, errNoKV
 	}

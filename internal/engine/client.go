@@ -319,8 +319,42 @@ func (c *Client) KVLayout(ctx context.Context) (hooks.Layout, error) {
 	return c.Layout(ctx)
 }
 
-// opLayout is the core channel's layout op.
-const opLayout = "layout"
+// The core channel's ops for a copy round's inputs.
+const (
+	opLayout = "layout"
+	opRound  = "round"
+)
+
+// RoundInputs is what a copy round reads from its source engine, of one
+// instant: the KV layout, the request list and, when asked for, the
+// changes since a cursor.
+type RoundInputs struct {
+	Layout   hooks.Layout      `json:"layout"`
+	Requests hooks.RequestList `json:"requests"`
+	Changes  *hooks.Changes    `json:"changes"`
+}
+
+// RoundInputs reads a copy round's inputs in one step boundary of the
+// engine core where its channel takes "round" (ok false otherwise: read
+// them one by one). Outside a pause each boundary op waits up to a step,
+// and inside it each is a round trip; one op for the three is one wait.
+func (c *Client) RoundInputs(ctx context.Context, since uint64, withChanges bool) (in RoundInputs, ok bool, err error) {
+	ch, err := c.coreChannel(ctx)
+	if err != nil || ch == nil || !ch.Takes(opRound) {
+		return in, false, nil
+	}
+	payload := map[string]any{}
+	if withChanges {
+		payload["since"] = since
+	}
+	if _, _, err := c.viaCore(ctx, opRound, payload, &in); err != nil {
+		return in, true, err
+	}
+	if withChanges && in.Changes == nil {
+		return in, true, fmt.Errorf("engine core %s: no changes in the answer", opRound)
+	}
+	return in, true, nil
+}
 
 // Requests implements hooks.Engine.
 func (c *Client) Requests(ctx context.Context) (out hooks.RequestList, err error) {

@@ -316,3 +316,22 @@ func TestTheDataPlanesLayoutComesOverTheChannel(t *testing.T) {
 		}
 	}
 }
+
+// A copy round's inputs come in one op of one boundary where the channel
+// takes "round": the changes only when asked for; a channel without it
+// says so (ok false), and the agent reads them one by one.
+func TestARoundsInputsComeInOneOp(t *testing.T) {
+	cl, ctx := channelClient(t, "http://127.0.0.1:1", startCoreServer(t, "tok"))
+	in, ok, err := cl.RoundInputs(ctx, 4, true)
+	if err != nil || !ok || in.Layout.Model != "from-the-engine-core" || in.Requests.Cursor != 9 || len(in.Requests.Requests) != 1 ||
+		in.Changes == nil || in.Changes.Since != 4 || len(in.Changes.Written) != 1 || in.Changes.Written[0].Block != 5 {
+		t.Fatalf("the round's inputs %+v (ok %v, %v)", in, ok, err)
+	}
+	if in, ok, err := cl.RoundInputs(ctx, 0, false); err != nil || !ok || in.Changes != nil || in.Requests.Cursor != 9 {
+		t.Fatalf("a full round's inputs %+v (ok %v, %v): want no changes", in, ok, err)
+	}
+	old, ctx := channelClient(t, "http://127.0.0.1:1", startCoreServer(t, "tok", "--no-round"))
+	if _, ok, err := old.RoundInputs(ctx, 4, true); ok || err != nil {
+		t.Fatalf("a channel without the op: ok %v, %v", ok, err)
+	}
+}

@@ -45,7 +45,7 @@ func TestCoreChannelOnVLLM(t *testing.T) {
 	// The hello lists what the channel takes: the migrations of
 	// TestMigrateBetweenVLLMServers install over it (and the API server
 	// beside it) only where it lists "install".
-	for _, op := range []string{"pause", "export", "resume", "allocate", "install", "stats", "layout"} {
+	for _, op := range []string{"pause", "export", "resume", "allocate", "install", "stats", "layout", "round"} {
 		if !ch.Takes(op) {
 			t.Fatalf("the core channel's hello does not list %q", op)
 		}
@@ -70,6 +70,15 @@ func TestCoreChannelOnVLLM(t *testing.T) {
 	}
 	if !slices.Equal(viaChannel.ServedModels, []string{viaHook.Model}) {
 		t.Fatalf("the channel's layout serves %v, want the model %q", viaChannel.ServedModels, viaHook.Model)
+	}
+	// A copy round's inputs in one op: the same layout, the request list
+	// and the changes since a cursor.
+	var round engine.RoundInputs
+	if _, err := ch.Call(ctx, "round", map[string]any{"since": 0}, &round); err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(round.Layout, viaChannel) || round.Changes == nil || round.Requests.TotalBlocks == 0 {
+		t.Fatalf("the round's inputs %+v, want the layout %+v, changes and the request list", round, viaChannel)
 	}
 	viaChannel.ServedModels = viaHook.ServedModels
 	if !reflect.DeepEqual(viaChannel, viaHook) || len(viaHook.Regions) == 0 {

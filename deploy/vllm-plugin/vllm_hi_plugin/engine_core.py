@@ -747,6 +747,17 @@ def _ch_requests(st, ids: HostIDs, p: dict) -> dict:
     return out
 
 
+def _ch_round(core, st, ids: HostIDs, p: dict) -> dict:
+    """What a copy round reads from its source, in one boundary: the KV
+    layout, the request list and (with since) the changes since that
+    cursor, all of one instant. Three boundary ops waited up to a step
+    each outside a pause, and each cost a round trip inside it."""
+    out = {"layout": _layout(core, st), "requests": _ch_requests(st, ids, {})}
+    if p.get("since") is not None:
+        out["changes"] = _ch_changes(st, ids, {"since": p["since"]})
+    return out
+
+
 def _ch_changes(st, ids: HostIDs, p: dict) -> dict:
     out = st.changes(int(p.get("since", 0)))
     for w in out["written"]:
@@ -891,6 +902,7 @@ def start_channel(core, cfg) -> ChannelServer:
     # under load answers in 33–112 ms (H100, 2026-12-06: ~80 ms of a
     # final round and ~100 ms of each side's check in the pause).
     ops["layout"] = lambda p: _layout(core, st)
+    ops["round"] = lambda p: _ch_round(core, st, ids, p)
     snapshot_ops = {
         "stats": lambda p, snap: dict(snap.get("stats") or {}, sleeping=st.sleeping()),
         "ping": lambda p, snap: {"steps": st.boundary.steps, "snapshot_at": st.snapshot.at},

@@ -1,5 +1,5 @@
 """The plugin's core channel server on a loop that steps every 5 ms, for
-corechannel_test.go: python3 core_channel_server.py PLUGIN_DIR SOCKET TOKEN [--no-layout]"""
+corechannel_test.go: python3 core_channel_server.py PLUGIN_DIR SOCKET TOKEN [--no-layout] [--no-round]"""
 
 import sys
 import threading
@@ -37,6 +37,14 @@ def install(p):
 
 ops = {"pause": pause, "export": export, "install": install,
        "installed": lambda p: {"installed": state.get("installed", [])}}
+if "--no-round" not in sys.argv:
+    def round_inputs(p):
+        out = {"layout": {"engine": "vllm", "model": "from-the-engine-core", "kv_generation": 3},
+               "requests": {"cursor": 9, "requests": [{"request_id": "a", "block_ids": [4, 5]}]}}
+        if p.get("since") is not None:
+            out["changes"] = {"since": p["since"], "cursor": 9, "written": [{"block": 5, "first_slot": 2, "num_slots": 1, "request_id": "a"}]}
+        return out
+    ops["round"] = round_inputs
 if "--no-layout" not in sys.argv:
     ops["layout"] = lambda p: {"engine": "vllm", "model": "from-the-engine-core", "served_model_names": ["from-the-engine-core"],
                                "kv_generation": 3}
