@@ -247,6 +247,7 @@ func sideBySide(n int, fn func(i int)) {
 // target installs.
 func (m *migration) moveChunk(ctx context.Context, ids []string) ([]movedState, error) {
 	var raw []byte
+	start := time.Now()
 	for attempt := 0; ; attempt++ {
 		if len(ids) == 0 {
 			return nil, nil
@@ -278,6 +279,7 @@ func (m *migration) moveChunk(ctx context.Context, ids []string) ([]movedState, 
 		head += `"text_from":` + string(b) + `,`
 	}
 	install := append([]byte(head), raw[1:]...)
+	exported := time.Now()
 	type installResult struct {
 		raw []byte
 		err error
@@ -294,6 +296,8 @@ func (m *migration) moveChunk(ctx context.Context, ids []string) ([]movedState, 
 	}
 	perr := json.Unmarshal(raw, &exp)
 	res := <-installed
+	m.log.Debug("state moved", zap.Int("requests", len(ids)), zap.Int("export_bytes", len(raw)),
+		zap.Duration("export", exported.Sub(start)), zap.Duration("install", time.Since(exported)))
 	if res.err != nil {
 		return nil, fmt.Errorf("install on the target: %w", res.err)
 	}
