@@ -82,6 +82,11 @@ func (m *migration) final(ctx context.Context, since uint64) (committed, error) 
 	if err := m.verify(fctx, c.states); err != nil {
 		return c, m.late(fctx, err)
 	}
+	// A paused request can still end in the pause (its client left); the
+	// check leaves it behind.
+	if c.states, err = m.stillMoving(fctx, c.states, "that ended during the check"); err != nil {
+		return c, m.late(fctx, err)
+	}
 	if err := m.enter(fctx, stepCommit); err != nil {
 		return c, m.late(fctx, err)
 	}
@@ -164,6 +169,13 @@ func (m *migration) finalRound(ctx context.Context, since uint64) ([]movedState,
 	case c.err != nil:
 		return nil, c.err
 	}
+	return m.stillMoving(ctx, states, "the copy dropped")
+}
+
+// stillMoving keeps the states of the requests still moving and takes
+// the others (dropped by the copy, or ended during the check: why) off
+// the target again.
+func (m *migration) stillMoving(ctx context.Context, states []movedState, why string) ([]movedState, error) {
 	moving := map[string]bool{}
 	for _, id := range m.ids() {
 		moving[id] = true
@@ -180,7 +192,7 @@ func (m *migration) finalRound(ctx context.Context, since uint64) ([]movedState,
 		actx, acancel := m.pausedCall(ctx)
 		defer acancel()
 		if _, err := m.dstA.Engine.Abort(actx, hooks.AbortRequest{RequestIDs: gone, Silent: true, IgnoreMissing: true}); err != nil {
-			return nil, fmt.Errorf("take requests the copy dropped off the target: %w", err)
+			return nil, fmt.Errorf("take requests %s off the target: %w", why, err)
 		}
 	}
 	return kept, nil

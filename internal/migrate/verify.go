@@ -186,7 +186,7 @@ func (m *migration) verifyCopied(ctx context.Context, since uint64) error {
 	m.mu.Unlock()
 	v, diff, err := m.compare(ctx, src, dst, at)
 	if err == nil {
-		err = m.judge(ctx, src, dst, at, diff, true)
+		err = m.judge(ctx, src, dst, at, diff)
 	}
 	m.mu.Lock()
 	if m.st.Verification == nil {
@@ -244,8 +244,10 @@ func (m *migration) verify(ctx context.Context, states []movedState) error {
 	m.mu.Unlock()
 	v, diff, err := m.compare(ctx, src, dst, at)
 	if err == nil {
-		// Paused requests do not end: every difference here is data loss.
-		err = m.judge(ctx, src, dst, at, diff, false)
+		// A paused request still ends when its client leaves, and the
+		// source may hand its blocks to a request it still runs (one
+		// not moving): such a request is left behind here too.
+		err = m.judge(ctx, src, dst, at, diff)
 	}
 	m.mu.Lock()
 	if m.st.Verification == nil {
@@ -312,35 +314,34 @@ func (m *migration) compare(ctx context.Context, src, dst []*v1.BlockSlots, at [
 }
 
 // judge turns the blocks that differ (compare) into the check's verdict.
-// Before the pause (leaveEnded) the source decodes on: a request that
-// ends meanwhile (its last token, or its client left) frees its blocks,
-// and the source may hand them to another request and write them before
-// its side is hashed. Its blocks then differ with nothing copied wrong
-// (vLLM at a near-full KV pool: the H100's cut load, 2026-12-06, about
-// one in twelve of the requests ending during the migration). Such a
-// request moves nowhere anyway: the source's requests are read again
-// after the hashes, and a differing block whose request no longer runs
+// The source decodes on beside the check (before the pause all its
+// requests, in it those not moving): a request that ends meanwhile (its
+// last token, or its client left, paused or not) frees its blocks, and
+// the source may hand them to another request and write them before its
+// side is hashed. Its blocks then differ with nothing copied wrong (vLLM
+// at a near-full KV pool: the H100's cut load, 2026-12-06, about one in
+// twelve of the requests ending during the migration). Such a request
+// moves nowhere anyway: the source's requests are read again after the
+// hashes, and a differing block whose request the source no longer holds
 // with that block at that place is left behind with its request. A
-// request still running with it was running all through the hash, so
-// its difference is data loss.
-func (m *migration) judge(ctx context.Context, src, dst []*v1.BlockSlots, at []blockAt, diff []int, leaveEnded bool) error {
+// request it still holds with it held it all through the hash, so its
+// difference is data loss.
+func (m *migration) judge(ctx context.Context, src, dst []*v1.BlockSlots, at []blockAt, diff []int) error {
 	if len(diff) == 0 {
 		return nil
 	}
-	if leaveEnded {
-		ended, err := m.endedDuringCheck(ctx, src, at, diff)
-		if err != nil {
-			m.log.Warn("integrity check: could not read the source's requests again to tell a request that ended from a difference", zap.Error(err))
-		}
-		if len(ended) > 0 {
-			diff = slices.DeleteFunc(diff, func(i int) bool { return ended[at[i].request] })
-			ids := slices.Sorted(maps.Keys(ended))
-			m.log.Info("integrity check: requests that ended during the check are left behind (their blocks were freed and may hold other bytes)", zap.Strings("request_ids", ids))
-			m.drop(ids...)
-		}
-		if len(diff) == 0 {
-			return nil
-		}
+	ended, err := m.endedDuringCheck(ctx, src, at, diff)
+	if err != nil {
+		m.log.Warn("integrity check: could not read the source's requests again to tell a request that ended from a difference", zap.Error(err))
+	}
+	if len(ended) > 0 {
+		diff = slices.DeleteFunc(diff, func(i int) bool { return ended[at[i].request] })
+		ids := slices.Sorted(maps.Keys(ended))
+		m.log.Info("integrity check: requests that ended during the check are left behind (their blocks were freed and may hold other bytes)", zap.Strings("request_ids", ids))
+		m.drop(ids...)
+	}
+	if len(diff) == 0 {
+		return nil
 	}
 	first := diff[0]
 	w := at[first]
@@ -352,7 +353,8 @@ func (m *migration) judge(ctx context.Context, src, dst []*v1.BlockSlots, at []b
 }
 
 // endedDuringCheck names the requests of the differing blocks that the
-// source no longer runs with the checked block at its place.
+// source no longer holds (running or paused) with the checked block at
+// its place.
 func (m *migration) endedDuringCheck(ctx context.Context, src []*v1.BlockSlots, at []blockAt, diff []int) (map[string]bool, error) {
 	cctx, cancel := m.call(ctx)
 	list, err := m.srcA.Engine.Requests(cctx)
@@ -360,16 +362,16 @@ func (m *migration) endedDuringCheck(ctx context.Context, src []*v1.BlockSlots, 
 	if err != nil {
 		return nil, err
 	}
-	running := map[string][]int{}
+	// Paused or not: a request the source still holds with that block at
+	// that place (a paused one is still the source's, its blocks kept).
+	tables := map[string][]int{}
 	for _, r := range list.Requests {
-		if r.Status == hooks.StatusRunning {
-			running[r.RequestID] = r.BlockIDs
-		}
+		tables[r.RequestID] = r.BlockIDs
 	}
 	ended := map[string]bool{}
 	for _, i := range diff {
 		w := at[i]
-		table, ok := running[w.request]
+		table, ok := tables[w.request]
 		if !ok || w.index >= len(table) || table[w.index] != int(src[i].GetBlock()) {
 			ended[w.request] = true
 		}
