@@ -177,19 +177,20 @@ func New(cfg Config, log *zap.Logger) (*Agent, error) {
 	if err != nil {
 		return nil, err
 	}
-	c, err := engine.NewClient(cfg.EngineURL, engine.Options{Token: cfg.AgentToken, TLS: clientTLS, CoreSocket: cfg.EngineCoreSocket})
+	if cfg.ID == "" {
+		cfg.ID = DefaultID(cfg.Type, strings.TrimRight(cfg.EngineURL, "/")) // the URL as the engine client keeps it
+	}
+	log = log.With(zap.String("vllm_hi_id", cfg.ID))
+	c, err := engine.NewClient(cfg.EngineURL, engine.Options{Token: cfg.AgentToken, TLS: clientTLS, CoreSocket: cfg.EngineCoreSocket,
+		Log: log.Named("engine")})
 	if err != nil {
 		return nil, err
-	}
-	if cfg.ID == "" {
-		cfg.ID = DefaultID(cfg.Type, c.BaseURL())
 	}
 	var b [8]byte
 	_, _ = rand.Read(b[:])
 	if cfg.DefaultTN < 1 {
 		cfg.DefaultTN = 2
 	}
-	log = log.With(zap.String("vllm_hi_id", cfg.ID))
 	return &Agent{cfg: cfg, log: log, eng: c, session: hex.EncodeToString(b[:]),
 		dp: dataPlane{sessions: map[string]*targetSession{}}, gpu: cudaipc.NewPlane(log, nil), clientTLS: clientTLS, serverTLS: serverTLS}, nil
 }

@@ -39,10 +39,12 @@ func (s *agentService) HashBlocks(ctx context.Context, req *v1.HashBlocksRequest
 	a.dp.mu.Lock()
 	_, target := a.dp.sessions[req.GetMigrationId()]
 	a.dp.mu.Unlock()
+	locked := time.Now()
 	mem, lay, err := a.regions(ctx, target)
 	if err != nil {
 		return nil, err
 	}
+	laidOut := time.Now()
 	g := lay.Geometry
 	if g.NumBlocks < 1 || g.BlockSize < 1 {
 		return nil, errdefs.New(errdefs.ErrConflict, "the engine's layout has no KV")
@@ -61,10 +63,12 @@ func (s *agentService) HashBlocks(ctx context.Context, req *v1.HashBlocksRequest
 	var hashes []uint64
 	var bytes int64
 	if transfer.OnGPU(lay) {
-		var read, hashed time.Duration
-		hashes, bytes, read, hashed, err = a.hashGPU(req.GetMigrationId(), lay, blocks)
+		var t hashTimes
+		hashes, bytes, t, err = a.hashGPU(req.GetMigrationId(), lay, blocks)
 		a.log.Debug("hash blocks", zap.String("migration_id", req.GetMigrationId()), zap.Bool("target", target), zap.Int("blocks", len(blocks)),
-			zap.Int64("bytes", bytes), zap.Duration("read", read), zap.Duration("hash", hashed), zap.Duration("total", time.Since(start)))
+			zap.Int64("bytes", bytes), zap.Duration("lock", locked.Sub(start)), zap.Duration("layout", laidOut.Sub(locked)),
+			zap.Duration("plan", t.plan), zap.Duration("read", t.read), zap.Duration("hash", t.hash), zap.Duration("release", t.release),
+			zap.Duration("total", time.Since(start)))
 	} else {
 		hashes, bytes, err = hashMapped(mem.Data, lay, blocks)
 	}
@@ -204,12 +208,11 @@ func hashMapped(data [][]byte, lay hooks.Layout, blocks []hashBlock) ([]uint64, 
 // hashGPU hashes blocks of GPU KV: their pieces are gathered, block after
 // block, into pinned host memory (one kernel launch and one download per
 // chunk of up to cudaipc.HashChunk bytes), and each block's bytes are then one
-// contiguous stretch to hash.
-// hashGPU also returns how long reading the GPU's bytes into host memory
-// and hashing them took.
-func (a *Agent) hashGPU(session string, lay hooks.Layout, blocks []hashBlock) (_ []uint64, _ int64, read, hashed time.Duration, _ error) {
+// contiguous stretch to hash. It also returns where the time went.
+func (a *Agent) hashGPU(session string, lay hooks.Layout, blocks []hashBlock) ([]uint64, int64, hashTimes, error) {
 	out := make([]uint64, len(blocks))
 	var total int64
+	var t hashTimes
 	for start := 0; start < len(blocks); {
 		end, size := start, int64(0)
 		for end < len(blocks) {
@@ -220,36 +223,49 @@ func (a *Agent) hashGPU(session string, lay hooks.Layout, blocks []hashBlock) (_
 			size += n
 			end++
 		}
-		n, r, h, err := a.hashGPUChunk(session, lay, blocks[start:end], out[start:end])
+		n, err := a.hashGPUChunk(session, lay, blocks[start:end], out[start:end], &t)
 		if err != nil {
-			return nil, 0, 0, 0, err
+			return nil, 0, t, err
 		}
-		total, read, hashed = total+n, read+r, hashed+h
+		total += n
 		start = end
 	}
-	return out, total, read, hashed, nil
+	return out, total, t, nil
 }
 
-func (a *Agent) hashGPUChunk(session string, lay hooks.Layout, blocks []hashBlock, out []uint64) (_ int64, read, hashed time.Duration, _ error) {
+// hashTimes is where a GPU hash's time went: planning the gathers, reading
+// the GPU's bytes into host memory (waiting for the staging included),
+// hashing them, and handing the staging back.
+type hashTimes struct {
+	plan, read, hash, release time.Duration
+}
+
+func (a *Agent) hashGPUChunk(session string, lay hooks.Layout, blocks []hashBlock, out []uint64, t *hashTimes) (int64, error) {
+	t0 := time.Now()
 	st, err := planStaging(lay, blocks)
+	t.plan += time.Since(t0)
 	if err != nil {
-		return 0, 0, 0, err
+		return 0, err
 	}
 	if len(st.runs) == 0 {
 		for i := range out {
 			out[i] = xxhash.Sum64(nil)
 		}
-		return 0, 0, 0, nil
+		return 0, nil
 	}
 	start := time.Now()
 	host, _, release, err := a.gpu.Gather(session, lay, st.runs)
 	if err != nil {
-		return 0, 0, 0, fmt.Errorf("read GPU KV: %w", err)
+		return 0, fmt.Errorf("read GPU KV: %w", err)
 	}
-	defer release()
 	gathered := time.Now()
+	t.read += gathered.Sub(start)
 	st.hash(host, out)
-	return st.bytes, gathered.Sub(start), time.Since(gathered), nil
+	hashed := time.Now()
+	t.hash += hashed.Sub(gathered)
+	release()
+	t.release += time.Since(hashed)
+	return st.bytes, nil
 }
 
 // staging is how a chunk of blocks is read for hashing: runs gathers the

@@ -15,6 +15,8 @@ import (
 	"sync"
 	"time"
 
+	"go.uber.org/zap"
+
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/api/httpjson"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
@@ -31,6 +33,7 @@ type Client struct {
 	coreSocket string
 	coreMu     sync.Mutex
 	core       *CoreChannel
+	log        *zap.Logger
 }
 
 var _ hooks.Engine = (*Client)(nil)
@@ -45,6 +48,8 @@ type Options struct {
 	// CoreSocket is the engine's core channel (the vLLM plugin's
 	// --vllm-hi-core-socket); empty: every hook over HTTP.
 	CoreSocket string
+	// Log gets, at debug level, each hook call's timing (nil: none).
+	Log *zap.Logger
 }
 
 // defaultTimeout bounds a call whose context has no deadline.
@@ -58,7 +63,11 @@ func NewClient(base string, o Options) (*Client, error) {
 		return nil, fmt.Errorf("engine URL %q: want http(s)://host:port", base)
 	}
 	tr := &http.Transport{Proxy: nil, TLSClientConfig: o.TLS, MaxIdleConnsPerHost: 64, IdleConnTimeout: 90 * time.Second}
-	return &Client{base: strings.TrimRight(base, "/"), token: o.Token, http: &http.Client{Transport: tr}, coreSocket: o.CoreSocket}, nil
+	log := o.Log
+	if log == nil {
+		log = zap.NewNop()
+	}
+	return &Client{base: strings.TrimRight(base, "/"), token: o.Token, http: &http.Client{Transport: tr}, coreSocket: o.CoreSocket, log: log}, nil
 }
 
 // coreChannel is the engine's core channel, dialled on first use; nil
@@ -92,7 +101,23 @@ func (c *Client) viaCore(ctx context.Context, op string, in, out any) (ok bool, 
 		defer cancel()
 	}
 	t, err = ch.Call(ctx, op, in, out)
+	c.logCore(op, t, err)
 	return true, t, err
+}
+
+// logCore logs a core channel call's timing at debug level: inside a
+// migration's pause, where each call's time went (the wait for a step
+// boundary, the engine core's work, the way through the channel, the
+// decoding here) is what the pause is made of. The stats that heartbeats
+// poll are left out.
+func (c *Client) logCore(op string, t CoreTiming, err error) {
+	if op == "stats" || !c.log.Core().Enabled(zap.DebugLevel) {
+		return
+	}
+	c.log.Debug("engine core call", zap.String("op", op), zap.Duration("total", t.Total), zap.Duration("wait", t.Wait),
+		zap.Duration("core", t.Core), zap.Duration("conn", t.Conn), zap.Duration("decode", t.Decode),
+		zap.Duration("transit", t.Total-t.Wait-t.Core-t.Conn-t.Decode), zap.Int("sent", t.Sent), zap.Int("received", t.Received),
+		zap.Error(err))
 }
 
 // Hook relays one hook (api/hooks' routes) with a ready JSON body and
@@ -195,7 +220,12 @@ func (c *Client) Raw(ctx context.Context, method, path string, body []byte) ([]b
 		ctx, cancel = context.WithTimeout(ctx, defaultTimeout)
 		defer cancel()
 	}
+	start := time.Now()
 	status, b, err := send(ctx, c.http, c.base, c.token, method, path, body, 256<<20)
+	if strings.HasPrefix(path, "/vllm_hi/engine/") && !strings.HasPrefix(path, hooks.PathStats) && c.log.Core().Enabled(zap.DebugLevel) {
+		c.log.Debug("engine hook over HTTP", zap.String("path", path), zap.Duration("total", time.Since(start)),
+			zap.Int("sent", len(body)), zap.Int("received", len(b)), zap.Int("status", status), zap.Error(err))
+	}
 	if err != nil {
 		return nil, err
 	}

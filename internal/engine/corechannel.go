@@ -65,9 +65,13 @@ func (e *CoreError) Unwrap() error { return errdefs.FromHTTP(e.Status) }
 // CoreTiming is where a call's time went: Wait is how long the command
 // waited for a step boundary in the engine core, Core its own time there
 // (both as the engine measured them), Total the round trip as the caller
-// saw it.
+// saw it, Conn the part of it spent getting a connection (dialling one
+// when none was idle), Decode the part spent decoding the answer; Sent
+// and Received are the frames' sizes. What Total has beyond the others is
+// the frames' way through the socket and the channel's threads.
 type CoreTiming struct {
-	Wait, Core, Total time.Duration
+	Wait, Core, Total, Conn, Decode time.Duration
+	Sent, Received                  int
 }
 
 // DialCore connects to the core channel at path with the agent token and
@@ -105,7 +109,7 @@ func (ch *CoreChannel) dial(ctx context.Context) (*coreConn, []string, error) {
 		} `json:"ok"`
 		Error *coreErrorBody `json:"error"`
 	}
-	err = c.roundTrip(map[string]any{"op": "hello", "token": ch.token, "version": coreChannelVersion}, &hello)
+	_, _, err = c.roundTrip(map[string]any{"op": "hello", "token": ch.token, "version": coreChannelVersion}, &hello)
 	switch {
 	case err != nil:
 	case hello.Error != nil:
@@ -186,6 +190,7 @@ func (ch *CoreChannel) Call(ctx context.Context, op string, payload, out any) (C
 	if err != nil {
 		return CoreTiming{}, err
 	}
+	t := CoreTiming{Conn: time.Since(start)}
 	ch.mu.Lock()
 	ch.nextID++
 	id := ch.nextID
@@ -201,56 +206,59 @@ func (ch *CoreChannel) Call(ctx context.Context, op string, payload, out any) (C
 		WaitMS float64         `json:"wait_ms"`
 	}
 	setDeadline(ctx, c.c)
-	if err := c.roundTrip(map[string]any{"id": id, "op": op, "payload": payload}, &ans); err != nil {
+	if t.Sent, t.Received, err = c.roundTrip(map[string]any{"id": id, "op": op, "payload": payload}, &ans); err != nil {
 		c.c.Close()
 		if ctx.Err() != nil {
 			err = fmt.Errorf("%w (%v)", ctx.Err(), err)
 		}
-		return CoreTiming{}, fmt.Errorf("engine core %s: %w", op, err)
+		t.Total = time.Since(start)
+		return t, fmt.Errorf("engine core %s: %w", op, err)
 	}
 	ch.put(c)
-	t := CoreTiming{Wait: ms(ans.WaitMS), Core: ms(ans.CoreMS), Total: time.Since(start)}
+	t.Wait, t.Core = ms(ans.WaitMS), ms(ans.CoreMS)
+	decoded := time.Now()
 	switch {
 	case ans.Error != nil:
-		return t, ans.Error.err(op)
+		err = ans.Error.err(op)
 	case ans.ID != id:
-		return t, fmt.Errorf("engine core %s: answer %d to request %d", op, ans.ID, id)
+		err = fmt.Errorf("engine core %s: answer %d to request %d", op, ans.ID, id)
 	case out != nil:
-		if err := json.Unmarshal(ans.OK, out); err != nil {
-			return t, fmt.Errorf("engine core %s: decode: %w", op, err)
+		if derr := json.Unmarshal(ans.OK, out); derr != nil {
+			err = fmt.Errorf("engine core %s: decode: %w", op, derr)
 		}
 	}
-	return t, nil
+	t.Decode, t.Total = time.Since(decoded), time.Since(start)
+	return t, err
 }
 
 func ms(v float64) time.Duration { return time.Duration(v * float64(time.Millisecond)) }
 
-// roundTrip writes one frame and reads one.
-func (c *coreConn) roundTrip(req, out any) error {
+// roundTrip writes one frame and reads one; it returns their sizes.
+func (c *coreConn) roundTrip(req, out any) (sent, received int, err error) {
 	body, err := json.Marshal(req)
 	if err != nil {
-		return err
+		return 0, 0, err
 	}
 	frame := make([]byte, 4+len(body))
 	binary.BigEndian.PutUint32(frame, uint32(len(body)))
 	copy(frame[4:], body)
 	if _, err := c.c.Write(frame); err != nil {
-		return err
+		return len(frame), 0, err
 	}
 	var hdr [4]byte
 	if _, err := io.ReadFull(c.c, hdr[:]); err != nil {
 		if errors.Is(err, io.EOF) {
-			return fmt.Errorf("the engine core closed the connection")
+			return len(frame), 0, fmt.Errorf("the engine core closed the connection")
 		}
-		return err
+		return len(frame), 0, err
 	}
 	n := binary.BigEndian.Uint32(hdr[:])
 	if n > maxCoreFrame {
-		return fmt.Errorf("an answer of %d bytes is over the limit of %d", n, maxCoreFrame)
+		return len(frame), 4, fmt.Errorf("an answer of %d bytes is over the limit of %d", n, maxCoreFrame)
 	}
 	buf := make([]byte, n)
 	if _, err := io.ReadFull(c.c, buf); err != nil {
-		return err
+		return len(frame), 4, err
 	}
-	return json.Unmarshal(buf, out)
+	return len(frame), 4 + len(buf), json.Unmarshal(buf, out)
 }

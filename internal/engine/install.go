@@ -56,7 +56,8 @@ func (c *Client) install(ctx context.Context, body []byte) ([]byte, error) {
 	}
 	coreErr := make(chan error, 1)
 	go func() {
-		_, err := ch.Call(ctx, hooks.HookInstall, json.RawMessage(trimmed), nil)
+		t, err := ch.Call(ctx, hooks.HookInstall, json.RawMessage(trimmed), nil)
+		c.logCore(hooks.HookInstall, t, err)
 		coreErr <- err
 	}()
 	out, err := c.Raw(ctx, http.MethodPost, hooks.PathInstall, api)

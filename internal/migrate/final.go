@@ -43,7 +43,6 @@ func (m *migration) final(ctx context.Context, since uint64) (committed, error) 
 		return c, err
 	}
 	m.phase.Store(phasePaused) // the clients wait from here: the heartbeat's shorter limit
-	m.preAttach()
 	c.pauseCall = time.Now()
 	c.paused = m.ids()
 	wait, err := m.pauseSource(ctx)

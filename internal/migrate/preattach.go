@@ -10,11 +10,13 @@ import (
 // stream for its install.
 const preAttachMaxWait = 2 * time.Minute
 
-// preAttach opens every moving stream on the target just before the
-// pause (cfg.PreAttach, or a held cut): the HTTP request and the engine's handler then
-// cost nothing inside the clients' gap — the switch after the commit reads
-// the target's first tokens from a connection already open. The target
-// waits for the install until the migration's deadline at most.
+// preAttach opens every moving stream on the target once the copy rounds
+// are done, before the stage and the check (cfg.PreAttach, or a held
+// cut): the HTTP requests and the engine's handlers then cost nothing
+// inside the clients' gap — neither the install's, which the target's API
+// server would queue behind them, nor the switch's, which reads the
+// target's first tokens from a connection already open. The target waits
+// for the install until the migration's deadline at most.
 func (m *migration) preAttach() {
 	if !(m.o.cfg.PreAttach || m.heldCut()) || m.o.proxy == nil {
 		return
