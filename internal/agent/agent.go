@@ -151,6 +151,9 @@ type Agent struct {
 	// gpu is the agent's CUDA state (loaded on first use): cuda_ipc's
 	// mappings, and the staging of GPU KV.
 	gpu *cudaipc.Plane
+	// stagedLayouts are the integrity check's staging layouts of slot
+	// ranges, kept from one check to the next (hash.go).
+	stagedLayouts stagedLayouts
 	// rdma is the UCX data plane (nil: UCX not loaded, rdmaNote says why).
 	rdma     *rdma.Plane
 	rdmaNote string

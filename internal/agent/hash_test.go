@@ -45,6 +45,7 @@ func TestStagedHashMatchesTheCanonicalWalk(t *testing.T) {
 		blocks = append(blocks, hashBlock{id: int64(rng.IntN(g.NumBlocks)), slots: slotRange{first, 1 + rng.IntN(g.BlockSize-first)}})
 	}
 	blocks = append(blocks, hashBlock{id: 2, slots: slotRange{0, 4}}, hashBlock{id: 3, slots: slotRange{0, 4}})
+	shared := &stagedLayouts{}
 	for name, lay := range layouts {
 		data := make([][]byte, len(lay.Regions))
 		for i, r := range lay.Regions {
@@ -57,23 +58,28 @@ func TestStagedHashMatchesTheCanonicalWalk(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		st, err := planStaging(lay, blocks)
-		if err != nil {
-			t.Fatal(err)
-		}
-		// What the gather does: the runs' bytes packed in order.
-		var host []byte
-		for _, r := range st.runs {
-			host = append(host, data[r.SrcRegion][r.SrcOffset:r.SrcOffset+r.Length]...)
-		}
-		if int64(len(host)) != st.bytes || st.bytes != wantBytes {
-			t.Fatalf("%s: staged %d bytes, planned %d, hashed %d", name, len(host), st.bytes, wantBytes)
-		}
-		got := make([]uint64, len(blocks))
-		st.hash(host, got)
-		for i := range want {
-			if got[i] != want[i] {
-				t.Fatalf("%s: block %d slots %+v: staged hash %x, canonical walk %x", name, blocks[i].id, blocks[i].slots, got[i], want[i])
+		// Made afresh, and from a cache shared by every layout here (twice:
+		// filled, then read): a cache that mixed up two layouts' shapes
+		// would stage the wrong bytes.
+		for pass, cache := range []*stagedLayouts{nil, shared, shared} {
+			st, err := planStaging(lay, blocks, cache)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// What the gather does: the runs' bytes packed in order.
+			var host []byte
+			for _, r := range st.runs {
+				host = append(host, data[r.SrcRegion][r.SrcOffset:r.SrcOffset+r.Length]...)
+			}
+			if int64(len(host)) != st.bytes || st.bytes != wantBytes {
+				t.Fatalf("%s pass %d: staged %d bytes, planned %d, hashed %d", name, pass, len(host), st.bytes, wantBytes)
+			}
+			got := make([]uint64, len(blocks))
+			st.hash(host, got)
+			for i := range want {
+				if got[i] != want[i] {
+					t.Fatalf("%s pass %d: block %d slots %+v: staged hash %x, canonical walk %x", name, pass, blocks[i].id, blocks[i].slots, got[i], want[i])
+				}
 			}
 		}
 		// Any change to a hashed byte changes its block's hash.

@@ -1,9 +1,11 @@
 """A pre-attach (attach from=-1): the Host opens a moving stream on the
-target before the pause; the target answers once the install came, from
-where it put the request, and says so when it never came (no vLLM
-needed)."""
+target before the pause; the target answers at once, its stream's body
+waits for the install (woken once installs stop coming) and goes on from
+where the install put the request; an install that never came ends it with
+an error event (no vLLM needed)."""
 
 import asyncio
+import json
 import sys
 import unittest
 from pathlib import Path
@@ -23,32 +25,61 @@ def _installed(n):
 
 
 class PreAttachTest(unittest.TestCase):
-    def test_answers_once_installed_from_where_the_install_put_it(self):
+    def test_answers_at_once_and_streams_once_installed(self):
         async def run():
             h = _hooks()
-            pending = asyncio.ensure_future(h.attach("cmpl-1", -1, 5000))
+            h.chunk = lambda inst, hid, text, finish, stop, n, token_ids=None: f"[{text}]"
+            gen = await asyncio.wait_for(h.attach("cmpl-1", -1, 5000), 1)  # the answer's head goes out now
+            first = asyncio.ensure_future(gen.__anext__())
             await asyncio.sleep(0.05)
-            self.assertFalse(pending.done(), "a pre-attach answered before the install")
+            self.assertFalse(first.done(), "a pre-attach's body began before the install")
             self.assertIn("cmpl-1", h.awaiting)
-            h.installed["cmpl-1"] = _installed(7)
+            inst = hooks.Installed([5, 6, 7], "abcdef", [2, 4, 6], _Queue(), prompt_len=3,
+                                   meta={"include_usage": False})
+            h.installed["cmpl-1"] = inst
             h._wake_pre_attached(["cmpl-1"])
-            gen = await asyncio.wait_for(pending, 1)
+            await asyncio.sleep(0.05)
             self.assertNotIn("cmpl-1", h.awaiting)
-            # From index 7: the client already has the 7 moved tokens' text.
-            self.assertTrue(hasattr(gen, "__anext__"))
-            await gen.aclose()
+            # From index 3: the client already has the 3 moved tokens' text
+            # (no text_from), so nothing goes out before the first output.
+            self.assertFalse(first.done(), "a pre-attach sent an event with nothing to send")
+            await inst.queue.items.put(_Out("g", finished=True))
+            self.assertEqual(await asyncio.wait_for(first, 1), "[g]")
+            self.assertEqual([c async for c in gen], ["data: [DONE]\n\n"])
 
         asyncio.run(run())
 
-    def test_an_install_that_never_comes_is_a_404_in_time(self):
+    def test_an_install_that_never_comes_ends_the_stream_with_a_404_event_in_time(self):
         async def run():
             h = _hooks()
-            with self.assertRaises(HookError) as e:
-                await asyncio.wait_for(h.attach("cmpl-2", -1, 50), 2)
-            self.assertEqual(e.exception.status, 404)
+            gen = await h.attach("cmpl-2", -1, 50)
+            events = await asyncio.wait_for(_all(gen), 2)
+            self.assertEqual(len(events), 1, events)
+            body = json.loads(events[0].removeprefix("data: "))
+            self.assertEqual((body["error"]["code"], body["error"]["param"]), (404, "request_id"))
             self.assertEqual(h.awaiting, {})
 
         asyncio.run(run())
+
+    def test_streams_wake_once_installs_stop_coming(self):
+        async def run():
+            h = _hooks()
+            evs = {r: h.awaiting.setdefault(r, asyncio.Event()) for r in ("a", "b")}
+            h._wake_soon(["a"])
+            await asyncio.sleep(0.2)
+            h._wake_soon(["b"])  # the next chunk's install, before the first one's wake
+            await asyncio.sleep(0.2)
+            self.assertFalse(evs["a"].is_set(), "a stream woke between two installs")
+            await asyncio.sleep(0.6)
+            self.assertTrue(evs["a"].is_set() and evs["b"].is_set(), "streams still asleep after the last install")
+            self.assertEqual(h.to_wake, [])
+
+        saved = hooks.WAKE_AFTER_S
+        hooks.WAKE_AFTER_S = 0.3  # wide margins: the test's sleeps may oversleep on a busy machine
+        try:
+            asyncio.run(run())
+        finally:
+            hooks.WAKE_AFTER_S = saved
 
     def test_a_pre_attach_needs_a_wait(self):
         async def run():
@@ -61,6 +92,10 @@ class PreAttachTest(unittest.TestCase):
             self.assertEqual(e.exception.status, 400)
 
         asyncio.run(run())
+
+
+async def _all(gen):
+    return [c async for c in gen]
 
 
 class _Queue:
@@ -117,16 +152,16 @@ class CutTest(unittest.TestCase):
             h = _hooks()
             ids = []
             h.chunk = lambda inst, hid, text, finish, stop, n, token_ids=None: ids.append(token_ids) or f"[{text}]"
-            pending = asyncio.ensure_future(h.attach("cmpl-8", -1, 5000))
+            gen = await h.attach("cmpl-8", -1, 5000)
+            first = asyncio.ensure_future(gen.__anext__())
             await asyncio.sleep(0.01)
             inst = hooks.Installed([5, 6, 7], "abcdef", [2, 4, 6], _Queue(), prompt_len=3,
                                    meta={"include_usage": False})
             inst.text_from = 3  # the Host's relay holds the client at "abc"
             h.installed["cmpl-8"] = inst
             h._wake_pre_attached(["cmpl-8"])
-            gen = await asyncio.wait_for(pending, 1)
-            self.assertEqual(await gen.__anext__(), "[def]")
-            self.assertIsNone(ids[-1], "a pre-attach's lead chunk names tokens it cannot know the client lacks")
+            self.assertEqual(await asyncio.wait_for(first, 1), "[def]")
+            self.assertIsNone(ids[0], "a pre-attach's lead chunk names tokens it cannot know the client lacks")
             await inst.queue.items.put(_Out("g", finished=True))
             self.assertEqual([c async for c in gen], ["[g]", "data: [DONE]\n\n"])
 

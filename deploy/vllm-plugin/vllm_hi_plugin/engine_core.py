@@ -557,14 +557,27 @@ def _export(core, st, p: dict) -> dict:
     if p.get("snapshot"):
         return st.export(p.get("request_ids") or [], snapshot=True)
     out = st.export(p.get("request_ids") or [])
+    # Only a seeded request has a random generator of its own (vLLM's model
+    # runner makes one for a seed, and none otherwise): the workers are
+    # asked only for those — a collective call per export chunk was a
+    # round trip to every worker inside the pause.
+    seeded = [r["request_id"] for r in out["requests"] if _seeded(st, r["request_id"])]
+    if not seeded:
+        return out
     from . import worker
 
-    gens = core.model_executor.collective_rpc(worker.export_generators, args=([r["request_id"] for r in out["requests"]],))
+    gens = core.model_executor.collective_rpc(worker.export_generators, args=(seeded,))
     for r in out["requests"]:
         raw = gens[0].get(r["request_id"]) if gens else None
         if raw is not None:
             r["engine_state"]["generator"] = base64.b64encode(raw).decode()
     return out
+
+
+def _seeded(st, rid: str) -> bool:
+    req = st.sched.requests.get(rid)
+    sp = getattr(req, "sampling_params", None)
+    return sp is not None and sp.seed is not None
 
 
 def _install(core, st, p: dict) -> dict:

@@ -36,6 +36,10 @@ class _Silenced(Exception):
 # A hook call in a migration's pause that takes longer than this logs
 # where its time went.
 SLOW_HOOK_MS = 50.0
+# How long after the last install the pre-attached streams of the requests
+# installed wake (Hooks._wake_soon): a migration's install chunks come a few
+# milliseconds apart.
+WAKE_AFTER_S = 0.004
 
 
 class Phases:
@@ -97,8 +101,11 @@ class Hooks:
         self.installed: dict[str, Installed] = {}
         # What the stage hook prepared, by request id (Staged).
         self.staged: dict[str, Staged] = {}
-        # Pre-attached streams waiting for their request's install.
+        # Pre-attached streams waiting for their request's install, and the
+        # installed requests whose streams wake once installs stop coming.
         self.awaiting: dict[str, asyncio.Event] = {}
+        self.to_wake: list[str] = []
+        self.wake_timer = None
 
     def authorized(self, header: str | None) -> bool:
         """The hooks need the agent's credential (Authorization: Bearer,
@@ -442,7 +449,7 @@ class Hooks:
                      if h in self.installed and self.installed[h].text_from >= 0}
             if armed:
                 out["text_from"] = armed
-            self._wake_pre_attached(out.get("installed", []))
+            self._wake_soon(out.get("installed", []))
             ph.log_if_slow("install", len(states))
             return out
         except BaseException:
@@ -588,6 +595,24 @@ class Hooks:
         s = getattr(self.state, "openai_serving_chat" if kind == "chat" else "openai_serving_completion", None)
         return getattr(s, "system_fingerprint", None)
 
+    def _wake_soon(self, hids) -> None:
+        """Wakes the pre-attached streams of requests just installed once no
+        install came for WAKE_AFTER_S: a migration's installs come in chunks
+        a few milliseconds apart, and each woken stream's first event (the
+        moved text its client lacks) costs this loop ~0.1 ms to write — 256
+        of them written between the chunks delayed the later installs by
+        tens of milliseconds inside the pause (H100, 2026-12-06). Woken
+        after the last chunk, they are written while the Host checks the
+        copied KV."""
+        self.to_wake.extend(hids)
+        if self.wake_timer is not None:
+            self.wake_timer.cancel()
+        self.wake_timer = asyncio.get_running_loop().call_later(WAKE_AFTER_S, self._wake_pending)
+
+    def _wake_pending(self) -> None:
+        hids, self.to_wake, self.wake_timer = self.to_wake, [], None
+        self._wake_pre_attached(hids)
+
     def _wake_pre_attached(self, hids) -> None:
         """Answers the pre-attached streams of requests just installed."""
         for h in hids:
@@ -598,11 +623,13 @@ class Hooks:
     async def attach(self, hid: str, start: int, wait_ms: int = 0, text_from: int = -1):
         """The stream of a request installed here from output index start;
         start -1 is a pre-attach: the Host opens the stream before the
-        migration pauses the source, and it answers once the install
-        came (within wait_ms), from where the install put the request.
-        text_from ≥ 0 opens the stream with the moved tokens' text from
-        that code point on: what the client lacked when the Host's relay
-        cut the source (whose API server may lag its engine core)."""
+        migration pauses the source. It is answered at once — its head goes
+        out then, not inside the pause — and its body waits for the install
+        (within wait_ms, else it ends with an error event), then starts from
+        where the install put the request. text_from ≥ 0 opens the stream
+        with the moved tokens' text from that code point on: what the client
+        lacked when the Host's relay cut the source (whose API server may lag
+        its engine core)."""
         if start < -1:
             raise HookError(400, "from must be a token index, or -1 with wait_ms (a pre-attach)", "from")
         if text_from < -1:
@@ -610,22 +637,41 @@ class Hooks:
         if start == -1:
             if not 1 <= wait_ms <= 600_000:
                 raise HookError(400, "a pre-attach (from=-1) needs wait_ms in 1..600000", "wait_ms")
-            if hid not in self.installed:
-                ev = self.awaiting.setdefault(hid, asyncio.Event())
-                try:
-                    await asyncio.wait_for(ev.wait(), wait_ms / 1000.0)
-                except asyncio.TimeoutError:
-                    raise HookError(404, f"Request {hid} was not installed here within {wait_ms} ms.",
-                                    "request_id") from None
-                finally:
-                    if self.awaiting.get(hid) is ev:
-                        del self.awaiting[hid]
-            inst = self.installed.get(hid)
-            if inst is not None:
-                start = len(inst.output_ids)
-                # Held by the Host's relay where the install said: the
-                # stream opens with the moved text the client lacks.
-                text_from = inst.text_from
+            return self._pre_attached(hid, wait_ms)
+        return self._open(hid, start, text_from)
+
+    async def _pre_attached(self, hid: str, wait_ms: int):
+        """A pre-attach's body: its answer's head went out before the pause
+        (256 answers started inside it cost the target's API server tens of
+        milliseconds there); the install wakes it (_wake_soon)."""
+        if hid not in self.installed:
+            ev = self.awaiting.setdefault(hid, asyncio.Event())
+            try:
+                await asyncio.wait_for(ev.wait(), wait_ms / 1000.0)
+            except asyncio.TimeoutError:
+                yield _error_event(HookError(404, f"Request {hid} was not installed here within {wait_ms} ms.",
+                                             "request_id"))
+                return
+            finally:
+                if self.awaiting.get(hid) is ev:
+                    del self.awaiting[hid]
+        inst = self.installed.get(hid)
+        if inst is None:
+            yield _error_event(HookError(404, f"Request {hid} was not installed here.", "request_id"))
+            return
+        try:
+            # Held by the Host's relay where the install said: the stream
+            # opens with the moved text the client lacks.
+            gen = self._open(hid, len(inst.output_ids), inst.text_from)
+        except HookError as e:
+            yield _error_event(e)
+            return
+        async for c in gen:
+            yield c
+
+    def _open(self, hid: str, start: int, text_from: int):
+        """The stream of installed request hid from output index start (and
+        text_from, see attach)."""
         inst = self.installed.get(hid)
         if inst is None:
             raise HookError(404, f"Request {hid} was not installed here.", "request_id")
@@ -676,6 +722,12 @@ class Hooks:
             self.installed.pop(hid, None)
 
         return gen()
+
+
+def _error_event(e: HookError) -> str:
+    """An error inside a stream whose head already went out: one event in
+    vLLM's error shape, and no [DONE]."""
+    return f"data: {json.dumps(e.body())}\n\n"
 
 
 def _core_request(st: dict):
