@@ -42,8 +42,16 @@ const coreChannelVersion = 1
 // token ids fits many times over).
 const maxCoreFrame = 256 << 20
 
-// maxIdleCoreConns is how many connections the channel keeps open.
-const maxIdleCoreConns = 8
+// maxIdleCoreConns is how many connections the channel keeps open, and
+// warmCoreConns how many it opens up front: a migration's pause sends a
+// dozen calls at once to one engine (the pause, eight export chunks, the
+// copy round's inputs, the check's layout), and a call that finds no idle
+// connection dials one, which inside the pause took up to 11 ms (the
+// engine core's threads wait for the busy loop's GIL; H100, 2026-12-06).
+const (
+	maxIdleCoreConns = 16
+	warmCoreConns    = 12
+)
 
 type coreConn struct{ c net.Conn }
 
@@ -87,7 +95,23 @@ func DialCore(ctx context.Context, path, token string) (*CoreChannel, error) {
 		ch.ops[op] = true
 	}
 	ch.put(c)
+	go ch.warm(warmCoreConns - 1)
 	return ch, nil
+}
+
+// warm opens n more connections for the idle pool, in the background
+// (the first call need not wait for them); it stops at the first failure
+// (a call then dials its own, and says why if that fails too).
+func (ch *CoreChannel) warm(n int) {
+	ctx, cancel := context.WithTimeout(context.Background(), defaultTimeout)
+	defer cancel()
+	for range n {
+		c, _, err := ch.dial(ctx)
+		if err != nil {
+			return
+		}
+		ch.put(c)
+	}
 }
 
 // Takes reports whether the engine's channel takes op (its hello listed
