@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
@@ -33,6 +34,8 @@ type CoreChannel struct {
 	// ops are the commands the engine's channel takes, as its hello
 	// listed them (none listed: a plugin from before the list).
 	ops map[string]bool
+	// dials counts the connections opened.
+	dials atomic.Int64
 }
 
 // coreChannelVersion is the wire version this client speaks.
@@ -119,6 +122,7 @@ func (ch *CoreChannel) warm(n int) {
 func (ch *CoreChannel) Takes(op string) bool { return ch.ops[op] }
 
 func (ch *CoreChannel) dial(ctx context.Context) (*coreConn, []string, error) {
+	ch.dials.Add(1)
 	var d net.Dialer
 	nc, err := d.DialContext(ctx, "unix", ch.path)
 	if err != nil {

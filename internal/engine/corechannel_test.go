@@ -130,6 +130,46 @@ func TestCoreChannelTalksToThePluginsServer(t *testing.T) {
 // hooks over the core channel, and the rest (a snapshot export, which
 // needs the API server's stream metadata) over HTTP; an install's answer
 // is the API server's (TestAnInstallGoesToBothHalvesAtOnce).
+// A migration's pause sends about a dozen calls to one engine at once: the
+// channel has that many connections open before, so that none is dialled
+// inside the pause.
+func TestTheChannelOpensItsConnectionsUpFront(t *testing.T) {
+	sock := startCoreServer(t, "tok")
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	ch, err := DialCore(ctx, sock, "tok")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch.Close()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		ch.mu.Lock()
+		idle := len(ch.idle)
+		ch.mu.Unlock()
+		if idle == warmCoreConns {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d connections open after 10 s, want %d", idle, warmCoreConns)
+		}
+	}
+	before := ch.dials.Load()
+	var wg sync.WaitGroup
+	for range warmCoreConns {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := ch.Call(ctx, "pause", map[string]any{"request_ids": []string{"a"}}, nil); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	if n := ch.dials.Load() - before; n != 0 {
+		t.Fatalf("%d calls at once dialled %d connections", warmCoreConns, n)
+	}
+}
+
 func TestHookGoesThroughTheCoreChannel(t *testing.T) {
 	sock := startCoreServer(t, "tok")
 	var httpPaths []string
