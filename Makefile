@@ -76,7 +76,7 @@ VLLM_VERSIONS := 0.32.0 0.26.0
 unit: vllm-env ucx chromium
 	python3 -m unittest discover -s deploy/vllm-plugin/tests
 	$$(hack/vllm-env.sh 0.26.0)/bin/python -m unittest discover -s deploy/vllm-plugin/tests -p 'test_worker_vllm.py'
-	for v in 0.26.0 0.32.0; do for p in test_detok_replay.py test_async_pause_vllm.py test_core_install_vllm.py test_chunk_shape_vllm.py test_layout_cache_vllm.py; do $$(hack/vllm-env.sh $$v)/bin/python -m unittest discover -s deploy/vllm-plugin/tests -p $$p || exit 1; done; done
+	for v in 0.26.0 0.32.0; do for p in test_detok_replay.py test_async_pause_vllm.py test_core_install_vllm.py test_chunk_shape_vllm.py test_layout_cache_vllm.py test_api_install_vllm.py; do $$(hack/vllm-env.sh $$v)/bin/python -m unittest discover -s deploy/vllm-plugin/tests -p $$p || exit 1; done; done
 	cd api && $(GO) test -race -count=1 ./...
 	VHI_REQUIRE_UCX=1 VHI_REQUIRE_BROWSER=1 VHI_VLLM_VENV=$$(hack/vllm-env.sh 0.32.0) $(GO) test -race -count=1 -p 1 -timeout 30m ./...
 	VHI_VLLM_VENV=$$(hack/vllm-env.sh 0.26.0) $(GO) test -race -count=1 -timeout 20m -run 'TestMigrateBetweenVLLMServers|TestHostRoutesToVLLM|TestVLLMOutputDependsOnItsKV|TestCoreChannelOnVLLM|TestAKilledVLLMEnginesStreamsGoOnElsewhere' ./test/conformance

@@ -317,9 +317,14 @@ type ResponseMeta struct {
 
 // RequestState is everything needed to continue a paused request elsewhere.
 type RequestState struct {
-	RequestID         string         `json:"request_id"`
-	PromptTokenIDs    IntList        `json:"prompt_token_ids"`
+	RequestID      string  `json:"request_id"`
+	PromptTokenIDs IntList `json:"prompt_token_ids"`
+	// OutputTokenIDs are the request's output tokens; with OutputFrom set
+	// (an export asked for with ExportRequest.OutputFrom), those after the
+	// first OutputFrom only, and the prompt, sampling parameters, text and
+	// response metadata are left out: the target's stage has them.
 	OutputTokenIDs    IntList        `json:"output_token_ids"`
+	OutputFrom        int            `json:"output_from,omitempty"`
 	NumComputedTokens int            `json:"num_computed_tokens"`
 	Sampling          SamplingParams `json:"sampling_params"`
 	// RNGPosition is how many random draws the sampler has made for this
@@ -358,6 +363,13 @@ type ExportRequest struct {
 	// tops up a stage the target holds already. The vLLM plugin answers
 	// it from its engine core, over the core channel.
 	TokensOnly bool `json:"tokens_only,omitempty"`
+	// OutputFrom (an export of paused requests): by request id, how many
+	// of its output tokens the target holds staged already. An engine may
+	// then export such a request as its output tokens after those alone
+	// (RequestState.OutputFrom), with what a stage cannot know; the target
+	// installs it over its stage. A hint: an engine that ignores it
+	// exports whole states. The vLLM plugin's core channel takes it.
+	OutputFrom map[string]int `json:"output_from,omitempty"`
 }
 
 // StageRequest is the stage hook's body: the requests' state as a

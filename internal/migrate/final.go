@@ -263,7 +263,7 @@ func (m *migration) moveChunk(ctx context.Context, ids []string) ([]movedState, 
 		if len(ids) == 0 {
 			return nil, nil
 		}
-		b, _ := json.Marshal(hooks.ExportRequest{RequestIDs: ids})
+		b, _ := json.Marshal(hooks.ExportRequest{RequestIDs: ids, OutputFrom: m.stagedOutputs(ids)})
 		ectx, ecancel := m.pausedCall(ctx)
 		var err error
 		raw, err = m.srcA.Engine.Raw(ectx, hooks.HookExport, b)
@@ -333,7 +333,7 @@ func (m *migration) moveChunk(ctx context.Context, ids []string) ([]movedState, 
 			// disagree: the client's text would not read as one stream.
 			m.log.Warn("the target's text for the moved tokens differs from the source's",
 				zap.String("request_id", st.RequestID), zap.Int("source_code_points", src),
-				zap.Int("target_code_points", st.visible), zap.Int("tokens", len(st.OutputTokenIDs)))
+				zap.Int("target_code_points", st.visible), zap.Int("tokens", st.outputs()))
 		}
 	}
 	return exp.Requests, nil
@@ -341,8 +341,11 @@ func (m *migration) moveChunk(ctx context.Context, ids []string) ([]movedState, 
 
 // movedState is the part of an exported request the Host reads.
 type movedState struct {
-	RequestID         string        `json:"request_id"`
-	OutputTokenIDs    hooks.IntList `json:"output_token_ids"`
+	RequestID      string        `json:"request_id"`
+	OutputTokenIDs hooks.IntList `json:"output_token_ids"`
+	// OutputFrom: the export carried only the output tokens after these
+	// (the target's stage holds them; hooks.ExportRequest.OutputFrom).
+	OutputFrom        int           `json:"output_from"`
 	TextOffsets       hooks.IntList `json:"text_offsets"`
 	NumComputedTokens int           `json:"num_computed_tokens"`
 	// visible is the text the target's install said the client had got
@@ -352,6 +355,9 @@ type movedState struct {
 	// (hooks.InstallResponse.TextFrom); -1: not armed.
 	armed int
 }
+
+// outputs is how many output tokens the request had when it was exported.
+func (st movedState) outputs() int { return st.OutputFrom + len(st.OutputTokenIDs) }
 
 // visibleText is how much text (code points) the source's client stream
 // carries once every exported output token went out: as the target's
@@ -366,7 +372,7 @@ func visibleText(st movedState) int {
 // sourceVisibleText is visibleText as the source's export said it; -1
 // when it said nothing usable.
 func sourceVisibleText(st movedState) int {
-	if len(st.TextOffsets) != len(st.OutputTokenIDs) {
+	if st.OutputFrom > 0 || len(st.TextOffsets) != len(st.OutputTokenIDs) {
 		return -1
 	}
 	if len(st.TextOffsets) == 0 {

@@ -61,7 +61,11 @@ type migration struct {
 	stableTokens map[string]int
 	dstOpaque    bool // the target's blocks are opaque (see hooks.Layout)
 	dstStages    bool // the target prepares installs ahead (see hooks.Layout)
-	pausedSrc    bool
+	// staged is, by request id, how many output tokens the target's stage
+	// of the request holds (its latest stage that the target took): the
+	// export in the pause then carries only the tokens after them.
+	staged    map[string]int
+	pausedSrc bool
 	// phase is where the migration is, for its heartbeat (heartbeat.go).
 	phase atomic.Int32
 	tr    spans // its trace (trace.go), under mu

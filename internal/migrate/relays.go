@@ -42,7 +42,7 @@ func (m *migration) switchRemote(remote []movedState) func(context.Context) (map
 	}
 	sw := store.Switch{Migration: m.st.ID, Instance: m.dst.ID, EngineURL: m.dst.Engine.URL}
 	for _, st := range remote {
-		ss := store.SwitchedStream{ID: st.RequestID, From: len(st.OutputTokenIDs), Text: st.visible, Cut: st.visible >= 0}
+		ss := store.SwitchedStream{ID: st.RequestID, From: st.outputs(), Text: st.visible, Cut: st.visible >= 0}
 		if !ss.Cut {
 			ss.Text = visibleText(st)
 		}

@@ -85,12 +85,65 @@ func (m *migration) stageChunk(ctx context.Context, ids []string, tokensOnly boo
 		return 0, err
 	}
 	out, err := m.dstA.Engine.Raw(cctx, hooks.HookStage, append(append([]byte(`{"requests":`), exp.Requests...), '}'))
+	var st hooks.StageResponse
+	if err == nil {
+		err = json.Unmarshal(out, &st)
+	}
+	// A stage that failed may have dropped an earlier one: nothing staged
+	// then (the install in the pause gets their whole states).
+	m.recordStaged(exp.Requests, st.Staged)
 	if err != nil {
 		return 0, err
 	}
-	var st hooks.StageResponse
-	if err := json.Unmarshal(out, &st); err != nil {
-		return 0, err
-	}
 	return len(st.Staged), nil
+}
+
+// recordStaged notes how many output tokens the target's stage of each
+// request it staged holds (states: the snapshot it staged from); a request
+// of the snapshot that the target did not stage (wholly: the vLLM plugin
+// names those both its halves took) has no stage the Host can count on.
+func (m *migration) recordStaged(states json.RawMessage, staged []string) {
+	var snap []struct {
+		RequestID      string        `json:"request_id"`
+		OutputTokenIDs hooks.IntList `json:"output_token_ids"`
+	}
+	if json.Unmarshal(states, &snap) != nil {
+		m.mu.Lock()
+		m.staged = nil // which of them the target holds is not known
+		m.mu.Unlock()
+		return
+	}
+	took := make(map[string]bool, len(staged))
+	for _, id := range staged {
+		took[id] = true
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.staged == nil {
+		m.staged = map[string]int{}
+	}
+	for _, r := range snap {
+		if took[r.RequestID] {
+			m.staged[r.RequestID] = len(r.OutputTokenIDs)
+		} else {
+			delete(m.staged, r.RequestID)
+		}
+	}
+}
+
+// stagedOutputs is the export's OutputFrom for ids: how many output tokens
+// the target's stage of each holds (nil: none staged).
+func (m *migration) stagedOutputs(ids []string) map[string]int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if len(m.staged) == 0 {
+		return nil
+	}
+	out := make(map[string]int, len(ids))
+	for _, id := range ids {
+		if n, ok := m.staged[id]; ok {
+			out[id] = n
+		}
+	}
+	return out
 }

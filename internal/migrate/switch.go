@@ -87,9 +87,9 @@ func (m *migration) switchStreams(states []movedState) (spliced []*proxy.Stream,
 		if st.visible >= 0 {
 			// The target derived the text: the relay cuts the source now
 			// and the target sends what its client still lacked.
-			waits = append(waits, s.Cut(m.dst.Engine.URL, m.dst.ID, len(st.OutputTokenIDs), st.visible, st.armed))
+			waits = append(waits, s.Cut(m.dst.Engine.URL, m.dst.ID, st.outputs(), st.visible, st.armed))
 		} else {
-			waits = append(waits, s.Splice(m.dst.Engine.URL, m.dst.ID, len(st.OutputTokenIDs), visibleText(st)))
+			waits = append(waits, s.Splice(m.dst.Engine.URL, m.dst.ID, st.outputs(), visibleText(st)))
 		}
 	}
 	deadline := time.Now().Add(m.o.cfg.SpliceTimeout)

@@ -100,6 +100,57 @@ class CoreInstallTest(unittest.TestCase):
         sps = [id(self.st.sched.requests[s["request_id"]].sampling_params) for s in self.states]
         self.assertEqual(len(set(sps)), len(sps))
 
+    def tail(self, s, n_from, **kw):
+        """s as the export in the pause sends it when the Host knows that n_from
+        of its output tokens are staged here: only the tokens after them."""
+        from vllm_hi_plugin.wire import encode_ints
+
+        return dict({"request_id": s["request_id"], "output_from": n_from,
+                     "output_token_ids": encode_ints(s["output_token_ids"][n_from:]),
+                     "num_computed_tokens": s["num_computed_tokens"], "engine_state": {}}, **kw)
+
+    def test_the_tokens_since_the_stage_install_as_the_whole_state_would(self):
+        a, b, c = self.states
+        self.stage(a, 30)
+        self.stage(a, OUTPUT - 10, engine_state={})  # topped up: the Host counts OUTPUT - 10
+        self.stage(b, OUTPUT - 4)
+        # a: exactly from what is staged; b: from earlier than that (the
+        # tail overlaps the stage); c: whole, not staged.
+        self.st.install([self.tail(a, OUTPUT - 10), self.tail(b, OUTPUT - 8), self.snapshot(c, OUTPUT)], True, 60_000)
+        # Before another state draws another NONE_HASH.
+        want_hashes = {s["request_id"]: self.want_hashes(s) for s in self.states}
+        fresh = self.b.core_state(self.model, 64, 256, prefix_caching=True)
+        fresh.allocate([{"request_id": s["request_id"], "num_tokens": 200} for s in self.states], 60_000)
+        fresh.install([self.snapshot(s, OUTPUT) for s in self.states], True, 60_000)
+        for s in self.states:
+            rid = s["request_id"]
+            req, want = self.st.sched.requests[rid], fresh.sched.requests[rid]
+            for f in ("prompt_token_ids", "num_prompt_tokens", "num_tokens", "all_token_ids", "output_token_ids",
+                      "max_tokens", "num_computed_tokens", "_vhi_origin"):
+                got, exp = getattr(req, f), getattr(want, f)
+                if type(got).__name__ == "ConstantList":
+                    got, exp = list(got), list(exp)
+                self.assertEqual(got, exp, (rid, f))
+            self.assertEqual(req.block_hashes, want_hashes[rid], rid)
+
+    def test_tokens_since_a_stage_that_does_not_reach_them_change_nothing(self):
+        from vllm_hi_plugin.wire import HookError
+
+        a, b, _ = self.states
+        self.stage(a, 30)
+        for bad in ([self.tail(a, 40)],                      # a gap between the stage and the tail
+                    [self.tail(a, 30), self.tail(b, 10)]):   # b was never staged
+            with self.assertRaises(HookError) as e:
+                self.st.install(bad, False, 60_000)
+            self.assertEqual(e.exception.status, 409)
+        # Nothing changed: the stage and the reservations are there, and the
+        # whole states install.
+        self.assertIn("r0", self.st.staged)
+        self.assertEqual(self.st.uncommitted, {})
+        self.st.install([self.snapshot(a, OUTPUT), self.snapshot(b, OUTPUT)], True, 60_000)
+        self.assertEqual(list(self.st.sched.requests["r0"].output_token_ids), [])
+        self.assertEqual(self.st.sched.requests["r0"].num_prompt_tokens, PROMPT + OUTPUT)
+
     def test_a_stage_with_min_tokens_shrinks_it_by_the_tokens_since(self):
         import base64
 

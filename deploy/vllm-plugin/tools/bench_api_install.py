@@ -30,7 +30,7 @@ class _Core:
     async def call_utility_async(self, name, op, payload):
         p = json.loads(payload)
         ids = [r["request_id"] for r in p.get("requests") or []]
-        return json.dumps({"ok": {"installed": ids, "staged": []}, "core_ms": 0.0})
+        return json.dumps({"ok": {"installed": ids, "staged": ids if op == "stage" else []}, "core_ms": 0.0})
 
 
 class _Config:

@@ -188,7 +188,13 @@ class CoreState:
             raise HookError(404, f"Request {missing[0]} is not running here.", "request_ids")
         return list(ids)
 
-    def export(self, ids, snapshot: bool = False) -> dict:
+    def export(self, ids, snapshot: bool = False, output_from: dict | None = None) -> dict:
+        """The requests' states in the export's shape. output_from (a paused
+        export's hint): by request, how many of its output tokens the target
+        staged already; such a request goes as its tokens after those
+        (output_from and output_token_ids) with what the stage cannot know
+        (computed tokens, generator), not its whole state."""
+        output_from = output_from or {}
         if snapshot:
             # Running requests as they are now, for the target's stage hook:
             # those that ended meanwhile are left out.
@@ -202,17 +208,26 @@ class CoreState:
         for rid in ids:
             req = self.sched.requests[rid]
             sp = req.sampling_params
-            prompt, output = list(req.prompt_token_ids or []), list(req.output_token_ids)
-            sp_b64 = base64.b64encode(msgspec.msgpack.encode(sp)).decode()
+            prompt, output, sp_b64 = req.prompt_token_ids or [], list(req.output_token_ids), None
             origin = getattr(req, "_vhi_origin", None)
             if origin is not None:
                 # Moved here by a migration: the output since its client's
                 # first token, and its sampling parameters as sent.
                 plen, sp_b64 = origin
-                prompt, output = prompt[:plen], prompt[plen:] + output
+                prompt, output = prompt[:plen], list(prompt[plen:]) + output
+            n = output_from.get(rid)
+            if not snapshot and isinstance(n, int) and 0 <= n <= len(output):
+                out.append({
+                    "request_id": rid, "output_from": n, "output_token_ids": output[n:],
+                    "num_computed_tokens": req.num_computed_tokens, "rng_position": len(output),
+                    "engine_state": {"num_preemptions": req.num_preemptions},
+                })
+                continue
+            if sp_b64 is None:
+                sp_b64 = base64.b64encode(msgspec.msgpack.encode(sp)).decode()
             out.append({
                 "request_id": rid,
-                "prompt_token_ids": prompt,
+                "prompt_token_ids": list(prompt),
                 "output_token_ids": output,
                 "num_computed_tokens": req.num_computed_tokens,
                 "sampling_params": {
@@ -272,12 +287,20 @@ class CoreState:
         for st in states:
             if st["request_id"] not in self.reserved or st["request_id"] in self.uncommitted:
                 raise HookError(409, f"Request {st['request_id']} has no reservation here.", "request_id")
+            if "output_from" in st:
+                # Only the tokens after output_from came: the stage must
+                # hold the rest. Checked before anything changes.
+                ahead = self.staged.get(st["request_id"])
+                if ahead is None or not ahead.takes_tail(st):
+                    raise HookError(409, f"Request {st['request_id']} came as its tokens after "
+                                         f"{st['output_from']}, and what was staged here does not reach them.",
+                                    "requests")
         installed = []
         lease = (lease_ms / 1000.0) if lease_ms else self.hook_lease_s
         for st in states:
             rid = st["request_id"]
             ahead = self.staged.pop(rid, None)
-            if ahead is not None and ahead.leads_to(st):
+            if ahead is not None and ("output_from" in st or ahead.leads_to(st)):
                 # Built at the stage: only the tokens generated since.
                 req = ahead.caught_up(st)
             else:
@@ -556,7 +579,7 @@ def patch_engine_core() -> None:
 def _export(core, st, p: dict) -> dict:
     if p.get("snapshot"):
         return st.export(p.get("request_ids") or [], snapshot=True)
-    out = st.export(p.get("request_ids") or [])
+    out = st.export(p.get("request_ids") or [], output_from=p.get("output_from"))
     # Only a seeded request has a random generator of its own (vLLM's model
     # runner makes one for a seed, and none otherwise): the workers are
     # asked only for those — a collective call per export chunk was a
@@ -812,13 +835,16 @@ def _ch_export(core, st, ids: HostIDs, p: dict) -> dict:
                              "(tokens_only: without it)", "snapshot")
     hids = list(p.get("request_ids") or [])
     by_internal = dict(zip(ids.internal(hids), hids))
-    out = _export(core, st, {"request_ids": list(by_internal), "snapshot": snapshot})
+    staged = p.get("output_from") if isinstance(p.get("output_from"), dict) else {}
+    output_from = {i: staged[h] for i, h in by_internal.items() if h in staged}
+    out = _export(core, st, {"request_ids": list(by_internal), "snapshot": snapshot, "output_from": output_from})
     for r in out["requests"]:
         r["request_id"] = by_internal.get(r["request_id"], r["request_id"])
-        r["engine_state"]["prompt_len"] = len(r["prompt_token_ids"])
-        r["prompt_token_ids"] = encode_ints(r["prompt_token_ids"])
         r["output_token_ids"] = encode_ints(r["output_token_ids"])
-        r["block_ids"] = encode_ints(r["block_ids"])
+        if "prompt_token_ids" in r:
+            r["engine_state"]["prompt_len"] = len(r["prompt_token_ids"])
+            r["prompt_token_ids"] = encode_ints(r["prompt_token_ids"])
+            r["block_ids"] = encode_ints(r["block_ids"])
     return out
 
 

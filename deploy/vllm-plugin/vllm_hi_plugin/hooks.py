@@ -328,10 +328,26 @@ class Hooks:
             # hashes their blocks for the prefix cache) ahead of the pause.
             # An optimisation: the install does whatever this did not.
             try:
-                await self.core("stage", {"requests": to_core})
+                core = await self.core("stage", {"requests": to_core})
+                in_core = set((core or {}).get("staged") or [])
             except Exception as e:  # noqa: BLE001 - logged; the install does the work
                 LOG.warning("vllm_hi stage: building the moved requests ahead in the engine core failed: %s", e)
+                in_core = set()
+            # Staged: on both halves, which is what an install of the tokens
+            # since alone (an export with output_from) needs; those only
+            # here are still installed faster from their whole state.
+            staged = [r for r in staged if r in in_core]
         return {"staged": staged}
+
+    def _tail_fits(self, st: dict) -> bool:
+        """Whether a state carrying only the output tokens after
+        st["output_from"] reaches back to a stage of its request here."""
+        ahead, k = self.staged.get(st["request_id"]), st.get("output_from")
+        if ahead is None or not ahead.registered or st["request_id"] not in self.op.request_states:
+            return False
+        if not isinstance(k, int) or k < 0 or k > len(ahead.output):
+            return False
+        return len(ahead.output) - k <= len(decode_ints(st["output_token_ids"]))
 
     def _sweep(self, now: float) -> None:
         """Drops the stages whose migration never came back for them (each
@@ -377,11 +393,21 @@ class Hooks:
         added, visible = [], {}
         ph = Phases()
         self._sweep(time.monotonic())
+        for st in states:
+            # Only the tokens after output_from came (the source's export,
+            # when the Host knew what was staged here): the stage must hold
+            # the rest, its stream registered. Checked before anything changes.
+            if "output_from" in st and not self._tail_fits(st):
+                raise HookError(409, f"Request {st['request_id']} came as its tokens after {st['output_from']}, "
+                                     "and what was staged here does not reach them.", "requests")
         try:
             for st in states:
                 rid = st["request_id"]
                 ahead = self.staged.pop(rid, None)
-                if ahead is not None and ahead.encoded is not None \
+                if "output_from" in st:
+                    prompt, fits = ahead.prompt, True
+                    output = ahead.output + decode_ints(st["output_token_ids"])[len(ahead.output) - st["output_from"]:]
+                elif ahead is not None and ahead.encoded is not None \
                         and continues(st, *ahead.encoded, len(ahead.output)):
                     # A later state of what was staged: only the tokens
                     # since are decoded (the pause's whole work here).

@@ -15,7 +15,7 @@ over the whole state at once, field by field."""
 
 from __future__ import annotations
 
-from .wire import continues, ints_after
+from .wire import continues, decode_ints, ints_after
 
 
 class StagedRequest:
@@ -47,12 +47,25 @@ class StagedRequest:
             return False
         return continues(st, self.prompt, self.output, self.n_output)
 
+    def takes_tail(self, st: dict) -> bool:
+        """Whether st, a state that carries only the output tokens after
+        st["output_from"] (the source's export when the Host knew what was
+        staged), reaches back to what is staged: no token in between is
+        missing."""
+        k = st.get("output_from")
+        if not isinstance(k, int) or k < 0 or k > self.n_output:
+            return False
+        return self.n_output - k <= len(decode_ints(st["output_token_ids"]))
+
     def caught_up(self, st: dict):
-        """The Request brought to st (which leads_to said is a later state):
-        the tokens generated since join its prompt, as the source's output
-        did at the stage, and its limits shrink by them."""
+        """The Request brought to st (which leads_to or takes_tail said is a
+        later state): the tokens generated since join its prompt, as the
+        source's output did at the stage, and its limits shrink by them."""
         req = self.req
-        delta = ints_after(st["output_token_ids"], self.n_output)
+        if "output_from" in st:
+            delta = decode_ints(st["output_token_ids"])[self.n_output - st["output_from"]:]
+        else:
+            delta = ints_after(st["output_token_ids"], self.n_output)
         if delta:
             req.prompt_token_ids.extend(delta)
             req._all_token_ids.extend(delta)
@@ -64,5 +77,6 @@ class StagedRequest:
             if self.min_tokens:
                 sp.min_tokens = max(0, self.min_tokens - self.n_output)
             req.update_block_hashes()  # the blocks the new tokens completed
-        self.output = st["output_token_ids"]
+        if "output_from" not in st:
+            self.output = st["output_token_ids"]  # a tail is not the whole output's encoding
         return req
