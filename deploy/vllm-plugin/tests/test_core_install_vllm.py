@@ -57,6 +57,22 @@ class CoreInstallTest(unittest.TestCase):
         return dict(s, prompt_token_ids=encode_ints(s["prompt_token_ids"]),
                     output_token_ids=encode_ints(s["output_token_ids"][:n_output]), **kw)
 
+    def built_whole(self):
+        """A fresh engine core with the states installed whole, no stage."""
+        fresh = self.b.core_state(self.model, 64, 256, prefix_caching=True)
+        fresh.allocate([{"request_id": s["request_id"], "num_tokens": 200} for s in self.states], 60_000)
+        fresh.install([self.snapshot(s, OUTPUT) for s in self.states], True, 60_000)
+        return fresh
+
+    def assertSameRequest(self, req, want, rid, *more):
+        """Field by field what vLLM derives from a new request's prompt."""
+        for f in ("prompt_token_ids", "num_prompt_tokens", "num_tokens", "all_token_ids", "output_token_ids",
+                  "max_tokens", "num_computed_tokens", "_vhi_origin") + more:
+            got, exp = getattr(req, f), getattr(want, f)
+            if type(got).__name__ == "ConstantList":  # compared by identity otherwise
+                got, exp = list(got), list(exp)
+            self.assertEqual(got, exp, (rid, f))
+
     def stage(self, s, n_output, **kw):
         return self.st.stage([self.snapshot(s, n_output, **kw)])
 
@@ -76,9 +92,7 @@ class CoreInstallTest(unittest.TestCase):
         want_hashes = {s["request_id"]: self.want_hashes(s) for s in self.states}
         # The same requests as an install without a stage builds (a second
         # state draws another NONE_HASH: block hashes are compared above).
-        fresh = self.b.core_state(self.model, 64, 256, prefix_caching=True)
-        fresh.allocate([{"request_id": s["request_id"], "num_tokens": 200} for s in self.states], 60_000)
-        fresh.install([self.snapshot(s, OUTPUT) for s in self.states], True, 60_000)
+        fresh = self.built_whole()
         for s in self.states:
             rid = s["request_id"]
             req, want = self.st.sched.requests[rid], fresh.sched.requests[rid]
@@ -88,13 +102,7 @@ class CoreInstallTest(unittest.TestCase):
             self.assertEqual(req.num_computed_tokens, PROMPT + OUTPUT - 1)
             # Its own sampling parameters, the limit shrunk by the output.
             self.assertEqual((req.sampling_params.max_tokens, req.max_tokens), (200 - OUTPUT, 200 - OUTPUT))
-            # Field by field what vLLM derives from a new request's prompt.
-            for f in ("prompt_token_ids", "num_prompt_tokens", "num_tokens", "all_token_ids", "output_token_ids",
-                      "max_tokens", "num_computed_tokens", "arrival_time", "priority", "status", "_vhi_origin"):
-                got, exp = getattr(req, f), getattr(want, f)
-                if type(got).__name__ == "ConstantList":  # compared by identity otherwise
-                    got, exp = list(got), list(exp)
-                self.assertEqual(got, exp, (rid, f))
+            self.assertSameRequest(req, want, rid, "arrival_time", "priority", "status")
             for f in ("max_tokens", "min_tokens", "temperature", "seed", "output_kind"):
                 self.assertEqual(getattr(req.sampling_params, f), getattr(want.sampling_params, f), (rid, f))
         sps = [id(self.st.sched.requests[s["request_id"]].sampling_params) for s in self.states]
@@ -119,19 +127,11 @@ class CoreInstallTest(unittest.TestCase):
         self.st.install([self.tail(a, OUTPUT - 10), self.tail(b, OUTPUT - 8), self.snapshot(c, OUTPUT)], True, 60_000)
         # Before another state draws another NONE_HASH.
         want_hashes = {s["request_id"]: self.want_hashes(s) for s in self.states}
-        fresh = self.b.core_state(self.model, 64, 256, prefix_caching=True)
-        fresh.allocate([{"request_id": s["request_id"], "num_tokens": 200} for s in self.states], 60_000)
-        fresh.install([self.snapshot(s, OUTPUT) for s in self.states], True, 60_000)
+        fresh = self.built_whole()
         for s in self.states:
             rid = s["request_id"]
-            req, want = self.st.sched.requests[rid], fresh.sched.requests[rid]
-            for f in ("prompt_token_ids", "num_prompt_tokens", "num_tokens", "all_token_ids", "output_token_ids",
-                      "max_tokens", "num_computed_tokens", "_vhi_origin"):
-                got, exp = getattr(req, f), getattr(want, f)
-                if type(got).__name__ == "ConstantList":
-                    got, exp = list(got), list(exp)
-                self.assertEqual(got, exp, (rid, f))
-            self.assertEqual(req.block_hashes, want_hashes[rid], rid)
+            self.assertSameRequest(self.st.sched.requests[rid], fresh.sched.requests[rid], rid)
+            self.assertEqual(self.st.sched.requests[rid].block_hashes, want_hashes[rid], rid)
 
     def test_tokens_since_a_stage_that_does_not_reach_them_change_nothing(self):
         from vllm_hi_plugin.wire import HookError
