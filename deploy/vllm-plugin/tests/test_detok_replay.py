@@ -196,7 +196,7 @@ class ReplayTest(unittest.TestCase):
                 hashed.extend((r["request_id"], decode_ints(r["prompt_token_ids"]) + decode_ints(r["output_token_ids"]))
                               for r in p["requests"])
                 assert "response" not in p["requests"][0]  # the stream's metadata stays in the API server
-                return json.dumps({"ok": {"staged": []}})
+                return json.dumps({"ok": {"staged": [r["request_id"] for r in p["requests"]]}})
 
         h = self.hooks_with(_Core(), prefix_caching=True)
         prompt, output = self.token_ids(3, 12, 90)
