@@ -52,6 +52,9 @@ type Options struct {
 	Log *zap.Logger
 }
 
+// hookPathPrefix begins every hook route (api/hooks' Path constants).
+const hookPathPrefix = "/vllm_hi/engine/"
+
 // defaultTimeout bounds a call whose context has no deadline.
 const defaultTimeout = 30 * time.Second
 
@@ -222,7 +225,7 @@ func (c *Client) Raw(ctx context.Context, method, path string, body []byte) ([]b
 	}
 	start := time.Now()
 	status, b, err := send(ctx, c.http, c.base, c.token, method, path, body, 256<<20)
-	if strings.HasPrefix(path, "/vllm_hi/engine/") && !strings.HasPrefix(path, hooks.PathStats) && c.log.Core().Enabled(zap.DebugLevel) {
+	if strings.HasPrefix(path, hookPathPrefix) && !strings.HasPrefix(path, hooks.PathStats) && c.log.Core().Enabled(zap.DebugLevel) {
 		c.log.Debug("engine hook over HTTP", zap.String("path", path), zap.Duration("total", time.Since(start)),
 			zap.Int("sent", len(body)), zap.Int("received", len(b)), zap.Int("status", status), zap.Error(err))
 	}

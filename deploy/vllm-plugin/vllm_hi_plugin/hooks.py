@@ -18,7 +18,7 @@ import logging
 import time
 
 from . import HOOKS_VERSION, compat
-from .wire import HookError, build_layout, continues, decode_ints, encode_ints, ints_after
+from .wire import HookError, build_layout, continues, decode_ints, encode_ints, ints_after, tail_after, tail_reaches
 
 # Stream metadata by response id, captured from vLLM's own stream
 # generators (model, created, usage options) on the source.
@@ -342,12 +342,10 @@ class Hooks:
     def _tail_fits(self, st: dict) -> bool:
         """Whether a state carrying only the output tokens after
         st["output_from"] reaches back to a stage of its request here."""
-        ahead, k = self.staged.get(st["request_id"]), st.get("output_from")
+        ahead = self.staged.get(st["request_id"])
         if ahead is None or not ahead.registered or st["request_id"] not in self.op.request_states:
             return False
-        if not isinstance(k, int) or k < 0 or k > len(ahead.output):
-            return False
-        return len(ahead.output) - k <= len(decode_ints(st["output_token_ids"]))
+        return tail_reaches(st, len(ahead.output))
 
     def _sweep(self, now: float) -> None:
         """Drops the stages whose migration never came back for them (each
@@ -406,7 +404,7 @@ class Hooks:
                 ahead = self.staged.pop(rid, None)
                 if "output_from" in st:
                     prompt, fits = ahead.prompt, True
-                    output = ahead.output + decode_ints(st["output_token_ids"])[len(ahead.output) - st["output_from"]:]
+                    output = ahead.output + tail_after(st, len(ahead.output))
                 elif ahead is not None and ahead.encoded is not None \
                         and continues(st, *ahead.encoded, len(ahead.output)):
                     # A later state of what was staged: only the tokens

@@ -15,7 +15,7 @@ over the whole state at once, field by field."""
 
 from __future__ import annotations
 
-from .wire import continues, decode_ints, ints_after
+from .wire import continues, ints_after, tail_after, tail_reaches
 
 
 class StagedRequest:
@@ -49,13 +49,8 @@ class StagedRequest:
 
     def takes_tail(self, st: dict) -> bool:
         """Whether st, a state that carries only the output tokens after
-        st["output_from"] (the source's export when the Host knew what was
-        staged), reaches back to what is staged: no token in between is
-        missing."""
-        k = st.get("output_from")
-        if not isinstance(k, int) or k < 0 or k > self.n_output:
-            return False
-        return self.n_output - k <= len(decode_ints(st["output_token_ids"]))
+        st["output_from"], reaches back to what is staged (wire.tail_reaches)."""
+        return tail_reaches(st, self.n_output)
 
     def caught_up(self, st: dict):
         """The Request brought to st (which leads_to or takes_tail said is a
@@ -63,7 +58,7 @@ class StagedRequest:
         source's output did at the stage, and its limits shrink by them."""
         req = self.req
         if "output_from" in st:
-            delta = decode_ints(st["output_token_ids"])[self.n_output - st["output_from"]:]
+            delta = tail_after(st, self.n_output)
         else:
             delta = ints_after(st["output_token_ids"], self.n_output)
         if delta:

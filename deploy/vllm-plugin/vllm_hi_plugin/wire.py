@@ -75,6 +75,23 @@ def extends(v, prefix, k: int) -> bool:
     return tail[:rest] == base64.b64decode(prefix[whole:])[:rest] and len(tail) >= rest
 
 
+def tail_reaches(st: dict, n_staged: int) -> bool:
+    """Whether st, a state that carries only the output tokens after
+    st["output_from"] (an export asked for with output_from), reaches back
+    to a stage that holds the first n_staged output tokens: no token in
+    between is missing."""
+    k = st.get("output_from")
+    if not isinstance(k, int) or k < 0 or k > n_staged:
+        return False
+    return n_staged - k <= len(decode_ints(st["output_token_ids"]))
+
+
+def tail_after(st: dict, n_staged: int) -> list[int]:
+    """The output tokens of st (which tail_reaches n_staged) after the first
+    n_staged."""
+    return decode_ints(st["output_token_ids"])[n_staged - st["output_from"]:]
+
+
 def continues(st: dict, prompt, output, n: int) -> bool:
     """Whether st (a request's state in the export's shape) is a state of
     the request an earlier snapshot encoded as prompt and output (n output
