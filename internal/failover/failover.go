@@ -190,13 +190,25 @@ func (m *Manager) snapshot(ctx context.Context) {
 // registry holds unhealthy — its agent missed its heartbeats, or reports
 // its engine dead or hung — without waiting for their connections to
 // break (a hung engine's may never) or for the relay's idle timeout. A
-// stream still getting tokens is left alone: the engine serves it.
+// stream still getting tokens is left alone: the engine serves it; so is
+// one that no other active instance of its model could take (its engine
+// may only be slow — a starved agent misses heartbeats too — and cutting
+// it would end it with an error for certain).
 func (m *Manager) abandonUnhealthy() {
-	for _, in := range m.reg.List() {
+	instances := m.reg.List()
+	elsewhere := func(s *proxy.Stream) bool {
+		for _, in := range instances {
+			if in.ID != s.Instance && in.Lifecycle() == registry.LifecycleActive && in.Serves(s.Model) {
+				return true
+			}
+		}
+		return false
+	}
+	for _, in := range instances {
 		if in.Lifecycle() != registry.LifecycleUnhealthy || !in.Engine.Migratable {
 			continue
 		}
-		if n := m.streams.Abandon(in.ID, m.cfg.SnapshotInterval); n > 0 {
+		if n := m.streams.Abandon(in.ID, m.cfg.SnapshotInterval, elsewhere); n > 0 {
 			m.log.Warn("failing over the silent streams of an unhealthy instance", zap.String("vllm_hi_id", in.ID),
 				zap.Bool("agent_reachable", in.Reachable), zap.Int("streams", n))
 		}

@@ -332,7 +332,7 @@ func TestAStreamAbandonedBeforeItsEngineAnsweredGoesElsewhere(t *testing.T) {
 	defer front.Close()
 	go func() {
 		<-hung
-		if n := p.Streams().Abandon("B", 0); n != 1 {
+		if n := p.Streams().Abandon("B", 0, nil); n != 1 {
 			t.Errorf("abandoned %d streams, want 1", n)
 		}
 	}()

@@ -203,11 +203,14 @@ func (t *Streams) IDsByInstance() map[string][]string {
 
 // Abandon ends the upstream read of every stream reading from instance
 // that has had no token for quiet (none yet: since it started), unless a
-// migration is moving or holding it: the relay takes such a read for a
-// broken one and fails the stream over. For an engine its agent reports
-// dead or hung, whose connections may stay open for ever. It returns how
-// many it ended.
-func (t *Streams) Abandon(instance string, quiet time.Duration) int {
+// migration is moving or holding it, or elsewhere (nil: any) says no
+// other engine could take it: the relay takes such a read for a broken
+// one and fails the stream over. For an engine its agent reports dead or
+// hung, whose connections may stay open for ever. A stream with nowhere
+// to go is left to its engine, which may only be slow (its agent starved
+// of CPU, say): cut, it would end with an error for certain. It returns
+// how many it ended.
+func (t *Streams) Abandon(instance string, quiet time.Duration, elsewhere func(*Stream) bool) int {
 	now := time.Now()
 	var silent []*Stream
 	t.mu.Lock()
@@ -223,10 +226,14 @@ func (t *Streams) Abandon(instance string, quiet time.Duration) int {
 		s.mu.Unlock()
 	}
 	t.mu.Unlock()
+	n := 0
 	for _, s := range silent {
-		s.cancelUpstream()
+		if elsewhere == nil || elsewhere(s) {
+			s.cancelUpstream()
+			n++
+		}
 	}
-	return len(silent)
+	return n
 }
 
 // splicePending reports whether a splice was requested and has not

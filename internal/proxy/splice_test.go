@@ -499,7 +499,12 @@ func TestAbandonEndsOnlySilentStreams(t *testing.T) {
 	add("streaming", "a", time.Now(), false)
 	add("moving", "a", long, true)
 	add("elsewhere", "b", long, false)
-	if n := ss.Abandon("a", time.Second); n != 2 || !cancelled["silent"] || !cancelled["no-token-yet"] || len(cancelled) != 2 {
+	// A stream no other engine could take stays with its engine.
+	if n := ss.Abandon("a", time.Second, func(s *Stream) bool { return s.ID != "silent" }); n != 1 || !cancelled["no-token-yet"] || len(cancelled) != 1 {
+		t.Fatalf("abandoned %d where one had nowhere to go: %v", n, cancelled)
+	}
+	clear(cancelled)
+	if n := ss.Abandon("a", time.Second, nil); n != 2 || !cancelled["silent"] || !cancelled["no-token-yet"] || len(cancelled) != 2 {
 		t.Fatalf("abandoned %d: %v", n, cancelled)
 	}
 }

@@ -132,3 +132,30 @@ func TestAHungEngineFailsOverOnItsAgentsWord(t *testing.T) {
 	hostMetrics(t, d.hostURL, fmt.Sprintf(`vhi_failovers_total{outcome="recovered"} %d`, onA))
 	t.Logf("%d streams on the hung engine went on from B; the load ended %v after the hang", onA, time.Since(hung).Round(time.Millisecond))
 }
+
+// An engine that hangs while no other instance of its model could take
+// its streams keeps them: the Host holds it unhealthy, but cutting the
+// streams would only end them with an error, and the engine may just be
+// slow (a loaded machine starves its agent's heartbeats too: the chaos
+// test's source once lost all 48 streams so, with the only other
+// instance frozen). Once the engine runs again every stream goes on
+// exactly. (Without the survivor check the failover sweep cut them all
+// within an interval of the engine turning unhealthy.)
+func TestAHungEngineWithNowhereToGoKeepsItsStreams(t *testing.T) {
+	d := deployWith(t, deployOptions{bBlocks: 4096, hostArgs: []string{"--failover-snapshot-interval", "200ms"}})
+	reqs := load(16, 400)
+	want := d.reference(reqs)
+	running := d.startLoad(reqs)
+	waitUntil(t, "the load to run on A", func() bool { return d.stats(t, d.aURL).Running == len(reqs) })
+	pid := d.simA.cmd.Process.Pid
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	cont := func() { _ = syscall.Kill(pid, syscall.SIGCONT) }
+	defer cont()
+	waitUntil(t, "the Host to hold A unhealthy", func() bool { return instance(t, d.hostURL, "A").Lifecycle == "unhealthy" })
+	// Several failover sweeps with A unhealthy and every stream silent.
+	time.Sleep(time.Second)
+	cont()
+	checkExact(t, <-running, want)
+}
