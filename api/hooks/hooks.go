@@ -210,14 +210,18 @@ const (
 
 // RequestInfo is one live request as the scheduler sees it.
 type RequestInfo struct {
-	RequestID         string  `json:"request_id"`
-	Status            string  `json:"status"`
-	Paused            bool    `json:"paused"`
-	NumPromptTokens   int     `json:"num_prompt_tokens"`
-	NumOutputTokens   int     `json:"num_output_tokens"`
-	NumComputedTokens int     `json:"num_computed_tokens"`
-	BlockIDs          []int   `json:"block_ids"`
-	ArrivalTime       float64 `json:"arrival_time"`
+	RequestID         string `json:"request_id"`
+	Status            string `json:"status"`
+	Paused            bool   `json:"paused"`
+	NumPromptTokens   int    `json:"num_prompt_tokens"`
+	NumOutputTokens   int    `json:"num_output_tokens"`
+	NumComputedTokens int    `json:"num_computed_tokens"`
+	// BlockIDs travel as an IntList (a plain array is accepted too): a
+	// copy round's list of 256 requests read them inside the pause, and
+	// as JSON numbers they were half of its bytes and most of its
+	// encoding and decoding.
+	BlockIDs    IntList `json:"block_ids"`
+	ArrivalTime float64 `json:"arrival_time"`
 	// Stream says the client is streaming: only streams can be spliced
 	// onto another engine mid-way.
 	Stream    bool `json:"stream"`
@@ -261,6 +265,14 @@ type PauseRequest struct {
 	// request ends at almost every step, and a pause of hundreds that
 	// fails for one and is sent again can lose that race every time.
 	IgnoreMissing bool `json:"ignore_missing,omitempty"`
+	// RoundSince, where the engine core's channel serves the pause, asks
+	// it to read the final copy round's inputs — the KV layout, the
+	// request list and the changes since this cursor — at the boundary
+	// where the pause took hold, for the agent to keep: the paused
+	// requests write nothing after it, so the final round needs no read
+	// of its own queued behind the pause's exports. Engines that do not
+	// serve it ignore it; the agent then reads the inputs as before.
+	RoundSince *uint64 `json:"round_since,omitempty"`
 }
 
 // PauseResponse answers once the engine is at a step boundary with the

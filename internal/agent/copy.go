@@ -103,7 +103,7 @@ func (s *agentService) CopyRound(ctx context.Context, req *v1.CopyRoundRequest) 
 		st, err = backend.Send(ctx, round)
 	}
 	a.log.Debug("copy round", zap.String("kind", req.GetKind()), zap.String("backend", name), zap.Int("blocks", len(plan.Copies)),
-		zap.Bool("inputs_in_one_op", in.oneOp), zap.Duration("read", tRead.Sub(start)),
+		zap.Bool("inputs_in_one_op", in.oneOp), zap.Bool("inputs_from_pause", in.fromPause), zap.Duration("read", tRead.Sub(start)),
 		zap.Duration("select", tSelect.Sub(tRead)), zap.Duration("send", time.Since(tSelect)))
 	if err != nil {
 		a.log.Warn("copy round failed", zap.String("migration_id", req.GetMigrationId()), zap.String("kind", req.GetKind()), zap.Error(err))
@@ -120,6 +120,8 @@ type roundInputs struct {
 	Requests hooks.RequestList
 	Changes  hooks.Changes // since the round's cursor; empty for a full round
 	oneOp    bool          // read in one step boundary of the engine core
+	// fromPause: read with the pause before the round, by no op of its own.
+	fromPause bool
 }
 
 // roundInputs reads the source's layout, its changes since since (with
@@ -135,7 +137,7 @@ func (a *Agent) roundInputs(ctx context.Context, withChanges bool, since uint64)
 		if err != nil {
 			return in, err
 		}
-		in = roundInputs{Layout: one.Layout, Requests: one.Requests, oneOp: true}
+		in = roundInputs{Layout: one.Layout, Requests: one.Requests, oneOp: true, fromPause: one.FromPause}
 		if one.Changes != nil {
 			in.Changes = *one.Changes
 		}

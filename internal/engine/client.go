@@ -34,6 +34,8 @@ type Client struct {
 	coreMu     sync.Mutex
 	core       *CoreChannel
 	log        *zap.Logger
+	// paused keeps the final round's inputs the last pause carried.
+	paused pausedRounds
 }
 
 var _ hooks.Engine = (*Client)(nil)
@@ -141,14 +143,21 @@ func (c *Client) Hook(ctx context.Context, route hooks.Route, since uint64, body
 		var out json.RawMessage
 		handled, t, err := c.viaCore(ctx, op, payload, &out)
 		if handled {
+			if route.Name == hooks.HookResume {
+				c.paused.forget()
+			}
 			if err != nil || route.Name != hooks.HookPause {
 				return out, err
 			}
-			// The wait for the step boundary, as the engine core measured it.
-			var p hooks.PauseResponse
-			if err := json.Unmarshal(out, &p); err != nil {
-				return nil, fmt.Errorf("engine core pause: decode: %w", err)
+			var req hooks.PauseRequest
+			if err := json.Unmarshal(body, &req); err != nil {
+				return nil, fmt.Errorf("engine core pause: the request: %w", err)
 			}
+			p, err := c.notePause(req, out)
+			if err != nil {
+				return nil, err
+			}
+			// The wait for the step boundary, as the engine core measured it.
 			p.StepWaitS = t.Wait.Seconds()
 			return json.Marshal(p)
 		}
@@ -365,13 +374,23 @@ type RoundInputs struct {
 	Layout   hooks.Layout      `json:"layout"`
 	Requests hooks.RequestList `json:"requests"`
 	Changes  *hooks.Changes    `json:"changes"`
+	// FromPause: read with the pause that preceded the round
+	// (hooks.PauseRequest.RoundSince), not by an op of the round's own.
+	FromPause bool `json:"-"`
 }
 
 // RoundInputs reads a copy round's inputs in one step boundary of the
 // engine core where its channel takes "round" (ok false otherwise: read
 // them one by one). Outside a pause each boundary op waits up to a step,
 // and inside it each is a round trip; one op for the three is one wait.
+// A round since the cursor the last pause read them at takes those
+// instead, with no call at all.
 func (c *Client) RoundInputs(ctx context.Context, since uint64, withChanges bool) (in RoundInputs, ok bool, err error) {
+	if withChanges {
+		if in, ok, err := c.takePausedRound(since); ok {
+			return in, true, err
+		}
+	}
 	ch, err := c.coreChannel(ctx)
 	if err != nil || ch == nil || !ch.Takes(opRound) {
 		return in, false, nil
@@ -407,16 +426,24 @@ func (c *Client) Changes(ctx context.Context, since uint64) (out hooks.Changes, 
 
 // Pause implements hooks.Engine.
 func (c *Client) Pause(ctx context.Context, req hooks.PauseRequest) (out hooks.PauseResponse, err error) {
-	if ok, t, err := c.viaCore(ctx, "pause", req, &out); ok {
+	var raw json.RawMessage
+	if ok, t, err := c.viaCore(ctx, "pause", req, &raw); ok {
+		if err != nil {
+			return out, err
+		}
+		if out, err = c.notePause(req, raw); err != nil {
+			return out, err
+		}
 		// The wait for the step boundary, as the engine core measured it.
 		out.StepWaitS = t.Wait.Seconds()
-		return out, err
+		return out, nil
 	}
 	return out, c.do(ctx, http.MethodPost, hooks.PathPause, req, &out)
 }
 
 // Resume implements hooks.Engine.
 func (c *Client) Resume(ctx context.Context, req hooks.ResumeRequest) (out hooks.ResumeResponse, err error) {
+	c.paused.forget()
 	if ok, _, err := c.viaCore(ctx, "resume", req, &out); ok {
 		return out, err
 	}

@@ -375,3 +375,40 @@ func TestARoundsInputsComeInOneOp(t *testing.T) {
 		t.Fatalf("a channel without the op: ok %v, %v", ok, err)
 	}
 }
+
+// A pause with RoundSince brings the final round's inputs along: the
+// agent keeps them (the Host's answer carries none of it) and the round
+// since that cursor takes them, once, with no op of its own; a resume, or
+// a round since another cursor, reads afresh.
+func TestTheFinalRoundsInputsComeWithThePause(t *testing.T) {
+	cl, ctx := channelClient(t, "http://127.0.0.1:1", startCoreServer(t, "tok"))
+	route, _ := hooks.RouteOf(hooks.HookPause)
+	out, err := cl.Hook(ctx, route, 0, []byte(`{"request_ids":["a"],"round_since":4}`))
+	if err != nil || strings.Contains(string(out), `"round"`) || strings.Contains(string(out), "from-the-engine-core") {
+		t.Fatalf("the pause's answer to the Host %s (%v): want no round inputs in it", out, err)
+	}
+	in, ok, err := cl.RoundInputs(ctx, 4, true)
+	if err != nil || !ok || !in.FromPause || in.Requests.Cursor != 11 || in.Changes == nil || in.Changes.Since != 4 || in.Layout.Model != "from-the-engine-core" {
+		t.Fatalf("the final round's inputs %+v (ok %v, %v): want those the pause read", in, ok, err)
+	}
+	if in, _, err := cl.RoundInputs(ctx, 4, true); err != nil || in.FromPause || in.Requests.Cursor != 9 {
+		t.Fatalf("a second round %+v (%v): want its own read", in, err)
+	}
+	if _, err := cl.Pause(ctx, hooks.PauseRequest{RequestIDs: []string{"a"}, RoundSince: ptr(uint64(4))}); err != nil {
+		t.Fatal(err)
+	}
+	if in, _, err := cl.RoundInputs(ctx, 5, true); err != nil || in.FromPause {
+		t.Fatalf("a round since another cursor %+v (%v): want its own read", in, err)
+	}
+	if _, err := cl.Pause(ctx, hooks.PauseRequest{RequestIDs: []string{"a"}, RoundSince: ptr(uint64(4))}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cl.Resume(ctx, hooks.ResumeRequest{RequestIDs: []string{"a"}}); err != nil {
+		t.Fatal(err)
+	}
+	if in, _, err := cl.RoundInputs(ctx, 4, true); err != nil || in.FromPause {
+		t.Fatalf("a round after a resume %+v (%v): want its own read", in, err)
+	}
+}
+
+func ptr[T any](v T) *T { return &v }

@@ -45,7 +45,7 @@ func (m *migration) final(ctx context.Context, since uint64) (committed, error) 
 	m.phase.Store(phasePaused) // the clients wait from here: the heartbeat's shorter limit
 	c.pauseCall = time.Now()
 	c.paused = m.ids()
-	wait, err := m.pauseSource(ctx)
+	wait, err := m.pauseSource(ctx, since)
 	if err != nil {
 		return c, err
 	}

@@ -19,11 +19,14 @@ import (
 // boundary (IgnoreMissing). An engine that predates that refuses the
 // whole call for one ended request: the ended ones are then listed and
 // dropped and the pause sent again, a few times.
-func (m *migration) pauseSource(ctx context.Context) (wait time.Duration, err error) {
+func (m *migration) pauseSource(ctx context.Context, since uint64) (wait time.Duration, err error) {
 	ids := m.ids()
 	for attempt := 0; len(ids) > 0; attempt++ {
 		cctx, cancel := m.pausedCall(ctx)
-		p, err := m.srcA.Engine.Pause(cctx, hooks.PauseRequest{RequestIDs: ids, LeaseMS: int(m.o.cfg.PauseLease / time.Millisecond), IgnoreMissing: true})
+		// The final round's inputs come with the pause where the source's
+		// engine core serves it: the final round then reads nothing itself.
+		p, err := m.srcA.Engine.Pause(cctx, hooks.PauseRequest{RequestIDs: ids, LeaseMS: int(m.o.cfg.PauseLease / time.Millisecond), IgnoreMissing: true,
+			RoundSince: &since})
 		err = m.slowPausedCall(ctx, cctx, err)
 		cancel()
 		if err == nil {

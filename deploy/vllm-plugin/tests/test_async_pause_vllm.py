@@ -154,8 +154,16 @@ class AsyncPauseTest(unittest.TestCase):
             answer["in_flight"] = (b.num_in_flight_tokens, b.num_output_placeholders)
             return out
 
+        # The final round's inputs come with the pause (round_since), read
+        # where it took hold: b's in-flight step's writes are in them.
+        since = self.st.log.cursor
+        layouts = []
+        orig_layout = engine_core._layout
+        engine_core._layout = lambda core, st: layouts.append(core) or {"engine": "vllm"}
+        self.addCleanup(setattr, engine_core, "_layout", orig_layout)
+
         def pause():
-            out = engine_core._ch_pause(self.st, self.ids, {"request_ids": ["b"], "lease_ms": 60000})
+            out = engine_core._ch_pause("core", self.st, self.ids, {"request_ids": ["b"], "lease_ms": 60000, "round_since": since})
             if isinstance(out, Deferred):
                 return Deferred(out.ready, lambda: at_answer(out.result()))
             return at_answer(out)
@@ -179,6 +187,18 @@ class AsyncPauseTest(unittest.TestCase):
         t.join(5)
         self.assertEqual(answer["out"]["paused"], ["b"])
         self.assertEqual(answer["in_flight"], (0, 0), "the pause answered with a token of b still in flight")
+        rnd = answer["out"]["round"]
+        self.assertEqual(layouts, ["core"])
+        self.assertEqual(rnd["changes"]["cursor"], answer["out"]["cursor"], "the round's changes end where the pause's cursor does")
+        listed = {r["request_id"]: r for r in rnd["requests"]["requests"]}
+        self.assertEqual(listed["b"]["num_computed_tokens"], b.num_computed_tokens)
+        last = b.num_computed_tokens - 1  # the last slot b's KV was written to
+        from vllm_hi_plugin.wire import decode_ints
+
+        block, slot = decode_ints(listed["b"]["block_ids"])[last // BLOCK], last % BLOCK
+        self.assertTrue(any(w["request_id"] == "b" and w["block"] == block and w["first_slot"] <= slot < w["first_slot"] + w["num_slots"]
+                            for w in rnd["changes"]["written"]),
+                        f"b's last write (block {block} slot {slot}) is not among the round's changes since {since}: {rnd['changes']['written']}")
         self.assertLessEqual(steps, 3, "the pause took more than the steps in flight to land")
         held = list(b.output_token_ids)
         mark = len(self.scheduled)
@@ -210,9 +230,9 @@ class AsyncPauseTest(unittest.TestCase):
         for _ in range(12):
             self.iteration()
         with self.assertRaises(HookError) as refused:
-            engine_core._ch_pause(self.st, self.ids, {"request_ids": ["b", "ended"], "lease_ms": 60000})
+            engine_core._ch_pause(None, self.st, self.ids, {"request_ids": ["b", "ended"], "lease_ms": 60000})
         self.assertEqual(refused.exception.status, 404)
-        out = engine_core._ch_pause(self.st, self.ids, {"request_ids": ["b", "ended"], "lease_ms": 60000,
+        out = engine_core._ch_pause(None, self.st, self.ids, {"request_ids": ["b", "ended"], "lease_ms": 60000,
                                                         "ignore_missing": True})
         for _ in range(4):
             if not isinstance(out, Deferred) or out.ready():

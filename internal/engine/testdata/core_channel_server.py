@@ -20,7 +20,17 @@ def pause(p):
     if "missing" in ids:
         raise HookError(404, "Request missing is not running here.", "request_ids")
     state["paused"] = ids
-    return {"paused": ids, "thread": threading.current_thread().name}
+    out = {"paused": ids, "thread": threading.current_thread().name}
+    if p.get("round_since") is not None and "round" in ops:
+        # Read at the pause's boundary: cursor 11, where the round op says 9.
+        out["round"] = ops["round"]({"since": p["round_since"]})
+        out["round"]["requests"]["cursor"] = 11
+    return out
+
+
+def resume(p):
+    state["paused"] = []
+    return {"resumed": p.get("request_ids") or []}
 
 
 def export(p):
@@ -35,7 +45,7 @@ def install(p):
     return {"installed": ids}
 
 
-ops = {"pause": pause, "export": export, "install": install,
+ops = {"pause": pause, "resume": resume, "export": export, "install": install,
        "installed": lambda p: {"installed": state.get("installed", [])}}
 if "--no-round" not in sys.argv:
     def round_inputs(p):
