@@ -273,6 +273,14 @@ type PauseRequest struct {
 	// of its own queued behind the pause's exports. Engines that do not
 	// serve it ignore it; the agent then reads the inputs as before.
 	RoundSince *uint64 `json:"round_since,omitempty"`
+	// Export, where the engine core's channel serves the pause, asks it
+	// to export the requests it paused in the same boundary, as the
+	// export hook would (its OutputFrom applies; RequestIDs is ignored:
+	// the paused ones), and answer the export as PauseResponse.Exported:
+	// one call inside the pause instead of one per chunk of requests,
+	// each waiting for the engine's loop behind the others. Engines that
+	// do not serve it ignore it; the Host then exports as before.
+	Export *ExportRequest `json:"export,omitempty"`
 }
 
 // PauseResponse answers once the engine is at a step boundary with the
@@ -288,6 +296,9 @@ type PauseResponse struct {
 	// The requests kept decoding (and their clients kept receiving tokens)
 	// until then, so a migration's downtime starts after it.
 	StepWaitS float64 `json:"step_wait_s"`
+	// Exported is the export of the paused requests a PauseRequest.Export
+	// asked for (an ExportResponse), if the engine served it.
+	Exported json.RawMessage `json:"exported,omitempty"`
 }
 
 // ResumeRequest resumes paused requests (all when empty).

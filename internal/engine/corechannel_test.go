@@ -383,9 +383,14 @@ func TestARoundsInputsComeInOneOp(t *testing.T) {
 func TestTheFinalRoundsInputsComeWithThePause(t *testing.T) {
 	cl, ctx := channelClient(t, "http://127.0.0.1:1", startCoreServer(t, "tok"))
 	route, _ := hooks.RouteOf(hooks.HookPause)
-	out, err := cl.Hook(ctx, route, 0, []byte(`{"request_ids":["a"],"round_since":4}`))
+	out, err := cl.Hook(ctx, route, 0, []byte(`{"request_ids":["a"],"round_since":4,"export":{}}`))
 	if err != nil || strings.Contains(string(out), `"round"`) || strings.Contains(string(out), "from-the-engine-core") {
 		t.Fatalf("the pause's answer to the Host %s (%v): want no round inputs in it", out, err)
+	}
+	// The export the pause was asked for goes on to the Host.
+	var p hooks.PauseResponse
+	if err := json.Unmarshal(out, &p); err != nil || !strings.Contains(string(p.Exported), `"via":"core channel"`) || p.StepWaitS == 0 && !strings.Contains(string(out), "step_wait_s") {
+		t.Fatalf("the pause's answer to the Host %s (%v): want the paused requests' export", out, err)
 	}
 	in, ok, err := cl.RoundInputs(ctx, 4, true)
 	if err != nil || !ok || !in.FromPause || in.Requests.Cursor != 11 || in.Changes == nil || in.Changes.Since != 4 || in.Layout.Model != "from-the-engine-core" {

@@ -202,18 +202,89 @@ func (m *migration) stillMoving(ctx context.Context, states []movedState, why st
 // decoding 256 requests' token ids and text is the longest part of the
 // final round, and engines handle hook calls concurrently.
 func (m *migration) moveState(ctx context.Context) ([]movedState, error) {
-	chunks := stateChunks(m.ids())
-	out := make([][]movedState, len(chunks))
-	errs := make([]error, len(chunks))
-	sideBySide(len(chunks), func(i int) { out[i], errs[i] = m.moveChunk(ctx, chunks[i]) })
+	// What the pause exported already only needs installing, in chunks
+	// side by side; the rest (an engine that does not export with its
+	// pause) is exported chunk by chunk.
+	parts, rest, err := splitExport(m.pauseExported, m.ids())
+	if err != nil {
+		return nil, fmt.Errorf("export the source's state (with its pause): %w", err)
+	}
+	chunks := stateChunks(rest)
+	out := make([][]movedState, len(parts)+len(chunks))
+	errs := make([]error, len(out))
+	sideBySide(len(out), func(i int) {
+		if i < len(parts) {
+			out[i], errs[i] = m.installChunk(ctx, parts[i].ids, parts[i].raw, time.Now(), time.Now())
+			return
+		}
+		out[i], errs[i] = m.moveChunk(ctx, chunks[i-len(parts)])
+	})
 	var all []movedState
-	for i := range chunks {
+	for i := range out {
 		if errs[i] != nil {
 			return nil, errs[i]
 		}
 		all = append(all, out[i]...)
 	}
 	return all, nil
+}
+
+// exportPart is a chunk of an export: its requests' ids and the export
+// answer ({"cursor":…,"requests":[…]}) of them alone.
+type exportPart struct {
+	ids []string
+	raw []byte
+}
+
+// splitExport splits the pause's export of the moving requests ids (nil:
+// none) into chunks as stateChunks would, and returns the ids it did not
+// carry.
+func splitExport(raw json.RawMessage, ids []string) (parts []exportPart, rest []string, err error) {
+	if len(raw) == 0 {
+		return nil, ids, nil
+	}
+	var exp struct {
+		Cursor   json.RawMessage   `json:"cursor"`
+		Requests []json.RawMessage `json:"requests"`
+	}
+	if err := json.Unmarshal(raw, &exp); err != nil || len(exp.Cursor) == 0 {
+		return nil, nil, fmt.Errorf("unreadable answer (%v)", err)
+	}
+	moving := map[string]bool{}
+	for _, id := range ids {
+		moving[id] = true
+	}
+	var carried []string
+	byID := map[string]json.RawMessage{}
+	for _, r := range exp.Requests {
+		var head struct {
+			RequestID string `json:"request_id"`
+		}
+		if err := json.Unmarshal(r, &head); err != nil {
+			return nil, nil, fmt.Errorf("unreadable request: %v", err)
+		}
+		// A request the Host no longer moves (it ended) stays behind.
+		if moving[head.RequestID] && byID[head.RequestID] == nil {
+			byID[head.RequestID] = r
+			carried = append(carried, head.RequestID)
+		}
+	}
+	for _, id := range ids {
+		if byID[id] == nil {
+			rest = append(rest, id)
+		}
+	}
+	for _, chunk := range stateChunks(carried) {
+		b := append(append([]byte(`{"cursor":`), exp.Cursor...), `,"requests":[`...)
+		for i, id := range chunk {
+			if i > 0 {
+				b = append(b, ',')
+			}
+			b = append(b, byID[id]...)
+		}
+		parts = append(parts, exportPart{ids: chunk, raw: append(b, "]}"...)})
+	}
+	return parts, rest, nil
 }
 
 // State moves in up to maxStateChunks chunks of at least minStateChunk
@@ -280,6 +351,13 @@ func (m *migration) moveChunk(ctx context.Context, ids []string) ([]movedState, 
 			return nil, fmt.Errorf("export the source's state: %w", err)
 		}
 	}
+	return m.installChunk(ctx, ids, raw, start, time.Now())
+}
+
+// installChunk installs the exported requests ids (raw: the export's
+// answer for them, exported from start until exported) on the target,
+// paused, and returns what the Host reads of their states.
+func (m *migration) installChunk(ctx context.Context, ids []string, raw []byte, start, exported time.Time) ([]movedState, error) {
 	if len(raw) < 2 || raw[0] != '{' {
 		return nil, fmt.Errorf("export the source's state: unreadable answer")
 	}
@@ -290,7 +368,6 @@ func (m *migration) moveChunk(ctx context.Context, ids []string) ([]movedState, 
 		head += `"text_from":` + string(b) + `,`
 	}
 	install := append([]byte(head), raw[1:]...)
-	exported := time.Now()
 	type installResult struct {
 		raw []byte
 		err error

@@ -2,6 +2,7 @@ package migrate
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"maps"
@@ -66,6 +67,10 @@ type migration struct {
 	// export in the pause then carries only the tokens after them.
 	staged    map[string]int
 	pausedSrc bool
+	// pauseExported is the export of the paused requests the source's
+	// pause answered with (hooks.PauseRequest.Export), for the state move
+	// to install; nil when the engine did not serve it.
+	pauseExported json.RawMessage
 	// phase is where the migration is, for its heartbeat (heartbeat.go).
 	phase atomic.Int32
 	tr    spans // its trace (trace.go), under mu

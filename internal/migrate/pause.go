@@ -23,14 +23,17 @@ func (m *migration) pauseSource(ctx context.Context, since uint64) (wait time.Du
 	ids := m.ids()
 	for attempt := 0; len(ids) > 0; attempt++ {
 		cctx, cancel := m.pausedCall(ctx)
-		// The final round's inputs come with the pause where the source's
-		// engine core serves it: the final round then reads nothing itself.
+		// The final round's inputs and the paused requests' export come
+		// with the pause where the source's engine core serves it: the
+		// final round then reads nothing itself, and the state move only
+		// installs.
 		p, err := m.srcA.Engine.Pause(cctx, hooks.PauseRequest{RequestIDs: ids, LeaseMS: int(m.o.cfg.PauseLease / time.Millisecond), IgnoreMissing: true,
-			RoundSince: &since})
+			RoundSince: &since, Export: &hooks.ExportRequest{OutputFrom: m.stagedOutputs(ids)}})
 		err = m.slowPausedCall(ctx, cctx, err)
 		cancel()
 		if err == nil {
 			m.pausedSrc = true
+			m.pauseExported = p.Exported
 			if len(p.Missing) > 0 {
 				// They ended on the source: their clients have every token.
 				m.log.Debug("requests ended before the pause; not moved", zap.Int("count", len(p.Missing)))

@@ -2,7 +2,9 @@ package migrate
 
 import (
 	"encoding/json"
+	"fmt"
 	"reflect"
+	"strings"
 	"testing"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
@@ -37,5 +39,58 @@ func TestTheExportInThePauseCountsOnlyOnWhatTheTargetStaged(t *testing.T) {
 	st := movedState{OutputTokenIDs: hooks.IntList{4, 5}, OutputFrom: 9}
 	if st.outputs() != 11 || sourceVisibleText(st) != -1 {
 		t.Fatalf("a tail of 2 after 9: %d outputs, visible text %d", st.outputs(), sourceVisibleText(st))
+	}
+}
+
+// The pause's export is installed in the chunks the state move would have
+// exported: each chunk's answer carries the export's cursor and its own
+// requests as they came; a request the Host no longer moves stays behind,
+// and the moving ones it lacks are exported as before.
+func TestThePausesExportIsInstalledInChunks(t *testing.T) {
+	var ids []string
+	var reqs []string
+	for i := range 40 {
+		id := fmt.Sprintf("r%02d", i)
+		ids = append(ids, id)
+		if i != 7 {
+			reqs = append(reqs, fmt.Sprintf(`{"request_id":%q,"output_token_ids":"AQAAAA=="}`, id))
+		}
+	}
+	reqs = append(reqs, `{"request_id":"ended","output_token_ids":[]}`)
+	raw := json.RawMessage(`{"cursor":12,"requests":[` + strings.Join(reqs, ",") + `]}`)
+	parts, rest, err := splitExport(raw, ids)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(rest, []string{"r07"}) {
+		t.Fatalf("left for the chunked export: %v, want r07", rest)
+	}
+	if len(parts) != len(stateChunks(make([]string, 39))) {
+		t.Fatalf("%d parts", len(parts))
+	}
+	seen := 0
+	for _, p := range parts {
+		var exp struct {
+			Cursor   uint64       `json:"cursor"`
+			Requests []movedState `json:"requests"`
+		}
+		if err := json.Unmarshal(p.raw, &exp); err != nil || exp.Cursor != 12 || len(exp.Requests) != len(p.ids) {
+			t.Fatalf("part %s: %+v (%v)", p.raw, exp, err)
+		}
+		for i, r := range exp.Requests {
+			if r.RequestID != p.ids[i] || r.RequestID == "ended" || len(r.OutputTokenIDs) != 1 || r.OutputTokenIDs[0] != 1 {
+				t.Fatalf("part %v carries %+v", p.ids, r)
+			}
+			seen++
+		}
+	}
+	if seen != 39 {
+		t.Fatalf("%d requests in the parts, want 39", seen)
+	}
+	if parts, rest, err := splitExport(nil, ids); err != nil || parts != nil || len(rest) != 40 {
+		t.Fatalf("no export with the pause: %v %v %v", parts, rest, err)
+	}
+	if _, _, err := splitExport(json.RawMessage(`{"requests":[]}`), ids); err == nil {
+		t.Fatal("an export without its cursor was taken")
 	}
 }

@@ -163,7 +163,8 @@ class AsyncPauseTest(unittest.TestCase):
         self.addCleanup(setattr, engine_core, "_layout", orig_layout)
 
         def pause():
-            out = engine_core._ch_pause("core", self.st, self.ids, {"request_ids": ["b"], "lease_ms": 60000, "round_since": since})
+            out = engine_core._ch_pause("core", self.st, self.ids, {"request_ids": ["b"], "lease_ms": 60000, "round_since": since,
+                                                                   "export": {}})
             if isinstance(out, Deferred):
                 return Deferred(out.ready, lambda: at_answer(out.result()))
             return at_answer(out)
@@ -187,14 +188,19 @@ class AsyncPauseTest(unittest.TestCase):
         t.join(5)
         self.assertEqual(answer["out"]["paused"], ["b"])
         self.assertEqual(answer["in_flight"], (0, 0), "the pause answered with a token of b still in flight")
+        # ... and so does b's export, of the same instant: every token b has.
+        from vllm_hi_plugin.wire import decode_ints
+
+        exported = {r["request_id"]: r for r in answer["out"]["exported"]["requests"]}
+        self.assertEqual(list(exported), ["b"])
+        self.assertEqual(decode_ints(exported["b"]["output_token_ids"]), list(b.output_token_ids))
+        self.assertEqual(exported["b"]["num_computed_tokens"], b.num_computed_tokens)
         rnd = answer["out"]["round"]
         self.assertEqual(layouts, ["core"])
         self.assertEqual(rnd["changes"]["cursor"], answer["out"]["cursor"], "the round's changes end where the pause's cursor does")
         listed = {r["request_id"]: r for r in rnd["requests"]["requests"]}
         self.assertEqual(listed["b"]["num_computed_tokens"], b.num_computed_tokens)
         last = b.num_computed_tokens - 1  # the last slot b's KV was written to
-        from vllm_hi_plugin.wire import decode_ints
-
         block, slot = decode_ints(listed["b"]["block_ids"])[last // BLOCK], last % BLOCK
         self.assertTrue(any(w["request_id"] == "b" and w["block"] == block and w["first_slot"] <= slot < w["first_slot"] + w["num_slots"]
                             for w in rnd["changes"]["written"]),

@@ -807,12 +807,15 @@ def _ch_pause(core, st, ids: HostIDs, p: dict):
     answer also carries the final copy round's inputs (_ch_round since that
     cursor), read at the boundary where the pause took hold — the paused
     requests write nothing after it — so that the agent need not queue a
-    `round` op behind the exports inside the pause."""
+    `round` op behind the exports inside the pause. With export, it
+    carries the paused requests' export too (_ch_export, its output_from
+    applying): one op inside the pause instead of one per chunk."""
     asked = p.get("request_ids") or []
     internal = ids.internal(asked)
     res = _pause_op(st, {"request_ids": internal, "lease_ms": p.get("lease_ms"),
                          "ignore_missing": bool(p.get("ignore_missing"))})
     round_since = p.get("round_since")
+    export = p.get("export") if isinstance(p.get("export"), dict) else None
 
     def in_host_ids(out: dict) -> dict:
         out["paused"] = [ids.host(i) for i in out["paused"]]
@@ -822,6 +825,9 @@ def _ch_pause(core, st, ids: HostIDs, p: dict):
         out.pop("paused_at", None)  # the channel's own wait_ms says how long the boundary took
         if round_since is not None:
             out["round"] = _ch_round(core, st, ids, {"since": int(round_since)})
+        if export is not None:
+            out["exported"] = _ch_export(core, st, ids, {"request_ids": list(out["paused"]),
+                                                          "output_from": export.get("output_from") or {}})
         return out
 
     if isinstance(res, Deferred):

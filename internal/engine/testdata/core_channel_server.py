@@ -25,6 +25,8 @@ def pause(p):
         # Read at the pause's boundary: cursor 11, where the round op says 9.
         out["round"] = ops["round"]({"since": p["round_since"]})
         out["round"]["requests"]["cursor"] = 11
+    if p.get("export") is not None:
+        out["exported"] = export({"request_ids": ids})
     return out
 
 
