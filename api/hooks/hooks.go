@@ -226,6 +226,11 @@ type RequestInfo struct {
 	// onto another engine mid-way.
 	Stream    bool `json:"stream"`
 	MaxTokens int  `json:"max_tokens"`
+	// Unmovable says why the request cannot move to another engine (""
+	// when it can): its state is more than the hooks carry — on vLLM, a
+	// structured-output request's grammar position. A migration leaves
+	// it to finish where it runs; an install of it is refused (409).
+	Unmovable string `json:"unmovable,omitempty"`
 }
 
 // RequestList is every live request plus the cursor they were read at.

@@ -433,11 +433,11 @@ func (d *drain) requests(ctx context.Context) (hooks.RequestList, error) {
 }
 
 // movable are the requests a migration can move now: running streams
-// this Host relays (as a migration selects them).
+// this Host relays (as a migration selects them) whose state can move.
 func (d *drain) movable(reqs []hooks.RequestInfo) []hooks.RequestInfo {
 	var out []hooks.RequestInfo
 	for _, r := range reqs {
-		if r.Status == hooks.StatusRunning && r.Stream && !r.Paused && d.o.streams.Get(r.RequestID) != nil {
+		if r.Status == hooks.StatusRunning && r.Stream && !r.Paused && r.Unmovable == "" && d.o.streams.Get(r.RequestID) != nil {
 			out = append(out, r)
 		}
 	}

@@ -60,8 +60,9 @@ func (m *migration) prepare() error {
 	for _, r := range list.Requests {
 		// Only running streams a Host relays can be spliced; the rest
 		// (non-streaming requests, clients talking to the engine directly,
-		// waiting requests) finish where they are.
-		if r.Status != hooks.StatusRunning || !r.Stream || r.Paused {
+		// waiting requests, and those whose state does not move: see
+		// hooks.RequestInfo.Unmovable) finish where they are.
+		if r.Status != hooks.StatusRunning || !r.Stream || r.Paused || r.Unmovable != "" {
 			continue
 		}
 		if s := m.o.streams.Get(r.RequestID); s != nil {

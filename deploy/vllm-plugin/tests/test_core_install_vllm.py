@@ -182,5 +182,47 @@ class CoreInstallTest(unittest.TestCase):
         self.assertEqual(st.stage([self.snapshot(self.states[1], 10, engine_state={})]), {"staged": []})
 
 
+    # A structured-output request cannot move: its grammar's position is
+    # not in the state the hooks carry, and vLLM compiles a request's
+    # grammar only as its API server adds it. Installed elsewhere it would
+    # wait for ever or start its grammar over, so the target refuses it.
+
+    def constrained(self, s):
+        import base64
+
+        import msgspec
+        from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+        sp = SamplingParams(max_tokens=200, temperature=0.0, structured_outputs=StructuredOutputsParams(json_object=True))
+        return dict(s, engine_state={"sampling_params": base64.b64encode(msgspec.msgpack.encode(sp)).decode()})
+
+    def test_a_structured_output_request_is_listed_unmovable_and_refused(self):
+        from vllm_hi_plugin.engine_core import HookError
+
+        a, b, c = self.states
+        ca = self.constrained(a)
+        self.assertEqual(self.st.stage([self.snapshot(ca, 20), self.snapshot(b, 20)]), {"staged": ["r1"]})
+        with self.assertRaises(HookError) as refused:
+            self.st.install([self.snapshot(ca, OUTPUT), self.snapshot(b, OUTPUT)], False, 60_000)
+        self.assertEqual(refused.exception.status, 409)
+        self.assertIn("structured output", str(refused.exception))
+        self.assertNotIn("r0", self.st.sched.requests)
+        self.assertNotIn("r1", self.st.sched.requests)
+        # Installed whole, the movable ones are listed movable.
+        self.st.install([self.snapshot(b, OUTPUT), self.snapshot(c, OUTPUT)], True, 60_000)
+        listed = {r["request_id"]: r for r in self.st.requests()["requests"]}
+        self.assertNotIn("unmovable", listed["r1"])
+
+    def test_a_running_structured_output_request_is_listed_unmovable(self):
+        from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+        from vllm.v1.request import Request
+
+        sp = SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(json_object=True))
+        self.st.sched.add_request(Request(request_id="g", prompt_token_ids=[5] * 8, sampling_params=sp, pooling_params=None,
+                                          block_hasher=self.st.block_hasher))
+        listed = {r["request_id"]: r for r in self.st.requests()["requests"]}
+        self.assertIn("structured output", listed["g"]["unmovable"])
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -127,13 +127,17 @@ class CoreState:
             if req.is_finished():
                 continue
             sp = req.sampling_params
-            out.append({
+            info = {
                 "request_id": rid, "status": self.status(req), "paused": rid in self.leases,
                 "num_prompt_tokens": req.num_prompt_tokens, "num_output_tokens": req.num_output_tokens,
                 "num_computed_tokens": req.num_computed_tokens, "block_ids": self.block_ids(rid),
                 "arrival_time": req.arrival_time,
                 "max_tokens": (sp.max_tokens or 0) if sp is not None else 0,
-            })
+            }
+            why = unmovable(sp)
+            if why:
+                info["unmovable"] = why
+            out.append(info)
         return {"cursor": self.log.cursor, "requests": out, "free_blocks": self.free_blocks(),
                 "total_blocks": self.total_blocks()}
 
@@ -334,7 +338,11 @@ class CoreState:
             if ahead is not None and ahead.leads_to(it, tokens_only=True):
                 ahead.caught_up(it)
             elif (it.get("engine_state") or {}).get("sampling_params"):
-                ahead = self.staged[rid] = StagedRequest(self._request(rid, it), it)
+                try:
+                    ahead = self.staged[rid] = StagedRequest(self._request(rid, it), it)
+                except HookError:
+                    self.staged.pop(rid, None)  # one that cannot move here (unmovable): not staged
+                    continue
             else:
                 self.staged.pop(rid, None)  # a top-up of nothing staged, or over other tokens
                 continue
@@ -355,6 +363,9 @@ class CoreState:
         # Decoded for this request alone: no clone, whose deep copy was
         # 3/4 of an install of 256 requests.
         sp = msgspec.msgpack.decode(base64.b64decode(es["sampling_params"]), type=SamplingParams)
+        why = unmovable(sp)
+        if why:
+            raise HookError(409, f"Request {rid} cannot be installed here: {why}.", "requests")
         if sp.max_tokens is not None:
             sp.max_tokens = max(1, sp.max_tokens - len(output))
         if sp.min_tokens:
@@ -595,6 +606,19 @@ def _export(core, st, p: dict) -> dict:
         if raw is not None:
             r["engine_state"]["generator"] = base64.b64encode(raw).decode()
     return out
+
+
+def unmovable(sp) -> str:
+    """Why a request with sampling parameters sp cannot move to another
+    engine ("" when it can): structured output (guided decoding) keeps a
+    grammar whose position in the output is not in the state the hooks
+    carry — installed elsewhere it would start the grammar over (and vLLM
+    compiles a request's grammar only as its API server adds it), so the
+    stream would silently change or wait for ever."""
+    params = getattr(sp, "structured_outputs", None) if sp is not None else None
+    if params is not None and not params.all_constraints_none():
+        return "it uses structured output, whose grammar state does not move between engines"
+    return ""
 
 
 def _seeded(st, rid: str) -> bool:
