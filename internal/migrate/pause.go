@@ -28,7 +28,7 @@ func (m *migration) pauseSource(ctx context.Context, since uint64) (wait time.Du
 		// final round then reads nothing itself, and the state move only
 		// installs.
 		p, err := m.srcA.Engine.Pause(cctx, hooks.PauseRequest{RequestIDs: ids, LeaseMS: int(m.o.cfg.PauseLease / time.Millisecond), IgnoreMissing: true,
-			RoundSince: &since, Export: &hooks.ExportRequest{OutputFrom: m.stagedOutputs(ids)}})
+			RoundSince: &since, Export: m.exportWithPause(ids)})
 		err = m.slowPausedCall(ctx, cctx, err)
 		cancel()
 		if err == nil {
@@ -147,4 +147,18 @@ func (m *migration) resumeSourceDirectly(ctx context.Context, ids []string, agen
 		return
 	}
 	log.Warn("resumed the source's requests through its engine directly: its agent could not")
+}
+
+// exportWithPause is the export to ask of the pause for the moving
+// requests ids: only when the target staged every one of them, so that
+// the export is their tokens since the stage alone — one answer of whole
+// states for hundreds of long requests could outgrow what one message
+// carries (gRPC's 4 MiB between agent and Host), where the chunked
+// exports each carry an eighth.
+func (m *migration) exportWithPause(ids []string) *hooks.ExportRequest {
+	from := m.stagedOutputs(ids)
+	if len(ids) == 0 || len(from) != len(ids) {
+		return nil
+	}
+	return &hooks.ExportRequest{OutputFrom: from}
 }

@@ -94,3 +94,19 @@ func TestThePausesExportIsInstalledInChunks(t *testing.T) {
 		t.Fatal("an export without its cursor was taken")
 	}
 }
+
+// The pause exports only tails: it asks for the export when the target
+// staged every moving request, and not otherwise.
+func TestThePauseExportsOnlyWhatTheTargetStagedAll(t *testing.T) {
+	var m migration
+	m.recordStaged(json.RawMessage(`[{"request_id":"a","output_token_ids":"AQAAAA=="},{"request_id":"b","output_token_ids":"AQAAAA=="}]`), []string{"a", "b"})
+	if e := m.exportWithPause([]string{"a", "b"}); e == nil || !reflect.DeepEqual(e.OutputFrom, map[string]int{"a": 1, "b": 1}) {
+		t.Fatalf("all staged: %+v", e)
+	}
+	if e := m.exportWithPause([]string{"a", "b", "c"}); e != nil {
+		t.Fatalf("c not staged: %+v, want no export with the pause", e)
+	}
+	if e := m.exportWithPause(nil); e != nil {
+		t.Fatalf("nothing moving: %+v", e)
+	}
+}

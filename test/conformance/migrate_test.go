@@ -428,28 +428,25 @@ func hostClient(t *testing.T, hostURL string) *hostapi.Client {
 	return c
 }
 
-func freeBlocks(t *testing.T, engine string) int {
-	t.Helper()
-	var s struct {
-		Free int `json:"free_blocks"`
-	}
-	if err := json.Unmarshal(send(t, "GET", engine+"/vllm_hi/engine/stats", "").body, &s); err != nil {
-		t.Fatal(err)
-	}
-	return s.Free
+// engineCounts is what the tests read of an engine's stats hook.
+type engineCounts struct {
+	Free    int `json:"free_blocks"`
+	Running int `json:"num_running"`
 }
 
-// running is how many requests an engine runs now.
-func running(t *testing.T, engine string) int {
+func counts(t *testing.T, engine string) engineCounts {
 	t.Helper()
-	var s struct {
-		Running int `json:"num_running"`
-	}
+	var s engineCounts
 	if err := json.Unmarshal(send(t, "GET", engine+"/vllm_hi/engine/stats", "").body, &s); err != nil {
 		t.Fatal(err)
 	}
-	return s.Running
+	return s
 }
+
+func freeBlocks(t *testing.T, engine string) int { t.Helper(); return counts(t, engine).Free }
+
+// running is how many requests an engine runs now.
+func running(t *testing.T, engine string) int { t.Helper(); return counts(t, engine).Running }
 
 // waitFree waits for an engine's free blocks to come back to want once
 // its streams ended (vLLM frees a finished request's blocks in the step
