@@ -274,6 +274,9 @@ func splitExport(raw json.RawMessage, ids []string) (parts []exportPart, rest []
 			rest = append(rest, id)
 		}
 	}
+	if len(carried) == 0 {
+		return nil, rest, nil
+	}
 	for _, chunk := range stateChunks(carried) {
 		b := append(append([]byte(`{"cursor":`), exp.Cursor...), `,"requests":[`...)
 		for i, id := range chunk {

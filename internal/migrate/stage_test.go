@@ -90,6 +90,9 @@ func TestThePausesExportIsInstalledInChunks(t *testing.T) {
 	if parts, rest, err := splitExport(nil, ids); err != nil || parts != nil || len(rest) != 40 {
 		t.Fatalf("no export with the pause: %v %v %v", parts, rest, err)
 	}
+	if parts, rest, err := splitExport(json.RawMessage(`{"cursor":3,"requests":[{"request_id":"ended"}]}`), ids); err != nil || parts != nil || len(rest) != 40 {
+		t.Fatalf("an export of none that move: %v %v %v", parts, rest, err)
+	}
 	if _, _, err := splitExport(json.RawMessage(`{"requests":[]}`), ids); err == nil {
 		t.Fatal("an export without its cursor was taken")
 	}
