@@ -82,7 +82,7 @@ func TestPlanRound(t *testing.T) {
 			}
 			for _, mv := range p.Moving {
 				for _, r := range c.live {
-					if r.RequestID == mv.ID && !reflect.DeepEqual(mv.Src, r.BlockIDs) {
+					if r.RequestID == mv.ID && !reflect.DeepEqual(mv.Src, []int(r.BlockIDs)) {
 						t.Fatalf("%s's source table %v, want %v", mv.ID, mv.Src, r.BlockIDs)
 					}
 				}
