@@ -153,12 +153,10 @@ func (c *Client) Hook(ctx context.Context, route hooks.Route, since uint64, body
 			if err := json.Unmarshal(body, &req); err != nil {
 				return nil, fmt.Errorf("engine core pause: the request: %w", err)
 			}
-			p, err := c.notePause(req, out)
+			p, err := c.notePause(req, out, t.Wait)
 			if err != nil {
 				return nil, err
 			}
-			// The wait for the step boundary, as the engine core measured it.
-			p.StepWaitS = t.Wait.Seconds()
 			return json.Marshal(p)
 		}
 	}
@@ -431,12 +429,7 @@ func (c *Client) Pause(ctx context.Context, req hooks.PauseRequest) (out hooks.P
 		if err != nil {
 			return out, err
 		}
-		if out, err = c.notePause(req, raw); err != nil {
-			return out, err
-		}
-		// The wait for the step boundary, as the engine core measured it.
-		out.StepWaitS = t.Wait.Seconds()
-		return out, nil
+		return c.notePause(req, raw, t.Wait)
 	}
 	return out, c.do(ctx, http.MethodPost, hooks.PathPause, req, &out)
 }

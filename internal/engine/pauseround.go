@@ -68,8 +68,9 @@ type pauseAnswer struct {
 }
 
 // notePause keeps the round inputs a pause's answer carries (asked for by
-// req) and returns the answer without them: the Host needs none of it.
-func (c *Client) notePause(req hooks.PauseRequest, out json.RawMessage) (hooks.PauseResponse, error) {
+// req) and returns the answer without them — the Host needs none of it —
+// with the engine core's own wait for the step boundary.
+func (c *Client) notePause(req hooks.PauseRequest, out json.RawMessage, wait time.Duration) (hooks.PauseResponse, error) {
 	var a pauseAnswer
 	if err := json.Unmarshal(out, &a); err != nil {
 		return a.PauseResponse, fmt.Errorf("engine core pause: decode: %w", err)
@@ -77,6 +78,7 @@ func (c *Client) notePause(req hooks.PauseRequest, out json.RawMessage) (hooks.P
 	if req.RoundSince != nil && len(a.Round) > 0 {
 		c.paused.keep(*req.RoundSince, a.Round)
 	}
+	a.StepWaitS = wait.Seconds()
 	return a.PauseResponse, nil
 }
 

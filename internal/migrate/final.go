@@ -247,8 +247,11 @@ func splitExport(raw json.RawMessage, ids []string) (parts []exportPart, rest []
 		Cursor   json.RawMessage   `json:"cursor"`
 		Requests []json.RawMessage `json:"requests"`
 	}
-	if err := json.Unmarshal(raw, &exp); err != nil || len(exp.Cursor) == 0 {
-		return nil, nil, fmt.Errorf("unreadable answer (%v)", err)
+	if err := json.Unmarshal(raw, &exp); err != nil {
+		return nil, nil, fmt.Errorf("unreadable answer: %v", err)
+	}
+	if len(exp.Cursor) == 0 {
+		return nil, nil, fmt.Errorf("an answer without its cursor")
 	}
 	moving := map[string]bool{}
 	for _, id := range ids {
