@@ -3,6 +3,7 @@ package agent
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"runtime"
 	"slices"
@@ -18,6 +19,7 @@ import (
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
+	"github.com/vllm-hi/vllm-hi/internal/kvsum"
 	"github.com/vllm-hi/vllm-hi/internal/transfer"
 	"github.com/vllm-hi/vllm-hi/internal/transfer/cudaipc"
 )
@@ -65,6 +67,26 @@ func (s *agentService) HashBlocks(ctx context.Context, req *v1.HashBlocksRequest
 	}
 	var hashes []uint64
 	var bytes int64
+	if req.GetScheme() == kvsum.Scheme {
+		sumStart := time.Now()
+		var data [][]byte
+		if mem != nil { // shared memory (GPU KV has none here)
+			data = mem.Data
+		}
+		hashes, bytes, err = a.hashSum(req.GetMigrationId(), lay, data, blocks)
+		switch {
+		case err == nil:
+			a.log.Debug("hash blocks", zap.String("migration_id", req.GetMigrationId()), zap.String("scheme", kvsum.Scheme), zap.Bool("target", target),
+				zap.Bool("gpu", transfer.OnGPU(lay)), zap.Int("blocks", len(blocks)), zap.Int64("bytes", bytes), zap.Duration("lock", locked.Sub(start)),
+				zap.Duration("layout", laidOut.Sub(locked)), zap.Duration("sum", time.Since(sumStart)), zap.Duration("total", time.Since(start)))
+			return &v1.HashBlocksResponse{Hashes: hashes, Bytes: bytes, DurationS: time.Since(start).Seconds(), Scheme: kvsum.Scheme}, nil
+		case !errors.Is(err, errSumUnusable):
+			return nil, errdefs.New(errdefs.ErrConflict, err.Error())
+		}
+		// The layout's words cannot be summed as the scheme reads them:
+		// xxhash64, which the answer says (the Host asks both sides again).
+		a.log.Debug("hash blocks: the sum scheme does not fit this layout", zap.Error(err))
+	}
 	if transfer.OnGPU(lay) {
 		var t hashTimes
 		hashes, bytes, t, err = a.hashGPU(req.GetMigrationId(), lay, blocks)

@@ -62,6 +62,7 @@ static CUresult (*p_dtohAsync)(void *, CUdeviceptr, size_t, CUstream);
 static CUresult (*p_hostAlloc)(void **, size_t);
 static CUresult (*p_hostFree)(void *);
 static void *vhi_fn[VHI_MAX_DEV];
+static void *vhi_sum_fn[VHI_MAX_DEV];
 static CUresult (*p_batch)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, CUmemcpyAttributes *, size_t *, size_t, size_t *, CUstream);
 
 // vhi_sym resolves a driver entry point at the ABI of CUDA 12.8 through
@@ -111,6 +112,7 @@ static int vhi_open(void) {
 	p_batch = vhi_sym("cuMemcpyBatchAsync"); // CUDA 12.8+; optional
 	memset(vhi_ctx, 0, sizeof vhi_ctx);
 	memset(vhi_fn, 0, sizeof vhi_fn);
+	memset(vhi_sum_fn, 0, sizeof vhi_sum_fn);
 
 	return p_init(0) == 0 ? 0 : 3;
 }
@@ -228,12 +230,30 @@ static CUresult w_peer(int dev, int peer) {
 // with the vhi_copy kernel: one launch whatever n. The descriptors go to
 // descbuf (the caller's, one per stream: copies on other streams may be in
 // flight) on the same stream first.
-static CUresult w_load_kernels(int dev, const char *ptx) {
+static CUresult w_load_kernels(int dev, const char *ptx, const char *sum_ptx) {
 	CUresult r = vhi_dev(dev);
 	if (r || vhi_fn[dev] != NULL) return r;
-	void *mod = NULL;
+	void *mod = NULL, *sum_mod = NULL;
+	if ((r = p_modLoad(&sum_mod, sum_ptx))) return r;
+	if ((r = p_modFn(&vhi_sum_fn[dev], sum_mod, "vhi_kvsum"))) return r;
 	if ((r = p_modLoad(&mod, ptx))) return r;
 	return p_modFn(&vhi_fn[dev], mod, "vhi_copy");
+}
+
+// w_kvsum uploads n tasks of 64 bytes followed by the zeroed sums (host,
+// host_bytes) to buf, runs vhi_kvsum over them (grid n × max_layers, 256
+// threads), downloads the sums and waits for the stream.
+static CUresult w_kvsum(int dev, uintptr_t s, CUdeviceptr buf, const void *host, size_t host_bytes, unsigned n, unsigned max_layers,
+		unsigned heads, unsigned words, void *sums, size_t sum_bytes) {
+	CUresult r = vhi_dev(dev);
+	if (r) return r;
+	if (vhi_sum_fn[dev] == NULL) return 3; // CUDA_ERROR_NOT_INITIALIZED: PrepareKernels first
+	if ((r = p_htodAsync(buf, host, host_bytes, (CUstream)s))) return r;
+	CUdeviceptr tasks = buf, out = buf + (CUdeviceptr)n * 64;
+	void *args[5] = { &tasks, &n, &out, &heads, &words };
+	if ((r = p_launch(vhi_sum_fn[dev], n, max_layers, 1, 256, 1, 1, 0, (CUstream)s, args, NULL))) return r;
+	if ((r = p_dtohAsync(sums, out, sum_bytes, (CUstream)s))) return r;
+	return p_streamSync((CUstream)s);
 }
 
 static CUresult w_kernel_copies(int dev, uintptr_t s, CUdeviceptr descbuf, const unsigned long long *desc, unsigned n, unsigned grid, unsigned block) {
@@ -263,6 +283,14 @@ import (
 var copyPTX string
 
 var copyPTXC = func() *C.char { return C.CString(copyPTX) }()
+
+// kvsumPTX is the vhi_kvsum kernel, the integrity check's hash (hand-written
+// PTX like vhi_copy, checked with ptxas for sm_80 and sm_90).
+//
+//go:embed kvsum.ptx
+var kvsumPTX string
+
+var kvsumPTXC = func() *C.char { return C.CString(kvsumPTX) }()
 
 // The C library handle is process-wide, so is its reference count.
 var lib struct {
@@ -531,7 +559,65 @@ func (l *Lib) KernelCopy(dev int, s Stream, copies []Copy) error {
 		(*C.ulonglong)(unsafe.Pointer(&desc[0])), C.uint(len(copies)), C.uint(grid), 512))
 }
 
-// PrepareKernels loads the copy kernel into dev's context now instead of
+var _ Summer = (*Lib)(nil)
+
+// KVSum runs the vhi_kvsum kernel over tasks on dev's stream s: one launch
+// for a whole check, each task's words added to sums[task.Out] (every sum
+// zeroed first). It returns once the sums are back (ErrSumShape for what
+// the kernel cannot read).
+func (l *Lib) KVSum(dev int, s Stream, shape SumShape, tasks []SumTask, sums []uint64) error {
+	if err := l.loaded(); err != nil {
+		return err
+	}
+	clear(sums)
+	if len(tasks) == 0 {
+		return nil
+	}
+	if shape.Words == 0 || shape.Words%2 != 0 {
+		return ErrSumShape
+	}
+	// The tasks as the kernel reads them (64 bytes each, two u32 to a
+	// u64, little-endian), then the sums it adds into, zeroed.
+	buf := make([]uint64, 8*len(tasks)+len(sums))
+	maxLayers := uint32(0)
+	for i, t := range tasks {
+		if (uint64(t.Base)|t.LayerStride|t.KVStride|t.HeadStride|t.SlotStride)%16 != 0 {
+			return ErrSumShape
+		}
+		if int(t.Out) >= len(sums) {
+			return fmt.Errorf("cuda: KV sum task %d adds to sum %d of %d", i, t.Out, len(sums))
+		}
+		d := buf[8*i : 8*i+8]
+		d[0], d[1], d[2], d[3], d[4] = uint64(t.Base), t.LayerStride, t.KVStride, t.HeadStride, t.SlotStride
+		d[5] = uint64(t.FirstLayer) | uint64(t.NumLayers)<<32
+		d[6] = uint64(t.FirstHead) | uint64(t.NumHeads)<<32
+		d[7] = uint64(t.Slots) | uint64(t.Out)<<32
+		maxLayers = max(maxLayers, t.NumLayers)
+	}
+	if maxLayers == 0 || maxLayers > 65535 {
+		return fmt.Errorf("cuda: KV sum tasks of %d layers", maxLayers)
+	}
+	if err := l.PrepareKernels(dev); err != nil {
+		return err
+	}
+	// The stream's descriptor buffer (KernelCopy's): the call waits for
+	// the stream before it lets the buffer go.
+	l.descMu.Lock()
+	defer l.descMu.Unlock()
+	dbuf, err := l.descBufferLocked(dev, s, uint64(len(buf))*8)
+	if err != nil {
+		return err
+	}
+	out := make([]uint64, len(sums))
+	if err := l.check("vhi_kvsum", C.w_kvsum(C.int(dev), C.uintptr_t(s), C.CUdeviceptr(dbuf), unsafe.Pointer(&buf[0]), C.size_t(len(buf)*8),
+		C.uint(len(tasks)), C.uint(maxLayers), C.uint(shape.KVHeads), C.uint(shape.Words), unsafe.Pointer(&out[0]), C.size_t(len(out)*8))); err != nil {
+		return err
+	}
+	copy(sums, out)
+	return nil
+}
+
+// PrepareKernels loads the copy and sum kernels into dev's context now instead of
 // at its first launch: the driver compiles the PTX then, which must not
 // land in a migration target's first step or a final copy round.
 func (l *Lib) PrepareKernels(dev int) error {
@@ -543,7 +629,7 @@ func (l *Lib) PrepareKernels(dev int) error {
 	if kernels.ready[dev] {
 		return nil
 	}
-	if err := l.check("cuModuleLoadData", C.w_load_kernels(C.int(dev), copyPTXC)); err != nil {
+	if err := l.check("cuModuleLoadData", C.w_load_kernels(C.int(dev), copyPTXC, kvsumPTXC)); err != nil {
 		return err
 	}
 	if kernels.ready == nil {

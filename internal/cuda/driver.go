@@ -98,3 +98,35 @@ type Driver interface {
 func FormatUUID(b [16]byte) string {
 	return fmt.Sprintf("GPU-%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
 }
+
+// SumTask is one block's slot range in one region of an engine's KV, for
+// the integrity check's hash kernel (Summer): Base addresses the block's
+// first layer, K, first head and first slot of the range in the region;
+// the strides step from there; its sum goes to sums[Out]. Layers and heads
+// are the region's, numbered as the model's (FirstLayer, FirstHead).
+type SumTask struct {
+	Base                                          DevicePtr
+	LayerStride, KVStride, HeadStride, SlotStride uint64
+	FirstLayer, NumLayers, FirstHead, NumHeads    uint32
+	Slots                                         uint32
+	Out                                           uint32
+}
+
+// SumShape is what every task of one KVSum call shares: the model's KV
+// heads and the 8-byte words in one head's slot (even).
+type SumShape struct {
+	KVHeads, Words uint32
+}
+
+// ErrSumShape is returned by KVSum for tasks the kernel cannot read: a
+// head's slot not whole 16-byte pairs, or an address or stride not on a
+// 16-byte boundary (the caller hashes another way).
+var ErrSumShape = errors.New("cuda: the KV sum kernel needs 16-byte aligned head slots and strides")
+
+// Summer is a Driver that runs the integrity check's hash on the GPU
+// (internal/kvsum's scheme): every task's words summed into sums (zeroed
+// first), in one kernel launch, on dev's stream s; it returns when sums
+// hold the result.
+type Summer interface {
+	KVSum(dev int, s Stream, shape SumShape, tasks []SumTask, sums []uint64) error
+}

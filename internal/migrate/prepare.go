@@ -14,6 +14,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
+	"github.com/vllm-hi/vllm-hi/internal/transfer"
 )
 
 // prepare: select requests on the source, reserve blocks on the target
@@ -124,6 +125,7 @@ func (m *migration) prepare() error {
 		return fmt.Errorf("the target's layout: %w", err)
 	}
 	m.dstOpaque = dstLayout.OpaqueBlocks
+	m.dstOnGPU = transfer.OnGPU(dstLayout)
 	m.dstStages = dstLayout.StagesState
 	if dstLayout.Geometry.BlockSize != m.srcLayout.Geometry.BlockSize {
 		return refuse(errdefs.ErrConflict, "the engines' block sizes differ (%d, %d)", m.srcLayout.Geometry.BlockSize, dstLayout.Geometry.BlockSize)

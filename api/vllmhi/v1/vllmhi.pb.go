@@ -853,9 +853,14 @@ func (x *BlockSlots) GetFirstSlot() int32 {
 }
 
 type HashBlocksRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	MigrationId   string                 `protobuf:"bytes,1,opt,name=migration_id,json=migrationId,proto3" json:"migration_id,omitempty"`
-	Blocks        []*BlockSlots          `protobuf:"bytes,2,rep,name=blocks,proto3" json:"blocks,omitempty"`
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	MigrationId string                 `protobuf:"bytes,1,opt,name=migration_id,json=migrationId,proto3" json:"migration_id,omitempty"`
+	Blocks      []*BlockSlots          `protobuf:"bytes,2,rep,name=blocks,proto3" json:"blocks,omitempty"`
+	// The hash to use: "" (xxhash64 of each block's canonical byte
+	// sequence) or "kvsum64" (internal/kvsum: a position-keyed sum of its
+	// words, which a GPU computes in place). An agent that cannot use the
+	// scheme asked for answers with xxhash64, and says so in its answer.
+	Scheme        string `protobuf:"bytes,3,opt,name=scheme,proto3" json:"scheme,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -904,12 +909,21 @@ func (x *HashBlocksRequest) GetBlocks() []*BlockSlots {
 	return nil
 }
 
+func (x *HashBlocksRequest) GetScheme() string {
+	if x != nil {
+		return x.Scheme
+	}
+	return ""
+}
+
 type HashBlocksResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// One xxhash64 per requested block, in order.
-	Hashes        []uint64 `protobuf:"fixed64,1,rep,packed,name=hashes,proto3" json:"hashes,omitempty"`
-	Bytes         int64    `protobuf:"varint,2,opt,name=bytes,proto3" json:"bytes,omitempty"`
-	DurationS     float64  `protobuf:"fixed64,3,opt,name=duration_s,json=durationS,proto3" json:"duration_s,omitempty"`
+	// One hash per requested block, in order.
+	Hashes    []uint64 `protobuf:"fixed64,1,rep,packed,name=hashes,proto3" json:"hashes,omitempty"`
+	Bytes     int64    `protobuf:"varint,2,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	DurationS float64  `protobuf:"fixed64,3,opt,name=duration_s,json=durationS,proto3" json:"duration_s,omitempty"`
+	// The scheme the hashes are in ("": xxhash64).
+	Scheme        string `protobuf:"bytes,4,opt,name=scheme,proto3" json:"scheme,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -963,6 +977,13 @@ func (x *HashBlocksResponse) GetDurationS() float64 {
 		return x.DurationS
 	}
 	return 0
+}
+
+func (x *HashBlocksResponse) GetScheme() string {
+	if x != nil {
+		return x.Scheme
+	}
+	return ""
 }
 
 type RetireRequest struct {
@@ -2354,15 +2375,17 @@ const file_vllmhi_v1_vllmhi_proto_rawDesc = "" +
 	"\x05block\x18\x01 \x01(\x05R\x05block\x12\x1b\n" +
 	"\tnum_slots\x18\x02 \x01(\x05R\bnumSlots\x12\x1d\n" +
 	"\n" +
-	"first_slot\x18\x03 \x01(\x05R\tfirstSlot\"e\n" +
+	"first_slot\x18\x03 \x01(\x05R\tfirstSlot\"}\n" +
 	"\x11HashBlocksRequest\x12!\n" +
 	"\fmigration_id\x18\x01 \x01(\tR\vmigrationId\x12-\n" +
-	"\x06blocks\x18\x02 \x03(\v2\x15.vllmhi.v1.BlockSlotsR\x06blocks\"a\n" +
+	"\x06blocks\x18\x02 \x03(\v2\x15.vllmhi.v1.BlockSlotsR\x06blocks\x12\x16\n" +
+	"\x06scheme\x18\x03 \x01(\tR\x06scheme\"y\n" +
 	"\x12HashBlocksResponse\x12\x16\n" +
 	"\x06hashes\x18\x01 \x03(\x06R\x06hashes\x12\x14\n" +
 	"\x05bytes\x18\x02 \x01(\x03R\x05bytes\x12\x1d\n" +
 	"\n" +
-	"duration_s\x18\x03 \x01(\x01R\tdurationS\"(\n" +
+	"duration_s\x18\x03 \x01(\x01R\tdurationS\x12\x16\n" +
+	"\x06scheme\x18\x04 \x01(\tR\x06scheme\"(\n" +
 	"\rRetireRequest\x12\x17\n" +
 	"\await_ms\x18\x01 \x01(\x03R\x06waitMs\"g\n" +
 	"\x0eRetireResponse\x12\x1a\n" +

@@ -503,19 +503,10 @@ func (g *Plane) Gather(session string, l hooks.Layout, runs []kvlayout.CopyRun) 
 		g.hashMu.Unlock()
 		return nil, nil, nil, err
 	}
-	key := regionsKey(l)
-	var ptrs Regions
-	closeView := func() {}
-	switch {
-	case g.targets[session] != nil && g.targets[session].key == key:
-		ptrs = g.targets[session].dst
-	case g.pairs[session] != nil && strings.HasPrefix(g.pairs[session].key, key+"→"):
-		ptrs = g.pairs[session].src
-	default:
-		if ptrs, closeView, err = openRegions(g.drv, c.Device, l); err != nil {
-			g.hashMu.Unlock()
-			return nil, nil, nil, err
-		}
+	ptrs, closeView, err := g.viewLocked(session, l, c.Device)
+	if err != nil {
+		g.hashMu.Unlock()
+		return nil, nil, nil, err
 	}
 	host, out, err := c.Gather(ptrs, runs)
 	closeView()
@@ -524,6 +515,53 @@ func (g *Plane) Gather(session string, l hooks.Layout, runs []kvlayout.CopyRun) 
 		return nil, nil, nil, err
 	}
 	return host, out, g.hashMu.Unlock, nil
+}
+
+// viewLocked returns l's regions as addresses in dev's context: the
+// session's mapping of that memory when there is one (the target's, or
+// the source side of a cuda_ipc pair), else a mapping made for the caller,
+// closed by the function returned (g.mu held).
+func (g *Plane) viewLocked(session string, l hooks.Layout, dev int) (Regions, func(), error) {
+	key := regionsKey(l)
+	switch {
+	case g.targets[session] != nil && g.targets[session].key == key:
+		return g.targets[session].dst, func() {}, nil
+	case g.pairs[session] != nil && strings.HasPrefix(g.pairs[session].key, key+"→"):
+		return g.pairs[session].src, func() {}, nil
+	}
+	return openRegions(g.drv, dev, l)
+}
+
+// ErrNoSumKernel is returned by KVSum where the driver cannot run the
+// integrity check's hash kernel (the caller gathers and hashes on the
+// CPU).
+var ErrNoSumKernel = errors.New("cuda_ipc: no KV sum kernel")
+
+// KVSum hashes slot ranges of this engine's GPU KV (layout l) in place,
+// internal/kvsum's scheme, in one kernel launch on the device that holds
+// the first region, reading the regions through the same mappings as
+// Gather: tasks makes the kernel's tasks from the regions' addresses
+// there. sums gets each range's sum of words (cuda.ErrSumShape or
+// ErrNoSumKernel: nothing was read).
+func (g *Plane) KVSum(session string, l hooks.Layout, shape cuda.SumShape, tasks func(Regions) []cuda.SumTask, sums []uint64) error {
+	g.hashMu.Lock()
+	defer g.hashMu.Unlock()
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	own, err := g.copierFor(l.Regions[0].Memory)
+	if err != nil {
+		return err
+	}
+	summer, ok := g.drv.(cuda.Summer)
+	if !ok {
+		return ErrNoSumKernel
+	}
+	ptrs, closeView, err := g.viewLocked(session, l, own.Device)
+	if err != nil {
+		return err
+	}
+	defer closeView()
+	return summer.KVSum(own.Device, own.Stream, shape, tasks(ptrs), sums)
 }
 
 // checkRuns checks a cuda_ipc round's runs before a kernel executes them:
