@@ -468,6 +468,11 @@ type InstallRequest struct {
 	// already open. For an engine that derives the moved text
 	// (InstallResponse.VisibleText).
 	TextFrom map[string]int `json:"text_from,omitempty"`
+	// Last says that no other install of the migration follows inside
+	// the pause: an engine may wake the streams pre-attached to these
+	// requests at once, rather than once installs stop coming, so that
+	// their first events go out while the Host checks the copied KV.
+	Last bool `json:"last,omitempty"`
 }
 
 // InstallResponse lists what was installed.

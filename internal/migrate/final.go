@@ -209,15 +209,22 @@ func (m *migration) moveState(ctx context.Context) ([]movedState, error) {
 	if err != nil {
 		return nil, fmt.Errorf("export the source's state (with its pause): %w", err)
 	}
-	chunks := stateChunks(rest)
+	var chunks [][]string
+	if len(rest) > 0 {
+		chunks = stateChunks(rest)
+	}
 	out := make([][]movedState, len(parts)+len(chunks))
 	errs := make([]error, len(out))
+	// The only install is the pause's last: the target wakes the streams
+	// pre-attached to it at once (several side by side, it waits until
+	// they stop coming).
+	last := len(out) == 1
 	sideBySide(len(out), func(i int) {
 		if i < len(parts) {
-			out[i], errs[i] = m.installChunk(ctx, parts[i].ids, parts[i].raw, time.Now(), time.Now())
+			out[i], errs[i] = m.installChunk(ctx, parts[i].ids, parts[i].raw, time.Now(), time.Now(), last)
 			return
 		}
-		out[i], errs[i] = m.moveChunk(ctx, chunks[i-len(parts)])
+		out[i], errs[i] = m.moveChunk(ctx, chunks[i-len(parts)], last)
 	})
 	var all []movedState
 	for i := range out {
@@ -348,7 +355,7 @@ func sideBySide(n int, fn func(i int)) {
 // reserved per request id, so nothing in it needs rewriting. The Host
 // reads only what splicing and the end-to-end check need, while the
 // target installs.
-func (m *migration) moveChunk(ctx context.Context, ids []string) ([]movedState, error) {
+func (m *migration) moveChunk(ctx context.Context, ids []string, last bool) ([]movedState, error) {
 	var raw []byte
 	start := time.Now()
 	for attempt := 0; ; attempt++ {
@@ -372,18 +379,22 @@ func (m *migration) moveChunk(ctx context.Context, ids []string) ([]movedState, 
 			return nil, fmt.Errorf("export the source's state: %w", err)
 		}
 	}
-	return m.installChunk(ctx, ids, raw, start, time.Now())
+	return m.installChunk(ctx, ids, raw, start, time.Now(), last)
 }
 
 // installChunk installs the exported requests ids (raw: the export's
 // answer for them, exported from start until exported) on the target,
-// paused, and returns what the Host reads of their states.
-func (m *migration) installChunk(ctx context.Context, ids []string, raw []byte, start, exported time.Time) ([]movedState, error) {
+// paused, and returns what the Host reads of their states. last: the
+// pause's last install (hooks.InstallRequest.Last).
+func (m *migration) installChunk(ctx context.Context, ids []string, raw []byte, start, exported time.Time, last bool) ([]movedState, error) {
 	if len(raw) < 2 || raw[0] != '{' {
 		return nil, fmt.Errorf("export the source's state: unreadable answer")
 	}
-	// {"cursor":…,"requests":[…]} → {"resume":false,"lease_ms":…,"text_from":{…},"cursor":…,"requests":[…]}
+	// {"cursor":…,"requests":[…]} → {"resume":false,"lease_ms":…,"last":…,"text_from":{…},"cursor":…,"requests":[…]}
 	head := fmt.Sprintf(`{"resume":false,"lease_ms":%d,`, m.o.cfg.PauseLease/time.Millisecond)
+	if last {
+		head += `"last":true,`
+	}
 	if at := m.hold(ids); len(at) > 0 {
 		b, _ := json.Marshal(at)
 		head += `"text_from":` + string(b) + `,`

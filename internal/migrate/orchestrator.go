@@ -179,9 +179,11 @@ func (m *migration) run() {
 		since, err = m.checkCopied(ctx, since)
 	}
 	if staged != nil {
+		checked := time.Now()
 		<-staged
 		if err == nil {
 			m.topUpStage(ctx)
+			since, err = m.roundAfterStage(ctx, since, time.Since(checked))
 		}
 	}
 	var c committed

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"time"
 
 	"go.uber.org/zap"
@@ -32,6 +33,31 @@ func (m *migration) topUpStage(ctx context.Context) {
 	if done := m.stage(ctx, true); done != nil {
 		<-done
 	}
+}
+
+// roundAfterStage copies, before the pause, what the source wrote while
+// the Host waited for the stage and its top-up after the check (waited):
+// without it the final round carried all of that inside the pause — at
+// the seed's cut load on an H100 the check and the stages took 0.4 s
+// after the last round, and the final round moved 669–743 blocks, 7.5–14 %
+// of round 0 (2026-12-06). It runs when the wait outlasted CatchUpRatio ×
+// the last copy round (CatchUpRounds 0: never), like the check's catch-up,
+// and returns the cursor the final round copies from. The pause's check
+// covers what it copies: every token after the boundary the check before
+// the pause drew.
+func (m *migration) roundAfterStage(ctx context.Context, since uint64, waited time.Duration) (uint64, error) {
+	if m.o.cfg.CatchUpRounds == 0 || waited <= time.Duration(m.o.cfg.CatchUpRatio*float64(m.lastRound())) {
+		return since, nil
+	}
+	if err := ctx.Err(); err != nil {
+		return since, m.interrupted(ctx, "copy round after the stage")
+	}
+	r, err := m.copyRound(ctx, roundIncremental, since, false, "")
+	if err != nil {
+		return since, fmt.Errorf("copy round after the stage: %w", err)
+	}
+	m.log.Debug("copied what the source wrote during the stage", zap.Duration("waited", waited), zap.Int32("blocks", r.GetBlockCount()))
+	return r.GetCursor(), nil
 }
 
 // stage exports snapshots of the moving requests from the source in chunks

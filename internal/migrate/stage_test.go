@@ -1,13 +1,21 @@
 package migrate
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"reflect"
 	"strings"
 	"testing"
+	"time"
+
+	"go.uber.org/zap"
+	"google.golang.org/grpc"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
+	"github.com/vllm-hi/vllm-hi/internal/agentclient"
 )
 
 // The export in the pause asks for the tokens after those the target's
@@ -131,5 +139,47 @@ func TestThePauseExportsOnlyWhatTheTargetStagedAll(t *testing.T) {
 	}
 	if e := m.exportWithPause(nil); e != nil {
 		t.Fatalf("nothing moving: %+v", e)
+	}
+}
+
+// roundingAgent answers CopyRound with a cursor one past the one it was
+// given, and counts the rounds.
+type roundingAgent struct {
+	v1.AgentClient
+	rounds int
+}
+
+func (r *roundingAgent) CopyRound(_ context.Context, req *v1.CopyRoundRequest, _ ...grpc.CallOption) (*v1.CopyRoundResponse, error) {
+	r.rounds++
+	return &v1.CopyRoundResponse{Cursor: req.GetSinceCursor() + 1, BlockCount: 3}, nil
+}
+
+// The stage's wait after the check is copied before the pause when it
+// outlasted CatchUpRatio × the last round, and not otherwise (nor with
+// catch-up rounds off); the final round then copies from the new cursor.
+func TestWhatTheSourceWroteDuringTheStageIsCopiedBeforeThePause(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		waited  time.Duration
+		rounds  int
+		catchUp int
+		want    uint64
+	}{
+		{"a short stage", 15 * time.Millisecond, 0, 2, 7},
+		{"a long stage", 25 * time.Millisecond, 1, 2, 8},
+		{"catch-up rounds off", time.Second, 0, 0, 7},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			src := &roundingAgent{}
+			cfg := DefaultConfig()
+			cfg.CatchUpRounds = tc.catchUp
+			m := &migration{log: zap.NewNop(), o: &Orchestrator{cfg: cfg, ctx: context.Background()}, srcA: agentclient.Agent{RPC: src},
+				moving: map[string]*v1.RequestBlocks{"a": {RequestId: "a"}}}
+			m.st.Rounds = []hostapi.Round{{Kind: roundIncremental, DurationS: 0.010}} // × 2 = 20 ms
+			got, err := m.roundAfterStage(context.Background(), 7, tc.waited)
+			if err != nil || got != tc.want || src.rounds != tc.rounds {
+				t.Fatalf("cursor %d, %d rounds (%v); want %d, %d", got, src.rounds, err, tc.want, tc.rounds)
+			}
+		})
 	}
 }

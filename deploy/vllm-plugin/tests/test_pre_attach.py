@@ -81,6 +81,33 @@ class PreAttachTest(unittest.TestCase):
         finally:
             hooks.WAKE_AFTER_S = saved
 
+    def test_the_pauses_last_install_wakes_its_streams_at_once(self):
+        async def run():
+            h = _hooks()
+            h.chunk = lambda inst, hid, text, finish, stop, n, token_ids=None: f"[{text}]"
+            gens = {r: await h.attach(r, -1, 5000) for r in ("a", "b")}
+            firsts = {r: asyncio.ensure_future(g.__anext__()) for r, g in gens.items()}
+            await asyncio.sleep(0.01)
+            for r in gens:
+                inst = hooks.Installed([5, 6], "abcd", [2, 4], _Queue(), prompt_len=3, meta={"include_usage": False})
+                inst.text_from = 2
+                h.installed[r] = inst
+            h._wake_soon(["a", "b"])  # what every install does
+            h._wake_now()  # what the last one does besides
+            self.assertIsNone(h.wake_timer)
+            self.assertEqual(await asyncio.wait_for(asyncio.gather(*firsts.values()), 0.2), ["[cd]", "[cd]"])
+            for r, g in gens.items():  # the events sent: the streams go on
+                await h.installed[r].queue.items.put(_Out("e", finished=True))
+                self.assertEqual([c async for c in g], ["[e]", "data: [DONE]\n\n"])
+            self.assertIsNone(h.waking, "the wake's count of first events did not reach the streams it woke")
+
+        saved = hooks.WAKE_AFTER_S
+        hooks.WAKE_AFTER_S = 30  # a debounced wake would not come within the test
+        try:
+            asyncio.run(run())
+        finally:
+            hooks.WAKE_AFTER_S = saved
+
     def test_a_pre_attach_needs_a_wait(self):
         async def run():
             for wait in (0, 600_001):

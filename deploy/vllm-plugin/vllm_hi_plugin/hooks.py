@@ -12,6 +12,7 @@ output queues of installed requests that `/stream?from=K` serves.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import json
 import logging
@@ -36,10 +37,36 @@ class _Silenced(Exception):
 # A hook call in a migration's pause that takes longer than this logs
 # where its time went.
 SLOW_HOOK_MS = 50.0
+# An install inside the pause is logged from this long on (its HTTP half
+# took 10–33 ms for 256 requests on H100 hosts, 2026-12-06).
+INSTALL_SLOW_MS = 5.0
 # How long after the last install the pre-attached streams of the requests
 # installed wake (Hooks._wake_soon): a migration's install chunks come a few
 # milliseconds apart.
 WAKE_AFTER_S = 0.004
+
+
+class GCTime:
+    """The time this process spent in garbage collections (a gc callback):
+    a collection that lands inside a hook call inside the pause is the
+    pause's, and only a log can tell it from the call's own work."""
+
+    total_ms = 0.0
+    _t0 = 0.0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if not cls._installed:
+            cls._installed = True
+            gc.callbacks.append(cls._callback)
+
+    @classmethod
+    def _callback(cls, phase, _info) -> None:
+        if phase == "start":
+            cls._t0 = time.perf_counter()
+        else:
+            cls.total_ms += (time.perf_counter() - cls._t0) * 1e3
 
 
 class Phases:
@@ -48,6 +75,7 @@ class Phases:
 
     def __init__(self):
         self.t0 = time.perf_counter()
+        self.gc0 = GCTime.total_ms
         self.parts: dict[str, float] = {}
 
     def add(self, name: str, ms: float) -> None:
@@ -61,10 +89,11 @@ class Phases:
 
     def line(self, op: str, n: int) -> str:
         parts = ", ".join(f"{k} {v:.1f}" for k, v in self.parts.items())
-        return f"vllm_hi {op} of {n} requests took {self.since_start():.1f} ms ({parts} ms)"
+        return (f"vllm_hi {op} of {n} requests took {self.since_start():.1f} ms ({parts} ms; "
+                f"garbage collections {GCTime.total_ms - self.gc0:.1f} ms)")
 
-    def log_if_slow(self, op: str, n: int) -> None:
-        if self.since_start() >= SLOW_HOOK_MS:
+    def log_if_slow(self, op: str, n: int, slow_ms: float = SLOW_HOOK_MS) -> None:
+        if self.since_start() >= slow_ms:
             LOG.info("%s", self.line(op, n))
 
 
@@ -94,6 +123,7 @@ class Installed:
 
 class Hooks:
     def __init__(self, engine_client, state, args, token: str = ""):
+        GCTime.install()
         self.ec = engine_client
         self.state = state
         self.args = args
@@ -106,6 +136,9 @@ class Hooks:
         self.awaiting: dict[str, asyncio.Event] = {}
         self.to_wake: list[str] = []
         self.wake_timer = None
+        # (start, streams woken, streams whose first event went out): see
+        # _first_event_out.
+        self.waking = None
 
     def authorized(self, header: str | None) -> bool:
         """The hooks need the agent's credential (Authorization: Bearer,
@@ -474,7 +507,14 @@ class Hooks:
             if armed:
                 out["text_from"] = armed
             self._wake_soon(out.get("installed", []))
-            ph.log_if_slow("install", len(states))
+            if body.get("last"):
+                # The pause's last install (the Host says so when it sends
+                # one): no more chunks to keep the loop free for, and the
+                # woken streams' first events go out while the Host checks
+                # the copied KV instead of after its commit.
+                self._wake_now()
+            # Inside the pause: logged from a few milliseconds on.
+            ph.log_if_slow("install", len(states), INSTALL_SLOW_MS)
             return out
         except BaseException:
             for rid in added:
@@ -633,16 +673,38 @@ class Hooks:
             self.wake_timer.cancel()
         self.wake_timer = asyncio.get_running_loop().call_later(WAKE_AFTER_S, self._wake_pending)
 
+    def _wake_now(self) -> None:
+        if self.wake_timer is not None:
+            self.wake_timer.cancel()
+        self._wake_pending()
+
     def _wake_pending(self) -> None:
         hids, self.to_wake, self.wake_timer = self.to_wake, [], None
         self._wake_pre_attached(hids)
 
     def _wake_pre_attached(self, hids) -> None:
         """Answers the pre-attached streams of requests just installed."""
-        for h in hids:
-            ev = self.awaiting.get(h)
-            if ev is not None:
-                ev.set()
+        woken = [h for h in hids if h in self.awaiting]
+        if woken:
+            # How long until the last of them has its first event out: that
+            # writing queues on this loop with the engine's first outputs.
+            self.waking = (time.perf_counter(), len(woken), 0)
+        for h in woken:
+            self.awaiting[h].set()
+
+    def _first_event_out(self) -> None:
+        """A woken pre-attached stream sent its first event (or found it had
+        none to send): the last of a wake's logs how long they took."""
+        if self.waking is None:
+            return
+        t0, n, done = self.waking
+        done += 1
+        self.waking = (t0, n, done)
+        if done == n:
+            self.waking = None
+            ms = (time.perf_counter() - t0) * 1e3
+            LOG.log(logging.INFO if ms >= INSTALL_SLOW_MS else logging.DEBUG,
+                    "vllm_hi woke %d pre-attached streams: their first events out in %.1f ms", n, ms)
 
     async def attach(self, hid: str, start: int, wait_ms: int = 0, text_from: int = -1):
         """The stream of a request installed here from output index start;
@@ -668,7 +730,8 @@ class Hooks:
         """A pre-attach's body: its answer's head went out before the pause
         (256 answers started inside it cost the target's API server tens of
         milliseconds there); the install wakes it (_wake_soon)."""
-        if hid not in self.installed:
+        waited = hid not in self.installed
+        if waited:
             ev = self.awaiting.setdefault(hid, asyncio.Event())
             try:
                 await asyncio.wait_for(ev.wait(), wait_ms / 1000.0)
@@ -686,16 +749,17 @@ class Hooks:
         try:
             # Held by the Host's relay where the install said: the stream
             # opens with the moved text the client lacks.
-            gen = self._open(hid, len(inst.output_ids), inst.text_from)
+            gen = self._open(hid, len(inst.output_ids), inst.text_from, woken=waited)
         except HookError as e:
             yield _error_event(e)
             return
         async for c in gen:
             yield c
 
-    def _open(self, hid: str, start: int, text_from: int):
+    def _open(self, hid: str, start: int, text_from: int, woken: bool = False):
         """The stream of installed request hid from output index start (and
-        text_from, see attach)."""
+        text_from, see attach); woken: a pre-attached stream the install
+        woke (_first_event_out)."""
         inst = self.installed.get(hid)
         if inst is None:
             raise HookError(404, f"Request {hid} was not installed here.", "request_id")
@@ -728,6 +792,8 @@ class Hooks:
                 # Host's relay that it no longer knows the stream's tokens.
                 ids = inst.output_ids[start:n] if start < n else None
                 yield self.chunk(inst, hid, inst.text[lo:hi], None, None, done_tokens, ids)
+            if woken:
+                self._first_event_out()
             while True:
                 out = inst.queue.get_nowait() or await inst.queue.get()
                 o = out.outputs[0]
