@@ -446,35 +446,42 @@ func planStaging(lay hooks.Layout, blocks []hashBlock, layouts *stagedLayouts) (
 // hash hashes each block's canonical sequence from the staged bytes,
 // shared among the cores.
 func (st *staging) hash(host []byte, out []uint64) {
-	n := len(st.blocks)
+	inParts(len(st.blocks), func(first, end int) {
+		d := xxhash.New()
+		for i := first; i < end; i++ {
+			b := st.blocks[i]
+			d.Reset()
+			// Pieces that follow each other in the staged bytes are
+			// one write (the whole block, in head-major layouts).
+			lo, hi := int64(-1), int64(-1)
+			for _, p := range b.lay.pieces {
+				at := b.at + p.off
+				if at != hi {
+					if lo >= 0 {
+						_, _ = d.Write(host[lo:hi])
+					}
+					lo = at
+				}
+				hi = at + p.length
+			}
+			if lo >= 0 {
+				_, _ = d.Write(host[lo:hi])
+			}
+			out[i] = d.Sum64()
+		}
+	})
+}
+
+// inParts runs fn over [0, n) in contiguous parts, one per core (parts of
+// at least 16), side by side, and waits for them.
+func inParts(n int, fn func(first, end int)) {
 	workers := min(runtime.GOMAXPROCS(0), max(1, n/16))
 	var wg sync.WaitGroup
 	for w := range workers {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			d := xxhash.New()
-			for i := w * n / workers; i < (w+1)*n/workers; i++ {
-				b := st.blocks[i]
-				d.Reset()
-				// Pieces that follow each other in the staged bytes are
-				// one write (the whole block, in head-major layouts).
-				lo, hi := int64(-1), int64(-1)
-				for _, p := range b.lay.pieces {
-					at := b.at + p.off
-					if at != hi {
-						if lo >= 0 {
-							_, _ = d.Write(host[lo:hi])
-						}
-						lo = at
-					}
-					hi = at + p.length
-				}
-				if lo >= 0 {
-					_, _ = d.Write(host[lo:hi])
-				}
-				out[i] = d.Sum64()
-			}
+			fn(w*n/workers, (w+1)*n/workers)
 		}()
 	}
 	wg.Wait()

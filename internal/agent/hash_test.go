@@ -15,28 +15,7 @@ import (
 // after its K gathers one stretch per layer and block, not one per slot.
 func TestStagedHashMatchesTheCanonicalWalk(t *testing.T) {
 	g := kvlayout.Geometry{Layers: 3, KVHeads: 4, HeadDim: 4, DTypeBytes: 2, BlockSize: 4, NumBlocks: 9}
-	hs := int64(g.HeadSlotBytes())
-	h, n, nb := int64(g.KVHeads), int64(g.BlockSize), int64(g.NumBlocks)
-	blk := 2 * h * n * hs
-	one := func(layer, kv, block, head, slot int64) hooks.Layout {
-		return hooks.Layout{Geometry: g, Regions: []hooks.Region{{NumLayers: g.Layers, NumHeads: g.KVHeads, Size: blk * nb * int64(g.Layers),
-			LayerStride: layer, KVStride: kv, BlockStride: block, HeadStride: head, SlotStride: slot}}}
-	}
-	layouts := map[string]hooks.Layout{
-		"[2,B,N,H,D]": one(blk*nb, blk/2*nb, blk/2, hs, h*hs),
-		"[2,B,H,N,D]": one(blk*nb, blk/2*nb, blk/2, n*hs, hs),
-		"[B,H,N,2D]":  one(blk*nb, hs, blk, 2*n*hs, 2*hs),
-		"[B,N,H,2D]":  one(blk*nb, hs, blk, 2*hs, 2*h*hs),
-	}
-	// TP2: heads 0-1 and 2-3 in regions of their own (head-major).
-	var tp hooks.Layout
-	tp.Geometry = g
-	for _, sh := range kvlayout.Shards(kvlayout.Parallel{TP: 2, PP: 1}) {
-		rl := kvlayout.NewRegionLayout(g, sh)
-		tp.Regions = append(tp.Regions, hooks.Region{FirstLayer: rl.FirstLayer, NumLayers: rl.NumLayers, FirstHead: rl.FirstHead, NumHeads: rl.NumHeads,
-			Size: rl.Size(), LayerStride: rl.LayerStride(), KVStride: rl.KVStride(), BlockStride: rl.BlockStride(), HeadStride: rl.HeadStride(), SlotStride: hs})
-	}
-	layouts["TP2 head-major"] = tp
+	layouts := testLayouts(g)
 
 	rng := rand.New(rand.NewPCG(3, 4))
 	var blocks []hashBlock
@@ -98,4 +77,31 @@ func TestStagedHashMatchesTheCanonicalWalk(t *testing.T) {
 			}
 		}
 	}
+}
+
+// testLayouts lays out g's KV every way vLLM's backends do (one region),
+// and as TP2 shards in two regions (heads 0-1 and 2-3, head-major).
+func testLayouts(g kvlayout.Geometry) map[string]hooks.Layout {
+	hs := int64(g.HeadSlotBytes())
+	h, n, nb := int64(g.KVHeads), int64(g.BlockSize), int64(g.NumBlocks)
+	blk := 2 * h * n * hs
+	one := func(layer, kv, block, head, slot int64) hooks.Layout {
+		return hooks.Layout{Geometry: g, Regions: []hooks.Region{{NumLayers: g.Layers, NumHeads: g.KVHeads, Size: blk * nb * int64(g.Layers),
+			LayerStride: layer, KVStride: kv, BlockStride: block, HeadStride: head, SlotStride: slot}}}
+	}
+	layouts := map[string]hooks.Layout{
+		"[2,B,N,H,D]": one(blk*nb, blk/2*nb, blk/2, hs, h*hs),
+		"[2,B,H,N,D]": one(blk*nb, blk/2*nb, blk/2, n*hs, hs),
+		"[B,H,N,2D]":  one(blk*nb, hs, blk, 2*n*hs, 2*hs),
+		"[B,N,H,2D]":  one(blk*nb, hs, blk, 2*hs, 2*h*hs),
+	}
+	var tp hooks.Layout
+	tp.Geometry = g
+	for _, sh := range kvlayout.Shards(kvlayout.Parallel{TP: 2, PP: 1}) {
+		rl := kvlayout.NewRegionLayout(g, sh)
+		tp.Regions = append(tp.Regions, hooks.Region{FirstLayer: rl.FirstLayer, NumLayers: rl.NumLayers, FirstHead: rl.FirstHead, NumHeads: rl.NumHeads,
+			Size: rl.Size(), LayerStride: rl.LayerStride(), KVStride: rl.KVStride(), BlockStride: rl.BlockStride(), HeadStride: rl.HeadStride(), SlotStride: hs})
+	}
+	layouts["TP2 head-major"] = tp
+	return layouts
 }

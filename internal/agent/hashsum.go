@@ -3,8 +3,6 @@ package agent
 import (
 	"errors"
 	"fmt"
-	"runtime"
-	"sync"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/internal/cuda"
@@ -126,25 +124,17 @@ func sumMapped(data [][]byte, lay hooks.Layout, blocks []hashBlock) ([]uint64, e
 		}
 	}
 	sums := make([]uint64, len(blocks))
-	n := len(blocks)
-	workers := min(runtime.GOMAXPROCS(0), max(1, n/16))
-	var wg sync.WaitGroup
-	for w := range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := w * n / workers; i < (w+1)*n/workers; i++ {
-				b := blocks[i]
-				var sum, at uint64
-				for _, p := range pieces[b.slots] {
-					off := p.off + b.id*lay.Regions[p.region].BlockStride
-					sum = kvsum.Add(sum, data[p.region][off:off+p.length], at)
-					at += uint64(p.length / 8)
-				}
-				sums[i] = sum
+	inParts(len(blocks), func(first, end int) {
+		for i := first; i < end; i++ {
+			b := blocks[i]
+			var sum, at uint64
+			for _, p := range pieces[b.slots] {
+				off := p.off + b.id*lay.Regions[p.region].BlockStride
+				sum = kvsum.Add(sum, data[p.region][off:off+p.length], at)
+				at += uint64(p.length / 8)
 			}
-		}()
-	}
-	wg.Wait()
+			sums[i] = sum
+		}
+	})
 	return sums, nil
 }

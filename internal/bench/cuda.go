@@ -29,7 +29,9 @@ func newBenchCUDACopyCommand() *cobra.Command {
 target block through the cuda_ipc copier: in batches (cuMemcpyBatchAsync)
 and one cuMemcpyAsync per block, and compares both with one large copy of
 the same bytes. Each figure is the median of --reps; sampled blocks are
-checked byte for byte after the copy. Needs two GPUs of one node (or one:
+checked byte for byte after the copy. A last row reads the source's blocks,
+in a random order, with the integrity check's hash kernel (vhi_kvsum; block
+sizes of whole 512-byte K/V pairs). Needs two GPUs of one node (or one:
 --dst-device equal to --src-device).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -182,6 +184,40 @@ func benchOneSize(w io.Writer, drv *cuda.Lib, srcDev, dstDev int, src, dst cuda.
 			}
 		}
 	}
+	return benchKVSum(w, drv, srcDev, stream, src, bsz, blocks, reps, base, label)
+}
+
+// benchKVSum times the integrity check's hash kernel (vhi_kvsum) over the
+// source's blocks taken in a random order: each block one task of K and V
+// halves of 256-byte head slots (what a block of one layer and one KV head
+// is; the check's real tasks hold every layer and head of a block).
+func benchKVSum(w io.Writer, drv *cuda.Lib, dev int, stream cuda.Stream, src cuda.DevicePtr, bsz uint64, blocks, reps int, base time.Duration, label string) error {
+	const hsb = 256
+	if bsz%(2*hsb) != 0 {
+		return nil // not whole head slots: no row
+	}
+	perm := rand.New(rand.NewPCG(9, 2)).Perm(blocks)
+	tasks := make([]cuda.SumTask, blocks)
+	for i, b := range perm {
+		tasks[i] = cuda.SumTask{Base: src + cuda.DevicePtr(uint64(b)*bsz), KVStride: bsz / 2, SlotStride: hsb,
+			NumLayers: 1, NumHeads: 1, Slots: uint32(bsz / 2 / hsb), Out: uint32(i)}
+	}
+	sums := make([]uint64, blocks)
+	shape := cuda.SumShape{KVHeads: 1, Words: hsb / 8}
+	var ds []time.Duration
+	for r := 0; r < reps+1; r++ { // the first is a warm-up
+		start := time.Now()
+		if err := drv.KVSum(dev, stream, shape, tasks, sums); err != nil {
+			return fmt.Errorf("KV sum kernel: %w", err)
+		}
+		if r > 0 {
+			ds = append(ds, time.Since(start))
+		}
+	}
+	sort.Slice(ds, func(a, b int) bool { return ds[a] < ds[b] })
+	d := ds[len(ds)/2]
+	bytes := float64(bsz) * float64(blocks)
+	fmt.Fprintf(w, "%-12s %-28s %10s %10.1f %8.0f%%\n", label, "scattered, check's hash (read)", d.Round(time.Microsecond), bytes/d.Seconds()/1e9, 100*base.Seconds()/d.Seconds())
 	return nil
 }
 

@@ -374,14 +374,15 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 				p.m.UpstreamErrors.WithLabelValues(up.Model, "idle").Inc()
 				// A hung engine is as good as a dead one: the stream goes on
 				// from another where it can.
-				if next := p.failover(ctx, s); next.body != nil {
+				next := p.failover(ctx, s)
+				if next.body != nil {
 					goOn(next)
 					watchdog.stop() // fired: a new one watches the new engine
 					watchdog = newIdleWatchdog(p.idleTimeout, s.cancelUpstream)
 					defer watchdog.stop()
 					continue
 				}
-				p.writeStreamError(w, rc, fmt.Sprintf("the engine sent nothing for %v after %d tokens", p.idleTimeout, res.Tokens))
+				p.writeStreamError(w, rc, fmt.Sprintf("the engine sent nothing for %v after %d tokens%s", p.idleTimeout, res.Tokens, next.failedOver()))
 				res.Truncated = true
 				return res
 			}
@@ -396,7 +397,8 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 				onTarget = true
 				continue
 			}
-			if next := p.failover(ctx, s); next.body != nil {
+			next := p.failover(ctx, s)
+			if next.body != nil {
 				goOn(next) // the engine died
 				continue
 			}
@@ -406,7 +408,7 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 			}
 			p.m.UpstreamErrors.WithLabelValues(up.Model, kind).Inc()
 			p.log.Warn("upstream stream ended early", zap.String("instance", up.InstanceID), zap.Error(err), zap.Int("tokens", res.Tokens))
-			p.writeStreamError(w, rc, fmt.Sprintf("the engine stream ended unexpectedly after %d tokens: %v", res.Tokens, err))
+			p.writeStreamError(w, rc, fmt.Sprintf("the engine stream ended unexpectedly after %d tokens: %v%s", res.Tokens, err, next.failedOver()))
 			res.Truncated = true
 			return res
 		}
@@ -572,12 +574,24 @@ func (p *Proxy) SetRecover(recover RecoverFunc) { p.recover = recover }
 type recovered struct {
 	body   io.ReadCloser
 	replay bool
+	why    error // a failover that failed: why
+}
+
+// failedOver is what a stream's final error event adds when a failover
+// was tried and failed: why the stream could not go on elsewhere (say, a
+// structured-output request, which no survivor can take mid-grammar).
+func (r recovered) failedOver() string {
+	if r.why == nil {
+		return ""
+	}
+	return "; it could not go on on another engine: " + r.why.Error()
 }
 
 // failover moves a stream whose upstream broke to another engine and
 // returns that engine's stream, from the client's next token or, for a
 // replay, from the start; no body when there is no failover or it failed
-// (the caller ends the stream with an error).
+// (the caller ends the stream with an error, and why it could not go on
+// elsewhere where a failover was tried: failedOver).
 func (p *Proxy) failover(ctx context.Context, s *Stream) recovered {
 	if p.recover == nil {
 		return recovered{}
@@ -587,7 +601,7 @@ func (p *Proxy) failover(ctx context.Context, s *Stream) recovered {
 	s.mu.Unlock()
 	rec, err := p.recover(ctx, s, sent, text)
 	if err != nil {
-		return recovered{}
+		return recovered{why: err}
 	}
 	actx, cancel := context.WithCancel(ctx)
 	var body io.ReadCloser
@@ -610,7 +624,7 @@ func (p *Proxy) failover(ctx context.Context, s *Stream) recovered {
 		cancel()
 		p.log.Warn("opening the recovered stream failed", zap.String("request_id", s.ID), zap.String("instance", rec.Instance),
 			zap.Bool("replay", rec.Replay), zap.Error(err))
-		return recovered{}
+		return recovered{why: fmt.Errorf("open the stream on %s: %w", rec.Instance, err)}
 	}
 	s.mu.Lock()
 	s.cancelA, s.Instance = cancel, rec.Instance

@@ -2,6 +2,7 @@ package conformance
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -13,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/internal/host"
 )
 
@@ -70,36 +72,91 @@ func TestAKilledVLLMEnginesStreamsGoOnElsewhere(t *testing.T) {
 		}
 	}
 
-	const n = 6
-	want := runFailoverStreams(t, hostURL, n, nil)
+	// n greedy streams, then guided ones (structured outputs: the grammar's
+	// position is in no state a survivor can take).
+	const n, guided = 6, 4
+	want := runFailoverStreams(t, hostURL, n, guided, nil)
 	for i, w := range want {
 		if strings.Contains(w.raw, "token_ids\":[") {
 			t.Fatalf("stream %d: the client got token ids it did not ask for: %s", i, w.raw[:min(len(w.raw), 300)])
 		}
 	}
 	victim := engines[0]
-	got := runFailoverStreams(t, hostURL, n, func() {
+	got := runFailoverStreams(t, hostURL, n, guided, func() {
 		// Past a snapshot (the sampling state comes from one), well before
 		// the streams end.
 		time.Sleep(900 * time.Millisecond)
+		// The engine running more of the guided streams dies, so that
+		// their failover is exercised whatever the Host's round-robin did.
+		if guidedOn(t, engines[1].url) > guidedOn(t, engines[0].url) {
+			victim = engines[1]
+		}
 		if err := syscall.Kill(-victim.pgid, syscall.SIGKILL); err != nil {
 			t.Errorf("kill the engine's process group: %v", err)
 		}
 	})
-	sameStreams(t, want, got)
+	sameStreams(t, want[:n], got[:n])
+	// A guided stream on the killed engine that had tokens ends with an
+	// error event (the survivor refuses its install) and never goes on
+	// under a grammar started over; one on the survivor, or one with no
+	// token yet (replayed), finishes as the unfailed run did.
+	ended := 0
+	for i := n; i < n+guided; i++ {
+		switch {
+		case strings.Contains(got[i].raw, `{"error":`):
+			ended++
+			if !strings.HasPrefix(want[i].text, got[i].text) {
+				t.Errorf("guided stream %d ended with an error event after text its unfailed run never had: %q", i, got[i].text)
+			}
+			if !strings.Contains(got[i].raw, "structured output") {
+				t.Errorf("guided stream %d's error event does not say why it could not go on: %s", i, got[i].raw[max(0, len(got[i].raw)-400):])
+			}
+		case got[i].done:
+			if got[i].text != want[i].text {
+				t.Errorf("guided stream %d finished with other text than its unfailed run:\n got  %q\n want %q\n its last events: %s", i, got[i].text, want[i].text, got[i].raw[max(0, len(got[i].raw)-600):])
+			}
+		default:
+			t.Errorf("guided stream %d ended with neither [DONE] nor an error event: %q", i, got[i].raw[max(0, len(got[i].raw)-300):])
+		}
+	}
+	t.Logf("%d of %d guided streams ended with an error event (on the killed engine, with tokens)", ended, guided)
+	if ended == 0 {
+		t.Errorf("no guided stream was on the killed engine with tokens: their failover went untested")
+	}
 	metrics := hostGet(t, hostURL+"/metrics")
+	if ended > 0 && !strings.Contains(metrics, `vhi_failovers_total{outcome="failed"} `) {
+		t.Errorf("guided streams ended with an error event, but no failover counted as failed:\n%s", grepLines(metrics, "vhi_failover"))
+	}
 	if !strings.Contains(metrics, `vhi_failovers_total{outcome="recovered"}`) {
 		t.Fatalf("no stream was recovered (the killed engine had none?):\n%s", grepLines(metrics, "vhi_failover"))
 	}
 	t.Logf("killed %s; %s", ids[victim.url], strings.ReplaceAll(grepLines(metrics, "vhi_failovers_total"), "\n", "; "))
 }
 
-// runFailoverStreams runs n greedy streams, completions and chat in turn
-// (spread over the model's engines by the Host), and calls during once
-// each had its first token.
-func runFailoverStreams(t *testing.T, hostURL string, n int, during func()) []streamResult {
+// guidedOn counts the structured-output requests an engine runs (its
+// request list names them unmovable).
+func guidedOn(t *testing.T, engine string) int {
 	t.Helper()
-	reqs := make([]streamRequest, n)
+	var list hooks.RequestList
+	if err := json.Unmarshal(send(t, "GET", engine+hooks.PathRequests, "").body, &list); err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, r := range list.Requests {
+		if r.Unmovable != "" {
+			n++
+		}
+	}
+	return n
+}
+
+// runFailoverStreams runs n greedy streams, completions and chat in turn,
+// then guided greedy completions (a regular expression), all spread over
+// the model's engines by the Host, and calls during once each had its
+// first token.
+func runFailoverStreams(t *testing.T, hostURL string, n, guided int, during func()) []streamResult {
+	t.Helper()
+	reqs := make([]streamRequest, n, n+guided)
 	for i := range reqs {
 		reqs[i] = streamRequest{path: "/v1/completions",
 			body: fmt.Sprintf(`{"model":"tiny","prompt":"failover number %d failover","max_tokens":400,"temperature":0,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, i)}
@@ -107,6 +164,11 @@ func runFailoverStreams(t *testing.T, hostURL string, n int, during func()) []st
 			reqs[i] = streamRequest{path: "/v1/chat/completions",
 				body: fmt.Sprintf(`{"model":"tiny","messages":[{"role":"user","content":"failover chat %d"}],"max_tokens":400,"temperature":0,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, i)}
 		}
+	}
+	for i := range guided {
+		reqs = append(reqs, streamRequest{path: "/v1/completions",
+			body: fmt.Sprintf(`{"model":"tiny","prompt":"guided number %d","max_tokens":400,"temperature":0,"stream":true,`+
+				`"structured_outputs":{"regex":"[a-z ]{400}"}}`, i)})
 	}
 	return runRequests(t, hostURL, reqs, 0, during)
 }

@@ -5,7 +5,7 @@ a snapshot --since tokens older than the install) and then installed in
 chunks of 32, as the Host sends them. The engine core is a stand-in that
 decodes the payload it is sent (the JSON both loops pay for) and answers.
 
-    python bench_api_install.py [--requests 256] [--prompt 100] [--output 1024] [--since 4] [--skip-engine-core] [--plugin DIR]
+    python bench_api_install.py [--requests 256] [--prompt 100] [--output 1024] [--since 4] [--skip-engine-core] [--tails] [--chunk 32] [--plugin DIR]
 
 --plugin: the directory holding the vllm_hi_plugin package to measure
 (default: this checkout's), e.g. an older commit's from `git archive`.
@@ -77,9 +77,19 @@ async def run(args, tok) -> float:
                                         "response": {"kind": "completion", "model": "m", "created": 1}}))
     await h.stage({"requests": exported(states, args.output - args.since, True)})
     final = exported(states, args.output, False)
+    if args.tails:
+        # As the Host's export with the pause sends them: the tokens after
+        # those the stage holds, and where they start.
+        from vllm_hi_plugin.wire import decode_ints, encode_ints
+
+        staged = args.output - args.since
+        final = [{"request_id": st["request_id"], "output_from": staged,
+                  "output_token_ids": encode_ints(decode_ints(st["output_token_ids"])[staged:]),
+                  "num_computed_tokens": st["num_computed_tokens"], "rng_position": args.output,
+                  "engine_state": {"num_preemptions": 0}} for st in final]
     t0 = time.perf_counter()
-    for k in range(0, len(final), 32):
-        await h.install({"requests": final[k:k + 32], "resume": False, "skip_engine_core": args.skip_engine_core})
+    for k in range(0, len(final), args.chunk):
+        await h.install({"requests": final[k:k + args.chunk], "resume": False, "skip_engine_core": args.skip_engine_core})
     return (time.perf_counter() - t0) * 1e3
 
 
@@ -92,6 +102,9 @@ def main() -> None:
     ap.add_argument("--skip-engine-core", action="store_true",
                     help="the API server's half alone, as when the agent installs the engine core's over the core channel")
     ap.add_argument("--repeat", type=int, default=3, help="runs; the fastest is reported")
+    ap.add_argument("--chunk", type=int, default=32, help="requests per install (the Host's pause export: all in one)")
+    ap.add_argument("--tails", action="store_true",
+                    help="install the tokens since the stage alone (output_from), as the export with the pause has them")
     ap.add_argument("--plugin", default=os.path.join(os.path.dirname(__file__), ".."))
     args = ap.parse_args()
     sys.path.insert(0, os.path.abspath(args.plugin))
@@ -100,7 +113,7 @@ def main() -> None:
     tok = get_tokenizer(tiny_model())
     best = min(asyncio.run(run(args, tok)) for _ in range(args.repeat))
     print(f"{args.requests} requests of {args.prompt} + {args.output} tokens, {args.since} since the stage, "
-          f"installs of 32{' (its half alone)' if args.skip_engine_core else ''}: the API server's side {best:.1f} ms ({best / args.requests * 1e3:.0f} µs a request; "
+          f"installs of {args.chunk}{' (tails)' if args.tails else ''}{' (its half alone)' if args.skip_engine_core else ''}: the API server's side {best:.1f} ms ({best / args.requests * 1e3:.0f} µs a request; "
           f"plugin from {os.path.abspath(args.plugin)})")
 
 
