@@ -62,6 +62,7 @@ type migration struct {
 	stableTokens map[string]int
 	dstOpaque    bool // the target's blocks are opaque (see hooks.Layout)
 	dstOnGPU     bool // the target's KV is GPU memory (the check hashes it there)
+	noKVSum      bool // an agent answered a check in another scheme than kvsum64 (m.mu)
 	dstStages    bool // the target prepares installs ahead (see hooks.Layout)
 	// staged is, by request id, how many output tokens the target's stage
 	// of the request holds (its latest stage that the target took): the

@@ -304,15 +304,21 @@ func (m *migration) compare(ctx context.Context, src, dst []*v1.BlockSlots, at [
 	// hash on the CPU: 50–70 ms a side in the pause on the H100). Where
 	// either agent answers in another scheme (an older agent, a layout
 	// the kernel cannot read), both are asked again in xxhash64, which
-	// every agent serves.
+	// every agent serves, and so are the migration's later checks (the
+	// one inside the pause then hashes once).
 	scheme := ""
-	if transfer.OnGPU(m.srcLayout) || m.dstOnGPU {
+	m.mu.Lock()
+	if (transfer.OnGPU(m.srcLayout) || m.dstOnGPU) && !m.noKVSum {
 		scheme = kvsum.Scheme
 	}
+	m.mu.Unlock()
 	a, b := ask(scheme)
 	if scheme != "" && a.err == nil && b.err == nil && (a.r.GetScheme() != scheme || b.r.GetScheme() != scheme) {
-		m.log.Info("integrity check: an agent did not hash in the scheme asked for; both hash again in xxhash64",
+		m.log.Info("integrity check: an agent did not hash in the scheme asked for; both hash in xxhash64 from now on",
 			zap.String("asked", scheme), zap.String("source", a.r.GetScheme()), zap.String("target", b.r.GetScheme()))
+		m.mu.Lock()
+		m.noKVSum = true
+		m.mu.Unlock()
 		a, b = ask("")
 	}
 	switch {
