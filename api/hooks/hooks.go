@@ -435,6 +435,21 @@ type AllocateItem struct {
 	// An engine that cannot do this refuses the item (400); one that can
 	// says so in the answer's item.
 	Recompute bool `json:"recompute,omitempty"`
+	// SharedPrefix says that this request's first Blocks blocks hold the
+	// same KV as those of an earlier item of the same call (a prompt
+	// prefix the source's prefix cache shares between them): an engine
+	// that shares blocks maps them to that item's blocks (one more
+	// reference each) and allocates the rest, so that the migration moves
+	// them once. An engine that does not allocates them all as usual;
+	// the caller tells which it did from the block ids.
+	SharedPrefix *SharedPrefix `json:"shared_prefix,omitempty"`
+}
+
+// SharedPrefix names an earlier item whose first Blocks blocks an
+// allocation shares.
+type SharedPrefix struct {
+	RequestID string `json:"request_id"`
+	Blocks    int    `json:"blocks"`
 }
 
 // AllocateResponse gives the target's block ids per request.

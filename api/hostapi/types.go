@@ -112,10 +112,13 @@ type Round struct {
 	TokenSlots int     `json:"token_slots"`
 	Bytes      int64   `json:"data_size_bytes"`
 	DurationS  float64 `json:"duration_s"`
-	// SharedBlocks (the full round) are the copies of a source block that
-	// another moving request holds too (a shared prefix in vLLM's prefix
-	// cache): each went to the target once per request holding it.
-	SharedBlocks int `json:"shared_blocks,omitempty"`
+	// SharedBlocks (the full round) are the source blocks that more than
+	// one moving request holds (a prompt prefix the engine's prefix cache
+	// shares), once per holder after the first. Where the target shares
+	// them too, each went once: SharedBytesSaved are the bytes the round
+	// did not send for that (0 where the target took a copy per holder).
+	SharedBlocks     int   `json:"shared_blocks,omitempty"`
+	SharedBytesSaved int64 `json:"shared_bytes_saved,omitempty"`
 	// PacedChunks, for a round the source's agent paced by its engine's
 	// steps (vhi agent --pace-round0), are the chunks it went in;
 	// SourceStepBeforeS the engine's step time before the round and
@@ -157,6 +160,10 @@ type MigrationStatus struct {
 	Requests          int      `json:"request_count"`
 	Migrated          int      `json:"migrated_request_count"`
 	Dropped           []string `json:"dropped_request_ids"`
+	// Bytes is the KV the rounds sent, each block shared by several
+	// moving requests counted as often as it went (once where the target
+	// shares it too).
+	Bytes int64 `json:"data_size_bytes"`
 	// Recomputed are the moved requests whose KV the target could not
 	// hold: their state moved and the target recomputes their KV (the
 	// rest moved with their KV).

@@ -96,6 +96,7 @@ such a deployment and runs this.`,
 	f.IntVar(&sc.MaxTokens, "max-tokens", 400, "tokens per stream")
 	f.IntVar(&sc.PromptWords, "prompt-words", 200, "prompt length scale")
 	f.IntVar(&sc.SharedPrefixWords, "shared-prefix-words", 0, "start every prompt with the same system prompt of this many words")
+	f.BoolVar(&sc.DistinctPrefix, "distinct-prefix", false, "with --shared-prefix-words: each prompt's system prompt is its own (the same words after the request's number), for a run without sharing of the same length")
 	f.DurationVar(&sc.Delay, "delay", 5*time.Second, "load start → migration")
 	f.IntVar(&sc.TN, "tn", 2, "data-plane connections")
 	f.StringSliceVar(&grans, "final-granularity", []string{"block", "slot"}, "final-round granularities to compare")
@@ -215,6 +216,7 @@ func (g *simGeometryFlags) register(f *pflag.FlagSet) {
 	f.IntVar(&g.numBlocks, "num-blocks", 0, "KV blocks per engine (default: the sim's)")
 	f.IntVar(&g.maxNumSeqs, "max-num-seqs", 0, "engine seats (default: the sim's)")
 	f.IntVar(&g.maxBatched, "max-num-batched-tokens", 0, "tokens per step, prefill chunks included (default: the sim's)")
+	f.BoolVar(&g.prefixCaching, "enable-prefix-caching", false, "the sims share the full blocks of a common prompt prefix (vhi sim --enable-prefix-caching): a migration moves each such block once")
 }
 
 // simGeometryFlags override the sims' KV geometry (0 / "" keep the default).
@@ -222,6 +224,7 @@ type simGeometryFlags struct {
 	profile                        string
 	kvScale, numBlocks, maxNumSeqs int
 	maxBatched                     int
+	prefixCaching                  bool
 }
 
 func (g simGeometryFlags) apply(c *sim.Config) {
@@ -241,6 +244,7 @@ func (g simGeometryFlags) apply(c *sim.Config) {
 	if g.maxBatched > 0 {
 		c.MaxNumBatchedTokens = max(g.maxBatched, c.MaxNumSeqs)
 	}
+	c.EnablePrefixCaching = g.prefixCaching
 }
 
 // benchDims are what bench migrate compares: every combination runs.

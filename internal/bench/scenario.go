@@ -31,8 +31,12 @@ type scenario struct {
 	// SharedPrefixWords starts every prompt with the same system prompt
 	// of this many words (a prefix cache holds it once).
 	SharedPrefixWords int
-	Sim               sim.Config
-	DeviceA, DeviceB  string // where each engine keeps its KV (sim --device); the reference uses DeviceA
+	// DistinctPrefix puts the request's number before that system
+	// prompt, so that no two prompts share a block: the same lengths
+	// without sharing.
+	DistinctPrefix   bool
+	Sim              sim.Config
+	DeviceA, DeviceB string // where each engine keeps its KV (sim --device); the reference uses DeviceA
 	// ShapeA, ShapeB are the sims' TP×PP (zero: 1×1); the reference runs
 	// 1×1 (a sim's tokens do not depend on its shape). A B of another
 	// shape than A makes the migration a reshape.
@@ -124,6 +128,9 @@ func (sc scenario) requests() []loadgen.Request {
 	reqs := make([]loadgen.Request, sc.Streams)
 	for i := range reqs {
 		prompt := ""
+		if sc.DistinctPrefix {
+			prompt = fmt.Sprintf("request %d: ", i)
+		}
 		for j := 0; j < sc.SharedPrefixWords; j++ {
 			prompt += words[(j*3)%len(words)] + " "
 		}

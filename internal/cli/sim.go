@@ -91,6 +91,7 @@ sequences.`,
 	f.IntVar(&cfg.MaxNumBatchedTokens, "max-num-batched-tokens", cfg.MaxNumBatchedTokens, "token budget of one step (chunked prefill)")
 	f.IntVar(&cfg.MaxModelLen, "max-model-len", cfg.MaxModelLen, "longest sequence (prompt + output)")
 	f.Int64Var(&cfg.Seed, "seed", cfg.Seed, "engine seed: the seed of requests that give none is derived from it and the prompt")
+	f.BoolVar(&cfg.EnablePrefixCaching, "enable-prefix-caching", cfg.EnablePrefixCaching, "share the full blocks of a common prompt prefix between requests, as vLLM's automatic prefix caching (engines a migration moves between must agree on it)")
 	f.DurationVar(&cfg.Step.Fixed, "step-fixed", cfg.Step.Fixed, "modelled fixed cost of every step")
 	f.DurationVar(&cfg.Step.PerSeq, "step-per-seq", cfg.Step.PerSeq, "modelled cost per scheduled sequence")
 	f.DurationVar(&cfg.Step.PerContextToken, "step-per-context-token", cfg.Step.PerContextToken, "modelled cost per token of context attended to")

@@ -86,6 +86,10 @@ func (m *migration) prepare() error {
 		if err != nil {
 			return err
 		}
+		if n := sharedOnTarget(items, alloc); n > 0 {
+			m.log.Info("the target shares the moving requests' shared prompt prefixes: each of their blocks moves once",
+				zap.Int("blocks_shared", n))
+		}
 		m.mu.Lock() // the recorder reads reserved
 		for _, a := range alloc.Requests {
 			m.reserved[a.RequestID] = true
@@ -105,6 +109,9 @@ func (m *migration) prepare() error {
 			}
 			m.moving[a.RequestID] = rb
 		}
+		// A block the target shares between requests is in several tables.
+		slices.Sort(blocks)
+		blocks = slices.Compact(blocks)
 		m.mu.Lock()
 		m.st.Recomputed = slices.Sorted(maps.Keys(m.recompute))
 		m.mu.Unlock()
@@ -173,6 +180,12 @@ func (m *migration) reserve(ctx context.Context, items []hooks.AllocateItem) (ho
 				m.dst.ID, it.RequestID, it.NumTokens, list.TotalBlocks, bs)
 		}
 	}
+	// Shared prefixes are left out of the second try: a request that
+	// recomputes holds no blocks to share, and counting every block
+	// keeps the fit simple and safe.
+	for i := range items {
+		items[i].SharedPrefix = nil
+	}
 	split := fitByBlocks(items, list.FreeBlocks, bs)
 	alloc, err = m.dstA.Engine.Allocate(ctx, hooks.AllocateRequest{Requests: split, LeaseMS: lease})
 	if err != nil {
@@ -240,8 +253,11 @@ func (m *migration) releaseReservations(ctx context.Context, alloc hooks.Allocat
 }
 
 // needs is what each selected request reserves on the target: blocks for
-// its whole remaining life (its max_tokens, within the target's context).
+// its whole remaining life (its max_tokens, within the target's context),
+// the first of them shared with an earlier request's where the source's
+// prefix cache shares them (sharedPrefixes).
 func (m *migration) needs(selected []Candidate) []hooks.AllocateItem {
+	shared := sharedPrefixes(selected, m.src.Engine.Geometry.BlockSize)
 	g := m.dst.Engine.Geometry
 	maxLen := g.BlockSize * (g.NumBlocks - 1)
 	if m.dst.Engine.MaxModelLen > 0 {
@@ -250,7 +266,11 @@ func (m *migration) needs(selected []Candidate) []hooks.AllocateItem {
 	items := make([]hooks.AllocateItem, 0, len(selected))
 	for _, r := range selected {
 		need := min(r.NumPromptTokens+max(r.MaxTokens, r.NumOutputTokens+1), maxLen)
-		items = append(items, hooks.AllocateItem{RequestID: r.RequestID, NumTokens: max(need, r.NumPromptTokens+r.NumOutputTokens+1)})
+		it := hooks.AllocateItem{RequestID: r.RequestID, NumTokens: max(need, r.NumPromptTokens+r.NumOutputTokens+1)}
+		if sp, ok := shared[r.RequestID]; ok {
+			it.SharedPrefix = &sp
+		}
+		items = append(items, it)
 	}
 	return items
 }

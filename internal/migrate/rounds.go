@@ -59,23 +59,6 @@ func shrinking(blocks int, best, stall *int, stallRounds int) bool {
 	return *stall < stallRounds
 }
 
-// sharedBlocks counts the source blocks held by more than one of the
-// moving requests, once per extra holder: what a round copying every
-// request's blocks sends more than once.
-func sharedBlocks(reqs []*v1.RequestBlocks) int {
-	seen := map[int32]bool{}
-	n := 0
-	for _, rb := range reqs {
-		for _, b := range rb.GetSrcBlockIds() {
-			if seen[b] {
-				n++
-			}
-			seen[b] = true
-		}
-	}
-	return n
-}
-
 // copyRound runs one round on the source agent and records it.
 func (m *migration) copyRound(ctx context.Context, kind string, since uint64, slotGranular bool, fault string) (*v1.CopyRoundResponse, error) {
 	m.mu.Lock()
@@ -119,8 +102,13 @@ func (m *migration) copyRound(ctx context.Context, kind string, since uint64, sl
 		PacedChunks: int(resp.GetPacedChunks()), SourceStepBeforeS: resp.GetSourceStepBeforeS(), SourceStepSlowestS: resp.GetSourceStepSlowestS()}
 	if kind == roundFull {
 		r.SharedBlocks = sharedBlocks(resp.GetRequests())
+		if once := copiesOnce(resp.GetRequests()); once > 0 && r.BlockCount > 0 {
+			// A full round sends whole blocks: each the same bytes.
+			r.SharedBytesSaved = int64(once) * (r.Bytes / int64(r.BlockCount))
+		}
 	}
 	m.st.Rounds = append(m.st.Rounds, r)
+	m.st.Bytes += r.Bytes
 	m.mu.Unlock()
 	return resp, nil
 }

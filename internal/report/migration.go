@@ -46,8 +46,12 @@ func Migration(out io.Writer, st hostapi.MigrationStatus) {
 	if len(parts) > 0 {
 		fmt.Fprintf(out, "rounds (blocks / bytes): %s\n", strings.Join(parts, " | "))
 		for _, r := range st.Rounds {
-			if r.SharedBlocks > 0 && r.BlockCount > 0 {
-				fmt.Fprintf(out, "shared prefixes: %d of round %d's %d block copies are of a source block another moving request holds too (%.1f %% of its bytes sent more than once)\n",
+			switch {
+			case r.SharedBytesSaved > 0:
+				fmt.Fprintf(out, "shared prefixes: %d copies of source blocks that several moving requests hold were left out of round %d (the target shares them too): %s not sent, %.1f %% of a copy per request\n",
+					r.SharedBlocks, r.Round, Bytes(r.SharedBytesSaved), 100*float64(r.SharedBytesSaved)/float64(r.Bytes+r.SharedBytesSaved))
+			case r.SharedBlocks > 0 && r.BlockCount > 0:
+				fmt.Fprintf(out, "shared prefixes: %d of round %d's %d block copies are of a source block another moving request holds too (the target keeps a copy per request: %.1f %% of its bytes sent more than once)\n",
 					r.SharedBlocks, r.Round, r.BlockCount, 100*float64(r.SharedBlocks)/float64(r.BlockCount))
 			}
 			if r.PacedChunks > 0 {

@@ -8,15 +8,25 @@ import "fmt"
 // a scan of two arrays, not a journal.
 //
 // Block 0 is the null block, as in vLLM: never handed out.
+//
+// A block may have several holders (a prompt prefix shared through the
+// prefix cache, or mapped to one block by a migration's reservation):
+// refs counts them and the block is free once the last lets it go.
 type blockPool struct {
 	blockSize int
 	free      []int // FIFO ring of free block ids
 	head, n   int
 	allocated []bool
-	owner     []string // request id owning each allocated block
-	writeGen  []uint64 // per block: generation of its last write
-	slotGen   []uint64 // per block × slot: generation of its last write
-	freeGen   []uint64 // per block: generation it was last freed at
+	refs      []int32
+	owner     []string // request id that allocated each allocated block
+	// cache maps a prompt block's hash to the block holding its KV, and
+	// hashOf says which hash a cached block is under (prefixcache.go);
+	// nil without --enable-prefix-caching.
+	cache    map[uint64]int
+	hashOf   map[int]uint64
+	writeGen []uint64 // per block: generation of its last write
+	slotGen  []uint64 // per block × slot: generation of its last write
+	freeGen  []uint64 // per block: generation it was last freed at
 }
 
 func newBlockPool(numBlocks, blockSize int) *blockPool {
@@ -24,6 +34,7 @@ func newBlockPool(numBlocks, blockSize int) *blockPool {
 		blockSize: blockSize,
 		free:      make([]int, numBlocks),
 		allocated: make([]bool, numBlocks),
+		refs:      make([]int32, numBlocks),
 		owner:     make([]string, numBlocks),
 		writeGen:  make([]uint64, numBlocks),
 		slotGen:   make([]uint64, numBlocks*blockSize),
@@ -51,18 +62,35 @@ func (p *blockPool) allocate(k int, owner string) ([]int, bool) {
 		p.head = (p.head + 1) % len(p.free)
 		p.n--
 		p.allocated[b] = true
+		p.refs[b] = 1
 		p.owner[b] = owner
 		out[i] = b
 	}
 	return out, true
 }
 
-// release returns blocks to the back of the free queue at generation gen.
+// share adds a holder to allocated blocks.
+func (p *blockPool) share(blocks []int) {
+	for _, b := range blocks {
+		if b <= 0 || b >= len(p.allocated) || !p.allocated[b] {
+			panic(fmt.Sprintf("sim: sharing block %d that is not allocated", b))
+		}
+		p.refs[b]++
+	}
+}
+
+// release lets go of one holder's blocks; a block none holds any more
+// leaves the prefix cache and goes to the back of the free queue at
+// generation gen.
 func (p *blockPool) release(blocks []int, gen uint64) {
 	for _, b := range blocks {
 		if b <= 0 || b >= len(p.allocated) || !p.allocated[b] {
 			panic(fmt.Sprintf("sim: freeing block %d that is not allocated", b))
 		}
+		if p.refs[b]--; p.refs[b] > 0 {
+			continue
+		}
+		p.uncache(b)
 		p.allocated[b] = false
 		p.owner[b] = ""
 		p.freeGen[b] = gen

@@ -52,6 +52,10 @@ type Config struct {
 	MaxNumBatchedTokens int
 	MaxModelLen         int
 	Seed                int64
+	// EnablePrefixCaching shares the full blocks of a common prompt
+	// prefix between requests, as vLLM's automatic prefix caching does
+	// (prefixcache.go).
+	EnablePrefixCaching bool
 	Step                StepModel
 	ShmDir              string // where the KV files live
 	ShmPrefix           string // KV file name prefix; defaults to vhi-sim-<pid>

@@ -105,13 +105,22 @@ func NewEngine(cfg Config, log *zap.Logger) (*Engine, error) {
 		installs: make(chan struct{}),
 		kv:       kv,
 		kvGen:    1,
-		pool:     newBlockPool(geo.NumBlocks, geo.BlockSize),
 		requests: map[string]*request{},
 		done:     map[string]*request{},
 		dpSize:   max(cfg.DataParallelSize, 1),
 	}
+	e.pool = e.newPool()
 	e.met = newEngineMetrics(e)
 	return e, nil
+}
+
+// newPool is an empty block pool, with a prefix cache where configured.
+func (e *Engine) newPool() *blockPool {
+	p := newBlockPool(e.geo.NumBlocks, e.geo.BlockSize)
+	if e.cfg.EnablePrefixCaching {
+		p.enableCache()
+	}
+	return p
 }
 
 // Config returns the validated configuration.
@@ -219,21 +228,23 @@ func (e *Engine) step(now time.Time) (bool, time.Duration) {
 		for i := 0; i < w.tokens; i++ {
 			pos := r.numComputed + i
 			b, slot := r.blocks[pos/e.geo.BlockSize], pos%e.geo.BlockSize
-			e.kv.writeToken(b, slot, r.params.Seed, r.token(pos), pos)
+			e.kv.writeToken(b, slot, r.kvSeed(pos, e.geo.BlockSize), r.token(pos), pos)
 			e.pool.markWritten(b, slot, gen)
 		}
 		if w.tokens > 1 || r.numComputed < len(r.prompt) {
 			prefill += w.tokens
 		}
 		r.numComputed += w.tokens
+		e.cacheComputed(r, r.numComputed-w.tokens)
 		ctxTokens += r.numComputed
 		if r.numComputed == r.numTokens() {
 			sampled = append(sampled, r)
 		}
 	}
-	// Writes land before any read of this step; requests never share
-	// blocks, so writing all then sampling all reads what sampling each
-	// right after its own writes would.
+	// Writes land before any read of this step; requests never write a
+	// block they share (a shared block is a full one, computed before), so
+	// writing all then sampling all reads what sampling each right after
+	// its own writes would.
 	if err := e.kv.flushWrites(); err != nil {
 		e.log.Error("KV write failed", zap.Error(err))
 	}
@@ -302,8 +313,10 @@ func (e *Engine) schedule(now time.Time) []work {
 			break
 		}
 		r := e.waiting[idx]
+		reused := e.reuseCached(r)
 		n := min(r.numTokens()-r.numComputed, budget)
 		if !e.ensureBlocks(r, r.numComputed+n) {
+			e.unreuse(r, reused)
 			break
 		}
 		e.waiting = append(e.waiting[:idx], e.waiting[idx+1:]...)

@@ -223,6 +223,9 @@ func (e *Engine) Allocate(_ context.Context, req hooks.AllocateRequest) (hooks.A
 		return hooks.AllocateResponse{}, conflict("The engine is sleeping: its KV cache is released.")
 	}
 	need := 0
+	// The items earlier in the call that hold blocks, and how many: what a
+	// shared prefix may name.
+	blocksOf := map[string]int{}
 	seen := map[string]bool{}
 	for _, it := range req.Requests {
 		switch {
@@ -234,9 +237,22 @@ func (e *Engine) Allocate(_ context.Context, req hooks.AllocateRequest) (hooks.A
 			return hooks.AllocateResponse{}, conflict("Request %s already exists on this engine.", it.RequestID)
 		}
 		seen[it.RequestID] = true
-		if !it.Recompute {
-			need += (it.NumTokens + e.geo.BlockSize - 1) / e.geo.BlockSize
+		if it.Recompute {
+			continue
 		}
+		k := (it.NumTokens + e.geo.BlockSize - 1) / e.geo.BlockSize
+		if sp := it.SharedPrefix; sp != nil {
+			// A request writes its next tokens past what it shares: at
+			// least its last block is its own.
+			if held, ok := blocksOf[sp.RequestID]; !ok || sp.Blocks < 1 || sp.Blocks > min(held, k-1) {
+				return hooks.AllocateResponse{}, badRequest("shared_prefix",
+					"Request %s shares %d blocks with %s, which is not an earlier item of this call holding that many, or leaves it none of its own %d.",
+					it.RequestID, sp.Blocks, sp.RequestID, k)
+			}
+			k -= sp.Blocks
+		}
+		blocksOf[it.RequestID] = (it.NumTokens + e.geo.BlockSize - 1) / e.geo.BlockSize
+		need += k
 	}
 	if need > e.pool.numFree() {
 		return hooks.AllocateResponse{}, insufficient("Need %d KV blocks, %d free.", need, e.pool.numFree())
@@ -249,7 +265,16 @@ func (e *Engine) Allocate(_ context.Context, req hooks.AllocateRequest) (hooks.A
 			out.Requests = append(out.Requests, hooks.AllocatedItem{RequestID: it.RequestID, BlockIDs: []int{}, Recompute: true})
 			continue
 		}
-		blocks, _ := e.pool.allocate((it.NumTokens+e.geo.BlockSize-1)/e.geo.BlockSize, it.RequestID)
+		k := (it.NumTokens + e.geo.BlockSize - 1) / e.geo.BlockSize
+		var blocks []int
+		if sp := it.SharedPrefix; sp != nil {
+			// The same KV as the earlier item's first blocks: one set of
+			// blocks, held by both (validated above).
+			blocks = append(blocks, e.requests[sp.RequestID].blocks[:sp.Blocks]...)
+			e.pool.share(blocks)
+		}
+		rest, _ := e.pool.allocate(k-len(blocks), it.RequestID)
+		blocks = append(blocks, rest...)
 		e.requests[it.RequestID] = &request{id: it.RequestID, blocks: blocks, state: stateReserved, reserveUntil: until}
 		out.Requests = append(out.Requests, hooks.AllocatedItem{RequestID: it.RequestID, BlockIDs: append([]int(nil), blocks...)})
 	}
@@ -290,6 +315,7 @@ func (e *Engine) Install(_ context.Context, req hooks.InstallRequest) (hooks.Ins
 	for _, st := range req.Requests {
 		r := e.requests[st.RequestID]
 		r.prompt = append([]int(nil), st.PromptTokenIDs...)
+		r.blockHashes = e.promptBlockHashes(r.prompt)
 		r.output = append([]int(nil), st.OutputTokenIDs...)
 		r.text = st.OutputText
 		r.textOffsets = append([]int(nil), st.TextOffsets...)

@@ -19,6 +19,8 @@ type engineMetrics struct {
 	itl              prometheus.Observer
 	e2e              prometheus.Observer
 	queueTime        prometheus.Observer
+	prefixQueries    prometheus.Counter
+	prefixHits       prometheus.Counter
 	stepSeconds      prometheus.Observer
 	computeSeconds   prometheus.Observer
 }
@@ -50,6 +52,8 @@ func newEngineMetrics(e *Engine) *engineMetrics {
 		promptTokens:     counter("vllm:prompt_tokens_total", "Number of prefill tokens processed."),
 		generationTokens: counter("vllm:generation_tokens_total", "Number of generation tokens processed."),
 		preemptions:      counter("vllm:num_preemptions_total", "Cumulative number of preemption from the engine."),
+		prefixQueries:    counter("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens."),
+		prefixHits:       counter("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens."),
 		ttft:             hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", latency),
 		itl:              hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", latency),
 		e2e:              hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", latency),
@@ -93,7 +97,7 @@ func newEngineMetrics(e *Engine) *engineMetrics {
 		Name: "vllm:cache_config_info", Help: "Information of the LLMEngine CacheConfig",
 		ConstLabels: prometheus.Labels{
 			"block_size": strconv.Itoa(e.geo.BlockSize), "num_gpu_blocks": strconv.Itoa(e.geo.NumBlocks),
-			"cache_dtype": "auto", "engine": "0",
+			"cache_dtype": "auto", "engine": "0", "enable_prefix_caching": pythonBool(e.cfg.EnablePrefixCaching),
 		},
 	})
 	info.Set(1)
@@ -109,6 +113,14 @@ func (m *engineMetrics) finished(r *request, now time.Time) {
 func (m *engineMetrics) stepDone(modelled, compute time.Duration) {
 	m.stepSeconds.Observe(modelled.Seconds())
 	m.computeSeconds.Observe(compute.Seconds())
+}
+
+// pythonBool is how vLLM's info metrics write a flag (Python's str).
+func pythonBool(b bool) string {
+	if b {
+		return "True"
+	}
+	return "False"
 }
 
 // collectFunc adapts a describe/collect pair computed at scrape time.

@@ -29,6 +29,9 @@ type request struct {
 	textOffsets []int
 	numComputed int // tokens whose KV is in the blocks
 	blocks      []int
+	// blockHashes are the prompt's full blocks' hashes with the prefix
+	// cache (prefixcache.go), nil without.
+	blockHashes []uint64
 	params      hooks.SamplingParams
 	meta        hooks.ResponseMeta
 	arrival     time.Time

@@ -332,7 +332,8 @@ func TestMetricsNames(t *testing.T) {
 		`vllm:inter_token_latency_seconds_count{engine="0",model_name="test-model"} 4`,
 		`vllm:e2e_request_latency_seconds_bucket`,
 		`vllm:request_queue_time_seconds_bucket`,
-		`vllm:cache_config_info{block_size="4",cache_dtype="auto",engine="0",num_gpu_blocks="512"} 1`,
+		`vllm:cache_config_info{block_size="4",cache_dtype="auto",enable_prefix_caching="False",engine="0",num_gpu_blocks="512"} 1`,
+		`vllm:prefix_cache_queries_total{engine="0",model_name="test-model"}`,
 		`vllm:engine_sleep_state{engine="0",model_name="test-model",sleep_state="awake"} 1`,
 	} {
 		if !strings.Contains(string(b), want) {

@@ -126,7 +126,7 @@ func (e *Engine) WakeUp(ctx context.Context, tags ...string) error {
 		}
 		e.kv = mem
 		e.kvGen++
-		e.pool = newBlockPool(e.geo.NumBlocks, e.geo.BlockSize)
+		e.pool = e.newPool()
 	}
 	if !e.weightsAsleep && e.kv != nil {
 		e.sleeping, e.sleepLevel = false, 0

@@ -40,6 +40,7 @@ func (e *Engine) Submit(nr NewRequest) error {
 	r := &request{
 		id: nr.ID, prompt: nr.Prompt, params: nr.Params, meta: nr.Meta,
 		arrival: now, priority: nr.Priority, state: stateWaiting,
+		blockHashes: e.promptBlockHashes(nr.Prompt),
 	}
 	e.mu.Lock()
 	if e.sleeping || e.kv == nil {

@@ -41,18 +41,35 @@ type Plan struct {
 // a moving request has computed tokens in; the other rounds copy what the
 // source wrote since the last round's cursor (written), whole blocks or,
 // with slotGranular, just the token slots written.
+//
+// A source block several moving requests hold (a prompt prefix their
+// engine's prefix cache shares) goes once to each distinct target block
+// they map it to: once when the target shares it too (hooks.SharedPrefix),
+// once per holder when it does not.
 func PlanRound(kind string, moving []Moving, live []hooks.RequestInfo, written []hooks.BlockWrite, blockSize int, slotGranular bool) Plan {
 	var p Plan
 	byID := make(map[string]hooks.RequestInfo, len(live))
 	for _, r := range live {
 		byID[r.RequestID] = r
 	}
-	type at struct {
-		request string
-		index   int
+	type pair struct{ src, dst int }
+	// Every target block a source block goes to this round, in order.
+	targets := map[int][]int{}
+	var seen map[pair]bool
+	var order []int // source blocks in the order first met
+	add := func(src, dst int) {
+		if seen == nil {
+			seen = map[pair]bool{}
+		}
+		if seen[pair{src, dst}] {
+			return
+		}
+		seen[pair{src, dst}] = true
+		if _, ok := targets[src]; !ok {
+			order = append(order, src)
+		}
+		targets[src] = append(targets[src], dst)
 	}
-	owner := map[int]at{} // source block → its request and place in the table
-	dst := map[string][]int{}
 	for _, mv := range moving {
 		info, ok := byID[mv.ID]
 		if !ok || info.Status != hooks.StatusRunning || len(info.BlockIDs) > len(mv.Dst) || !extends(info.BlockIDs, mv.Src) {
@@ -60,31 +77,34 @@ func PlanRound(kind string, moving []Moving, live []hooks.RequestInfo, written [
 			continue
 		}
 		p.Moving = append(p.Moving, Moving{ID: mv.ID, Src: append([]int(nil), info.BlockIDs...), Dst: mv.Dst})
-		dst[mv.ID] = mv.Dst
+		used := len(info.BlockIDs)
 		if kind == KindFull {
-			used := (info.NumComputedTokens + blockSize - 1) / blockSize
-			for i := 0; i < used && i < len(info.BlockIDs); i++ {
-				p.Copies = append(p.Copies, kvlayout.BlockCopy{Src: info.BlockIDs[i], Dst: mv.Dst[i], NumSlots: blockSize})
-				p.TokenSlots += blockSize
-			}
-			continue
+			used = min(used, (info.NumComputedTokens+blockSize-1)/blockSize)
 		}
-		for i, b := range info.BlockIDs {
-			owner[b] = at{mv.ID, i}
+		for i := 0; i < used; i++ {
+			add(info.BlockIDs[i], mv.Dst[i])
 		}
 	}
-	if kind != KindFull {
+	if kind == KindFull {
+		for _, b := range order {
+			for _, d := range targets[b] {
+				p.Copies = append(p.Copies, kvlayout.BlockCopy{Src: b, Dst: d, NumSlots: blockSize})
+				p.TokenSlots += blockSize
+			}
+		}
+	} else {
+		// A write is copied wherever a moving request holds its block,
+		// whichever request the engine says wrote it (a shared block's
+		// writer may be a request that is not moving).
 		for _, w := range written {
-			o, ok := owner[w.Block]
-			if !ok || o.request != w.RequestID {
-				continue
+			for _, d := range targets[w.Block] {
+				c := kvlayout.BlockCopy{Src: w.Block, Dst: d, NumSlots: blockSize}
+				if slotGranular {
+					c.FirstSlot, c.NumSlots = w.FirstSlot, w.NumSlots
+				}
+				p.Copies = append(p.Copies, c)
+				p.TokenSlots += c.NumSlots
 			}
-			c := kvlayout.BlockCopy{Src: w.Block, Dst: dst[o.request][o.index], NumSlots: blockSize}
-			if slotGranular {
-				c.FirstSlot, c.NumSlots = w.FirstSlot, w.NumSlots
-			}
-			p.Copies = append(p.Copies, c)
-			p.TokenSlots += c.NumSlots
 		}
 	}
 	sort.SliceStable(p.Copies, func(i, j int) bool { return p.Copies[i].Src < p.Copies[j].Src })

@@ -41,6 +41,7 @@ type deployOptions struct {
 	simArgs  []string // extra flags of sims A and B
 	aArgs    []string // extra flags of sim A only
 	bArgs    []string // extra flags of sim B only
+	refArgs  []string // extra flags of the reference sim
 	hostArgs []string // extra flags of the Host
 	bActive  bool     // B's agent registers type A (active beside A)
 	// aRanks, bRanks: A's and B's TP × PP (0: 1), for VHI_E2E_SIM_RANK_GPUS.
@@ -116,6 +117,8 @@ func deployWith(t *testing.T, o deployOptions) *deployment {
 			args = append(args, o.aArgs...)
 		case 1:
 			args = append(args, o.bArgs...)
+		case 2:
+			args = append(args, o.refArgs...)
 		}
 		if i < 2 {
 			d.simArgs[i] = args
