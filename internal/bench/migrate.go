@@ -216,6 +216,7 @@ func (g *simGeometryFlags) register(f *pflag.FlagSet) {
 	f.IntVar(&g.numBlocks, "num-blocks", 0, "KV blocks per engine (default: the sim's)")
 	f.IntVar(&g.maxNumSeqs, "max-num-seqs", 0, "engine seats (default: the sim's)")
 	f.IntVar(&g.maxBatched, "max-num-batched-tokens", 0, "tokens per step, prefill chunks included (default: the sim's)")
+	f.IntVar(&g.blockSize, "block-size", 0, "tokens per KV block (default: the sim's)")
 	f.BoolVar(&g.prefixCaching, "enable-prefix-caching", false, "the sims share the full blocks of a common prompt prefix (vhi sim --enable-prefix-caching): a migration moves each such block once")
 }
 
@@ -223,7 +224,7 @@ func (g *simGeometryFlags) register(f *pflag.FlagSet) {
 type simGeometryFlags struct {
 	profile                        string
 	kvScale, numBlocks, maxNumSeqs int
-	maxBatched                     int
+	maxBatched, blockSize          int
 	prefixCaching                  bool
 }
 
@@ -243,6 +244,9 @@ func (g simGeometryFlags) apply(c *sim.Config) {
 	}
 	if g.maxBatched > 0 {
 		c.MaxNumBatchedTokens = max(g.maxBatched, c.MaxNumSeqs)
+	}
+	if g.blockSize > 0 {
+		c.BlockSize = g.blockSize
 	}
 	c.EnablePrefixCaching = g.prefixCaching
 }

@@ -9,6 +9,7 @@ import (
 	"math/rand"
 	"net/http"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -243,6 +244,41 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 		sameStreams(t, baseline, got)
 	})
 	// Now src is active and dst standby.
+
+	// Streams whose prompts share their first 256 tokens (two of vLLM
+	// CPU's 128-token blocks) hold them once on the source (vLLM's prefix
+	// caching); the migration reserves them once on the target and round
+	// 0 sends each once.
+	t.Run("streams sharing a prompt prefix move it once and stay exact", func(t *testing.T) {
+		shared := make([]string, 256)
+		for j := range shared {
+			shared[j] = fmt.Sprint(10 + (j*7)%300)
+		}
+		reqs := make([]streamRequest, n)
+		for i := range reqs {
+			ids := append(slices.Clone(shared), fmt.Sprint(20+i), fmt.Sprint(40+i), fmt.Sprint(60+i))
+			reqs[i] = streamRequest{path: "/v1/completions",
+				body: fmt.Sprintf(`{"model":"tiny","prompt":[%s],"max_tokens":200,"temperature":0,"ignore_eos":true,"stream":true}`, strings.Join(ids, ","))}
+		}
+		want := runRequests(t, hostURL, reqs, 0, nil)
+		var st hostapi.MigrationStatus
+		got := runRequests(t, hostURL, reqs, 300*time.Millisecond, func() {
+			st = migrateAndWait(t, hostURL, hostapi.MigrateRequest{Src: src, Dst: dst, Type: hostapi.PreserveSource})
+		})
+		if st.State != "succeeded" || st.Migrated != n {
+			t.Fatalf("migration %s (%s), %d of %d requests moved", st.State, st.Error, st.Migrated, n)
+		}
+		sameStreams(t, want, got)
+		r0 := st.Rounds[0]
+		perBlock := r0.Bytes / int64(max(r0.BlockCount, 1))
+		if r0.SharedBlocks < n-1 || r0.SharedBytesSaved != int64(r0.SharedBlocks)*perBlock {
+			t.Fatalf("round 0: %d blocks, %d copies of shared blocks, %d bytes saved (%d a block): want each shared block sent once",
+				r0.BlockCount, r0.SharedBlocks, r0.SharedBytesSaved, perBlock)
+		}
+		t.Logf("round 0: %d blocks sent, %d copies of shared blocks left out (%.0f %% of a copy per request)",
+			r0.BlockCount, r0.SharedBlocks, 100*float64(r0.SharedBytesSaved)/float64(r0.Bytes+r0.SharedBytesSaved))
+	})
+	src, dst = dst, src
 
 	// A drain between two serving vLLM engines: the standby is made
 	// active beside the other (as two replicas of a model are), and the

@@ -181,6 +181,46 @@ class CoreInstallTest(unittest.TestCase):
         # A top-up of nothing staged is passed over.
         self.assertEqual(st.stage([self.snapshot(self.states[1], 10, engine_state={})]), {"staged": []})
 
+    # A prompt prefix the source's prefix cache shares between two moving
+    # requests is reserved as one set of blocks here too (the allocate
+    # item's shared_prefix), so that the migration moves it once.
+
+    def shared_pair(self, prefix_caching):
+        st = self.b.core_state(self.model, 64, 256, prefix_caching=prefix_caching)
+        states = self.b.moved_states(2, PROMPT, OUTPUT, 200)
+        states[1]["prompt_token_ids"] = list(states[0]["prompt_token_ids"])
+        k = PROMPT // self.b.BLOCK
+        free0 = st.free_blocks()
+        out = st.allocate([{"request_id": "r0", "num_tokens": 200},
+                           {"request_id": "r1", "num_tokens": 200, "shared_prefix": {"request_id": "r0", "blocks": k}}],
+                          60_000)
+        a, b = [r["block_ids"] for r in out["requests"]]
+        return st, states, k, free0, a, b
+
+    def test_a_shared_prefix_is_one_set_of_blocks_freed_by_its_last_holder(self):
+        st, states, k, free0, a, b = self.shared_pair(True)
+        pool = st.sched.kv_cache_manager.block_pool
+        self.assertEqual(a[:k], b[:k])
+        self.assertFalse(set(a[k:]) & set(b[k:]))
+        self.assertEqual(free0 - st.free_blocks(), len(a) + len(b) - k)
+        self.assertEqual([pool.blocks[x].ref_cnt for x in a[:k]], [2] * k)
+        st.install([self.snapshot(s, OUTPUT) for s in states], True, 60_000)
+        # vLLM's next schedule hashes the running requests' full blocks:
+        # the shared ones once (a second hash of a cached block is an
+        # assertion in vLLM's block pool).
+        st.sched.schedule()
+        self.assertTrue(all(pool.blocks[x].block_hash is not None for x in a[:k]))
+        st.abort(["r0"], ignore_missing=True)
+        self.assertEqual([pool.blocks[x].ref_cnt for x in b[:k]], [1] * k)
+        st.abort(["r1"], ignore_missing=True)
+        self.assertEqual(st.free_blocks(), free0)
+
+    def test_without_prefix_caching_a_shared_prefix_is_allocated_apart(self):
+        # vLLM counts no second reference without the cache: the engine
+        # allocates every block, and the Host copies the prefix to each.
+        st, _, k, free0, a, b = self.shared_pair(False)
+        self.assertFalse(set(a) & set(b))
+        self.assertEqual(free0 - st.free_blocks(), len(a) + len(b))
 
     # A structured-output request cannot move: its grammar's position is
     # not in the state the hooks carry, and vLLM compiles a request's

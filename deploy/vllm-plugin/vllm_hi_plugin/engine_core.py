@@ -79,7 +79,7 @@ class CoreState:
         copying it: get_block_ids builds a list of every block of the
         request, which at 256 streams costs the step ~1 ms of the engine
         core's own loop; a step writes one or a few of them."""
-        managers = getattr(getattr(self.sched.kv_cache_manager, "coordinator", None), "single_type_managers", None)
+        managers = self._managers()
         if not managers:
             return self.block_ids(rid)
         return _BlockTable(managers[0].req_to_blocks.get(rid) or ())
@@ -276,7 +276,21 @@ class CoreState:
             # (their bytes arrive later).
             ph = Request(request_id=rid, prompt_token_ids=[0] * n,
                          sampling_params=SamplingParams(max_tokens=1), pooling_params=None)
-            got = kvm.allocate_slots(ph, n, delay_cache_blocks=True)
+            shared = self._shared_prefix(it, n)
+            if shared:
+                # The first blocks are an earlier item's (a prompt prefix
+                # the source shares between them): taken as vLLM takes a
+                # prefix-cache hit, one more reference each.
+                k = len(shared) * self._managers()[0].block_size
+                # vLLM counts a hit's blocks as cached for the request, so
+                # that it never hashes them again once it runs (the earlier
+                # holder does; a second hash of a cached block is an
+                # assertion in its block pool).
+                got = kvm.allocate_slots(ph, n - k, num_new_computed_tokens=k,
+                                         new_computed_blocks=kvm.create_kv_cache_blocks((shared,)),
+                                         delay_cache_blocks=True)
+            else:
+                got = kvm.allocate_slots(ph, n, delay_cache_blocks=True)
             if got is None:
                 for r in done:
                     self._drop_reservation(r)
@@ -286,6 +300,27 @@ class CoreState:
             done.append(rid)
             out.append({"request_id": rid, "block_ids": self.block_ids(rid)})
         return {"requests": out, "free_blocks": self.free_blocks()}
+
+    def _managers(self):
+        return getattr(getattr(self.sched.kv_cache_manager, "coordinator", None), "single_type_managers", None) or ()
+
+    def _shared_prefix(self, item, n: int) -> list:
+        """The blocks an allocate item shares with an earlier item of its
+        call (its "shared_prefix"), or [] where this engine allocates them
+        apart: prefix caching off (vLLM then counts no second reference),
+        more than one KV cache group, or a reference it cannot honour (the
+        Host sees fresh blocks and copies them as usual)."""
+        sp = item.get("shared_prefix")
+        kvm = self.sched.kv_cache_manager
+        managers = self._managers()
+        if not sp or not getattr(kvm, "enable_caching", False) or len(managers) != 1:
+            return []
+        ref = self.reserved.get(sp.get("request_id"))
+        k = int(sp.get("blocks") or 0)
+        blocks = managers[0].req_to_blocks.get(sp.get("request_id")) or ()
+        if ref is None or ref[0] is None or k < 1 or k > len(blocks) or k * managers[0].block_size >= n:
+            return []
+        return list(blocks[:k])
 
     def install(self, states, resume: bool, lease_ms: int = 0) -> dict:
         for st in states:
