@@ -124,9 +124,15 @@ type Round struct {
 	// SourceStepBeforeS the engine's step time before the round and
 	// SourceStepSlowestS the slowest a chunk saw it: what the source's
 	// clients waited between tokens while the round copied.
-	PacedChunks        int     `json:"paced_chunks,omitempty"`
-	SourceStepBeforeS  float64 `json:"source_step_before_s,omitempty"`
-	SourceStepSlowestS float64 `json:"source_step_slowest_s,omitempty"`
+	// SourceGapP99S (the full round) is the p99 of the moving streams'
+	// inter-token gaps, as this Host relayed them, that ended while the
+	// round ran, and SourceGapP99BeforeS the same in the second before it:
+	// what round 0 cost the source's clients (0: no gap seen).
+	SourceGapP99S       float64 `json:"source_gap_p99_s,omitempty"`
+	SourceGapP99BeforeS float64 `json:"source_gap_p99_before_s,omitempty"`
+	PacedChunks         int     `json:"paced_chunks,omitempty"`
+	SourceStepBeforeS   float64 `json:"source_step_before_s,omitempty"`
+	SourceStepSlowestS  float64 `json:"source_step_slowest_s,omitempty"`
 }
 
 // Verification is the check that the target holds what the source held.

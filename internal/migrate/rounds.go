@@ -3,9 +3,11 @@ package migrate
 import (
 	"context"
 	"fmt"
+	"time"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
+	"github.com/vllm-hi/vllm-hi/internal/proxy"
 )
 
 // Round kinds.
@@ -22,10 +24,13 @@ func (m *migration) copyRounds(ctx context.Context) (uint64, error) {
 	if err := m.enter(ctx, stepRound0); err != nil {
 		return 0, err
 	}
+	start := time.Now()
+	before := proxy.P99(m.movingGaps(start.Add(-gapsBefore), start))
 	r0, err := m.copyRound(ctx, roundFull, 0, false, "")
 	if err != nil {
 		return 0, err
 	}
+	m.noteRound0Gaps(start, before)
 	since := r0.GetCursor()
 	if err := m.enter(ctx, stepIncremental); err != nil {
 		return 0, err

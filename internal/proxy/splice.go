@@ -45,10 +45,12 @@ type Stream struct {
 	// engine the stream reads now: the start of the gap a splice opens
 	// (a switch keeps its own copy, spliceTarget.lastSource).
 	lastSourceToken time.Time
-	splice          *spliceTarget
-	cancelA         context.CancelFunc // cancels the current upstream read
-	done            chan struct{}      // closed when the relay ends
-	request         *Upstream          // what a failover replays (nil: not kept)
+	// times are when its last token events were read (gaps.go).
+	times   tokenTimes
+	splice  *spliceTarget
+	cancelA context.CancelFunc // cancels the current upstream read
+	done    chan struct{}      // closed when the relay ends
+	request *Upstream          // what a failover replays (nil: not kept)
 	// ctx is the client request's: a pre-attach lives no longer.
 	ctx context.Context
 	// pre is the target's stream opened before the migration paused the
@@ -431,6 +433,7 @@ func (s *Stream) countToken(textLen int, read time.Time) bool {
 	s.tokens++
 	s.text += textLen
 	s.lastSourceToken = read
+	s.times.add(read)
 	if s.spliceDueLocked() {
 		s.cancelA() // the source's last token: stop waiting on it after this write
 	}

@@ -54,6 +54,10 @@ func Migration(out io.Writer, st hostapi.MigrationStatus) {
 				fmt.Fprintf(out, "shared prefixes: %d of round %d's %d block copies are of a source block another moving request holds too (the target keeps a copy per request: %.1f %% of its bytes sent more than once)\n",
 					r.SharedBlocks, r.Round, r.BlockCount, 100*float64(r.SharedBlocks)/float64(r.BlockCount))
 			}
+			if r.SourceGapP99S > 0 && r.SourceGapP99BeforeS > 0 {
+				fmt.Fprintf(out, "round %d and the moving streams as the Host read them from the source: inter-token gap p99 %.1f ms while it copied, %.1f ms in the second before (×%.2f)\n",
+					r.Round, 1000*r.SourceGapP99S, 1000*r.SourceGapP99BeforeS, r.SourceGapP99S/r.SourceGapP99BeforeS)
+			}
 			if r.PacedChunks > 0 {
 				fmt.Fprintf(out, "round %d paced by the source's steps: %d chunks; the source's step %.1f ms before it, %.1f ms at the slowest chunk\n",
 					r.Round, r.PacedChunks, 1000*r.SourceStepBeforeS, 1000*r.SourceStepSlowestS)

@@ -29,7 +29,12 @@ func TestAPacedRound0MovesEveryStreamExactly(t *testing.T) {
 	if r0.Kind != "full" || r0.PacedChunks < 2 || r0.SourceStepBeforeS <= 0 || r0.SourceStepSlowestS <= 0 {
 		t.Fatalf("round 0 not paced: %+v", r0)
 	}
-	t.Logf("round 0: %d blocks, %d bytes in %.2f s, %d chunks; the source's step %.1f ms before, %.1f ms at the slowest",
-		r0.BlockCount, r0.Bytes, r0.DurationS, r0.PacedChunks, 1000*r0.SourceStepBeforeS, 1000*r0.SourceStepSlowestS)
+	// The Host saw the moving streams' tokens before and during the round.
+	if r0.SourceGapP99S <= 0 || r0.SourceGapP99BeforeS <= 0 {
+		t.Fatalf("round 0 reports no gaps of the source's clients: %+v", r0)
+	}
+	t.Logf("round 0: %d blocks, %d bytes in %.2f s, %d chunks; the source's step %.1f ms before, %.1f ms at the slowest; its clients' p99 gap %.1f ms during, %.1f ms before",
+		r0.BlockCount, r0.Bytes, r0.DurationS, r0.PacedChunks, 1000*r0.SourceStepBeforeS, 1000*r0.SourceStepSlowestS,
+		1000*r0.SourceGapP99S, 1000*r0.SourceGapP99BeforeS)
 	checkExact(t, <-running, want)
 }
