@@ -70,7 +70,7 @@ func TestStatusPageInChromium(t *testing.T) {
 			t.Errorf("the instances table lacks %q:\n%s", w, instances)
 		}
 	}
-	for _, w := range []string{st.ID, "succeeded", "A → B", "final_round", "16/16"} {
+	for _, w := range []string{st.ID, "succeeded", "A → B", "final_round", "16/16", " MiB"} {
 		if !strings.Contains(migrations, w) {
 			t.Errorf("the migrations table lacks %q:\n%s", w, migrations)
 		}

@@ -10,10 +10,17 @@ function el(tag, attrs, ...kids) {
 const badge = (s) => el("span", { class: "badge " + s }, s);
 const when = (t) => (t && !t.startsWith("0001")) ? new Date(t).toLocaleTimeString() : "–";
 const ms = (s) => s ? (s * 1000).toFixed(1) + " ms" : "–";
+const mib = (b) => (b / 1048576).toFixed(1) + " MiB";
+// The KV a migration sent, and what shared prompt prefixes saved it.
+function moved(m) {
+  if (!m.data_size_bytes) return "–";
+  const saved = (m.rounds || []).reduce((n, r) => n + (r.shared_bytes_saved || 0), 0);
+  return mib(m.data_size_bytes) + (saved ? " (" + mib(saved) + " shared, sent once)" : "");
+}
 
 function fill(id, rows, empty) {
   const body = document.querySelector("#" + id + " tbody");
-  body.replaceChildren(...(rows.length ? rows : [el("tr", {}, el("td", { class: "empty", colspan: "9" }, empty))]));
+  body.replaceChildren(...(rows.length ? rows : [el("tr", {}, el("td", { class: "empty", colspan: "10" }, empty))]));
 }
 
 function kvBar(st) {
@@ -53,6 +60,7 @@ async function refresh() {
       el("td", {}, m.migration_id), el("td", {}, badge(m.state)), el("td", {}, m.current_step),
       el("td", {}, m.src_vllm_hi_id + " → " + m.dst_vllm_hi_id), el("td", {}, m.migration_type),
       el("td", {}, (m.migrated_request_count || 0) + "/" + (m.request_count || 0)), el("td", {}, ms(m.downtime_s)),
+      el("td", {}, moved(m)),
       el("td", { class: "steps" }, (m.step_history || []).map((s) => s.step + " " + ms(s.duration_s)).join(" · ")),
       el("td", {}, when(m.created_at)))), "no migrations yet");
     fill("drains", (drains.drains || []).slice(0, 20).map((d) => el("tr", {},
