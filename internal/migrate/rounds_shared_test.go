@@ -2,6 +2,7 @@ package migrate
 
 import (
 	"maps"
+	"slices"
 	"testing"
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
@@ -62,5 +63,19 @@ func TestSharedPrefixes(t *testing.T) {
 	}
 	if n := copiesOnce(rbs); n != 2 {
 		t.Fatalf("copies left out %d, want 2", n)
+	}
+}
+
+func TestACheckHashesASharedBlockOnce(t *testing.T) {
+	slot := func(b, first, n int32) *v1.BlockSlots { return &v1.BlockSlots{Block: b, FirstSlot: first, NumSlots: n} }
+	src := []*v1.BlockSlots{slot(1, 0, 16), slot(2, 0, 16), slot(1, 0, 16), slot(3, 0, 16), slot(1, 0, 16), slot(2, 0, 5)}
+	dst := []*v1.BlockSlots{slot(10, 0, 16), slot(11, 0, 16), slot(10, 0, 16), slot(12, 0, 16), slot(40, 0, 16), slot(11, 0, 5)}
+	at := []blockAt{{"a", 0}, {"a", 1}, {"b", 0}, {"b", 1}, {"c", 0}, {"d", 1}}
+	s, d, w := onceEach(src, dst, at)
+	// b's first block is a's on both sides; c's goes to a block of its
+	// own (a target that did not share it); d's is another slot range.
+	want := []blockAt{{"a", 0}, {"a", 1}, {"b", 1}, {"c", 0}, {"d", 1}}
+	if len(s) != len(want) || len(d) != len(want) || !slices.Equal(w, want) {
+		t.Fatalf("kept %v, want %v", w, want)
 	}
 }

@@ -112,3 +112,23 @@ func copiesOnce(reqs []*v1.RequestBlocks) int {
 	}
 	return n
 }
+
+// onceEach drops the slot ranges a check lists twice — a block several
+// moving requests share on both sides (a shared prompt prefix) is one
+// block to hash, however many tables hold it — keeping the first
+// holder's place for the report of a difference.
+func onceEach(src, dst []*v1.BlockSlots, at []blockAt) ([]*v1.BlockSlots, []*v1.BlockSlots, []blockAt) {
+	type key struct{ src, dst, first, n int32 }
+	seen := make(map[key]bool, len(src))
+	k := 0
+	for i := range src {
+		id := key{src[i].GetBlock(), dst[i].GetBlock(), src[i].GetFirstSlot(), src[i].GetNumSlots()}
+		if seen[id] {
+			continue
+		}
+		seen[id] = true
+		src[k], dst[k], at[k] = src[i], dst[i], at[i]
+		k++
+	}
+	return src[:k], dst[:k], at[:k]
+}

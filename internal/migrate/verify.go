@@ -186,6 +186,7 @@ func (m *migration) verifyCopied(ctx context.Context, since uint64) error {
 		}
 	}
 	m.mu.Unlock()
+	src, dst, at = onceEach(src, dst, at)
 	v, diff, err := m.compare(ctx, src, dst, at)
 	if err == nil {
 		err = m.judge(ctx, src, dst, at, diff)
