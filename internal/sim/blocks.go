@@ -11,14 +11,20 @@ import "fmt"
 //
 // A block may have several holders (a prompt prefix shared through the
 // prefix cache, or mapped to one block by a migration's reservation):
-// refs counts them and the block is free once the last lets it go.
+// refs counts them and the block is free once the last lets it go. With
+// the prefix cache, a free block keeps its place in the cache until the
+// queue hands it out again (vLLM's eviction order), and a request whose
+// prompt starts with it takes it back out of the queue (revive): the free
+// queue is a doubly linked list over block ids for that.
 type blockPool struct {
 	blockSize int
-	free      []int // FIFO ring of free block ids
-	head, n   int
-	allocated []bool
-	refs      []int32
-	owner     []string // request id that allocated each allocated block
+	// The free queue: next/prev link free blocks, block 0 (never free)
+	// is the list's sentinel; n is how many are free.
+	next, prev []int32
+	n          int
+	allocated  []bool
+	refs       []int32
+	owner      []string // request id that allocated each allocated block
 	// cache maps a prompt block's hash to the block holding its KV, and
 	// hashOf says which hash a cached block is under (prefixcache.go);
 	// nil without --enable-prefix-caching.
@@ -32,7 +38,8 @@ type blockPool struct {
 func newBlockPool(numBlocks, blockSize int) *blockPool {
 	p := &blockPool{
 		blockSize: blockSize,
-		free:      make([]int, numBlocks),
+		next:      make([]int32, numBlocks),
+		prev:      make([]int32, numBlocks),
 		allocated: make([]bool, numBlocks),
 		refs:      make([]int32, numBlocks),
 		owner:     make([]string, numBlocks),
@@ -42,8 +49,7 @@ func newBlockPool(numBlocks, blockSize int) *blockPool {
 	}
 	p.allocated[0] = true // null block
 	for b := 1; b < numBlocks; b++ {
-		p.free[p.n] = b
-		p.n++
+		p.pushBack(b)
 	}
 	return p
 }
@@ -51,16 +57,32 @@ func newBlockPool(numBlocks, blockSize int) *blockPool {
 func (p *blockPool) total() int   { return len(p.allocated) - 1 }
 func (p *blockPool) numFree() int { return p.n }
 
-// allocate takes k blocks for owner, or none when fewer than k are free.
+// pushBack puts free block b at the back of the queue.
+func (p *blockPool) pushBack(b int) {
+	last := p.prev[0]
+	p.next[last], p.prev[b] = int32(b), last
+	p.next[b], p.prev[0] = 0, int32(b)
+	p.n++
+}
+
+// unlink takes free block b out of the queue.
+func (p *blockPool) unlink(b int) {
+	nx, pv := p.next[b], p.prev[b]
+	p.next[pv], p.prev[nx] = nx, pv
+	p.n--
+}
+
+// allocate takes k blocks for owner from the front of the queue, or none
+// when fewer than k are free; a cached block handed out leaves the cache.
 func (p *blockPool) allocate(k int, owner string) ([]int, bool) {
 	if k > p.n {
 		return nil, false
 	}
 	out := make([]int, k)
 	for i := range out {
-		b := p.free[p.head]
-		p.head = (p.head + 1) % len(p.free)
-		p.n--
+		b := int(p.next[0])
+		p.unlink(b)
+		p.uncache(b)
 		p.allocated[b] = true
 		p.refs[b] = 1
 		p.owner[b] = owner
@@ -79,9 +101,22 @@ func (p *blockPool) share(blocks []int) {
 	}
 }
 
+// revive gives owner a cached block: one more holder of an allocated one,
+// or a free one taken back out of the queue with its KV as it was.
+func (p *blockPool) revive(b int, owner string) {
+	if p.allocated[b] {
+		p.refs[b]++
+		return
+	}
+	p.unlink(b)
+	p.allocated[b] = true
+	p.refs[b] = 1
+	p.owner[b] = owner
+}
+
 // release lets go of one holder's blocks; a block none holds any more
-// leaves the prefix cache and goes to the back of the free queue at
-// generation gen.
+// goes to the back of the free queue at generation gen (keeping its
+// place in the prefix cache until the queue hands it out).
 func (p *blockPool) release(blocks []int, gen uint64) {
 	for _, b := range blocks {
 		if b <= 0 || b >= len(p.allocated) || !p.allocated[b] {
@@ -90,12 +125,10 @@ func (p *blockPool) release(blocks []int, gen uint64) {
 		if p.refs[b]--; p.refs[b] > 0 {
 			continue
 		}
-		p.uncache(b)
 		p.allocated[b] = false
 		p.owner[b] = ""
 		p.freeGen[b] = gen
-		p.free[(p.head+p.n)%len(p.free)] = b
-		p.n++
+		p.pushBack(b)
 	}
 }
 

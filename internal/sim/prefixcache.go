@@ -5,9 +5,10 @@ package sim
 // chains the hashes of the blocks before it; once a request has computed
 // such a block, a later request whose prompt starts with the same blocks
 // maps them into its own table (one more holder each, blockPool.refs)
-// instead of computing them, and only computes the rest. vLLM keeps a
-// freed cached block until its memory is needed; the sim lets a block
-// leave the cache when its last holder lets it go.
+// instead of computing them, and only computes the rest. As in vLLM, a
+// cached block whose last holder ended stays cached, free, until the
+// free queue hands it out again: a later request with the same prefix
+// takes it back (blockPool.revive).
 //
 // For the bytes to be shareable, a full prompt block's KV is a function
 // of the tokens up to its end, as a model's is: its tokens are written
@@ -71,7 +72,7 @@ func (p *blockPool) cacheBlock(h uint64, b int) {
 	p.cache[h], p.hashOf[b] = b, h
 }
 
-// uncache takes b out of the cache (its last holder let it go).
+// uncache takes b out of the cache (the free queue hands it out).
 func (p *blockPool) uncache(b int) {
 	if h, ok := p.hashOf[b]; ok {
 		delete(p.hashOf, b)
@@ -106,7 +107,9 @@ func (e *Engine) reuseCached(r *request) int {
 	if len(hits) == 0 {
 		return 0
 	}
-	e.pool.share(hits)
+	for _, b := range hits {
+		e.pool.revive(b, r.id)
+	}
 	r.blocks = hits
 	r.numComputed = len(hits) * e.geo.BlockSize
 	e.met.prefixHits.Add(float64(r.numComputed))

@@ -111,11 +111,32 @@ func TestPrefixCacheSharesAPromptsFullBlocks(t *testing.T) {
 		if s.FreeBlocks != s.TotalBlocks {
 			t.Fatalf("cache %v: %d of %d blocks free at the end", on, s.FreeBlocks, s.TotalBlocks)
 		}
+		if !on {
+			continue
+		}
+		// Free, the prompt's blocks stay cached (as vLLM keeps them until
+		// their memory is needed): a later request with the same start
+		// takes them back and still generates what it does alone.
+		pc := append(slices.Clone(common), prompt(6, 4)...)
+		wantC := run(t, alone, "c", pc, params(30)).Tokens
+		if err := e.Submit(NewRequest{ID: "c", Prompt: pc, Params: params(30), SeedSet: true}); err != nil {
+			t.Fatal(err)
+		}
+		waitOutput(t, e, "c", 1)
+		if tc := blocksOf(t, e, "c"); !slices.Equal(tc[:3], tb[:3]) {
+			t.Fatalf("c's table %v does not begin with the cached blocks %v", tc, tb[:3])
+		}
+		if got := waitFinished(t, e, "c").Tokens; !slices.Equal(got, wantC) {
+			t.Fatalf("c generated %v from the cache, %v alone", got, wantC)
+		}
+		// Handed out again, a cached block leaves the cache.
 		e.mu.Lock()
+		all, _ := e.pool.allocate(e.pool.numFree(), "x")
 		cached := len(e.pool.cache)
+		e.pool.release(all, e.cursor+1)
 		e.mu.Unlock()
 		if cached != 0 {
-			t.Fatalf("%d blocks still cached with no holder", cached)
+			t.Fatalf("%d blocks still cached after every block was handed out", cached)
 		}
 	}
 }

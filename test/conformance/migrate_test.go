@@ -261,8 +261,22 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 				body: fmt.Sprintf(`{"model":"tiny","prompt":[%s],"max_tokens":200,"temperature":0,"ignore_eos":true,"stream":true}`, strings.Join(ids, ","))}
 		}
 		want := runRequests(t, hostURL, reqs, 0, nil)
+		// A migration that fails its check rolls back: the target lets go
+		// of the shared reservations whole (each shared block has several
+		// holders there), and the streams go on exact on the source.
+		engine := map[string]string{ids["A"]: vllmA, ids["B"]: vllmBURL}
+		freeSrc, freeDst := freeBlocks(t, engine[src]), freeBlocks(t, engine[dst])
 		var st hostapi.MigrationStatus
 		got := runRequests(t, hostURL, reqs, 300*time.Millisecond, func() {
+			st = migrateAndWait(t, hostURL, hostapi.MigrateRequest{Src: src, Dst: dst, Type: hostapi.PreserveSource, InjectFault: "corrupt"})
+		})
+		if st.State != "aborted" || st.Rounds[0].SharedBytesSaved == 0 {
+			t.Fatalf("a corrupted copy of shared blocks: migration %s (%s), round 0 %+v", st.State, st.Error, st.Rounds[0])
+		}
+		sameStreams(t, want, got)
+		waitFree(t, engine[src], freeSrc)
+		waitFree(t, engine[dst], freeDst)
+		got = runRequests(t, hostURL, reqs, 300*time.Millisecond, func() {
 			st = migrateAndWait(t, hostURL, hostapi.MigrateRequest{Src: src, Dst: dst, Type: hostapi.PreserveSource})
 		})
 		if st.State != "succeeded" || st.Migrated != n {
