@@ -186,6 +186,22 @@ func (d *deployment) startLoad(reqs []loadgen.Request) <-chan []loadgen.Stream {
 	return ch
 }
 
+// migrateUnderLoad streams reqs through the Host with A holding them
+// (framework.HoldStreams), and once A runs every one (and settle more)
+// runs the migration asked: its status, the streams as they ended and
+// their unmigrated run.
+func (d *deployment) migrateUnderLoad(t *testing.T, reqs []loadgen.Request, settle time.Duration, req hostapi.MigrateRequest) (st hostapi.MigrationStatus, got, want []loadgen.Stream) {
+	t.Helper()
+	want = d.reference(reqs)
+	release := framework.HoldStreams(t, d, "A")
+	running := d.startLoad(reqs)
+	waitUntil(t, "A to run every stream", func() bool { return d.stats(t, d.aURL).Running == len(reqs) })
+	time.Sleep(settle)
+	st = d.waitMigration(t, req)
+	release()
+	return st, <-running, want
+}
+
 func checkExact(t *testing.T, got, want []loadgen.Stream) {
 	t.Helper()
 	framework.CheckExact(t, got, want)

@@ -5,7 +5,6 @@ import (
 	"time"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
-	"github.com/vllm-hi/vllm-hi/test/framework"
 )
 
 // A source agent started with --pace-round0 sends round 0 in steps of
@@ -15,13 +14,7 @@ import (
 func TestAPacedRound0MovesEveryStreamExactly(t *testing.T) {
 	d := deployWith(t, deployOptions{bBlocks: 4096, kvScale: 16, agentArgs: [2][]string{{"--pace-round0", "0.5"}, nil}})
 	reqs := load(32, 600)
-	want := d.reference(reqs)
-	release := framework.HoldStreams(t, d, "A")
-	running := d.startLoad(reqs)
-	waitUntil(t, "A to run every stream", func() bool { return d.stats(t, d.aURL).Running == len(reqs) })
-	time.Sleep(300 * time.Millisecond)
-	st := d.waitMigration(t, hostapi.MigrateRequest{Src: "A", Dst: "B"})
-	release()
+	st, got, want := d.migrateUnderLoad(t, reqs, 300*time.Millisecond, hostapi.MigrateRequest{Src: "A", Dst: "B"})
 	if st.State != hostapi.StateSucceeded || st.Migrated != len(reqs) {
 		t.Fatalf("%s, %d of %d moved: %s\n%+v", st.State, st.Migrated, len(reqs), st.Error, st)
 	}
@@ -36,5 +29,5 @@ func TestAPacedRound0MovesEveryStreamExactly(t *testing.T) {
 	t.Logf("round 0: %d blocks, %d bytes in %.2f s, %d chunks; the source's step %.1f ms before, %.1f ms at the slowest; its clients' p99 gap %.1f ms during, %.1f ms before",
 		r0.BlockCount, r0.Bytes, r0.DurationS, r0.PacedChunks, 1000*r0.SourceStepBeforeS, 1000*r0.SourceStepSlowestS,
 		1000*r0.SourceGapP99S, 1000*r0.SourceGapP99BeforeS)
-	checkExact(t, <-running, want)
+	checkExact(t, got, want)
 }

@@ -8,7 +8,6 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
-	"github.com/vllm-hi/vllm-hi/test/framework"
 )
 
 // sharedPreambleLoad is n streams whose prompts begin with one preamble
@@ -36,17 +35,11 @@ var prefixCaching = deployOptions{bBlocks: 4096, simArgs: []string{"--enable-pre
 func TestSharedPrefixesMoveOnce(t *testing.T) {
 	d := deployWith(t, prefixCaching)
 	reqs := sharedPreambleLoad(24, 120, 400)
-	want := d.reference(reqs)
-	release := framework.HoldStreams(t, d, "A")
-	running := d.startLoad(reqs)
-	waitUntil(t, "A to run every stream", func() bool { return d.stats(t, d.aURL).Running == len(reqs) })
-	time.Sleep(300 * time.Millisecond)
-	st := d.waitMigration(t, hostapi.MigrateRequest{Src: "A", Dst: "B"})
-	release()
+	st, got, want := d.migrateUnderLoad(t, reqs, 300*time.Millisecond, hostapi.MigrateRequest{Src: "A", Dst: "B"})
 	if st.State != hostapi.StateSucceeded || st.Migrated != len(reqs) {
 		t.Fatalf("%s, %d of %d moved: %s\n%+v", st.State, st.Migrated, len(reqs), st.Error, st)
 	}
-	checkExact(t, <-running, want)
+	checkExact(t, got, want)
 	r0 := st.Rounds[0]
 	perBlock := r0.Bytes / int64(r0.BlockCount)
 	// 120 words of preamble are several blocks, shared by all 24.
@@ -75,11 +68,7 @@ func TestSharedPrefixesMoveOnce(t *testing.T) {
 func TestASharedPrefixMigrationRollsBack(t *testing.T) {
 	d := deployWith(t, prefixCaching)
 	reqs := sharedPreambleLoad(16, 120, 400)
-	want := d.reference(reqs)
-	release := framework.HoldStreams(t, d, "A")
-	running := d.startLoad(reqs)
-	waitUntil(t, "A to run every stream", func() bool { return d.stats(t, d.aURL).Running == len(reqs) })
-	st := d.waitMigration(t, hostapi.MigrateRequest{Src: "A", Dst: "B", InjectFault: "cut"})
+	st, got, want := d.migrateUnderLoad(t, reqs, 0, hostapi.MigrateRequest{Src: "A", Dst: "B", InjectFault: "cut"})
 	if st.State != hostapi.StateAborted || !strings.Contains(st.Error, "final copy round") {
 		t.Fatalf("want aborted in the final copy round: %s: %s", st.State, st.Error)
 	}
@@ -89,6 +78,5 @@ func TestASharedPrefixMigrationRollsBack(t *testing.T) {
 	if b := d.stats(t, d.bURL); b.Free != b.Total || b.Reserved != 0 {
 		t.Fatalf("B after the rollback: %+v", b)
 	}
-	release()
-	checkExact(t, <-running, want)
+	checkExact(t, got, want)
 }
