@@ -81,6 +81,23 @@ class PreAttachTest(unittest.TestCase):
         finally:
             hooks.WAKE_AFTER_S = saved
 
+    def test_overlapping_wakes_each_log_their_own_streams(self):
+        h = _hooks()
+        for r in ("a", "b", "c"):
+            h.awaiting[r] = asyncio.Event()
+        with self.assertLogs(hooks.LOG, level="DEBUG") as logs:
+            h._wake_pre_attached(["a", "b"])
+            h._wake_pre_attached(["c"])  # before a's and b's first events
+            h._first_event_out("a")
+            h._first_event_out("c")
+            h._first_event_out("b")
+            h._first_event_out("b")  # a stream's second event: not counted
+        woke = [m for m in logs.output if "woke" in m]
+        self.assertEqual(len(woke), 2, woke)
+        self.assertIn("woke 1 pre-attached streams", woke[0])
+        self.assertIn("woke 2 pre-attached streams", woke[1])
+        self.assertEqual(h.wake_of, {})
+
     def test_the_pauses_last_install_wakes_its_streams_at_once(self):
         async def run():
             h = _hooks()
@@ -99,7 +116,7 @@ class PreAttachTest(unittest.TestCase):
             for r, g in gens.items():  # the events sent: the streams go on
                 await h.installed[r].queue.items.put(_Out("e", finished=True))
                 self.assertEqual([c async for c in g], ["[e]", "data: [DONE]\n\n"])
-            self.assertIsNone(h.waking, "the wake's count of first events did not reach the streams it woke")
+            self.assertEqual(h.wake_of, {}, "the wake's count of first events did not reach the streams it woke")
 
         saved = hooks.WAKE_AFTER_S
         hooks.WAKE_AFTER_S = 30  # a debounced wake would not come within the test

@@ -97,6 +97,16 @@ class Phases:
             LOG.info("%s", self.line(op, n))
 
 
+class _Wake:
+    """One wake of pre-attached streams: when, how many, how many of them
+    have sent their first event."""
+
+    __slots__ = ("t0", "n", "done")
+
+    def __init__(self, t0: float, n: int):
+        self.t0, self.n, self.done = t0, n, 0
+
+
 class Installed:
     """A request this engine received by migration."""
 
@@ -136,9 +146,10 @@ class Hooks:
         self.awaiting: dict[str, asyncio.Event] = {}
         self.to_wake: list[str] = []
         self.wake_timer = None
-        # (start, streams woken, streams whose first event went out): see
-        # _first_event_out.
-        self.waking = None
+        # The wake each woken pre-attached stream belongs to, until its
+        # first event went out (_first_event_out): a wake logs how long its
+        # streams took, and two wakes may overlap.
+        self.wake_of: dict[str, _Wake] = {}
 
     def authorized(self, header: str | None) -> bool:
         """The hooks need the agent's credential (Authorization: Bearer,
@@ -685,26 +696,24 @@ class Hooks:
     def _wake_pre_attached(self, hids) -> None:
         """Answers the pre-attached streams of requests just installed."""
         woken = [h for h in hids if h in self.awaiting]
-        if woken:
-            # How long until the last of them has its first event out: that
-            # writing queues on this loop with the engine's first outputs.
-            self.waking = (time.perf_counter(), len(woken), 0)
+        # How long until the last of them has its first event out: that
+        # writing queues on this loop with the engine's first outputs.
+        wake = _Wake(time.perf_counter(), len(woken))
         for h in woken:
+            self.wake_of[h] = wake
             self.awaiting[h].set()
 
-    def _first_event_out(self) -> None:
+    def _first_event_out(self, hid: str) -> None:
         """A woken pre-attached stream sent its first event (or found it had
-        none to send): the last of a wake's logs how long they took."""
-        if self.waking is None:
+        none to send): the last of its wake's logs how long they took."""
+        wake = self.wake_of.pop(hid, None)
+        if wake is None:
             return
-        t0, n, done = self.waking
-        done += 1
-        self.waking = (t0, n, done)
-        if done == n:
-            self.waking = None
-            ms = (time.perf_counter() - t0) * 1e3
+        wake.done += 1
+        if wake.done == wake.n:
+            ms = (time.perf_counter() - wake.t0) * 1e3
             LOG.log(logging.INFO if ms >= INSTALL_SLOW_MS else logging.DEBUG,
-                    "vllm_hi woke %d pre-attached streams: their first events out in %.1f ms", n, ms)
+                    "vllm_hi woke %d pre-attached streams: their first events out in %.1f ms", wake.n, ms)
 
     async def attach(self, hid: str, start: int, wait_ms: int = 0, text_from: int = -1):
         """The stream of a request installed here from output index start;
@@ -793,7 +802,7 @@ class Hooks:
                 ids = inst.output_ids[start:n] if start < n else None
                 yield self.chunk(inst, hid, inst.text[lo:hi], None, None, done_tokens, ids)
             if woken:
-                self._first_event_out()
+                self._first_event_out(hid)
             while True:
                 out = inst.queue.get_nowait() or await inst.queue.get()
                 o = out.outputs[0]
