@@ -41,10 +41,8 @@ func (m *migration) noteRound0Gaps(start time.Time, before time.Duration) {
 	during := proxy.P99(m.movingGaps(start, time.Now()))
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	for i := range m.st.Rounds {
-		if m.st.Rounds[i].Kind == roundFull {
-			m.st.Rounds[i].SourceGapP99BeforeS, m.st.Rounds[i].SourceGapP99S = before.Seconds(), during.Seconds()
-			return
-		}
+	if n := len(m.st.Rounds); n > 0 { // round 0, which copyRound just recorded
+		r := &m.st.Rounds[n-1]
+		r.SourceGapP99BeforeS, r.SourceGapP99S = before.Seconds(), during.Seconds()
 	}
 }

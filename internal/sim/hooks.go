@@ -241,6 +241,7 @@ func (e *Engine) Allocate(_ context.Context, req hooks.AllocateRequest) (hooks.A
 			continue
 		}
 		k := (it.NumTokens + e.geo.BlockSize - 1) / e.geo.BlockSize
+		blocksOf[it.RequestID] = k
 		if sp := it.SharedPrefix; sp != nil {
 			// A request writes its next tokens past what it shares: at
 			// least its last block is its own.
@@ -251,7 +252,6 @@ func (e *Engine) Allocate(_ context.Context, req hooks.AllocateRequest) (hooks.A
 			}
 			k -= sp.Blocks
 		}
-		blocksOf[it.RequestID] = (it.NumTokens + e.geo.BlockSize - 1) / e.geo.BlockSize
 		need += k
 	}
 	if need > e.pool.numFree() {

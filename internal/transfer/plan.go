@@ -55,12 +55,9 @@ func PlanRound(kind string, moving []Moving, live []hooks.RequestInfo, written [
 	type pair struct{ src, dst int }
 	// Every target block a source block goes to this round, in order.
 	targets := map[int][]int{}
-	var seen map[pair]bool
+	seen := map[pair]bool{}
 	var order []int // source blocks in the order first met
 	add := func(src, dst int) {
-		if seen == nil {
-			seen = map[pair]bool{}
-		}
 		if seen[pair{src, dst}] {
 			return
 		}
