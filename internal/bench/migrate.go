@@ -351,7 +351,7 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 		}
 		exact := "every stream exact"
 		if n := len(res.Unjudged); n > 0 {
-			exact = fmt.Sprintf("%d/%d streams exact; %d went their own way before the migration began, so the engine "+
+			exact = fmt.Sprintf("%d/%d streams exact; %d went their own way before the source was paused, so the engine "+
 				"is not deterministic for this load and they cannot judge it (%s)", len(res.Streams)-n, len(res.Streams), n,
 				strings.Join(res.Unjudged[:min(3, n)], "; "))
 		}
@@ -393,7 +393,7 @@ func outcome(st hostapi.MigrationStatus, res scenarioResult) (goOn bool, err err
 		}
 		return true, fmt.Errorf("migration %s with %d mismatches", st.State, len(res.Mismatches))
 	case len(res.Unjudged) == len(res.Streams):
-		return false, fmt.Errorf("every stream differed from its reference before the migration began: the engine is not deterministic for this load, so nothing was checked")
+		return false, fmt.Errorf("every stream differed from its reference before the source was paused: the engine is not deterministic for this load, so nothing was checked")
 	}
 	return true, nil
 }

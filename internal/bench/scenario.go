@@ -92,10 +92,11 @@ type scenarioResult struct {
 	Streams    []loadgen.Stream
 	Reference  []loadgen.Stream // the same load without a migration
 	Mismatches []string
-	// Unjudged are streams that differed from their reference before the
-	// migration began: the engine produced them differently on its own
-	// (a real engine's numerics follow its batches and prefill chunks),
-	// so they say nothing about the migration, either way.
+	// Unjudged are streams that differed from their reference in a token
+	// that reached the client before the source was paused: the source
+	// made it on its own, reading nothing the migration wrote (a real
+	// engine's numerics follow its batches and prefill chunks), so they
+	// say nothing about the migration, either way.
 	Unjudged  []string
 	Wall      time.Duration
 	MedianGap time.Duration
@@ -265,9 +266,13 @@ func (sc scenario) migrateUnderLoad(ctx context.Context, c *hostapi.Client, host
 }
 
 // divergence says where a stream first differs from its reference, and
-// whether that token arrived before the migration began: a stream that
-// went its own way before anything moved points at the engine's
-// determinism (batching, chunked prefill), not at the migration.
+// whether that token arrived before the source was paused. Until the
+// pause the source decodes as it would without a migration (the rounds
+// and checks only read its KV), so a stream that went its own way
+// before it points at the engine's determinism (batching, chunked
+// prefill), not at the migration. (Measured on one H100, 2026-12-06: a
+// random-weight model's stream whose unmigrated runs on one engine
+// parted at the same token two ways, ~0.3 s into round 0.)
 func (res *scenarioResult) divergence(s, ref loadgen.Stream) (where string, before bool) {
 	// By bytes, not token events: an engine may split the same text into
 	// events differently from run to run.
@@ -285,13 +290,26 @@ func (res *scenarioResult) divergence(s, ref loadgen.Stream) (where string, befo
 	}
 	// A stream that is only shorter than its reference differs at its end:
 	// never "before" (at is then past the last event).
-	before = at < len(s.Pieces) && at < len(s.Arrivals) && s.Arrivals[at].Before(res.MigrationStart)
-	when := "after the migration began"
+	edge, what := res.sourcePausedAt()
+	before = at < len(s.Pieces) && at < len(s.Arrivals) && s.Arrivals[at].Before(edge)
+	when := "after " + what
 	if before {
-		when = "before the migration began"
+		when = "before " + what
 	}
 	return fmt.Sprintf("from byte %d of %d (token event %d), %s: %q where the unmigrated run has %q", off, len(ref.Text), at, when,
 		around(s.Text, off), around(ref.Text, off)), before
+}
+
+// sourcePausedAt is when the Host asked the source to pause (the
+// pause_source step's start), or the migration's start where the status
+// has no such step (a migration that failed before it), and what it is.
+func (res *scenarioResult) sourcePausedAt() (time.Time, string) {
+	for _, st := range res.Status.StepHistory {
+		if st.Step == "pause_source" && !st.StartedAt.IsZero() {
+			return st.StartedAt, "the source was paused"
+		}
+	}
+	return res.MigrationStart, "the migration began"
 }
 
 // around is the text near byte off, to show where two streams part.
