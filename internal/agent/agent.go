@@ -30,6 +30,7 @@ import (
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/vllm-hi/vllm-hi/api/hooks"
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 	"github.com/vllm-hi/vllm-hi/internal/credentials"
 	"github.com/vllm-hi/vllm-hi/internal/engine"
@@ -246,6 +247,11 @@ func (a *Agent) Run(ctx context.Context) error {
 			a.log.Warn("the engine serves its hooks to anyone who reaches it (it has no agent token): start it with VLLM_HI_ENGINE_TOKEN_FILE",
 				zap.String("engine_url", info.URL))
 		}
+	}
+	if info.Layout != nil && transfer.OnGPU(*info.Layout) {
+		// The engine's KV is GPU memory: make this agent's CUDA state
+		// now, beside the start-up, not in a migration's first round.
+		go a.warmGPU(*info.Layout)
 	}
 	a.gpus = gpu.Discover(a.cfg.NVML)
 	defer a.gpus.Close()
@@ -583,4 +589,16 @@ func (s *agentService) Status(context.Context, *v1.AgentStatusRequest) (*v1.Agen
 	return &v1.AgentStatusResponse{VllmHiId: a.cfg.ID, Registered: a.registered, Stats: a.lastStats,
 		Engine: &v1.EngineInfo{EngineUrl: a.info.URL, ServedModelNames: a.info.ServedModels, Model: a.info.Model,
 			Tp: int32(a.info.TP), Pp: int32(a.info.PP), Migratable: a.info.Migratable, EngineKind: a.info.Kind}}, nil
+}
+
+// warmGPU makes the CUDA state the data plane needs for lay's GPUs
+// (cudaipc.Plane.Warm). A failure costs nothing but the time: the first
+// round tries again and says why in the migration's status.
+func (a *Agent) warmGPU(lay hooks.Layout) {
+	start := time.Now()
+	if err := a.gpu.Warm(lay); err != nil {
+		a.log.Info("the GPU data plane was not made ahead of a migration", zap.Error(err))
+		return
+	}
+	a.log.Info("GPU data plane ready", zap.Duration("took", time.Since(start)))
 }

@@ -295,6 +295,35 @@ func (g *Plane) PrepareTarget(session string, l hooks.Layout) error {
 	return err
 }
 
+// Warm makes this agent's CUDA state for the GPUs that l's regions are
+// on: the driver, each device's context, stream and kernels, and the
+// check's pinned staging. Left to first use, a migration paid for them
+// twice: on one H100 (2026-12-06) the source agent's first round 0 spent
+// ~390 ms on them beside a 32 ms copy, and the target's first
+// prepare_target 377 ms. A layout not in GPU memory needs nothing.
+func (g *Plane) Warm(l hooks.Layout) error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	warmed := map[int]bool{}
+	for _, r := range l.Regions {
+		if r.Memory.Kind != hooks.MemoryCUDAIPC {
+			continue
+		}
+		c, err := g.copierFor(r.Memory)
+		if err != nil {
+			return err
+		}
+		if warmed[c.Device] {
+			continue
+		}
+		warmed[c.Device] = true
+		if _, err := g.hasher(c.Device); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // hasher returns dev's staging for the integrity check, made once at its
 // full size (g.mu held; the device's copier exists).
 func (g *Plane) hasher(dev int) (*Copier, error) {

@@ -210,3 +210,53 @@ func TestCUDARegionsAreFoundByGPUUUID(t *testing.T) {
 		t.Fatalf("%d mappings opened for a GPU the agent cannot see", f.opened-opened)
 	}
 }
+
+// countingGPU counts the CUDA state a plane makes: driver loads, streams
+// (one per device and context), kernel loads and pinned staging.
+type countingGPU struct {
+	fakeGPU
+	streams, kernels, staging int
+}
+
+func (c *countingGPU) NewStream(int) (cuda.Stream, error) {
+	c.streams++
+	return cuda.Stream(c.streams), nil
+}
+func (c *countingGPU) PrepareKernels(int) error { c.kernels++; return nil }
+func (c *countingGPU) HostAlloc(_ int, n uint64) ([]byte, error) {
+	c.staging++
+	return nil, nil
+}
+
+// Warm makes the CUDA state of the devices a layout's regions are on once,
+// ahead of a migration, so that its rounds and checks find it made; a
+// layout in host memory makes none.
+func TestWarmMakesTheCUDAStateAheadOfAMigration(t *testing.T) {
+	c := &countingGPU{fakeGPU: fakeGPU{live: map[cuda.DevicePtr]bool{}}}
+	loads := 0
+	g := NewPlane(zap.NewNop(), func() (cuda.Driver, error) { loads++; return c, nil })
+	if err := g.Warm(hooks.Layout{Regions: []hooks.Region{{Memory: hooks.Memory{Kind: hooks.MemoryShm}}}}); err != nil {
+		t.Fatal(err)
+	}
+	if loads != 0 {
+		t.Fatalf("a layout in shared memory loaded the driver %d times", loads)
+	}
+	src, dst := gpuLayout(t, 1), gpuLayout(t, 2)
+	two := src
+	two.Regions = append(append([]hooks.Region(nil), src.Regions...), src.Regions...)
+	if err := g.Warm(two); err != nil {
+		t.Fatal(err)
+	}
+	if loads != 1 || c.streams != 1 || c.kernels != 1 || c.staging != 1 {
+		t.Fatalf("warm: %d driver loads, %d streams, %d kernel loads, %d stagings; want one each", loads, c.streams, c.kernels, c.staging)
+	}
+	if _, err := g.Copy("m1", src, dst, []kvlayout.BlockCopy{{Src: 1, Dst: 5, NumSlots: 4}}, transfer.NoFault); err != nil {
+		t.Fatal(err)
+	}
+	if err := g.PrepareTarget("m2", dst); err != nil {
+		t.Fatal(err)
+	}
+	if loads != 1 || c.streams != 1 || c.kernels != 1 || c.staging != 1 {
+		t.Fatalf("a round and a prepare after the warm-up made more: %d driver loads, %d streams, %d kernel loads, %d stagings", loads, c.streams, c.kernels, c.staging)
+	}
+}
