@@ -157,14 +157,16 @@ func benchOneSize(w io.Writer, drv *cuda.Lib, srcDev, dstDev int, src, dst cuda.
 	label := fmt.Sprintf("%d B", bsz)
 	fmt.Fprintf(w, "%-12s %-28s %10s %10.1f %8.0f%%\n", label, "one large copy", base.Round(time.Microsecond), bytes/base.Seconds()/1e9, 100.0)
 	methods := []struct {
-		name, method string
-		loop         bool
+		name, method, kernel string
+		loop                 bool
 	}{
-		{"one large copy, kernel", cudaipc.MethodKernel, false},
-		{"scattered, copy kernel", cudaipc.MethodKernel, false},
-		{"scattered, batched (CE)", cudaipc.MethodBatch, false},
-		{"scattered, one call each", cudaipc.MethodBatch, true},
+		{"one large copy, kernel", cudaipc.MethodKernel, cuda.KernelPerCTA, false},
+		{"scattered, kernel per CTA", cudaipc.MethodKernel, cuda.KernelPerCTA, false},
+		{"scattered, kernel per warp", cudaipc.MethodKernel, cuda.KernelPerWarp, false},
+		{"scattered, batched (CE)", cudaipc.MethodBatch, "", false},
+		{"scattered, one call each", cudaipc.MethodBatch, "", true},
 	}
+	defer func(k string) { drv.CopyKernel = k }(drv.CopyKernel)
 	for k, m := range methods {
 		if !m.loop && m.method == cudaipc.MethodBatch && !drv.HasBatchCopy() {
 			continue
@@ -172,6 +174,9 @@ func benchOneSize(w io.Writer, drv *cuda.Lib, srcDev, dstDev int, src, dst cuda.
 		perm, runs := scatter(uint64(k + 1))
 		if k == 0 {
 			perm, runs = nil, large
+		}
+		if m.kernel != "" {
+			drv.CopyKernel = m.kernel
 		}
 		d, err := timeIt(runs, m.method, m.loop)
 		if err != nil {
@@ -183,8 +188,43 @@ func benchOneSize(w io.Writer, drv *cuda.Lib, srcDev, dstDev int, src, dst cuda.
 				return fmt.Errorf("%s: %w", m.name, err)
 			}
 		}
+		if m.kernel != "" {
+			// The same launch with the GPU's own times: the host's part
+			// of the call above is what they leave out.
+			if err := gpuTimes(w, drv, srcDev, stream, src, dst, runs, reps, bytes, base, label, m.name); err != nil {
+				return fmt.Errorf("%s: %w", m.name, err)
+			}
+		}
 	}
 	return benchKVSum(w, drv, srcDev, stream, src, bsz, blocks, reps, base, label)
+}
+
+// gpuTimes launches runs' copies with KernelCopyTimed and prints the
+// GPU's median times for the descriptors' upload and for the kernel.
+func gpuTimes(w io.Writer, drv *cuda.Lib, dev int, stream cuda.Stream, src, dst cuda.DevicePtr, runs []kvlayout.CopyRun, reps int,
+	bytes float64, base time.Duration, label, name string) error {
+	copies, err := cudaipc.KernelCopies(cudaipc.Regions{src}, cudaipc.Regions{dst}, runs)
+	if err != nil {
+		return err
+	}
+	var ups, ks []time.Duration
+	for r := 0; r < reps+1; r++ { // the first is a warm-up
+		up, k, err := drv.KernelCopyTimed(dev, stream, copies)
+		if err != nil {
+			return err
+		}
+		if r > 0 {
+			ups, ks = append(ups, up), append(ks, k)
+		}
+	}
+	med := func(ds []time.Duration) time.Duration {
+		sort.Slice(ds, func(a, b int) bool { return ds[a] < ds[b] })
+		return ds[len(ds)/2]
+	}
+	k := med(ks)
+	fmt.Fprintf(w, "%-12s %-28s %10s %10.1f %8.0f%%  (GPU: kernel alone, %d descriptors; their upload %s)\n", label, "  "+name, k.Round(time.Microsecond),
+		bytes/k.Seconds()/1e9, 100*base.Seconds()/k.Seconds(), len(copies), med(ups).Round(time.Microsecond))
+	return nil
 }
 
 // benchKVSum times the integrity check's hash kernel (vhi_kvsum) over the

@@ -68,23 +68,29 @@ func TestCopiesOnTheGPU(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer l.DestroyStream(0, s)
-	// Swap the two halves into b, in 4 KiB pieces.
+	// Swap the two halves into b, in pieces of 4 KiB and of lengths that
+	// leave the per-warp kernel tails (a part of a 4 KiB chunk, less than
+	// a warp's 512 bytes, a lone vector).
 	var cs []Copy
-	for off := uint64(0); off < size/2; off += 4096 {
-		cs = append(cs, Copy{Dst: b + DevicePtr(size/2+off), Src: a + DevicePtr(off), Len: 4096},
-			Copy{Dst: b + DevicePtr(off), Src: a + DevicePtr(size/2+off), Len: 4096})
+	lengths := []uint64{4096, 16, 4112, 560, 12320, 496, 32768}
+	for off, i := uint64(0), 0; off < size/2; i++ {
+		n := min(lengths[i%len(lengths)], size/2-off)
+		cs = append(cs, Copy{Dst: b + DevicePtr(size/2+off), Src: a + DevicePtr(off), Len: n},
+			Copy{Dst: b + DevicePtr(off), Src: a + DevicePtr(size/2+off), Len: n})
+		off += n
 	}
 	if err := l.EnablePeer(0, n-1); err != nil {
 		t.Fatal(err)
 	}
-	for _, method := range []string{"batch", "loop", "kernel"} {
+	for _, method := range []string{"batch", "loop", KernelPerCTA, KernelPerWarp} {
 		// Reset b, so each method must move the bytes itself.
 		if err := l.HtoD(n-1, b, make([]byte, size)); err != nil {
 			t.Fatal(err)
 		}
 		l.ForceLoop = method == "loop"
 		copyErr := l.CopyBatch(0, s, cs)
-		if method == "kernel" {
+		if method == KernelPerCTA || method == KernelPerWarp {
+			l.CopyKernel = method
 			copyErr = l.KernelCopy(0, s, cs)
 		}
 		if copyErr != nil {

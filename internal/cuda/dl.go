@@ -13,6 +13,7 @@ typedef int CUresult;
 typedef int CUdevice;
 typedef void *CUcontext;
 typedef void *CUstream;
+typedef void *CUevent;
 typedef unsigned long long CUdeviceptr;
 typedef struct { char reserved[64]; } CUipcMemHandle;
 typedef struct { int type; int id; } CUmemLocation;
@@ -61,7 +62,13 @@ static CUresult (*p_htodAsync)(CUdeviceptr, const void *, size_t, CUstream);
 static CUresult (*p_dtohAsync)(void *, CUdeviceptr, size_t, CUstream);
 static CUresult (*p_hostAlloc)(void **, size_t);
 static CUresult (*p_hostFree)(void *);
+static CUresult (*p_eventCreate)(CUevent *, unsigned int);
+static CUresult (*p_eventRecord)(CUevent, CUstream);
+static CUresult (*p_eventSync)(CUevent);
+static CUresult (*p_eventElapsed)(float *, CUevent, CUevent);
+static CUresult (*p_eventDestroy)(CUevent);
 static void *vhi_fn[VHI_MAX_DEV];
+static void *vhi_fnw[VHI_MAX_DEV];
 static void *vhi_sum_fn[VHI_MAX_DEV];
 static CUresult (*p_batch)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, CUmemcpyAttributes *, size_t *, size_t, size_t *, CUstream);
 
@@ -108,10 +115,16 @@ static int vhi_open(void) {
 	SYM(p_dtohAsync, "cuMemcpyDtoHAsync")
 	SYM(p_hostAlloc, "cuMemAllocHost")
 	SYM(p_hostFree, "cuMemFreeHost")
+	SYM(p_eventCreate, "cuEventCreate")
+	SYM(p_eventRecord, "cuEventRecord")
+	SYM(p_eventSync, "cuEventSynchronize")
+	SYM(p_eventElapsed, "cuEventElapsedTime")
+	SYM(p_eventDestroy, "cuEventDestroy")
 #undef SYM
 	p_batch = vhi_sym("cuMemcpyBatchAsync"); // CUDA 12.8+; optional
 	memset(vhi_ctx, 0, sizeof vhi_ctx);
 	memset(vhi_fn, 0, sizeof vhi_fn);
+	memset(vhi_fnw, 0, sizeof vhi_fnw);
 	memset(vhi_sum_fn, 0, sizeof vhi_sum_fn);
 
 	return p_init(0) == 0 ? 0 : 3;
@@ -237,6 +250,7 @@ static CUresult w_load_kernels(int dev, const char *ptx, const char *sum_ptx) {
 	if ((r = p_modLoad(&sum_mod, sum_ptx))) return r;
 	if ((r = p_modFn(&vhi_sum_fn[dev], sum_mod, "vhi_kvsum"))) return r;
 	if ((r = p_modLoad(&mod, ptx))) return r;
+	if ((r = p_modFn(&vhi_fnw[dev], mod, "vhi_copy_w"))) return r;
 	return p_modFn(&vhi_fn[dev], mod, "vhi_copy");
 }
 
@@ -256,23 +270,48 @@ static CUresult w_kvsum(int dev, uintptr_t s, CUdeviceptr buf, const void *host,
 	return p_streamSync((CUstream)s);
 }
 
-static CUresult w_kernel_copies(int dev, uintptr_t s, CUdeviceptr descbuf, const unsigned long long *desc, unsigned n, unsigned grid, unsigned block) {
+// w_kernel_copies uploads n descriptors from desc (page-locked: the
+// upload is asynchronous, and uploaded records when it is done, so that
+// the caller knows when desc may be written again) and launches the copy
+// kernel over them: vhi_copy_w (a warp to a descriptor) where warp is
+// set, else vhi_copy (a CTA to a descriptor).
+// before and after, where not 0, are events recorded before the upload
+// and after the launch (the upload's time and the kernel's, for
+// benchmarks).
+static CUresult w_kernel_copies(int dev, uintptr_t s, CUdeviceptr descbuf, const unsigned long long *desc, unsigned n, unsigned grid, unsigned block,
+		int warp, uintptr_t uploaded, uintptr_t before, uintptr_t after) {
 	CUresult r = vhi_dev(dev);
 	if (r) return r;
-	if (vhi_fn[dev] == NULL) return 3; // CUDA_ERROR_NOT_INITIALIZED: PrepareKernels first
-	// Pageable source memory: the driver has copied it out when
-	// cuMemcpyHtoDAsync returns, so desc may be reused by the caller.
+	void *fn = warp ? vhi_fnw[dev] : vhi_fn[dev];
+	if (fn == NULL) return 3; // CUDA_ERROR_NOT_INITIALIZED: PrepareKernels first
+	if (before && (r = p_eventRecord((CUevent)before, (CUstream)s))) return r;
 	if ((r = p_htodAsync(descbuf, desc, (size_t)n * 24, (CUstream)s))) return r;
+	if ((r = p_eventRecord((CUevent)uploaded, (CUstream)s))) return r;
 	void *args[2] = { &descbuf, &n };
-	return p_launch(vhi_fn[dev], grid, 1, 1, block, 1, 1, 0, (CUstream)s, args, NULL);
+	if ((r = p_launch(fn, grid, 1, 1, block, 1, 1, 0, (CUstream)s, args, NULL))) return r;
+	if (after && (r = p_eventRecord((CUevent)after, (CUstream)s))) return r;
+	return 0;
 }
+
+static CUresult w_event(int dev, uintptr_t *e) {
+	CUevent ev; CUresult r = vhi_dev(dev);
+	if (r || (r = p_eventCreate(&ev, 0))) return r;
+	*e = (uintptr_t)ev;
+	return 0;
+}
+static CUresult w_event_record(int dev, uintptr_t e, uintptr_t s) { CUresult r = vhi_dev(dev); return r ? r : p_eventRecord((CUevent)e, (CUstream)s); }
+static CUresult w_event_sync(int dev, uintptr_t e) { CUresult r = vhi_dev(dev); return r ? r : p_eventSync((CUevent)e); }
+static CUresult w_event_elapsed(int dev, uintptr_t a, uintptr_t b, float *ms) { CUresult r = vhi_dev(dev); return r ? r : p_eventElapsed(ms, (CUevent)a, (CUevent)b); }
+static CUresult w_event_destroy(int dev, uintptr_t e) { CUresult r = vhi_dev(dev); return r ? r : p_eventDestroy((CUevent)e); }
 */
 import "C"
 
 import (
 	_ "embed"
 	"fmt"
+	"os"
 	"sync"
+	"time"
 	"unsafe"
 )
 
@@ -305,10 +344,28 @@ type Lib struct {
 	// buffer shared by two streams would be overwritten mid-copy).
 	descMu sync.Mutex
 	descs  map[Stream]descBuf
+	// hostDescs are the page-locked buffers the descriptors are written
+	// to and uploaded from, one per stream, each with the event recorded
+	// after its last upload.
+	hostDescs map[Stream]hostDescBuf
 	// ForceLoop makes CopyBatch issue one cuMemcpyAsync per copy even
 	// where cuMemcpyBatchAsync exists (benchmarks compare the two).
 	ForceLoop bool
+	// CopyKernel is the kernel KernelCopy launches: KernelPerCTA or
+	// KernelPerWarp (VLLM_HI_COPY_KERNEL at Load; benchmarks compare).
+	CopyKernel string
 }
+
+// The copy kernels (Lib.CopyKernel).
+const (
+	// KernelPerCTA is vhi_copy: a CTA of 512 threads to a descriptor.
+	KernelPerCTA = "cta"
+	// KernelPerWarp is vhi_copy_w: a warp to a descriptor, 4 KiB chunks.
+	KernelPerWarp = "warp"
+)
+
+// CopyKernelEnv names the copy kernel a process's Lib launches.
+const CopyKernelEnv = "VLLM_HI_COPY_KERNEL"
 
 var _ Driver = (*Lib)(nil)
 
@@ -334,7 +391,19 @@ func Load() (*Lib, error) {
 		kernels.mu.Unlock()
 	}
 	lib.refs++
-	return &Lib{}, nil
+	l := &Lib{CopyKernel: KernelPerCTA}
+	switch k := os.Getenv(CopyKernelEnv); k {
+	case "":
+	case KernelPerCTA, KernelPerWarp:
+		l.CopyKernel = k
+	default:
+		lib.refs--
+		if lib.refs == 0 {
+			C.vhi_close()
+		}
+		return nil, fmt.Errorf("cuda: %s=%q: want %s or %s", CopyKernelEnv, k, KernelPerCTA, KernelPerWarp)
+	}
+	return l, nil
 }
 
 // Close drops this reference; the library is unloaded with the last one.
@@ -477,6 +546,12 @@ func (l *Lib) DestroyStream(dev int, s Stream) error {
 		_ = l.Free(b.dev, b.ptr)
 		delete(l.descs, s)
 	}
+	if h, ok := l.hostDescs[s]; ok {
+		_ = l.sync(dev, s)
+		_ = l.HostFree(h.dev, h.buf)
+		_ = l.check("cuEventDestroy", C.w_event_destroy(C.int(h.dev), C.uintptr_t(h.uploaded)))
+		delete(l.hostDescs, s)
+	}
 	l.descMu.Unlock()
 	return l.check("cuStreamDestroy", C.w_stream_destroy(C.int(dev), C.uintptr_t(s)))
 }
@@ -521,25 +596,35 @@ func (l *Lib) EnablePeer(dev, peer int) error {
 	return l.check("cuCtxEnablePeerAccess", C.w_peer(C.int(dev), C.int(peer)))
 }
 
-// KernelCopy runs copies with the vhi_copy kernel on dev's stream: one
-// launch for any number of copies, which is what small blocks need (a
-// copy-engine call costs microseconds each). Every address and length
-// must be a multiple of 16 (ErrUnaligned otherwise).
+// KernelCopy runs copies with one launch of the copy kernel on dev's
+// stream, whatever their number (small blocks need it: a copy-engine call
+// costs microseconds each). The descriptors are written to page-locked
+// memory and uploaded asynchronously before the launch. Every address and
+// length must be a multiple of 16 (ErrUnaligned otherwise).
 func (l *Lib) KernelCopy(dev int, s Stream, copies []Copy) error {
+	_, _, err := l.kernelCopy(dev, s, copies, false)
+	return err
+}
+
+// KernelCopyTimed is KernelCopy followed by a wait for the stream, with
+// the GPU's time for the descriptors' upload and for the kernel.
+func (l *Lib) KernelCopyTimed(dev int, s Stream, copies []Copy) (upload, kernel time.Duration, err error) {
+	return l.kernelCopy(dev, s, copies, true)
+}
+
+func (l *Lib) kernelCopy(dev int, s Stream, copies []Copy, timed bool) (upload, kernel time.Duration, err error) {
 	if err := l.loaded(); err != nil || len(copies) == 0 {
-		return err
+		return 0, 0, err
 	}
-	desc := make([]uint64, 3*len(copies))
-	for i, c := range copies {
+	for _, c := range copies {
 		if (uint64(c.Dst)|uint64(c.Src)|c.Len)%16 != 0 {
-			return ErrUnaligned
+			return 0, 0, ErrUnaligned
 		}
-		desc[3*i], desc[3*i+1], desc[3*i+2] = uint64(c.Dst), uint64(c.Src), c.Len
 	}
 	if err := l.PrepareKernels(dev); err != nil {
-		return err
+		return 0, 0, err
 	}
-	// The stream's descriptor buffer is one: the upload of these
+	// The stream's descriptor buffers are one each: the upload of these
 	// descriptors and the launch that reads them must not interleave with
 	// another goroutine's on the same stream (two tcp_shm connections
 	// flushing into one target share its device's stream). Interleaved,
@@ -550,13 +635,91 @@ func (l *Lib) KernelCopy(dev int, s Stream, copies []Copy) error {
 	// launch.
 	l.descMu.Lock()
 	defer l.descMu.Unlock()
-	buf, err := l.descBufferLocked(dev, s, uint64(len(desc))*8)
+	n := uint64(len(copies)) * 24
+	buf, err := l.descBufferLocked(dev, s, n)
 	if err != nil {
-		return err
+		return 0, 0, err
 	}
-	grid := min(len(copies), 132*16)
-	return l.check("vhi_copy", C.w_kernel_copies(C.int(dev), C.uintptr_t(s), C.CUdeviceptr(buf),
-		(*C.ulonglong)(unsafe.Pointer(&desc[0])), C.uint(len(copies)), C.uint(grid), 512))
+	h, err := l.hostDescLocked(dev, s, n)
+	if err != nil {
+		return 0, 0, err
+	}
+	var before, after C.uintptr_t
+	if timed {
+		for _, e := range []*C.uintptr_t{&before, &after} {
+			if err := l.check("cuEventCreate", C.w_event(C.int(dev), e)); err != nil {
+				return 0, 0, err
+			}
+			defer C.w_event_destroy(C.int(dev), *e)
+		}
+	}
+	// A Copy is laid out as the kernel's descriptor (dst, src, len: three
+	// u64, checked below at compile time), so the descriptors are one
+	// copy of the slice's bytes.
+	desc := unsafe.Slice((*Copy)(unsafe.Pointer(&h.buf[0])), len(copies))
+	copy(desc, copies)
+	warp, block, grid := C.int(0), 512, min(len(copies), 132*16)
+	if l.CopyKernel == KernelPerWarp {
+		warp, block, grid = 1, 256, min((len(copies)+7)/8, 132*32)
+	}
+	if err := l.check("vhi_copy", C.w_kernel_copies(C.int(dev), C.uintptr_t(s), C.CUdeviceptr(buf),
+		(*C.ulonglong)(unsafe.Pointer(&h.buf[0])), C.uint(len(copies)), C.uint(grid), C.uint(block), warp, C.uintptr_t(h.uploaded), before, after)); err != nil || !timed {
+		return 0, 0, err
+	}
+	if err := l.check("cuEventSynchronize", C.w_event_sync(C.int(dev), after)); err != nil {
+		return 0, 0, err
+	}
+	var up, k C.float
+	if err := l.check("cuEventElapsedTime", C.w_event_elapsed(C.int(dev), before, C.uintptr_t(h.uploaded), &up)); err != nil {
+		return 0, 0, err
+	}
+	if err := l.check("cuEventElapsedTime", C.w_event_elapsed(C.int(dev), C.uintptr_t(h.uploaded), after, &k)); err != nil {
+		return 0, 0, err
+	}
+	ms := func(f C.float) time.Duration { return time.Duration(float64(f) * float64(time.Millisecond)) }
+	return ms(up), ms(k), nil
+}
+
+// A Copy is the copy kernel's descriptor, byte for byte.
+var _ = [1]struct{}{}[unsafe.Sizeof(Copy{})-24+unsafe.Offsetof(Copy{}.Src)-8+unsafe.Offsetof(Copy{}.Len)-16]
+
+type hostDescBuf struct {
+	dev      int
+	buf      []byte
+	uploaded uintptr // a CUevent
+}
+
+// hostDescLocked returns stream s's page-locked descriptor buffer, at
+// least n bytes, once its last upload is done (l.descMu held).
+func (l *Lib) hostDescLocked(dev int, s Stream, n uint64) (hostDescBuf, error) {
+	if l.hostDescs == nil {
+		l.hostDescs = map[Stream]hostDescBuf{}
+	}
+	h, ok := l.hostDescs[s]
+	if !ok {
+		var e C.uintptr_t
+		if err := l.check("cuEventCreate", C.w_event(C.int(dev), &e)); err != nil {
+			return h, err
+		}
+		h = hostDescBuf{dev: dev, uploaded: uintptr(e)}
+	} else if err := l.check("cuEventSynchronize", C.w_event_sync(C.int(h.dev), C.uintptr_t(h.uploaded))); err != nil {
+		return h, err
+	}
+	if uint64(len(h.buf)) < n {
+		if h.buf != nil {
+			_ = l.HostFree(h.dev, h.buf)
+			h.buf = nil
+		}
+		b, err := l.HostAlloc(dev, max(n*2, 1<<20))
+		if err != nil {
+			delete(l.hostDescs, s)
+			_ = l.check("cuEventDestroy", C.w_event_destroy(C.int(dev), C.uintptr_t(h.uploaded)))
+			return h, err
+		}
+		h.buf = b
+	}
+	l.hostDescs[s] = h
+	return h, nil
 }
 
 var _ Summer = (*Lib)(nil)

@@ -12,13 +12,15 @@ package cudaipc
 import (
 	"errors"
 	"fmt"
+	"math"
 
 	"github.com/vllm-hi/vllm-hi/internal/cuda"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
 )
 
-// DefaultMaxBatch bounds one driver call's copies (the driver's batch
-// descriptors live in host memory it walks; 16k keeps a call short).
+// DefaultMaxBatch bounds one batched copy-engine call's copies (the
+// driver's batch descriptors live in host memory it walks; 16k keeps a
+// call short). The copy kernel takes a whole Run in one launch.
 const DefaultMaxBatch = 16384
 
 // Regions are device base addresses of a side's KV regions, in the
@@ -31,7 +33,7 @@ const (
 	// engines for scattered blocks of 64 KiB and 2.36 MB alike) and falls
 	// back to batched copy-engine copies for unaligned runs.
 	MethodAuto = ""
-	// MethodKernel: one vhi_copy kernel launch per batch of runs.
+	// MethodKernel: one copy kernel launch per Run (a round).
 	MethodKernel = "kernel"
 	// MethodBatch: cuMemcpyBatchAsync (copy engines).
 	MethodBatch = "batch"
@@ -56,14 +58,50 @@ type Copier struct {
 	stageCap  uint64
 }
 
+// KernelCopies are the copies one kernel launch of Run makes for runs:
+// each run's addresses in the regions, long runs cut in kernelPiece
+// pieces (benchmarks time the launch apart from the rest of Run).
+func KernelCopies(src, dst Regions, runs []kvlayout.CopyRun) ([]cuda.Copy, error) {
+	out := make([]cuda.Copy, 0, len(runs))
+	for _, r := range runs {
+		if r.SrcRegion >= len(src) || r.DstRegion >= len(dst) {
+			return nil, fmt.Errorf("cuda_ipc: run names region %d→%d of %d→%d", r.SrcRegion, r.DstRegion, len(src), len(dst))
+		}
+		for off := int64(0); off < r.Length; off += kernelPiece {
+			n := min(kernelPiece, r.Length-off)
+			out = append(out, cuda.Copy{Src: src[r.SrcRegion] + cuda.DevicePtr(r.SrcOffset+off), Dst: dst[r.DstRegion] + cuda.DevicePtr(r.DstOffset+off), Len: uint64(n)})
+		}
+	}
+	return out, nil
+}
+
 // Run copies runs from src to dst regions and waits until they landed.
 func (c *Copier) Run(src, dst Regions, runs []kvlayout.CopyRun) error {
+	useKernel := c.Method == MethodKernel || c.Method == MethodAuto
 	max := c.MaxBatch
-	if max <= 0 {
+	switch {
+	case useKernel:
+		// One launch for the round: the descriptors' upload and the
+		// launch are paid once, not once per 16k runs with the GPU idle
+		// while the next batch is built.
+		max = math.MaxInt
+	case max <= 0:
 		max = DefaultMaxBatch
 	}
-	useKernel := c.Method == MethodKernel || c.Method == MethodAuto
-	batch := make([]cuda.Copy, 0, min(len(runs), max))
+	// Sized once: a round 0 of 8B-shaped blocks is ~150,000 runs, and
+	// growing the batch as it filled cost most of the host's part of the
+	// copy (memmoves and the collections they caused).
+	pieces := 0
+	for _, r := range runs {
+		switch {
+		case r.Length <= 0:
+		case useKernel && r.Length > kernelPiece:
+			pieces += int((r.Length + kernelPiece - 1) / kernelPiece)
+		default:
+			pieces++
+		}
+	}
+	batch := make([]cuda.Copy, 0, min(pieces, max))
 	flush := func() error {
 		if len(batch) == 0 {
 			return nil
@@ -83,13 +121,24 @@ func (c *Copier) Run(src, dst Regions, runs []kvlayout.CopyRun) error {
 		if r.SrcRegion >= len(src) || r.DstRegion >= len(dst) {
 			return fmt.Errorf("cuda_ipc: run names region %d→%d of %d→%d", r.SrcRegion, r.DstRegion, len(src), len(dst))
 		}
-		piece := r.Length
-		if useKernel && piece > kernelPiece {
-			piece = kernelPiece
+		if r.Length <= 0 {
+			continue
 		}
+		sb, db := src[r.SrcRegion]+cuda.DevicePtr(r.SrcOffset), dst[r.DstRegion]+cuda.DevicePtr(r.DstOffset)
+		if !useKernel || r.Length <= kernelPiece {
+			// Most runs: one copy each.
+			batch = append(batch, cuda.Copy{Src: sb, Dst: db, Len: uint64(r.Length)})
+			if len(batch) == max {
+				if err := flush(); err != nil {
+					return err
+				}
+			}
+			continue
+		}
+		piece := int64(kernelPiece)
 		for off := int64(0); off < r.Length; off += piece {
 			n := min(piece, r.Length-off)
-			batch = append(batch, cuda.Copy{Src: src[r.SrcRegion] + cuda.DevicePtr(r.SrcOffset+off), Dst: dst[r.DstRegion] + cuda.DevicePtr(r.DstOffset+off), Len: uint64(n)})
+			batch = append(batch, cuda.Copy{Src: sb + cuda.DevicePtr(off), Dst: db + cuda.DevicePtr(off), Len: uint64(n)})
 			if len(batch) == max {
 				if err := flush(); err != nil {
 					return err

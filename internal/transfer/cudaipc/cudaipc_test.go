@@ -63,7 +63,8 @@ func (f *fakeDriver) KernelCopy(dev int, s cuda.Stream, cs []cuda.Copy) error {
 	return f.CopyBatch(dev, s, cs)
 }
 
-// The default method is the kernel, with long runs cut in pieces.
+// The default method is the kernel, one launch a Run, with long runs cut
+// in pieces.
 func TestAutoUsesTheKernelAndCutsLongRuns(t *testing.T) {
 	f := &fakeDriver{mem: map[cuda.DevicePtr]byte{}}
 	c := &Copier{Driver: f}
@@ -79,5 +80,19 @@ func TestAutoUsesTheKernelAndCutsLongRuns(t *testing.T) {
 	}
 	if len(f.batches) != 1 || f.batches[0] != 2 {
 		t.Fatalf("a run of 1.5 pieces became batches %v, want one batch of 2 copies", f.batches)
+	}
+
+	// A round of more runs than a batched copy-engine call takes is still
+	// one launch.
+	f.batches, f.kernel = nil, 0
+	many := make([]kvlayout.CopyRun, DefaultMaxBatch+5)
+	for i := range many {
+		many[i] = kvlayout.CopyRun{SrcOffset: int64(32 * i), DstOffset: int64(32 * i), Length: 16}
+	}
+	if err := c.Run(Regions{0}, Regions{1 << 40}, many); err != nil {
+		t.Fatal(err)
+	}
+	if f.kernel != 1 || len(f.batches) != 1 || f.batches[0] != len(many) {
+		t.Fatalf("%d runs: %d launches, batches %v; want one launch of all", len(many), f.kernel, f.batches)
 	}
 }
