@@ -135,6 +135,22 @@ class AsyncPauseTest(unittest.TestCase):
             if self.queue:
                 self.assertTrue(self.st.log.in_step)
 
+    def test_the_first_steps_after_a_commit_are_logged_once(self):
+        """The scheduler's steps after a commit of installed requests are
+        timed and logged in one line (the target's side of a migration)."""
+        self.add("a", 20)
+        self.add("b", 20)
+        for _ in range(4):
+            self.iteration()
+        self.st.first_steps.committed(2)  # as _commit does for two installed requests
+        with self.assertLogs("vllm.vllm_hi", "INFO") as logs:
+            for _ in range(8):
+                self.iteration()
+        lines = [m for m in logs.output if "steps after committing" in m]
+        self.assertEqual(len(lines), 1, logs.output)
+        self.assertIn("the first 4 steps after committing 2 installed requests", lines[0])
+        self.assertIn("their scheduling: 2 requests in", lines[0])
+
     def test_a_paused_request_has_no_token_in_flight_and_none_is_lost(self):
         from vllm_hi_plugin import engine_core
 

@@ -18,7 +18,8 @@ from concurrent.futures import Future
 
 import msgspec
 
-from .core_channel import Boundary, ChannelServer, Deferred, Snapshot
+from .core_channel import LOG, Boundary, ChannelServer, Deferred, Snapshot
+from .first_steps import FirstSteps
 from .staged import StagedRequest
 from .wire import HookError, Leases, WriteLog, build_layout, decode_ints, encode_ints
 
@@ -54,6 +55,7 @@ class CoreState:
         self.staged: dict[str, StagedRequest] = {}
         self.block_hasher = None  # the engine core's request_block_hasher (None: no prefix caching)
         self.steps = 0
+        self.first_steps = FirstSteps()  # the steps after a commit of installed requests, timed
         # The workers' KV regions as the layout op last read them: the
         # collective call costs ~15–30 ms of a migration's pause on a busy
         # GPU engine (H100, 2026-12-06), and the regions change only when
@@ -433,6 +435,7 @@ class CoreState:
             if computed:
                 self.log.stamp_installed(rid, blocks, computed, gen)
         self.boundary.later(spent.clear)
+        self.first_steps.committed(len(items))
 
     def abort(self, ids, ignore_missing: bool, reserved_only: bool = False) -> dict:
         from vllm.v1.request import RequestStatus
@@ -537,11 +540,13 @@ def patch_scheduler() -> None:
                 (hidden if r.request_id in st.leases else keep).append(r)
             if hidden:
                 self.running = keep
+        t0 = time.monotonic()
         try:
             out = orig_schedule(self, *args, **kwargs)
         finally:
             if hidden:
                 self.running.extend(hidden)
+        st.first_steps.scheduled(time.monotonic() - t0, len(out.num_scheduled_tokens))
         gen = st.log.begin_step()
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests.get(rid)
@@ -560,6 +565,8 @@ def patch_scheduler() -> None:
             return orig_update(self, *args, **kwargs)
         finally:
             st.steps += 1
+            if (line := st.first_steps.output()) is not None:
+                LOG.info(line)
             st.log.end_step()
             st.boundary.end_step(st.publish if st.channel is not None else None)
 
