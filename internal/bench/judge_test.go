@@ -67,3 +67,49 @@ func TestJudgeTellsEngineNondeterminismFromMigrationErrors(t *testing.T) {
 		t.Fatalf("no pause step: unjudged %q, mismatches %q", early.Unjudged, early.Mismatches)
 	}
 }
+
+// withIDs gives s one token id per event.
+func withIDs(s loadgen.Stream, ids ...int) loadgen.Stream {
+	s.IDs = ids
+	s.PieceIDs = make([]int, len(ids))
+	for i := range s.PieceIDs {
+		s.PieceIDs[i] = 1
+	}
+	return s
+}
+
+// Streams that carried every token's id are compared by them: a token
+// made otherwise after the pause is a mismatch and one before it is the
+// engine's own; the same ids with other text is a text slip, a mismatch
+// wherever it falls; a stream without ids is compared by text.
+func TestJudgeComparesTokenIDsWhereTheStreamsCarriedThem(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	st := hostapi.MigrationStatus{StepHistory: []hostapi.Step{{Step: "pause_source", StartedAt: t0.Add(2500 * time.Millisecond)}}}
+	ref := []loadgen.Stream{
+		withIDs(stream(t0, "a", "b", "c", "d"), 1, 2, 3, 4),
+		withIDs(stream(t0, "a", "b", "c", "d"), 1, 2, 3, 4),
+		withIDs(stream(t0, "a", "b", "c", "d"), 1, 2, 3, 4),
+		withIDs(stream(t0, "a", "b", "c", "d"), 1, 2, 3, 4),
+		withIDs(stream(t0, "a", "b", "c", "d"), 1, 2, 3, 4),
+	}
+	got := []loadgen.Stream{
+		withIDs(stream(t0, "a", "b", "c", "d"), 1, 2, 3, 4), // exact
+		withIDs(stream(t0, "a", "b", "c", "d"), 1, 2, 3, 9), // another last token, the same text: after the pause
+		withIDs(stream(t0, "a", "b", "X", "d"), 1, 2, 3, 4), // the same ids, other text (event 2: before the pause)
+		withIDs(stream(t0, "a", "b", "c", "d"), 1, 7, 3, 4), // another token before the pause
+		stream(t0, "a", "b", "c", "d"),                      // no ids: by text, equal
+	}
+	res := scenarioResult{Streams: got, Status: st, MigrationStart: t0}
+	res.judge(ref, false, 1)
+	if res.ByIDs != 4 {
+		t.Fatalf("%d streams compared by ids, want 4", res.ByIDs)
+	}
+	if len(res.Mismatches) != 2 || !strings.HasPrefix(res.Mismatches[0], "stream 1 ") || !strings.Contains(res.Mismatches[0], "from token 3 of 4") ||
+		!strings.Contains(res.Mismatches[0], "after the source was paused") ||
+		!strings.HasPrefix(res.Mismatches[1], "stream 2 has its unmigrated run's token ids but not its text") {
+		t.Fatalf("mismatches %q", res.Mismatches)
+	}
+	if len(res.Unjudged) != 1 || !strings.HasPrefix(res.Unjudged[0], "stream 3 ") || !strings.Contains(res.Unjudged[0], "before the source was paused") {
+		t.Fatalf("unjudged %q", res.Unjudged)
+	}
+}

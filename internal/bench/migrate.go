@@ -358,6 +358,9 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 		if len(res.Mismatches) > 0 {
 			exact = fmt.Sprintf("%d MISMATCHES: %s", len(res.Mismatches), strings.Join(res.Mismatches[:min(3, len(res.Mismatches))], "; "))
 		}
+		if res.ByIDs > 0 {
+			exact += fmt.Sprintf(" (%d of %d streams compared by token ids, the rest by text)", res.ByIDs, len(res.Streams))
+		}
 		fmt.Fprintf(out, "%s; %s\n", exact, res.StatsA)
 		if sc.External != nil && st.State == hostapi.StateSucceeded {
 			// Whatever the run proved, the deployment is left as it was

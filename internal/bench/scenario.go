@@ -7,6 +7,7 @@ import (
 	"os"
 	"runtime/pprof"
 	"runtime/trace"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -97,7 +98,10 @@ type scenarioResult struct {
 	// made it on its own, reading nothing the migration wrote (a real
 	// engine's numerics follow its batches and prefill chunks), so they
 	// say nothing about the migration, either way.
-	Unjudged  []string
+	Unjudged []string
+	// ByIDs counts the streams compared by token ids (both runs carried
+	// every token's id), the rest by text.
+	ByIDs     int
 	Wall      time.Duration
 	MedianGap time.Duration
 	MaxGap    time.Duration
@@ -217,6 +221,12 @@ type externalDeployment struct {
 func (sc scenario) runExternal(ctx context.Context) (scenarioResult, error) {
 	x := sc.External
 	reqs := sc.requests()
+	for i := range reqs {
+		// vLLM sends each event's token ids when asked: the streams are
+		// compared by them, so a text slip (the detokenizer, the relay)
+		// is told apart from a token the engine made otherwise.
+		reqs[i].TokenIDs = true
+	}
 	ref := loadgen.Run(ctx, loadgen.Config{BaseURL: x.Client.Base(), Model: x.Model}, reqs)
 	for i, s := range ref {
 		if s.Err != nil {
@@ -312,6 +322,42 @@ func (res *scenarioResult) sourcePausedAt() (time.Time, string) {
 	return res.MigrationStart, "the migration began"
 }
 
+// byIDs reports whether s and ref can be compared by token ids: each
+// carried an id for every token it counted.
+func byIDs(s, ref loadgen.Stream) bool {
+	whole := func(x loadgen.Stream) bool {
+		return len(x.IDs) > 0 && x.Usage != nil && len(x.IDs) == x.Usage.CompletionTokens
+	}
+	return whole(s) && whole(ref)
+}
+
+// idDivergence is divergence by token ids: where s's ids first differ
+// from ref's, and whether the event carrying that token arrived before
+// the source was paused.
+func (res *scenarioResult) idDivergence(s, ref loadgen.Stream) (where string, before bool) {
+	k := 0
+	for k < len(s.IDs) && k < len(ref.IDs) && s.IDs[k] == ref.IDs[k] {
+		k++
+	}
+	at, seen := 0, 0
+	for at < len(s.PieceIDs) {
+		seen += s.PieceIDs[at]
+		if seen > k {
+			break
+		}
+		at++
+	}
+	edge, what := res.sourcePausedAt()
+	before = at < len(s.PieceIDs) && at < len(s.Arrivals) && s.Arrivals[at].Before(edge)
+	when := "after " + what
+	if before {
+		when = "before " + what
+	}
+	near := func(ids []int) []int { return ids[max(0, k-3):min(len(ids), k+4)] }
+	return fmt.Sprintf("from token %d of %d (token event %d), %s: ids %v where the unmigrated run has %v", k, len(ref.IDs), at, when,
+		near(s.IDs), near(ref.IDs)), before
+}
+
 // around is the text near byte off, to show where two streams part.
 func around(text string, off int) string {
 	lo, hi := max(0, off-24), min(len(text), off+24)
@@ -335,18 +381,34 @@ func (res *scenarioResult) judge(ref []loadgen.Stream, sim bool, hosts int) {
 			res.Mismatches = append(res.Mismatches, fmt.Sprintf("stream %d failed: %v", i, s.Err))
 		case ref[i].Err != nil:
 			res.Mismatches = append(res.Mismatches, fmt.Sprintf("reference %d failed: %v", i, ref[i].Err))
-		case s.Text != ref[i].Text:
-			where, before := res.divergence(s, ref[i])
+		case byIDs(s, ref[i]) && !slices.Equal(s.IDs, ref[i].IDs):
+			res.ByIDs++
+			where, before := res.idDivergence(s, ref[i])
 			msg := fmt.Sprintf("stream %d differs from its unmigrated run %s", i, where)
 			if before && !sim {
 				res.Unjudged = append(res.Unjudged, msg)
 			} else {
 				res.Mismatches = append(res.Mismatches, msg)
 			}
+		case s.Text != ref[i].Text:
+			where, before := res.divergence(s, ref[i])
+			msg := fmt.Sprintf("stream %d differs from its unmigrated run %s", i, where)
+			switch {
+			case byIDs(s, ref[i]):
+				// The same tokens, other text: never the engine's doing.
+				res.ByIDs++
+				res.Mismatches = append(res.Mismatches, fmt.Sprintf("stream %d has its unmigrated run's token ids but not its text, %s", i, where))
+			case before && !sim:
+				res.Unjudged = append(res.Unjudged, msg)
+			default:
+				res.Mismatches = append(res.Mismatches, msg)
+			}
 		case s.Done != 1 || s.Usage == nil || ref[i].Usage == nil || *s.Usage != *ref[i].Usage:
 			res.Mismatches = append(res.Mismatches, fmt.Sprintf("stream %d: %d [DONE], usage %+v, unmigrated %+v", i, s.Done, s.Usage, ref[i].Usage))
 		case sim && s.Usage.CompletionTokens != len(s.Pieces):
 			res.Mismatches = append(res.Mismatches, fmt.Sprintf("stream %d: %d token events, usage %+v", i, len(s.Pieces), s.Usage))
+		case byIDs(s, ref[i]):
+			res.ByIDs++
 		}
 		for j := 1; j < len(s.Arrivals); j++ {
 			g := s.Arrivals[j].Sub(s.Arrivals[j-1])

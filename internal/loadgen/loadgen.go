@@ -23,16 +23,23 @@ type Request struct {
 	Seed        *int64
 	Temperature float64
 	IgnoreEOS   bool
-	Header      http.Header // this request's own headers (after Config.Header)
+	// TokenIDs asks the engine for each event's token ids
+	// ("return_token_ids", vLLM's): Stream.IDs then holds them.
+	TokenIDs bool
+	Header   http.Header // this request's own headers (after Config.Header)
 }
 
 // Stream is what one streamed request received.
 type Stream struct {
-	Index        int
-	ID           string
-	Text         string
-	Pieces       []string    // text of each token event
-	Arrivals     []time.Time // arrival of each token event
+	Index    int
+	ID       string
+	Text     string
+	Pieces   []string    // text of each token event
+	Arrivals []time.Time // arrival of each token event
+	// IDs are the token ids the events carried (Request.TokenIDs), and
+	// PieceIDs how many each event carried (parallel to Pieces).
+	IDs          []int
+	PieceIDs     []int
 	Start        time.Time
 	FinishReason string
 	Usage        *Usage
@@ -96,6 +103,9 @@ func streamOne(ctx context.Context, client *http.Client, cfg Config, r Request) 
 	if r.Seed != nil {
 		body["seed"] = *r.Seed
 	}
+	if r.TokenIDs {
+		body["return_token_ids"] = true
+	}
 	b, _ := json.Marshal(body)
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, cfg.BaseURL+"/v1/completions", bytes.NewReader(b))
 	if err != nil {
@@ -131,6 +141,7 @@ func streamOne(ctx context.Context, client *http.Client, cfg Config, r Request) 
 			Choices []struct {
 				Text         string  `json:"text"`
 				FinishReason *string `json:"finish_reason"`
+				TokenIDs     []int   `json:"token_ids"`
 			} `json:"choices"`
 			Usage *Usage `json:"usage"`
 			Error *struct {
@@ -148,6 +159,8 @@ func streamOne(ctx context.Context, client *http.Client, cfg Config, r Request) 
 			s.Usage = ev.Usage
 		}
 		for _, c := range ev.Choices {
+			s.IDs = append(s.IDs, c.TokenIDs...)
+			s.PieceIDs = append(s.PieceIDs, len(c.TokenIDs))
 			s.Pieces = append(s.Pieces, c.Text)
 			s.Arrivals = append(s.Arrivals, time.Now())
 			s.Text += c.Text
