@@ -483,6 +483,12 @@ type InstallRequest struct {
 	// already open. For an engine that derives the moved text
 	// (InstallResponse.VisibleText).
 	TextFrom map[string]int `json:"text_from,omitempty"`
+	// IDsFrom is, by request id, how many output token ids the held
+	// client got with that text (where the relay knows them): the
+	// pre-attached stream's first event carries the ids of the moved
+	// tokens after those, so that a client that asked for token ids gets
+	// each token's once across the switch.
+	IDsFrom map[string]int `json:"ids_from,omitempty"`
 	// Last says that no other install of the migration follows inside
 	// the pause: an engine may wake the streams pre-attached to these
 	// requests at once, rather than once installs stop coming, so that

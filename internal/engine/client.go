@@ -57,6 +57,14 @@ type Options struct {
 // hookPathPrefix begins every hook route (api/hooks' Path constants).
 const hookPathPrefix = "/vllm_hi/engine/"
 
+// IdleConnTimeout is how long a connection to an engine's HTTP server
+// stays open unused: less than vLLM's keep-alive (uvicorn's, 5 s by
+// default: VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so that a request never goes out
+// on a connection the engine is closing. With Go's 90 s a POST sent as the
+// engine closed its end failed with EOF (a hook call, or a client's
+// completion relayed by the Host: 502), seen on the 2-core VM, 2026-12-06.
+const IdleConnTimeout = 4 * time.Second
+
 // defaultTimeout bounds a call whose context has no deadline.
 const defaultTimeout = 30 * time.Second
 
@@ -67,7 +75,7 @@ func NewClient(base string, o Options) (*Client, error) {
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return nil, fmt.Errorf("engine URL %q: want http(s)://host:port", base)
 	}
-	tr := &http.Transport{Proxy: nil, TLSClientConfig: o.TLS, MaxIdleConnsPerHost: 64, IdleConnTimeout: 90 * time.Second}
+	tr := &http.Transport{Proxy: nil, TLSClientConfig: o.TLS, MaxIdleConnsPerHost: 64, IdleConnTimeout: IdleConnTimeout}
 	log := o.Log
 	if log == nil {
 		log = zap.NewNop()

@@ -390,14 +390,22 @@ func (m *migration) installChunk(ctx context.Context, ids []string, raw []byte, 
 	if len(raw) < 2 || raw[0] != '{' {
 		return nil, fmt.Errorf("export the source's state: unreadable answer")
 	}
-	// {"cursor":…,"requests":[…]} → {"resume":false,"lease_ms":…,"last":…,"text_from":{…},"cursor":…,"requests":[…]}
+	// {"cursor":…,"requests":[…]} → {"resume":false,"lease_ms":…,"last":…,"text_from":{…},"ids_from":{…},"cursor":…,"requests":[…]}
 	head := fmt.Sprintf(`{"resume":false,"lease_ms":%d,`, m.o.cfg.PauseLease/time.Millisecond)
 	if last {
 		head += `"last":true,`
 	}
-	if at := m.hold(ids); len(at) > 0 {
+	if at, n := m.hold(ids); len(at) > 0 {
 		b, _ := json.Marshal(at)
 		head += `"text_from":` + string(b) + `,`
+		if len(n) > 0 {
+			// The output token ids each held client got: the pre-attached
+			// stream's first event carries the ids after them, so that a
+			// client that asked for ids (and the relay, which tracks them
+			// for failover) has every token's id once.
+			b, _ = json.Marshal(n)
+			head += `"ids_from":` + string(b) + `,`
+		}
 	}
 	install := append([]byte(head), raw[1:]...)
 	type installResult struct {

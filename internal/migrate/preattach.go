@@ -45,16 +45,19 @@ func (m *migration) heldCut() bool {
 
 // hold holds the streams of ids where they are (heldCut): it returns,
 // by request id, the text their clients have, for the install's TextFrom.
-func (m *migration) hold(ids []string) map[string]int {
+func (m *migration) hold(ids []string) (text, tokenIDs map[string]int) {
 	if !m.heldCut() {
-		return nil
+		return nil, nil
 	}
-	at := map[string]int{}
+	text, tokenIDs = map[string]int{}, map[string]int{}
 	var held []string
 	for _, id := range ids {
 		if s := m.o.streams.Get(id); s != nil {
-			if text, ok := s.Hold(); ok {
-				at[id] = text
+			if t, n, ok := s.Hold(); ok {
+				text[id] = t
+				if n >= 0 {
+					tokenIDs[id] = n
+				}
 				held = append(held, id)
 			}
 		}
@@ -62,7 +65,7 @@ func (m *migration) hold(ids []string) map[string]int {
 	m.mu.Lock()
 	m.held = append(m.held, held...)
 	m.mu.Unlock()
-	return at
+	return text, tokenIDs
 }
 
 // releaseHolds lets the held streams' relays go on from the source (the

@@ -17,6 +17,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/vllm-hi/vllm-hi/api/openai"
+	"github.com/vllm-hi/vllm-hi/internal/engine"
 )
 
 // Proxy forwards OpenAI requests to engines.
@@ -74,11 +75,13 @@ func New(o Options, m *Metrics, log *zap.Logger) *Proxy {
 		o.StreamIdleTimeout = DefaultStreamIdleTimeout
 	}
 	tr := &http.Transport{
-		Proxy:                 nil, // engines are reached directly, never through HTTP_PROXY
-		DialContext:           (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
-		MaxIdleConns:          0,
-		MaxIdleConnsPerHost:   o.MaxIdleConnsPerEngine,
-		IdleConnTimeout:       90 * time.Second,
+		Proxy:               nil, // engines are reached directly, never through HTTP_PROXY
+		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		MaxIdleConns:        0,
+		MaxIdleConnsPerHost: o.MaxIdleConnsPerEngine,
+		// Below vLLM's HTTP keep-alive (5 s): a completion must never go
+		// out on a connection the engine is closing (engine.IdleConnTimeout).
+		IdleConnTimeout:       engine.IdleConnTimeout,
 		DisableCompression:    true, // pass bytes through; never gzip SSE
 		WriteBufferSize:       16 << 10,
 		ReadBufferSize:        32 << 10,
@@ -426,7 +429,7 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 			sawRole = true
 		}
 		if kind == KindToken {
-			if !s.countToken(textLen, read) {
+			if !s.countToken(textLen, read, ev.Data) {
 				// The source went on past what it exported (its pause lease
 				// ran out): the target produces these tokens now, so this
 				// one must not reach the client. Switch instead.
@@ -444,7 +447,9 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 		}
 		raw := ev.Raw
 		if s.ids != nil {
-			s.noteTokenIDs(kind, ev.Data)
+			if kind != KindToken { // a token event's ids were noted as it was counted
+				s.noteTokenIDs(kind, ev.Data)
+			}
 			if kind == KindOther && heldBackChunk(ev.Data) {
 				continue // sent only because the Host asked for ids
 			}

@@ -82,6 +82,10 @@ func (s *Stream) noteTokenIDs(kind Kind, data []byte) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.noteTokenIDsLocked(kind, data)
+}
+
+func (s *Stream) noteTokenIDsLocked(kind Kind, data []byte) {
 	p, o, found := tokenIDsOf(data, s.ids.prompt, s.ids.output)
 	s.ids.prompt, s.ids.output = p, o
 	if !found && kind == KindToken {
@@ -107,6 +111,7 @@ func (s *Stream) TokenIDs() (prompt, output []int, ok bool) {
 // the stream to the target, whose pre-attached stream opens there.
 type hold struct {
 	text     int
+	ids      int           // the output token ids the client has; -1: not known
 	released chan struct{} // closed when the hold ends either way
 }
 
@@ -303,23 +308,30 @@ func (s *Stream) Cut(baseURL, instance string, from, text, armed int) <-chan err
 // a Cut: the relay reads on, but the next token event waits. It returns
 // the code points of text the client has, which stay so — where the
 // target's pre-attached stream can open (hooks.InstallRequest.TextFrom)
-// before the commit. ok is false for a stream that ended or is being
-// moved already.
-func (s *Stream) Hold() (text int, ok bool) {
+// before the commit — and how many output token ids the client got with
+// them (hooks.InstallRequest.IDsFrom; -1 where the relay does not know).
+// ok is false for a stream that ended or is being moved already.
+func (s *Stream) Hold() (text, ids int, ok bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	select {
 	case <-s.done:
-		return 0, false
+		return 0, 0, false
 	default:
 	}
 	if s.splice != nil && s.splice.switched != nil {
-		return 0, false
+		return 0, 0, false
 	}
 	if s.held == nil {
-		s.held = &hold{text: s.text, released: make(chan struct{})}
+		// A token event's text and ids are counted together (countToken),
+		// so the two agree wherever the hold falls.
+		n := -1
+		if s.ids != nil && !s.ids.broken && len(s.ids.prompt) > 0 {
+			n = len(s.ids.output)
+		}
+		s.held = &hold{text: s.text, ids: n, released: make(chan struct{})}
 	}
-	return s.held.text, true
+	return s.held.text, s.held.ids, true
 }
 
 // Release ends a hold without a switch: the relay goes on from the source
@@ -406,7 +418,7 @@ func (s *Stream) spliceDueLocked() bool {
 // A stream moved there and back is held and fenced on its second engine
 // as on its first (it once was not, and its client got the last code
 // points before the second cut twice).
-func (s *Stream) countToken(textLen int, read time.Time) bool {
+func (s *Stream) countToken(textLen int, read time.Time, data []byte) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for s.held != nil {
@@ -432,6 +444,9 @@ func (s *Stream) countToken(textLen int, read time.Time) bool {
 	}
 	s.tokens++
 	s.text += textLen
+	if s.ids != nil {
+		s.noteTokenIDsLocked(KindToken, data)
+	}
 	s.lastSourceToken = read
 	s.times.add(read)
 	if s.spliceDueLocked() {

@@ -334,7 +334,7 @@ func TestHoldThenCutReadsThePreAttachedStream(t *testing.T) {
 			p := New(Options{}, testMetrics(), zap.NewNop())
 			got := streamThrough(t, p, a.URL)
 			s := waitStream(t, p, sent)
-			at, ok := s.Hold()
+			at, _, ok := s.Hold()
 			if !ok || at != len(" t0 t1 t2 t3") {
 				t.Fatalf("hold at %d (%v), want %d", at, ok, len(" t0 t1 t2 t3"))
 			}
@@ -458,7 +458,7 @@ func TestASecondMoveHoldsAndFencesTheEngineTheStreamReadsNow(t *testing.T) {
 	waitSplice(t, s.Splice(b.URL, "B", k1, -1))
 	s = waitStream(t, p, k2-1)
 	_, firstOnB := s.SwitchGap()
-	if at, ok := s.Hold(); !ok || at != len(" t0 t1 t2 t3 t4") {
+	if at, _, ok := s.Hold(); !ok || at != len(" t0 t1 t2 t3 t4") {
 		t.Fatalf("hold on the second engine at %d (%v), want %d", at, ok, len(" t0 t1 t2 t3 t4"))
 	}
 	close(held)

@@ -3,6 +3,7 @@ package proxy
 import (
 	"slices"
 	"testing"
+	"time"
 )
 
 func TestWithReturnTokenIDs(t *testing.T) {
@@ -121,5 +122,34 @@ func TestIntList(t *testing.T) {
 		if got, _, ok := intList([]byte(in), []int{9}); ok || !slices.Equal(got, []int{9}) {
 			t.Errorf("%q: parsed %v", in, got)
 		}
+	}
+}
+
+// A hold says how many output token ids the client got with its text
+// (counted with each token event, so the two agree), or -1 where the
+// relay does not know them.
+func TestAHoldCountsTheTokenIDsTheClientGot(t *testing.T) {
+	s := &Stream{ids: &streamIDs{}, done: make(chan struct{})}
+	for _, ev := range []string{firstAsked, mergedAsked} {
+		data := []byte(ev[len("data: ") : len(ev)-2])
+		_, textLen, _ := ClassifyText(data)
+		if !s.countToken(textLen, time.Now(), data) {
+			t.Fatal("a token was not counted")
+		}
+	}
+	text, ids, ok := s.Hold()
+	if !ok || text != len(" a")+len(` "token_ids":[9]`) || ids != 3 {
+		t.Fatalf("hold at %d code points and %d ids (%v), want %d and 3", text, ids, ok, len(" a")+len(` "token_ids":[9]`))
+	}
+	s.Release()
+	plain := &Stream{done: make(chan struct{})}
+	if _, ids, ok := plain.Hold(); !ok || ids != -1 {
+		t.Fatalf("a stream without ids held with %d ids (%v), want -1", ids, ok)
+	}
+	data := []byte(firstPlain[len("data: ") : len(firstPlain)-2])
+	_, textLen, _ := ClassifyText(data)
+	s.countToken(textLen, time.Now(), data) // a token without its id: the ids are no longer the client's
+	if _, ids, _ := s.Hold(); ids != -1 {
+		t.Fatalf("held with %d ids after a token came without its id, want -1", ids)
 	}
 }

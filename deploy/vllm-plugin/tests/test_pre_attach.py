@@ -211,6 +211,39 @@ class CutTest(unittest.TestCase):
 
         asyncio.run(run())
 
+    def test_a_held_pre_attach_carries_the_ids_after_those_the_client_got(self):
+        """With the install's ids_from (the relay's count of the ids its
+        client got at the hold), the lead chunk carries the moved tokens'
+        ids after those: every token's id reaches the client once."""
+        async def run():
+            h = _hooks()
+            ids = []
+            h.chunk = lambda inst, hid, text, finish, stop, n, token_ids=None: ids.append(token_ids) or f"[{text}]"
+            for hid, ids_from, text_from, want_text, want_ids in (
+                    ("cmpl-1", 1, 3, "[def]", [6, 7]),  # "abc": token 5 and half of 6's text ("c"), one id
+                    ("cmpl-2", 2, 6, "[]", [7]),        # all the text, not token 7's id (its text was empty)
+                    ("cmpl-3", 3, 6, None, None)):      # nothing lacking: no lead chunk
+                gen = await h.attach(hid, -1, 5000)
+                first = asyncio.ensure_future(gen.__anext__())
+                await asyncio.sleep(0.01)
+                inst = hooks.Installed([5, 6, 7], "abcdef", [2, 4, 6], _Queue(), prompt_len=3,
+                                       meta={"include_usage": False})
+                inst.text_from, inst.ids_from = text_from, ids_from
+                h.installed[hid] = inst
+                h._wake_pre_attached([hid])
+                if want_text is None:
+                    await asyncio.sleep(0.01)
+                    self.assertFalse(first.done(), "a lead chunk with nothing the client lacks")
+                    await inst.queue.items.put(_Out("g", finished=True))
+                    self.assertEqual(await asyncio.wait_for(first, 1), "[g]")
+                    continue
+                self.assertEqual(await asyncio.wait_for(first, 1), want_text, hid)
+                self.assertEqual(ids[-1], want_ids, hid)
+                await inst.queue.items.put(_Out("g", finished=True))
+                self.assertEqual([c async for c in gen], ["[g]", "data: [DONE]\n\n"])
+
+        asyncio.run(run())
+
 
 if __name__ == "__main__":
     unittest.main()

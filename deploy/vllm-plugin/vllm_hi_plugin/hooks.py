@@ -125,6 +125,10 @@ class Installed:
         # points): where the Host's relay holds the client (the install's
         # text_from); -1: after the moved tokens.
         self.text_from = -1
+        # How many of the moved output tokens' ids the held client got
+        # (the install's ids_from): the pre-attached stream's first event
+        # carries the ids after them; -1: not known (ids null there).
+        self.ids_from = -1
         # How many output tokens the request's detokenizer counted when
         # the install handed it over: a fast one counts none of the moved
         # tokens, a slow one all (it keeps the token list it decodes).
@@ -429,6 +433,7 @@ class Hooks:
 
         states = body.get("requests") or []
         text_from = body.get("text_from") or {}
+        ids_from = body.get("ids_from") or {}
         if body.get("skip_engine_core") and body.get("resume"):
             raise HookError(400, "an install with skip_engine_core cannot resume: the commit comes after both "
                                  "halves answered", "resume")
@@ -498,6 +503,9 @@ class Hooks:
                 at = text_from.get(rid)
                 if isinstance(at, int) and 0 <= at <= (inst.offsets[-1] if inst.offsets else 0):
                     inst.text_from = at
+                    n_ids = ids_from.get(rid)
+                    if isinstance(n_ids, int) and 0 <= n_ids <= len(output):
+                        inst.ids_from = n_ids
                 added.append(rid)
             ph.add("registering and replaying the detokenizers", ph.since_start())
             if body.get("skip_engine_core"):
@@ -793,13 +801,16 @@ class Hooks:
             inst.reader = asyncio.current_task()
             done_tokens = n
             lo = text_from if text_from >= 0 else (inst.offsets[start - 1] if start > 0 else 0)
-            if inst.text[lo:hi]:
+            if inst.text[lo:hi] or (0 <= inst.ids_from < n and text_from >= 0):
                 # Its tokens are those after the start the Host named (the
-                # token events its client got). Opened after the moved
-                # tokens (a pre-attach), which of them the client lacks is
-                # not known here: no ids then (null), which tells the
+                # token events its client got), or, opened at the relay's
+                # hold, after the ids its client got there (ids_from).
+                # Where neither is known: no ids (null), which tells the
                 # Host's relay that it no longer knows the stream's tokens.
-                ids = inst.output_ids[start:n] if start < n else None
+                if text_from >= 0 and inst.ids_from >= 0:
+                    ids = inst.output_ids[inst.ids_from:n]
+                else:
+                    ids = inst.output_ids[start:n] if start < n else None
                 yield self.chunk(inst, hid, inst.text[lo:hi], None, None, done_tokens, ids)
             if woken:
                 self._first_event_out(hid)
