@@ -290,24 +290,36 @@ func (res *scenarioResult) divergence(s, ref loadgen.Stream) (where string, befo
 	for off < len(s.Text) && off < len(ref.Text) && s.Text[off] == ref.Text[off] {
 		off++
 	}
+	at := eventHolding(len(s.Pieces), off, func(i int) int { return len(s.Pieces[i]) })
+	// A stream that is only shorter than its reference differs at its end:
+	// never "before" (at is then past the last event).
+	before, when := res.arrivedBefore(s, at)
+	return fmt.Sprintf("from byte %d of %d (token event %d), %s: %q where the unmigrated run has %q", off, len(ref.Text), at, when,
+		around(s.Text, off), around(ref.Text, off)), before
+}
+
+// eventHolding is the index of the event whose share (size) holds
+// position off of all the events' shares in order; n where none does.
+func eventHolding(n, off int, size func(i int) int) int {
 	at, end := 0, 0
-	for at < len(s.Pieces) {
-		end += len(s.Pieces[at])
+	for at < n {
+		end += size(at)
 		if end > off {
 			break
 		}
 		at++
 	}
-	// A stream that is only shorter than its reference differs at its end:
-	// never "before" (at is then past the last event).
+	return at
+}
+
+// arrivedBefore reports whether s's event at reached the client before
+// the source was paused, and says which in words.
+func (res *scenarioResult) arrivedBefore(s loadgen.Stream, at int) (bool, string) {
 	edge, what := res.sourcePausedAt()
-	before = at < len(s.Pieces) && at < len(s.Arrivals) && s.Arrivals[at].Before(edge)
-	when := "after " + what
-	if before {
-		when = "before " + what
+	if at < len(s.Pieces) && at < len(s.Arrivals) && s.Arrivals[at].Before(edge) {
+		return true, "before " + what
 	}
-	return fmt.Sprintf("from byte %d of %d (token event %d), %s: %q where the unmigrated run has %q", off, len(ref.Text), at, when,
-		around(s.Text, off), around(ref.Text, off)), before
+	return false, "after " + what
 }
 
 // sourcePausedAt is when the Host asked the source to pause (the
@@ -339,20 +351,8 @@ func (res *scenarioResult) idDivergence(s, ref loadgen.Stream) (where string, be
 	for k < len(s.IDs) && k < len(ref.IDs) && s.IDs[k] == ref.IDs[k] {
 		k++
 	}
-	at, seen := 0, 0
-	for at < len(s.PieceIDs) {
-		seen += s.PieceIDs[at]
-		if seen > k {
-			break
-		}
-		at++
-	}
-	edge, what := res.sourcePausedAt()
-	before = at < len(s.PieceIDs) && at < len(s.Arrivals) && s.Arrivals[at].Before(edge)
-	when := "after " + what
-	if before {
-		when = "before " + what
-	}
+	at := eventHolding(len(s.PieceIDs), k, func(i int) int { return s.PieceIDs[i] })
+	before, when := res.arrivedBefore(s, at)
 	near := func(ids []int) []int { return ids[max(0, k-3):min(len(ids), k+4)] }
 	return fmt.Sprintf("from token %d of %d (token event %d), %s: ids %v where the unmigrated run has %v", k, len(ref.IDs), at, when,
 		near(s.IDs), near(ref.IDs)), before
