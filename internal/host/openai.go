@@ -155,12 +155,16 @@ func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 	// With failover on, the relay asks vLLM for a stream's token ids: a
 	// survivor then gets exactly the client's tokens, however old the last
 	// snapshot.
-	trackIDs := false
+	trackIDs, clientIDs := false, false
 	if head.Stream && h.failover.RelaysTokenIDs() && (inst.Engine.Kind == "vllm" || inst.Engine.Kind == "vhi-sim") && tokenIDsExact(r.URL.Path, head.idFields) {
 		body, trackIDs = proxy.WithReturnTokenIDs(body)
+		// A client that asked for the ids itself gets them as vLLM sends
+		// them; the relay keeps them too (its failover, and the ids a
+		// migration's switch must carry on from).
+		clientIDs = !trackIDs && string(head.ReturnTokenIDs) == "true"
 	}
 	res := h.proxy.Forward(w, r, proxy.Upstream{
-		BaseURL: inst.Engine.URL, Path: r.URL.Path, Body: body, Header: hdr, Model: head.Model, InstanceID: inst.ID, TokenIDs: trackIDs, Stream: head.Stream, EngineKind: inst.Engine.Kind,
+		BaseURL: inst.Engine.URL, Path: r.URL.Path, Body: body, Header: hdr, Model: head.Model, InstanceID: inst.ID, TokenIDs: trackIDs || clientIDs, ClientTokenIDs: clientIDs, Stream: head.Stream, EngineKind: inst.Engine.Kind,
 		RequestID: engineID, Sent: release, Hold: h.scaler.Hold, OnFirstToken: h.observeTTFT(head.Model, arrived),
 		Reroute: func(tried []string) (string, string, bool) {
 			i, _, ok := h.route(head.Model, tried)
@@ -271,6 +275,8 @@ type idFields struct {
 	Echo        json.RawMessage `json:"echo"`
 	Logprobs    json.RawMessage `json:"logprobs"`
 	TopLogprobs json.RawMessage `json:"top_logprobs"`
+	// ReturnTokenIDs is the client's own return_token_ids.
+	ReturnTokenIDs json.RawMessage `json:"return_token_ids"`
 }
 
 // tokenIDsExact reports whether vLLM's token ids of a streamed request

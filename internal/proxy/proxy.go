@@ -119,10 +119,13 @@ type Upstream struct {
 	// the engine can serve again (an elastic-EP commit ended) and the
 	// request is sent again; false passes the 503 on.
 	Hold func(ctx context.Context, instanceID string, body []byte) bool
-	// TokenIDs says the Host asked the engine for the stream's token ids
-	// (WithReturnTokenIDs): the relay keeps them for a failover and gives
-	// the client its chunks as they would have been without them.
-	TokenIDs bool
+	// TokenIDs says the engine sends the stream's token ids: the relay
+	// keeps them for a failover and a migration's switch. Unless the
+	// client asked for them itself (ClientTokenIDs), the Host did
+	// (WithReturnTokenIDs), and the relay gives the client its chunks as
+	// they would have been without them.
+	TokenIDs       bool
+	ClientTokenIDs bool
 	// EngineKind is the kind of the instance's engine (Stream.EngineKind).
 	EngineKind string
 	// Stream says the client asked for a stream (the body's "stream":
@@ -215,7 +218,7 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 	s := &Stream{ID: up.RequestID, Instance: up.InstanceID, Model: up.Model, Tag: clientTag(r.Header), EngineKind: up.EngineKind,
 		Started: time.Now(), cancelA: cancelUp, done: make(chan struct{}), ctx: ctx}
 	if up.TokenIDs {
-		s.ids = &streamIDs{}
+		s.ids = &streamIDs{clients: up.ClientTokenIDs}
 	}
 	if p.recover != nil && len(up.Body) <= maxReplayBody {
 		s.request = &Upstream{Path: up.Path, Body: up.Body, Header: up.Header}
@@ -450,10 +453,10 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 			if kind != KindToken { // a token event's ids were noted as it was counted
 				s.noteTokenIDs(kind, ev.Data)
 			}
-			if kind == KindOther && heldBackChunk(ev.Data) {
+			if !s.ids.clients && kind == KindOther && heldBackChunk(ev.Data) {
 				continue // sent only because the Host asked for ids
 			}
-			if hasTokenIDLists(ev.Data) {
+			if !s.ids.clients && hasTokenIDLists(ev.Data) {
 				raw = withoutTokenIDs(raw, stripBuf)
 				stripBuf = raw[:0]
 			}

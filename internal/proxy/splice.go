@@ -72,6 +72,7 @@ type Stream struct {
 type streamIDs struct {
 	prompt, output []int
 	broken         bool
+	clients        bool // the client asked for the ids: its chunks keep them
 }
 
 // noteTokenIDs records the ids an event the client is about to get

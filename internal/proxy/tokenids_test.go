@@ -1,9 +1,15 @@
 package proxy
 
 import (
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"slices"
+	"strings"
 	"testing"
 	"time"
+
+	"go.uber.org/zap"
 )
 
 func TestWithReturnTokenIDs(t *testing.T) {
@@ -151,5 +157,45 @@ func TestAHoldCountsTheTokenIDsTheClientGot(t *testing.T) {
 	s.countToken(textLen, time.Now(), data) // a token without its id: the ids are no longer the client's
 	if _, ids, _ := s.Hold(); ids != -1 {
 		t.Fatalf("held with %d ids after a token came without its id, want -1", ids)
+	}
+}
+
+// A client that asked for token ids itself gets vLLM's chunks with them,
+// byte for byte; one whose ids only the Host asked for gets them nulled.
+// Both streams' ids are the relay's.
+func TestAClientThatAskedForTokenIDsKeepsThem(t *testing.T) {
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, firstAsked+mergedAsked+"data: [DONE]\n\n")
+	}))
+	defer engine.Close()
+	for _, c := range []struct {
+		clients bool
+		want    string
+	}{{true, firstAsked + mergedAsked}, {false, firstPlain + mergedPlain}} {
+		p := New(Options{}, testMetrics(), zap.NewNop())
+		var ids []int
+		front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			p.Forward(w, r, Upstream{BaseURL: engine.URL, Path: "/v1/completions", Body: []byte(`{}`), Model: "m", InstanceID: "A",
+				RequestID: "cmpl-1", TokenIDs: true, ClientTokenIDs: c.clients, Stream: true,
+				OnFirstToken: func(time.Time) {
+					if s := p.Streams().Get("cmpl-1"); s != nil {
+						_, ids, _ = s.TokenIDs()
+					}
+				}})
+		}))
+		resp, err := http.Post(front.URL+"/v1/completions", "application/json", strings.NewReader(`{}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		front.Close()
+		if string(body) != c.want+"data: [DONE]\n\n" {
+			t.Fatalf("client asked for ids: %v; got\n%s\nwant\n%s", c.clients, body, c.want+"data: [DONE]\n\n")
+		}
+		if !slices.Equal(ids, []int{7}) {
+			t.Fatalf("client asked for ids: %v; the relay's ids after the first token %v, want [7]", c.clients, ids)
+		}
 	}
 }
