@@ -19,6 +19,7 @@ from concurrent.futures import Future
 import msgspec
 
 from .core_channel import LOG, Boundary, ChannelServer, Deferred, Snapshot
+from .deferred_cache import DeferredCaching
 from .first_steps import FirstSteps
 from .staged import StagedRequest
 from .wire import HookError, Leases, WriteLog, build_layout, decode_ints, encode_ints
@@ -56,6 +57,9 @@ class CoreState:
         self.block_hasher = None  # the engine core's request_block_hasher (None: no prefix caching)
         self.steps = 0
         self.first_steps = FirstSteps()  # the steps after a commit of installed requests, timed
+        # Installed requests' blocks go to the prefix cache at the end of
+        # the steps after their commit, not all in the first (deferred_cache).
+        self.deferred = DeferredCaching(scheduler.kv_cache_manager)
         # The workers' KV regions as the layout op last read them: the
         # collective call costs ~15–30 ms of a migration's pause on a busy
         # GPU engine (H100, 2026-12-06), and the regions change only when
@@ -434,6 +438,7 @@ class CoreState:
             self.sched.add_request(req)
             if computed:
                 self.log.stamp_installed(rid, blocks, computed, gen)
+                self.deferred.defer(rid, req, computed)
         self.boundary.later(spent.clear)
         self.first_steps.committed(len(items))
 
@@ -567,6 +572,7 @@ def patch_scheduler() -> None:
             st.steps += 1
             if (line := st.first_steps.output()) is not None:
                 LOG.info(line)
+            st.deferred.run()
             st.log.end_step()
             st.boundary.end_step(st.publish if st.channel is not None else None)
 
