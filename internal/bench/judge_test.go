@@ -91,13 +91,17 @@ func TestJudgeComparesTokenIDsWhereTheStreamsCarriedThem(t *testing.T) {
 		withIDs(stream(t0, "a", "b", "c", "d"), 1, 2, 3, 4),
 		withIDs(stream(t0, "a", "b", "c", "d"), 1, 2, 3, 4),
 		withIDs(stream(t0, "a", "b", "c", "d"), 1, 2, 3, 4),
+		withIDs(stream(t0, "a", "b", "c", "d"), 1, 2, 3, 4),
 	}
+	short := withIDs(stream(t0, "a", "b", "c", "d"), 1, 2, 4) // the event of "c" came without its id
+	short.PieceIDs = []int{1, 1, 0, 1}
 	got := []loadgen.Stream{
 		withIDs(stream(t0, "a", "b", "c", "d"), 1, 2, 3, 4), // exact
 		withIDs(stream(t0, "a", "b", "c", "d"), 1, 2, 3, 9), // another last token, the same text: after the pause
 		withIDs(stream(t0, "a", "b", "X", "d"), 1, 2, 3, 4), // the same ids, other text (event 2: before the pause)
 		withIDs(stream(t0, "a", "b", "c", "d"), 1, 7, 3, 4), // another token before the pause
 		stream(t0, "a", "b", "c", "d"),                      // no ids: by text, equal
+		short,                                               // some ids: by text, and said
 	}
 	res := scenarioResult{Streams: got, Status: st, MigrationStart: t0}
 	res.judge(ref, false, 1)
@@ -111,5 +115,8 @@ func TestJudgeComparesTokenIDsWhereTheStreamsCarriedThem(t *testing.T) {
 	}
 	if len(res.Unjudged) != 1 || !strings.HasPrefix(res.Unjudged[0], "stream 3 ") || !strings.Contains(res.Unjudged[0], "before the source was paused") {
 		t.Fatalf("unjudged %q", res.Unjudged)
+	}
+	if len(res.ShortOfIDs) != 1 || res.ShortOfIDs[0] != "stream 5 carried ids for 3 of 4 tokens (its first token event without them: 2 of 4)" {
+		t.Fatalf("short of ids %q", res.ShortOfIDs)
 	}
 }

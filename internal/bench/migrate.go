@@ -359,7 +359,11 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 			exact = fmt.Sprintf("%d MISMATCHES: %s", len(res.Mismatches), strings.Join(res.Mismatches[:min(3, len(res.Mismatches))], "; "))
 		}
 		if res.ByIDs > 0 {
-			exact += fmt.Sprintf(" (%d of %d streams compared by token ids, the rest by text)", res.ByIDs, len(res.Streams))
+			exact += fmt.Sprintf(" (%d of %d streams compared by token ids, the rest by text", res.ByIDs, len(res.Streams))
+			if n := len(res.ShortOfIDs); n > 0 {
+				exact += fmt.Sprintf("; %d carried ids for only some tokens: %s", n, strings.Join(res.ShortOfIDs[:min(3, n)], "; "))
+			}
+			exact += ")"
 		}
 		fmt.Fprintf(out, "%s; %s\n", exact, res.StatsA)
 		if sc.External != nil && st.State == hostapi.StateSucceeded {

@@ -101,11 +101,15 @@ type scenarioResult struct {
 	Unjudged []string
 	// ByIDs counts the streams compared by token ids (both runs carried
 	// every token's id), the rest by text.
-	ByIDs     int
-	Wall      time.Duration
-	MedianGap time.Duration
-	MaxGap    time.Duration
-	MaxGapAt  time.Time // when the longest gap ended
+	ByIDs int
+	// ShortOfIDs says, for streams that carried token ids but not for
+	// every token, how many and where the first event without them was:
+	// a migration that lost the moved tokens' ids shows here.
+	ShortOfIDs []string
+	Wall       time.Duration
+	MedianGap  time.Duration
+	MaxGap     time.Duration
+	MaxGapAt   time.Time // when the longest gap ended
 	// MaxGapDuringMigration is the longest gap that ended while the
 	// migration ran (or within a second after): what the migration cost
 	// the clients, apart from prefill stalls before it.
@@ -343,6 +347,17 @@ func byIDs(s, ref loadgen.Stream) bool {
 	return whole(s) && whole(ref)
 }
 
+// shortOfIDs says how a stream that carried some token ids lacks others
+// ("" where it carried none, or all).
+func shortOfIDs(s loadgen.Stream) string {
+	if len(s.IDs) == 0 || s.Usage == nil || len(s.IDs) == s.Usage.CompletionTokens {
+		return ""
+	}
+	first := slices.Index(s.PieceIDs, 0)
+	return fmt.Sprintf("carried ids for %d of %d tokens (its first token event without them: %d of %d)",
+		len(s.IDs), s.Usage.CompletionTokens, first, len(s.PieceIDs))
+}
+
 // idDivergence is divergence by token ids: where s's ids first differ
 // from ref's, and whether the event carrying that token arrived before
 // the source was paused.
@@ -409,6 +424,10 @@ func (res *scenarioResult) judge(ref []loadgen.Stream, sim bool, hosts int) {
 			res.Mismatches = append(res.Mismatches, fmt.Sprintf("stream %d: %d token events, usage %+v", i, len(s.Pieces), s.Usage))
 		case byIDs(s, ref[i]):
 			res.ByIDs++
+		default:
+			if why := shortOfIDs(s); why != "" {
+				res.ShortOfIDs = append(res.ShortOfIDs, fmt.Sprintf("stream %d %s", i, why))
+			}
 		}
 		for j := 1; j < len(s.Arrivals); j++ {
 			g := s.Arrivals[j].Sub(s.Arrivals[j-1])

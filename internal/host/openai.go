@@ -155,14 +155,17 @@ func (h *Host) openAI(w http.ResponseWriter, r *http.Request) {
 	// With failover on, the relay asks vLLM for a stream's token ids: a
 	// survivor then gets exactly the client's tokens, however old the last
 	// snapshot.
-	trackIDs, clientIDs := false, false
-	if head.Stream && h.failover.RelaysTokenIDs() && (inst.Engine.Kind == "vllm" || inst.Engine.Kind == "vhi-sim") && tokenIDsExact(r.URL.Path, head.idFields) {
+	idsExact := head.Stream && (inst.Engine.Kind == "vllm" || inst.Engine.Kind == "vhi-sim") && tokenIDsExact(r.URL.Path, head.idFields)
+	trackIDs := false
+	if idsExact && h.failover.RelaysTokenIDs() {
 		body, trackIDs = proxy.WithReturnTokenIDs(body)
-		// A client that asked for the ids itself gets them as vLLM sends
-		// them; the relay keeps them too (its failover, and the ids a
-		// migration's switch must carry on from).
-		clientIDs = !trackIDs && string(head.ReturnTokenIDs) == "true"
 	}
+	// A client that asked for the ids itself gets them as vLLM sends them;
+	// the relay keeps them too, with failover off as well: a migration's
+	// switch must carry on from the ids the client got (the target's
+	// first event sends the moved tokens' ids after those).
+	clientIDs := idsExact && !trackIDs && string(head.ReturnTokenIDs) == "true"
+
 	res := h.proxy.Forward(w, r, proxy.Upstream{
 		BaseURL: inst.Engine.URL, Path: r.URL.Path, Body: body, Header: hdr, Model: head.Model, InstanceID: inst.ID, TokenIDs: trackIDs || clientIDs, ClientTokenIDs: clientIDs, Stream: head.Stream, EngineKind: inst.Engine.Kind,
 		RequestID: engineID, Sent: release, Hold: h.scaler.Hold, OnFirstToken: h.observeTTFT(head.Model, arrived),

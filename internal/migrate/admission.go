@@ -3,6 +3,7 @@ package migrate
 import (
 	"crypto/rand"
 	"math"
+	"strings"
 	"time"
 
 	"go.uber.org/zap"
@@ -94,7 +95,7 @@ func (o *Orchestrator) admit(req hostapi.MigrateRequest, id string) (*migration,
 	sg, dg := src.Engine.Geometry, dst.Engine.Geometry
 	switch {
 	case !src.Reachable || !dst.Reachable || !src.Stats.Healthy || !dst.Stats.Healthy:
-		return nil, refuse(conflict, "both instances must be reachable and healthy")
+		return nil, refuse(conflict, "both instances must be reachable and healthy: %s", notReady(time.Now(), src, dst))
 	case !src.Engine.Migratable || !dst.Engine.Migratable:
 		return nil, refuse(conflict, "both engines must serve the vllm-hi hooks (migratable); %s: %v, %s: %v", src.ID, src.Engine.Migratable, dst.ID, dst.Engine.Migratable)
 	case src.Role != registry.RoleActive:
@@ -132,4 +133,15 @@ func (o *Orchestrator) admit(req hostapi.MigrateRequest, id string) (*migration,
 	m.st = hostapi.MigrationStatus{ID: id, State: hostapi.StateRunning, Src: src.ID, Dst: dst.ID, Type: req.Type, RequestFilter: filter.String(),
 		TN: req.TN, CreatedAt: now, Deadline: m.deadline, StepHistory: []hostapi.Step{}, Rounds: []hostapi.Round{}, Dropped: []string{}}
 	return m, nil
+}
+
+// notReady is why each of the instances that cannot take part cannot.
+func notReady(now time.Time, insts ...registry.Instance) string {
+	var why []string
+	for _, i := range insts {
+		if w := i.NotReady(now); w != "" {
+			why = append(why, w)
+		}
+	}
+	return strings.Join(why, "; ")
 }

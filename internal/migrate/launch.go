@@ -40,7 +40,7 @@ func (o *Orchestrator) startLaunched(req hostapi.MigrateRequest) (string, error)
 	conflict := errdefs.ErrConflict
 	switch {
 	case !src.Reachable || !src.Stats.Healthy:
-		return "", refuse(conflict, "the source must be reachable and healthy")
+		return "", refuse(conflict, "the source must be reachable and healthy: %s", src.NotReady(time.Now()))
 	case src.Role != registry.RoleActive:
 		return "", refuse(conflict, "source %s is %s, not active", src.ID, src.Role)
 	case len(src.Engine.ServedModels) == 0:

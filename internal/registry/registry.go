@@ -7,6 +7,7 @@ package registry
 
 import (
 	"errors"
+	"fmt"
 	"slices"
 	"sort"
 	"sync"
@@ -193,6 +194,20 @@ func (i Instance) Lifecycle() Lifecycle {
 		return LifecycleActive
 	}
 	return LifecycleStandby
+}
+
+// NotReady says why the instance cannot take part in an operation now,
+// "" when it can: no heartbeat within the registry's window, or its engine
+// answered the agent's last health check unhealthy. An operator refused
+// with it learns which side to look at.
+func (i Instance) NotReady(now time.Time) string {
+	switch {
+	case !i.Reachable:
+		return fmt.Sprintf("%s is unreachable (its last heartbeat %s ago)", i.ID, now.Sub(i.LastHeartbeat).Round(100*time.Millisecond))
+	case !i.Stats.Healthy:
+		return fmt.Sprintf("%s's engine failed its last health check", i.ID)
+	}
+	return ""
 }
 
 // routable reports whether new requests may go to the instance.

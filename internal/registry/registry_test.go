@@ -336,3 +336,21 @@ func TestClaims(t *testing.T) {
 		t.Fatalf("released: %s", a.EffectiveState())
 	}
 }
+
+func TestNotReadySaysWhichAndWhy(t *testing.T) {
+	now := time.Unix(1000, 0)
+	ok := Instance{Registration: Registration{ID: "a"}, Reachable: true, Stats: Stats{Healthy: true}, LastHeartbeat: now}
+	if w := ok.NotReady(now); w != "" {
+		t.Fatalf("a reachable, healthy instance: %q", w)
+	}
+	gone := ok
+	gone.Reachable, gone.LastHeartbeat = false, now.Add(-4200*time.Millisecond)
+	if w := gone.NotReady(now); w != "a is unreachable (its last heartbeat 4.2s ago)" {
+		t.Fatalf("unreachable: %q", w)
+	}
+	sick := ok
+	sick.Stats.Healthy = false
+	if w := sick.NotReady(now); w != "a's engine failed its last health check" {
+		t.Fatalf("unhealthy: %q", w)
+	}
+}

@@ -106,6 +106,39 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 		sameStreams(t, want, got)
 	})
 
+	// A client that asked vLLM for token ids (return_token_ids) gets every
+	// token's id across the move: the moved tokens' ids after those it got
+	// from the source, then the target's own, as an unmigrated run's.
+	t.Run("streams that asked for token ids get every id across the move", func(t *testing.T) {
+		const sampling = `"temperature":0,"return_token_ids":true`
+		want := runStreamsOf(t, hostURL, 0, 2, 460, sampling, 0, nil)
+		var st hostapi.MigrationStatus
+		got := runStreamsOf(t, hostURL, 0, 2, 460, sampling, 300*time.Millisecond, func() {
+			st = migrateAndWait(t, hostURL, hostapi.MigrateRequest{Src: src, Dst: dst, Type: hostapi.PreserveSource})
+		})
+		if st.State != "succeeded" || st.Migrated != 2 {
+			t.Fatalf("migration %s (%s), %d requests moved", st.State, st.Error, st.Migrated)
+		}
+		sameStreams(t, want, got)
+		for i := range want {
+			wantIDs, wantMissing := tokenIDsOf(t, want[i].raw)
+			gotIDs, gotMissing := tokenIDsOf(t, got[i].raw)
+			if wantMissing != 0 || len(wantIDs) == 0 {
+				t.Fatalf("stream %d unmigrated: %d ids, %d token events without them", i, len(wantIDs), wantMissing)
+			}
+			if gotMissing != 0 || !slices.Equal(gotIDs, wantIDs) {
+				k := 0
+				for k < len(gotIDs) && k < len(wantIDs) && gotIDs[k] == wantIDs[k] {
+					k++
+				}
+				t.Errorf("stream %d migrated: %d token events without ids; %d ids, %d unmigrated; from id %d: %v, unmigrated %v", i, gotMissing,
+					len(gotIDs), len(wantIDs), k, gotIDs[max(0, k-3):min(len(gotIDs), k+4)], wantIDs[max(0, k-3):min(len(wantIDs), k+4)])
+				t.Logf("stream %d's events:\n%s", i, got[i].raw)
+			}
+		}
+	})
+	src, dst = dst, src
+
 	// A seeded sampled stream keeps its random stream: the source's
 	// torch.Generator state moves with the request.
 	t.Run("a seeded sampled stream moves and stays exact", func(t *testing.T) {
@@ -511,6 +544,41 @@ func waitFree(t *testing.T, engine string, want int) {
 		}
 	}
 	t.Errorf("%s: %d free blocks, want %d", engine, got, want)
+}
+
+// tokenIDsOf is the token ids a stream's events carried (raw: one event's
+// data a line), and how many events with a choice carried none.
+func tokenIDsOf(t *testing.T, raw string) (ids []int, missing int) {
+	t.Helper()
+	for _, line := range strings.Split(raw, "\n") {
+		if line == "" || line == "[DONE]" {
+			continue
+		}
+		var ev struct {
+			Choices []struct {
+				TokenIDs *[]int `json:"token_ids"`
+				Delta    *struct {
+					Role    string  `json:"role"`
+					Content *string `json:"content"`
+				} `json:"delta"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal([]byte(line), &ev); err != nil {
+			t.Fatalf("event %q: %v", line, err)
+		}
+		for _, c := range ev.Choices {
+			if c.Delta != nil && c.Delta.Role != "" && (c.Delta.Content == nil || *c.Delta.Content == "") {
+				continue // a chat stream's opening event names the role and carries no token
+			}
+			if c.TokenIDs == nil {
+				t.Logf("an event without token ids: %s", line)
+				missing++
+				continue
+			}
+			ids = append(ids, *c.TokenIDs...)
+		}
+	}
+	return ids, missing
 }
 
 // readEvents reads an SSE body's data lines; first is called once the
