@@ -12,6 +12,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
 	"github.com/vllm-hi/vllm-hi/internal/errdefs"
+	"github.com/vllm-hi/vllm-hi/internal/transfer"
 )
 
 // committed is what the commit hands on to the switch.
@@ -137,6 +138,16 @@ func (m *migration) finalRound(ctx context.Context, since uint64) ([]movedState,
 	fault := m.req.InjectFault
 	if fault == "crash_after_pause" || fault == "target_full" {
 		fault = "" // not data-plane faults
+	}
+	if f := transfer.ParseFault(fault); f == transfer.CorruptFrame || f == transfer.CutConn {
+		// A fault the data plane notices needs bytes in flight: the final
+		// round then copies everything the source wrote, not only what it
+		// wrote since the last round, which is nothing where the pause
+		// landed at the step boundary that round read (a test of the
+		// abort path then saw the migration succeed). Not for a silent
+		// corruption, which the check must find in what the final round
+		// moves as usual. Only with fault injection on.
+		since = 0
 	}
 	cctx, cancel := context.WithCancel(ctx)
 	defer cancel()

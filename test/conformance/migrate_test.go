@@ -54,11 +54,14 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 	t.Run("a failed migration changes nothing", func(t *testing.T) {
 		freeA, freeB := freeBlocks(t, vllmA), freeBlocks(t, vllmBURL)
 		var st hostapi.MigrationStatus
-		got := runStreams(t, hostURL, n, func() {
+		// Migrated as soon as every stream has its first token: the tiny
+		// model's 460 tokens take ~1.5 s on a busy 2-core machine, and a
+		// migration that starts as they end moves nothing to corrupt.
+		got := runStreamsOf(t, hostURL, 0, n, 460, `"temperature":0`, 0, func() {
 			st = migrateAndWait(t, hostURL, hostapi.MigrateRequest{Src: ids["A"], Dst: ids["B"], InjectFault: "corrupt"})
 		})
 		if st.State != "aborted" {
-			t.Fatalf("a corrupted copy: migration %s (%s), want aborted", st.State, st.Error)
+			t.Fatalf("a corrupted copy: migration %s (%s), %d requests moved, rounds %+v; want aborted", st.State, st.Error, st.Migrated, st.Rounds)
 		}
 		sameStreams(t, baseline, got)
 		waitFree(t, vllmA, freeA)
