@@ -459,7 +459,7 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 			case !heldBack && kind != KindToken: // a token event's ids were noted as it was counted
 				s.noteTokenIDs(kind, ev.Data)
 			}
-			if !s.ids.clients && kind == KindOther && heldBackChunk(ev.Data) {
+			if !s.ids.clients && heldBack {
 				continue // sent only because the Host asked for ids
 			}
 			if !s.ids.clients && hasTokenIDLists(ev.Data) {
