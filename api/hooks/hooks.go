@@ -286,6 +286,14 @@ type PauseRequest struct {
 	// each waiting for the engine's loop behind the others. Engines that
 	// do not serve it ignore it; the Host then exports as before.
 	Export *ExportRequest `json:"export,omitempty"`
+	// DropInFlight lets an engine with asynchronous scheduling pause at
+	// the boundary where the call arrives instead of one step later: the
+	// step in flight's work for the paused requests (one decode position
+	// each, whose token nobody has received) is dropped, and whoever
+	// continues a request computes that position again. Without it the
+	// pause waits for that step's output. Engines without steps in
+	// flight, or that do not know it, ignore it.
+	DropInFlight bool `json:"drop_in_flight,omitempty"`
 }
 
 // PauseResponse answers once the engine is at a step boundary with the
@@ -301,6 +309,9 @@ type PauseResponse struct {
 	// The requests kept decoding (and their clients kept receiving tokens)
 	// until then, so a migration's downtime starts after it.
 	StepWaitS float64 `json:"step_wait_s"`
+	// DroppedInFlight, with DropInFlight, counts the paused requests whose
+	// step in flight was dropped.
+	DroppedInFlight int `json:"dropped_in_flight,omitempty"`
 	// Exported is the export of the paused requests a PauseRequest.Export
 	// asked for (an ExportResponse), if the engine served it.
 	Exported json.RawMessage `json:"exported,omitempty"`

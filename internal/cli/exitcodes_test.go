@@ -109,6 +109,8 @@ func TestHostCheck(t *testing.T) {
 		{[]string{"host", "--check", "--config", bad}, exitUsage, ""},
 		{[]string{"host", "--check", "--config", dir + "/none.yaml"}, exitUsage, ""},
 		{[]string{"host", "--check", "--heartbeat-interval", "0s"}, exitUsage, ""},
+		{[]string{"host", "--check", "--migration-pause-in-flight", "wait"}, 0, "are valid"},
+		{[]string{"host", "--check", "--migration-pause-in-flight", "later"}, exitUsage, ""},
 		{[]string{"host", "--config-schema"}, 0, `"$schema"`},
 	} {
 		root := NewRootCommand()

@@ -174,6 +174,8 @@ across restarts.`,
 	f.IntVar(&cfg.MissedHeartbeats, "missed-heartbeats", cfg.MissedHeartbeats, "missed heartbeats before an instance is unreachable")
 	f.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", cfg.ShutdownTimeout, "on SIGTERM, how long open streams may finish")
 	f.DurationVar(&cfg.Migration.PauseLease, "migration-pause-lease", cfg.Migration.PauseLease, "a paused source resumes by itself after this long without confirmation")
+	f.StringVar(&cfg.Migration.PauseInFlight, "migration-pause-in-flight", cfg.Migration.PauseInFlight,
+		"what the source's pause does with the step in flight of an engine with asynchronous scheduling: drop (pause at once, the target computes that step again) or wait (for its output)")
 	f.DurationVar(&cfg.Migration.ReservationLease, "migration-reservation-lease", cfg.Migration.ReservationLease, "a target frees unclaimed reserved blocks after this long; a migration must commit before it ends")
 	f.IntVar(&cfg.Migration.DefaultTN, "migration-tn", cfg.Migration.DefaultTN, "default data-plane connections per migration")
 	f.BoolVar(&cfg.Migration.AllowFaultInjection, "allow-fault-injection", false, "accept inject_fault in migrate requests (tests only)")
@@ -234,6 +236,9 @@ func checkHostConfig(cmd *cobra.Command, cfg host.Config, configFile string, fil
 		return usageError{fmt.Errorf("--heartbeat-interval must be > 0 and --missed-heartbeats ≥ 1")}
 	}
 	if err := migrationEnv(&cfg.Migration); err != nil {
+		return usageError{err}
+	}
+	if err := cfg.Migration.Check(); err != nil {
 		return usageError{err}
 	}
 	out := cmd.OutOrStdout()

@@ -42,11 +42,17 @@ type Config struct {
 	// (VLLM_HI_CATCH_UP_ROUNDS, default 2; 0: none). The source decodes
 	// through the check; without them what it wrote meanwhile is the
 	// final round's copy and the check inside the pause.
-	CatchUpRounds    int
-	CatchUpRatio     float64       // default 2; 0: catch up whenever CatchUpRounds allows
-	DefaultFilter    string        // VLLM_HI_REQUEST_FILTER, default all
-	DefaultTN        int           // data-plane connections, default 2
-	PauseLease       time.Duration // how long the source stays paused without confirmation
+	CatchUpRounds int
+	CatchUpRatio  float64       // default 2; 0: catch up whenever CatchUpRounds allows
+	DefaultFilter string        // VLLM_HI_REQUEST_FILTER, default all
+	DefaultTN     int           // data-plane connections, default 2
+	PauseLease    time.Duration // how long the source stays paused without confirmation
+	// PauseInFlight is what the source's pause does with the step in
+	// flight of an engine with asynchronous scheduling (vLLM's default):
+	// "drop" (the default) pauses at once, that step's work for the moving
+	// requests dropped and computed again by the target; "wait" waits
+	// for it (1–2 decode steps more of downtime).
+	PauseInFlight    string
 	ReservationLease time.Duration // how long the target holds unclaimed blocks; bounds the migration up to its commit
 	SpliceTimeout    time.Duration
 	// RPCTimeout bounds one control call to an agent (list, pause,
@@ -101,9 +107,16 @@ type Config struct {
 	LaunchLogDir string
 }
 
+// What the source's pause does with an engine's step in flight
+// (Config.PauseInFlight).
+const (
+	PauseInFlightDrop = "drop"
+	PauseInFlightWait = "wait"
+)
+
 // DefaultConfig returns the defaults.
 func DefaultConfig() Config {
-	return Config{MaxIncrRounds: 8, StallRounds: 2, CatchUpRounds: 2, CatchUpRatio: 2, DefaultTN: 2, PauseLease: 10 * time.Second, ReservationLease: 60 * time.Second,
+	return Config{MaxIncrRounds: 8, StallRounds: 2, CatchUpRounds: 2, CatchUpRatio: 2, DefaultTN: 2, PauseLease: 10 * time.Second, PauseInFlight: PauseInFlightDrop, ReservationLease: 60 * time.Second,
 		SpliceTimeout: 5 * time.Second, RPCTimeout: 10 * time.Second, PauseCallTimeout: 2 * time.Second,
 		HeartbeatTimeout: 3 * time.Second, PauseHeartbeatTimeout: 500 * time.Millisecond, Verify: hostapi.VerifySample, VerifySamples: 2,
 		RetireWait: 10 * time.Minute, DrainTimeout: 10 * time.Minute, MaxHistory: 1000}
@@ -115,7 +128,8 @@ func margin(lease time.Duration) time.Duration {
 	return max(500*time.Millisecond, lease/5)
 }
 
-func (c Config) check() error {
+// Check says what in the configuration a Host cannot start with.
+func (c Config) Check() error {
 	switch {
 	case c.PauseLease < 2*time.Second:
 		return fmt.Errorf("the migration pause lease %v is too short (at least 2s)", c.PauseLease)
@@ -128,6 +142,8 @@ func (c Config) check() error {
 		return fmt.Errorf("migration verify %q: want sample, full or off", c.Verify)
 	case c.CatchUpRounds < 0 || c.CatchUpRatio < 0:
 		return fmt.Errorf("migration catch-up rounds and ratio must not be negative")
+	case c.PauseInFlight != PauseInFlightDrop && c.PauseInFlight != PauseInFlightWait:
+		return fmt.Errorf("migration pause in flight %q: want drop or wait", c.PauseInFlight)
 	case c.VerifySamples < 0:
 		return fmt.Errorf("migration verify samples must not be negative")
 	case c.MaxHistory < 1:

@@ -49,7 +49,7 @@ type Orchestrator struct {
 // Host's pool); met and records may be nil (nothing is then counted, or
 // kept across restarts).
 func New(cfg Config, reg *registry.Registry, px *proxy.Proxy, agents *agentclient.Pool, met *Metrics, records RecordStore, log *zap.Logger) (*Orchestrator, error) {
-	if err := cfg.check(); err != nil {
+	if err := cfg.Check(); err != nil {
 		return nil, err
 	}
 	o := &Orchestrator{cfg: cfg, reg: reg, proxy: px, streams: px.Streams(), met: met, log: log,

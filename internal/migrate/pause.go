@@ -28,12 +28,16 @@ func (m *migration) pauseSource(ctx context.Context, since uint64) (wait time.Du
 		// final round then reads nothing itself, and the state move only
 		// installs.
 		p, err := m.srcA.Engine.Pause(cctx, hooks.PauseRequest{RequestIDs: ids, LeaseMS: int(m.o.cfg.PauseLease / time.Millisecond), IgnoreMissing: true,
-			RoundSince: &since, Export: m.exportWithPause(ids)})
+			RoundSince: &since, Export: m.exportWithPause(ids), DropInFlight: m.o.cfg.PauseInFlight == PauseInFlightDrop})
 		err = m.slowPausedCall(ctx, cctx, err)
 		cancel()
 		if err == nil {
 			m.pausedSrc = true
 			m.pauseExported = p.Exported
+			if p.DroppedInFlight > 0 {
+				m.log.Debug("paused without waiting for the step in flight: its work for these requests was dropped",
+					zap.Int("count", p.DroppedInFlight))
+			}
 			if len(p.Missing) > 0 {
 				// They ended on the source: their clients have every token.
 				m.log.Debug("requests ended before the pause; not moved", zap.Int("count", len(p.Missing)))

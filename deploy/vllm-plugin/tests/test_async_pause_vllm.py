@@ -75,6 +75,7 @@ class AsyncPauseTest(unittest.TestCase):
         self.queue = deque()  # steps in flight, newest first (the engine's batch_queue)
         self.scheduled = []  # each step's scheduled request ids
         self.reqs = {}
+        self.emitted = []  # (request id, token ids) of each output the engine would send
 
     def tearDown(self):
         from vllm_hi_plugin import config
@@ -129,7 +130,9 @@ class AsyncPauseTest(unittest.TestCase):
         if self.queue:
             out, mro = self.queue.pop()
             cursor = self.st.log.cursor
-            self.sched.update_from_output(out, mro)
+            outs = self.sched.update_from_output(out, mro)
+            for eco in outs.values():
+                self.emitted.extend((o.request_id, list(o.new_token_ids)) for o in eco.outputs)
             # The cursor never claims a step still in flight.
             self.assertLessEqual(self.st.log.cursor, cursor + 2 * len(self.sched.requests) + 8)
             if self.queue:
@@ -239,6 +242,110 @@ class AsyncPauseTest(unittest.TestCase):
             self.assertEqual(list(self.reqs[rid].output_token_ids), [token(rid, i) for i in range(MAX_TOKENS)],
                              f"{rid}: tokens lost or repeated")
         self.assertFalse(self.st.log.in_step)
+
+    def pause_dropping(self, rid: str, since: int | None = None) -> dict:
+        """The channel's pause of rid with drop_in_flight, as the agent asks
+        it inside a migration; it must answer at this boundary."""
+        from vllm_hi_plugin import engine_core
+        from vllm_hi_plugin.core_channel import Deferred
+
+        orig_layout = engine_core._layout
+        engine_core._layout = lambda core, st: {"engine": "vllm"}
+        try:
+            p = {"request_ids": [rid], "lease_ms": 60000, "drop_in_flight": True, "export": {}}
+            if since is not None:
+                p["round_since"] = since
+            out = engine_core._ch_pause("core", self.st, self.ids, p)
+        finally:
+            engine_core._layout = orig_layout
+        self.assertNotIsInstance(out, Deferred, "a pause dropping the step in flight waited for it")
+        return out
+
+    def test_a_pause_that_drops_the_step_in_flight_lands_at_this_boundary(self):
+        """With drop_in_flight the pause answers at the boundary where it
+        arrives: the paused request is back at its materialized frontier
+        (its last token's KV not written, as a synchronous engine pauses),
+        the step in flight's token for it is never sent, and resumed it
+        computes that position again: every request ends with exactly the
+        model's tokens, none lost or repeated."""
+        from vllm_hi_plugin.wire import decode_ints
+
+        for rid, n in (("a", 20), ("b", 33), ("c", 7)):
+            self.add(rid, n)
+        for _ in range(10):
+            self.iteration()
+        since = self.st.log.cursor  # the last copy round's
+        for _ in range(2):
+            self.iteration()
+        b = self.sched.requests["b"]
+        self.assertGreater(b.num_output_placeholders, 0, "b should have a token in flight at a boundary with async scheduling")
+        held = list(b.output_token_ids)
+        out = self.pause_dropping("b", since)
+        self.assertEqual(out["paused"], ["b"])
+        self.assertEqual(out["dropped_in_flight"], 1)
+        self.assertEqual(b.num_output_placeholders, 0)
+        self.assertEqual(b.num_computed_tokens, b.num_tokens - 1, "b is not at its materialized frontier")
+        exported = {r["request_id"]: r for r in out["exported"]["requests"]}
+        self.assertEqual(decode_ints(exported["b"]["output_token_ids"]), held)
+        self.assertEqual(exported["b"]["num_computed_tokens"], b.num_tokens - 1)
+        # The final round's inputs hold b's last landed write (the slot
+        # before its frontier).
+        listed = {r["request_id"]: r for r in out["round"]["requests"]["requests"]}
+        self.assertEqual(listed["b"]["num_computed_tokens"], b.num_tokens - 1)
+        last = b.num_computed_tokens - 1
+        block, slot = decode_ints(listed["b"]["block_ids"])[last // BLOCK], last % BLOCK
+        self.assertTrue(any(w["request_id"] == "b" and w["block"] == block and w["first_slot"] <= slot < w["first_slot"] + w["num_slots"]
+                            for w in out["round"]["changes"]["written"]),
+                        f"b's last write (block {block} slot {slot}) is not among the round's changes")
+        mark, sent = len(self.scheduled), len(self.emitted)
+        for _ in range(10):
+            self.iteration()
+        self.assertEqual(list(b.output_token_ids), held, "a paused request gained tokens (the dropped step's output was kept)")
+        self.assertFalse(any("b" in s for s in self.scheduled[mark:]), "a paused request was scheduled")
+        self.assertFalse([o for o in self.emitted[sent:] if o[0] == "b"], "the dropped step's token was sent")
+        self.assertEqual(b.num_computed_tokens, b.num_tokens - 1)
+        self.resume_to_the_end("b", ("a", "b", "c"))
+
+    def test_a_request_resumed_before_its_dropped_step_came_back_waits_for_it(self):
+        """A rollback can resume the paused request in the same boundary:
+        it is not scheduled until the dropped output came back (its model
+        runner would otherwise go on from the dropped token), then goes on
+        exactly."""
+        from vllm_hi_plugin import engine_core
+
+        for rid, n in (("a", 20), ("b", 33)):
+            self.add(rid, n)
+        for _ in range(12):
+            self.iteration()
+        b = self.sched.requests["b"]
+        self.pause_dropping("b")
+        self.assertTrue(self.st.dropping(b))
+        engine_core._ch_resume(self.st, self.ids, {"request_ids": ["b"]})
+        mark = len(self.scheduled)
+        self.iteration()  # the next step is scheduled; the dropped one comes back
+        self.assertNotIn("b", self.scheduled[mark], "b was scheduled with its dropped output still in flight")
+        self.assertFalse(self.st.dropping(b))
+        before = b.num_preemptions
+        self.iteration()
+        self.assertEqual(b.num_preemptions, before + 1, "b was not restarted from its tokens")
+        self.resume_to_the_end("b", ("a", "b"))
+
+    def test_a_request_aborted_with_its_dropped_step_in_flight(self):
+        """The migration's commit ends the paused request on the source while
+        the dropped step may still be in flight: the engine goes on."""
+        for rid, n in (("a", 20), ("b", 33)):
+            self.add(rid, n)
+        for _ in range(12):
+            self.iteration()
+        self.pause_dropping("b")
+        self.st.abort(["b"], ignore_missing=False)
+        sent = len(self.emitted)
+        for _ in range(400):
+            if not self.sched.has_requests() and not self.queue:
+                break
+            self.iteration()
+        self.assertEqual(list(self.reqs["a"].output_token_ids), [token("a", i) for i in range(MAX_TOKENS)])
+        self.assertFalse([o for o in self.emitted[sent:] if o[0] == "b" and o[1]], "an aborted request's dropped token was sent")
 
     def test_a_pause_that_ignores_missing_requests_pauses_the_rest_in_one_boundary(self):
         """Under load a request ends at almost every step: a pause naming one

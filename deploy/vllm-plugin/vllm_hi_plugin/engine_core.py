@@ -71,6 +71,10 @@ class CoreState:
         # boundaries; its server (if any) and what the loop publishes for
         # questions that need no boundary.
         self.boundary = Boundary()
+        # Requests whose step in flight was dropped (drop_in_flight): kept
+        # out of scheduling until its output came back, restarted if they
+        # run here again (restart_dropped).
+        self.dropped: set[str] = set()
         self.snapshot = Snapshot()
         self.channel = None
 
@@ -180,6 +184,86 @@ class CoreState:
             if req is not None and (getattr(req, "num_in_flight_tokens", 0) or getattr(req, "num_output_placeholders", 0)):
                 return False
         return True
+
+    def drop_in_flight(self, ids) -> list[str]:
+        """Takes the paused requests ids out of the steps in flight, so that
+        the pause lands at this boundary instead of one step later, and
+        returns those it could not (they wait for their step as before).
+
+        With asynchronous scheduling the step after the one whose output
+        was just processed is already running, with each running request
+        in it: waiting for it made a pause 1–2 decode steps (H100,
+        2026-12-06: 31 ms of a 39-ms pause_source at 12-ms steps). Its
+        work for a paused request is one decode position: the KV of the
+        request's last token and the token after it. Neither has reached
+        anyone — the token's output is not processed yet — so the request
+        goes back to its materialized frontier (vLLM's own term: computed
+        tokens less the in-flight placeholders), the state a synchronous
+        engine pauses in, and the step's output for it is dropped when it
+        arrives. Whoever continues the request (the target, or this engine
+        on a rollback) computes that position again: with a batch-invariant
+        engine the same token, otherwise a token no client saw either way.
+
+        vLLM has the mechanism for in-flight output it must not deliver
+        (0.26: async_tokens_to_discard, one output a step; 0.32:
+        num_stale_output_tokens with drop_stale_output); a request whose
+        in-flight work is not plain one-token decode steps (a prefill
+        chunk, speculative tokens) keeps waiting."""
+        sched = self.sched
+        if getattr(sched, "num_spec_tokens", 0) or getattr(sched, "num_sampled_tokens_per_step", 1) != 1:
+            return list(ids)
+        kept = []
+        for rid in ids:
+            req = sched.requests.get(rid)
+            if req is None:
+                continue
+            placeholders = getattr(req, "num_output_placeholders", 0)
+            in_flight = getattr(req, "num_in_flight_tokens", None)
+            if not placeholders and not in_flight:
+                continue
+            if in_flight != placeholders or req.num_computed_tokens < placeholders:
+                kept.append(rid)
+            elif hasattr(req, "num_stale_output_tokens") and hasattr(req, "drop_stale_output"):  # 0.32
+                self.dropped.add(rid)
+                req.num_computed_tokens -= placeholders
+                req.drop_stale_output = True
+                req.num_stale_output_tokens = in_flight
+                req.num_output_placeholders = 0
+            elif hasattr(req, "async_tokens_to_discard"):  # 0.26
+                self.dropped.add(rid)
+                req.num_computed_tokens -= placeholders
+                req.async_tokens_to_discard += placeholders  # one output a step, one token each
+                req.num_output_placeholders = 0
+            else:
+                kept.append(rid)
+        return kept
+
+    def restart_dropped(self, sched) -> None:
+        """Before a step: a request whose in-flight step was dropped and that
+        runs here again (a migration rolled back) starts over from its
+        tokens, the way vLLM restarts a preempted request — once the dropped
+        output came back. Its model runner still holds the dropped step's
+        token as the request's last (Model Runner V2 feeds a decode step
+        from it): only a restart makes the runner take the request's tokens
+        from the scheduler again. The full blocks come back from the
+        prefix cache where it is on; the cost is a rollback's only."""
+        for rid in list(self.dropped):
+            req = sched.requests.get(rid)
+            if req is None or req.is_finished():
+                self.dropped.discard(rid)
+            elif not self.dropping(req) and rid not in self.leases:
+                self.dropped.discard(rid)
+                if req in sched.running:
+                    sched.running.remove(req)
+                    sched._preempt_request(req, time.monotonic())
+
+    @staticmethod
+    def dropping(req) -> bool:
+        """An output of req is in flight that will be dropped: it must not
+        be scheduled before that output came back (the model runner would
+        feed it the dropped token)."""
+        return bool(getattr(req, "async_tokens_to_discard", 0)) or (
+            bool(getattr(req, "num_stale_output_tokens", 0)) and bool(getattr(req, "drop_stale_output", False)))
 
     def resume(self, ids) -> dict:
         pending = [i for i in (ids or list(self.uncommitted)) if i in self.uncommitted]
@@ -536,13 +620,16 @@ def patch_scheduler() -> None:
         st.boundary.begin_step()
         st.expire(time.time())
         hidden = []
-        if len(st.leases):
+        if st.dropped:
+            st.restart_dropped(self)
+        if len(st.leases) or st.dropped:
             # Per-request pause: paused requests are invisible to this
             # scheduling pass (so they are neither scheduled nor preempted)
-            # and keep their blocks.
+            # and keep their blocks; so are those whose dropped output is
+            # still in flight.
             keep = []
             for r in self.running:
-                (hidden if r.request_id in st.leases else keep).append(r)
+                (hidden if r.request_id in st.leases or r.request_id in st.dropped else keep).append(r)
             if hidden:
                 self.running = keep
         t0 = time.monotonic()
@@ -737,9 +824,15 @@ def _pause_op(st, p: dict):
     """Pauses at this boundary; answers once no step in flight touches the
     paused requests: at once with synchronous scheduling, with asynchronous
     scheduling (a step is in flight at every boundary) once their last
-    step's output came back, the next step having left them out."""
+    step's output came back, the next step having left them out — or at
+    once too with drop_in_flight, the step in flight's work for them
+    dropped (CoreState.drop_in_flight)."""
     out = st.pause(p.get("request_ids") or [], int(p.get("lease_ms") or 0), bool(p.get("ignore_missing")))
-    if st.quiescent(out["paused"]):
+    waiting = out["paused"]
+    if p.get("drop_in_flight"):
+        waiting = st.drop_in_flight(waiting)
+        out["dropped_in_flight"] = len(out["paused"]) - len(waiting)
+    if st.quiescent(waiting):
         return out
 
     def done():
@@ -747,7 +840,7 @@ def _pause_op(st, p: dict):
         out["paused_at"] = time.time()
         return out
 
-    return Deferred(lambda: st.quiescent(out["paused"]), done)
+    return Deferred(lambda: st.quiescent(waiting), done)
 
 
 def _dispatch(core, op: str, p: dict):
@@ -885,7 +978,8 @@ def _ch_pause(core, st, ids: HostIDs, p: dict):
     asked = p.get("request_ids") or []
     internal = ids.internal(asked)
     res = _pause_op(st, {"request_ids": internal, "lease_ms": p.get("lease_ms"),
-                         "ignore_missing": bool(p.get("ignore_missing"))})
+                         "ignore_missing": bool(p.get("ignore_missing")),
+                         "drop_in_flight": bool(p.get("drop_in_flight"))})
     round_since = p.get("round_since")
     export = p.get("export") if isinstance(p.get("export"), dict) else None
 
