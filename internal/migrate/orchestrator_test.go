@@ -25,6 +25,7 @@ import (
 	v1 "github.com/vllm-hi/vllm-hi/api/vllmhi/v1"
 	"github.com/vllm-hi/vllm-hi/internal/host"
 	"github.com/vllm-hi/vllm-hi/internal/loadgen"
+	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/sim"
 	"github.com/vllm-hi/vllm-hi/internal/stack"
 )
@@ -946,5 +947,35 @@ func TestMigrationSpans(t *testing.T) {
 		if s.Parent().SpanID() != root.SpanContext().SpanID() || !s.StartTime().Equal(h.StartedAt) {
 			t.Errorf("step %s's span: parent %s, start %v (the status: %v)", h.Step, s.Parent().SpanID(), s.StartTime(), h.StartedAt)
 		}
+	}
+}
+
+// The source's pause asks its engine to drop the step in flight (vLLM
+// with asynchronous scheduling then pauses at the boundary where the
+// call arrives, not one step later) unless the Host is told to wait for
+// it; either way every stream moves exact.
+func TestThePauseDropsTheStepInFlightUnlessToldToWait(t *testing.T) {
+	for _, c := range []struct {
+		inFlight string
+		want     bool
+	}{{migrate.PauseInFlightDrop, true}, {migrate.PauseInFlightWait, false}} {
+		t.Run(c.inFlight, func(t *testing.T) {
+			r := newRig(t, rigOptions{tune: func(hc *host.Config) { hc.Migration.PauseInFlight = c.inFlight }})
+			var asked []bool
+			st, err := r.migrate(hostapi.MigrateRequest{Type: hostapi.DestroySource},
+				&fault{side: "src", method: "Hook", hook: hooks.HookPause, before: func(req any) {
+					var p hooks.PauseRequest
+					if err := json.Unmarshal(req.(*v1.HookRequest).GetBody(), &p); err != nil {
+						t.Errorf("the pause's body: %v", err)
+					}
+					asked = append(asked, p.DropInFlight)
+				}})
+			if err != nil || st.State != hostapi.StateSucceeded || st.Migrated == 0 {
+				t.Fatalf("%+v %v", st, err)
+			}
+			if len(asked) != 1 || asked[0] != c.want {
+				t.Fatalf("the pause asked drop_in_flight %v, want [%v]", asked, c.want)
+			}
+		})
 	}
 }
