@@ -148,24 +148,29 @@ type Verification struct {
 
 // MigrationStatus is GET /vllm_hi/migration/{id}/status.
 type MigrationStatus struct {
-	ID                string   `json:"migration_id"`
-	State             string   `json:"state"`
-	CurrentStep       string   `json:"current_step"`
-	StepHistory       []Step   `json:"step_history"`
-	Rounds            []Round  `json:"rounds"`
-	DowntimeS         float64  `json:"downtime_s"`
-	ClientDowntimeS   float64  `json:"client_downtime_s"`
-	PauseWaitS        float64  `json:"pause_wait_s"`
-	NewActiveInstance string   `json:"new_active_instance"`
-	Error             string   `json:"error"`
-	Src               string   `json:"src_vllm_hi_id"`
-	Dst               string   `json:"dst_vllm_hi_id"`
-	Type              string   `json:"migration_type"`
-	RequestFilter     string   `json:"request_filter"`
-	TN                int      `json:"tn"`
-	Requests          int      `json:"request_count"`
-	Migrated          int      `json:"migrated_request_count"`
-	Dropped           []string `json:"dropped_request_ids"`
+	ID              string  `json:"migration_id"`
+	State           string  `json:"state"`
+	CurrentStep     string  `json:"current_step"`
+	StepHistory     []Step  `json:"step_history"`
+	Rounds          []Round `json:"rounds"`
+	DowntimeS       float64 `json:"downtime_s"`
+	ClientDowntimeS float64 `json:"client_downtime_s"`
+	PauseWaitS      float64 `json:"pause_wait_s"`
+	// PauseDroppedInFlight counts the moved requests whose step in flight
+	// the source's engine dropped at the pause instead of waiting for it
+	// (asynchronous scheduling; --migration-pause-in-flight drop): the
+	// target computed that position again.
+	PauseDroppedInFlight int      `json:"pause_dropped_in_flight,omitempty"`
+	NewActiveInstance    string   `json:"new_active_instance"`
+	Error                string   `json:"error"`
+	Src                  string   `json:"src_vllm_hi_id"`
+	Dst                  string   `json:"dst_vllm_hi_id"`
+	Type                 string   `json:"migration_type"`
+	RequestFilter        string   `json:"request_filter"`
+	TN                   int      `json:"tn"`
+	Requests             int      `json:"request_count"`
+	Migrated             int      `json:"migrated_request_count"`
+	Dropped              []string `json:"dropped_request_ids"`
 	// Bytes is the KV the rounds sent, each block shared by several
 	// moving requests counted as often as it went (once where the target
 	// shares it too).

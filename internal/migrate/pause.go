@@ -37,6 +37,9 @@ func (m *migration) pauseSource(ctx context.Context, since uint64) (wait time.Du
 			if p.DroppedInFlight > 0 {
 				m.log.Debug("paused without waiting for the step in flight: its work for these requests was dropped",
 					zap.Int("count", p.DroppedInFlight))
+				m.mu.Lock()
+				m.st.PauseDroppedInFlight = p.DroppedInFlight
+				m.mu.Unlock()
 			}
 			if len(p.Missing) > 0 {
 				// They ended on the source: their clients have every token.

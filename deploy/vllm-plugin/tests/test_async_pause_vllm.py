@@ -82,8 +82,8 @@ class AsyncPauseTest(unittest.TestCase):
 
         config._enabled_cache[:] = self.saved
 
-    def add(self, rid: str, prompt_len: int):
-        sp = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
+    def add(self, rid: str, prompt_len: int, seed: int | None = None):
+        sp = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0 if seed is None else 0.8, seed=seed)
         req = Request(request_id=rid, prompt_token_ids=list(range(1, prompt_len + 1)), sampling_params=sp, pooling_params=None)
         self.reqs[rid] = req  # finished requests leave the scheduler
         self.sched.add_request(req)
@@ -329,6 +329,29 @@ class AsyncPauseTest(unittest.TestCase):
         self.iteration()
         self.assertEqual(b.num_preemptions, before + 1, "b was not restarted from its tokens")
         self.resume_to_the_end("b", ("a", "b"))
+
+    def test_a_seeded_request_waits_for_its_step_in_flight(self):
+        """A seeded request's generator drew for the in-flight token already:
+        dropped, the target would sample that position with the next draw.
+        It waits for its step as without drop_in_flight; the others drop."""
+        from vllm_hi_plugin import engine_core
+        from vllm_hi_plugin.core_channel import Deferred
+
+        self.add("a", 20)
+        self.add("s", 24, seed=7)
+        for _ in range(12):
+            self.iteration()
+        out = engine_core._pause_op(self.st, {"request_ids": ["a", "s"], "lease_ms": 60000, "drop_in_flight": True})
+        self.assertIsInstance(out, Deferred, "a seeded request's step in flight was dropped")
+        self.assertEqual(self.sched.requests["a"].num_output_placeholders, 0, "the greedy request was not dropped")
+        for _ in range(3):
+            if out.ready():
+                break
+            self.iteration()
+        self.assertTrue(out.ready())
+        self.assertEqual(out.result()["dropped_in_flight"], 1)
+        s = self.sched.requests["s"]
+        self.assertEqual((s.num_in_flight_tokens, s.num_output_placeholders), (0, 0))
 
     def test_a_request_aborted_with_its_dropped_step_in_flight(self):
         """The migration's commit ends the paused request on the source while

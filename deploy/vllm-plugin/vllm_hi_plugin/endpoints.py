@@ -45,7 +45,7 @@ class VhiEndpoints:
             # pause answers once the paused requests' last step came back
             # (engine_core._pause_op) and the write log's cursor follows the
             # oldest step in flight (wire.WriteLog).
-            log.info("vllm-hi: asynchronous scheduling is on: a pause lands when the step in flight comes back")
+            log.info("vllm-hi: asynchronous scheduling is on: a step is in flight at every boundary")
         patches.patch_serving()
         patches.wrap_prompt_len()
         if not cfg.token:

