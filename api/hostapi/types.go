@@ -75,6 +75,10 @@ type MigrateRequest struct {
 	TN               int      `json:"tn,omitempty"`
 	RequestFilter    string   `json:"request_filter,omitempty"`
 	FinalGranularity string   `json:"final_granularity,omitempty"` // "slot" (default) or "block"
+	// PauseInFlight is what the source's pause does with its engine's
+	// step in flight: "drop" or "wait" (default: the Host's
+	// --migration-pause-in-flight).
+	PauseInFlight string `json:"pause_in_flight,omitempty"`
 	// InjectFault (tests, --allow-fault-injection): "corrupt", "cut" or
 	// "silent_corrupt" in the final round; "crash_before_pause",
 	// "crash_after_pause" or "crash_after_commit" (the Host exits there); or

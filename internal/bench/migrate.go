@@ -25,7 +25,7 @@ import (
 
 func newBenchMigrateCommand(g *Options) *cobra.Command {
 	sc := scenario{Type: hostapi.DestroySource}
-	var grans, verifies, preAttach, backends, pace []string
+	var grans, verifies, preAttach, backends, pace, inFlight []string
 	var jsonOut string
 	geo := simGeometryFlags{}
 	var ext externalFlags
@@ -88,7 +88,7 @@ such a deployment and runs this.`,
 					return fmt.Errorf("--transfer-backend: %q is not one of %v", b, transfer.Names())
 				}
 			}
-			return runBenchMigrate(cmd.Context(), cmd.OutOrStdout(), sc, geo, benchDims{grans: grans, verifies: verifies, preAttach: preAttach, backends: backends, pace: pace}, jsonOut)
+			return runBenchMigrate(cmd.Context(), cmd.OutOrStdout(), sc, geo, benchDims{grans: grans, verifies: verifies, preAttach: preAttach, backends: backends, pace: pace, inFlight: inFlight}, jsonOut)
 		}),
 	}
 	f := cmd.Flags()
@@ -104,6 +104,7 @@ such a deployment and runs this.`,
 	f.StringSliceVar(&backends, "transfer-backend", []string{transfer.Auto}, "the agents' data planes to compare (auto, tcp_shm, cuda_ipc, rdma): each runs with every granularity")
 	f.StringSliceVar(&pace, "pace-round0", []string{"0"}, "the sims' agents' round 0 pacing, a share of the source's step per chunk (0: off; vhi agent --pace-round0): each runs with every granularity")
 	f.StringSliceVar(&preAttach, "pre-attach", []string{"off"}, "the Host opening the moving streams on the target before the pause (on, off): each runs with every granularity")
+	f.StringSliceVar(&inFlight, "pause-in-flight", []string{""}, "what the source's pause does with its engine's step in flight, to compare (drop, wait; empty: the Host's): each runs with every granularity")
 	f.StringSliceVar(&verifies, "verify", []string{hostapi.VerifySample}, "checks before the commit to compare (off, sample, full): each runs with every granularity")
 	f.StringVar(&jsonOut, "json", "", "also write the statuses as JSON to this file")
 	f.StringVar(&sc.CPUProfile, "cpuprofile", "", "write a CPU profile of the migration window")
@@ -253,7 +254,7 @@ func (g simGeometryFlags) apply(c *sim.Config) {
 
 // benchDims are what bench migrate compares: every combination runs.
 type benchDims struct {
-	grans, verifies, preAttach, backends, pace []string
+	grans, verifies, preAttach, backends, pace, inFlight []string
 }
 
 func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeometryFlags, dims benchDims, jsonOut string) (err error) {
@@ -287,7 +288,10 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 			}
 		}()
 	}
-	var runs [][5]string
+	var runs [][6]string
+	if len(dims.inFlight) == 0 {
+		dims.inFlight = []string{""}
+	}
 	if len(dims.backends) == 0 {
 		dims.backends = []string{""}
 	}
@@ -298,8 +302,10 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 		for _, pace := range dims.pace {
 			for _, pa := range dims.preAttach {
 				for _, v := range dims.verifies {
-					for _, gran := range dims.grans {
-						runs = append(runs, [5]string{v, gran, pa, b, pace})
+					for _, inf := range dims.inFlight {
+						for _, gran := range dims.grans {
+							runs = append(runs, [6]string{v, gran, pa, b, pace, inf})
+						}
 					}
 				}
 			}
@@ -309,6 +315,7 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 	for _, r := range runs {
 		sc.Verify, sc.FinalGranularity, sc.PreAttach, sc.TransferBackend = r[0], r[1], r[2] == "on", r[3]
 		sc.PaceRound0, _ = strconv.ParseFloat(r[4], 64)
+		sc.PauseInFlight = r[5]
 		res, err := sc.run(ctx)
 		if err != nil {
 			return err
@@ -318,7 +325,12 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 		if sc.External != nil {
 			r[0] = "the Host's"
 		}
-		fmt.Fprintf(out, "\n== final round: %s, check before the commit: %s, pre-attach %s (%d streams), data plane %s, round 0 paced %s ==\n", r[1], r[0], r[2], st.PreAttached, st.TransferBackend, r[4])
+		inf := r[5]
+		if inf == "" {
+			inf = "the Host's"
+		}
+		fmt.Fprintf(out, "\n== final round: %s, check before the commit: %s, pre-attach %s (%d streams), data plane %s, round 0 paced %s, the step in flight at the pause: %s (dropped for %d) ==\n",
+			r[1], r[0], r[2], st.PreAttached, st.TransferBackend, r[4], inf, st.PauseDroppedInFlight)
 		report.Migration(out, st)
 		var steps []string
 		for _, s := range st.StepHistory {

@@ -45,6 +45,7 @@ type scenario struct {
 	Delay            time.Duration // load start → migration
 	Type             string
 	FinalGranularity string
+	PauseInFlight    string // the migration's pause_in_flight ("": the Host's)
 	TN               int
 	Verify           string  // the Host's --migration-verify ("" = its default)
 	PreAttach        bool    // the Host's --migration-pre-attach
@@ -259,7 +260,7 @@ func (sc scenario) migrateUnderLoad(ctx context.Context, c *hostapi.Client, host
 	}
 	defer stopCapture()
 	res.MigrationStart = time.Now()
-	req := hostapi.MigrateRequest{Src: src, Dst: dst, Type: sc.Type, FinalGranularity: sc.FinalGranularity, TN: sc.TN}
+	req := hostapi.MigrateRequest{Src: src, Dst: dst, Type: sc.Type, FinalGranularity: sc.FinalGranularity, PauseInFlight: sc.PauseInFlight, TN: sc.TN}
 	if sc.ShapeB != (kvlayout.Parallel{}) && sc.External == nil { // a deployment's engines have their own shapes
 		tp, pp := sizes(sc.ShapeB)
 		req.TargetTP, req.TargetPP = &tp, &pp

@@ -96,6 +96,7 @@ ends with a summary table (state, requests moved, downtime, rounds, KV moved); i
 	f.IntVar(&req.TN, "tn", 0, "parallel data-plane connections (default: the Host's)")
 	f.StringVar(&req.RequestFilter, "filter", "", "requests to move: all, longest:N, min_context:T, ids:A,B, expr:CEL (default: VLLM_HI_REQUEST_FILTER or all)")
 	f.StringVar(&req.FinalGranularity, "final-granularity", "slot", "what the final round copies: slot (written token slots) or block (whole changed blocks)")
+	f.StringVar(&req.PauseInFlight, "pause-in-flight", "", "what the source's pause does with its engine's step in flight: drop or wait (default: the Host's --migration-pause-in-flight)")
 	f.BoolVar(&wait, "wait", false, "follow the migration and print its summary")
 	f.DurationVar(&timeout, "timeout", 10*time.Minute, "with --wait, give up after this long")
 	return cmd

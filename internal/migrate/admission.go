@@ -41,6 +41,11 @@ func (o *Orchestrator) validate(req *hostapi.MigrateRequest) (Filter, error) {
 	default:
 		return nil, refuse(bad, "final_granularity %q: want slot or block", req.FinalGranularity)
 	}
+	switch req.PauseInFlight {
+	case "", PauseInFlightDrop, PauseInFlightWait:
+	default:
+		return nil, refuse(bad, "pause_in_flight %q: want drop or wait", req.PauseInFlight)
+	}
 	switch req.InjectFault {
 	case "":
 	case "corrupt", "cut", "silent_corrupt", "crash_before_pause", "crash_after_pause", "crash_after_commit", "target_full":

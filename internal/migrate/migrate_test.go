@@ -113,6 +113,7 @@ func TestStartRefusals(t *testing.T) {
 		{hostapi.MigrateRequest{Src: "A", Dst: "A"}, 400},
 		{hostapi.MigrateRequest{Src: "A", Dst: "B", Type: "x"}, 400},
 		{hostapi.MigrateRequest{Src: "A", Dst: "B", FinalGranularity: "page"}, 400},
+		{hostapi.MigrateRequest{Src: "A", Dst: "B", PauseInFlight: "later"}, 400},
 		{hostapi.MigrateRequest{Src: "A", Dst: "B", TN: 99}, 400},
 		{hostapi.MigrateRequest{Src: "A", Dst: "B", RequestFilter: "nope"}, 400},
 		{hostapi.MigrateRequest{Src: "A", Dst: "B", InjectFault: "corrupt"}, 400}, // not allowed on this Host

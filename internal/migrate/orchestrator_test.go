@@ -952,17 +952,22 @@ func TestMigrationSpans(t *testing.T) {
 
 // The source's pause asks its engine to drop the step in flight (vLLM
 // with asynchronous scheduling then pauses at the boundary where the
-// call arrives, not one step later) unless the Host is told to wait for
-// it; either way every stream moves exact.
+// call arrives, not one step later) unless the Host or the migration
+// says to wait for it; either way every stream moves exact.
 func TestThePauseDropsTheStepInFlightUnlessToldToWait(t *testing.T) {
 	for _, c := range []struct {
-		inFlight string
-		want     bool
-	}{{migrate.PauseInFlightDrop, true}, {migrate.PauseInFlightWait, false}} {
-		t.Run(c.inFlight, func(t *testing.T) {
-			r := newRig(t, rigOptions{tune: func(hc *host.Config) { hc.Migration.PauseInFlight = c.inFlight }})
+		host, migration string // the Host's --migration-pause-in-flight, the migration's pause_in_flight
+		want            bool
+	}{
+		{migrate.PauseInFlightDrop, "", true},
+		{migrate.PauseInFlightWait, "", false},
+		{migrate.PauseInFlightDrop, migrate.PauseInFlightWait, false},
+		{migrate.PauseInFlightWait, migrate.PauseInFlightDrop, true},
+	} {
+		t.Run(c.host+"/"+c.migration, func(t *testing.T) {
+			r := newRig(t, rigOptions{tune: func(hc *host.Config) { hc.Migration.PauseInFlight = c.host }})
 			var asked []bool
-			st, err := r.migrate(hostapi.MigrateRequest{Type: hostapi.DestroySource},
+			st, err := r.migrate(hostapi.MigrateRequest{Type: hostapi.DestroySource, PauseInFlight: c.migration},
 				&fault{side: "src", method: "Hook", hook: hooks.HookPause, before: func(req any) {
 					var p hooks.PauseRequest
 					if err := json.Unmarshal(req.(*v1.HookRequest).GetBody(), &p); err != nil {

@@ -28,7 +28,7 @@ func (m *migration) pauseSource(ctx context.Context, since uint64) (wait time.Du
 		// final round then reads nothing itself, and the state move only
 		// installs.
 		p, err := m.srcA.Engine.Pause(cctx, hooks.PauseRequest{RequestIDs: ids, LeaseMS: int(m.o.cfg.PauseLease / time.Millisecond), IgnoreMissing: true,
-			RoundSince: &since, Export: m.exportWithPause(ids), DropInFlight: m.o.cfg.PauseInFlight == PauseInFlightDrop})
+			RoundSince: &since, Export: m.exportWithPause(ids), DropInFlight: m.pauseInFlight() == PauseInFlightDrop})
 		err = m.slowPausedCall(ctx, cctx, err)
 		cancel()
 		if err == nil {
@@ -168,4 +168,13 @@ func (m *migration) exportWithPause(ids []string) *hooks.ExportRequest {
 		return nil
 	}
 	return &hooks.ExportRequest{OutputFrom: from}
+}
+
+// pauseInFlight is what the source's pause does with its engine's step in
+// flight: the migration's own choice, else the Host's.
+func (m *migration) pauseInFlight() string {
+	if m.req.PauseInFlight != "" {
+		return m.req.PauseInFlight
+	}
+	return m.o.cfg.PauseInFlight
 }
