@@ -34,20 +34,7 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 	hostURL, hostAddr, h := startHostWith(t, cfg)
 	startAgent(t, hostAddr, vllmA, "A")
 	startAgent(t, hostAddr, vllmBURL, "B")
-	ids := map[string]string{}
-	deadline := time.Now().Add(60 * time.Second)
-	for len(ids) < 2 {
-		list, _ := hostClient(t, hostURL).Instances(context.Background())
-		for _, in := range list {
-			if in.Migratable {
-				ids[in.Type] = in.ID
-			}
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the agents did not register both engines as migratable: %v", ids)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	ids := waitMigratable(t, hostURL)
 	const n = 4
 	baseline := runStreams(t, hostURL, n, nil)
 
