@@ -433,6 +433,13 @@ type ExportResponse struct {
 type AllocateRequest struct {
 	Requests []AllocateItem `json:"requests"`
 	LeaseMS  int            `json:"lease_ms,omitempty"`
+	// Extend renews reservations this engine holds already rather than
+	// making new ones: each item's reservation (by request id; its other
+	// fields are ignored) is held for LeaseMS from now. Nothing is
+	// allocated; the answer lists the reservations renewed, with their
+	// blocks — one that is gone (expired, aborted, installed) is absent,
+	// never an error. A warm standby holds its copies' reservations so.
+	Extend bool `json:"extend,omitempty"`
 }
 
 // AllocateItem is one request's need.

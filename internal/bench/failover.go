@@ -37,6 +37,10 @@ connections cut as a killed process's are. Each --mode runs on a fresh deploymen
   paced     the snapshot mode with each survivor fed its share in installs of at most
             --paced-tokens tokens of context, each once the last one's prefill is done
             (--failover-recompute-per-step)
+  warm      the snapshot mode with warm standbys (--failover-warm-standby-tokens --warm-tokens):
+            each of A's streams whose context reached --warm-tokens has its KV copied to
+            the survivor each --warm-interval, and its failover installs that copy and
+            computes only the tokens since the last round
   snapshot-only  the same with the relay's token ids off (--failover-token-ids=false):
             from the latest snapshot alone, cut to what the client has, the tokens since
             regenerated
@@ -44,7 +48,9 @@ connections cut as a killed process's are. Each --mode runs on a fresh deploymen
             sent again to B, the tokens the client has skipped
   off       failover off: what a client gets without it
 For A's streams that went on it reports the gap across the crash (each one's longest
-inter-token gap from the crash on) and crash → that gap's end (p50, p99, max), the
+inter-token gap from the crash on) and crash → that gap's end (p50, p99, max), their
+inter-token gaps' p99 and median in the 2 s before the crash (what warm copies cost the
+source's decode), the
 survivors' own streams' longest gap in the 3 s after the crash (p50, p99) against the run's
 median gap, and every stream is checked against an
 unmigrated run. Then, on B alone, one prefill of the longest context A carried (its prompt
@@ -54,8 +60,8 @@ connection, at once) plus that prefill.`,
 		RunE: g.runLogged(func(cmd *cobra.Command, log *zap.Logger) error {
 			o.log = log
 			for _, m := range modes {
-				if m != "snapshot" && m != "alone" && m != "paced" && m != "snapshot-only" && m != "replay" && m != "off" {
-					return fmt.Errorf("--mode %q: want snapshot, alone, paced, snapshot-only, replay or off", m)
+				if m != "snapshot" && m != "alone" && m != "paced" && m != "warm" && m != "snapshot-only" && m != "replay" && m != "off" {
+					return fmt.Errorf("--mode %q: want snapshot, alone, paced, warm, snapshot-only, replay or off", m)
 				}
 			}
 			if o.actives != 2 && o.actives != 3 {
@@ -69,7 +75,9 @@ connection, at once) plus that prefill.`,
 	}
 	o.register(cmd.Flags(), 128, 400, 3*time.Second)
 	cmd.Flags().DurationVar(&interval, "snapshot-interval", time.Second, "the Host's --failover-snapshot-interval in the snapshot mode")
-	cmd.Flags().StringSliceVar(&modes, "mode", []string{"snapshot", "snapshot-only", "replay", "off"}, "failover modes to compare (snapshot, alone, paced, snapshot-only, replay, off)")
+	cmd.Flags().StringSliceVar(&modes, "mode", []string{"snapshot", "snapshot-only", "replay", "off"}, "failover modes to compare (snapshot, alone, paced, warm, snapshot-only, replay, off)")
+	cmd.Flags().DurationVar(&o.warmInterval, "warm-interval", failover.DefaultConfig().WarmInterval, "the warm mode's --failover-warm-standby-interval")
+	cmd.Flags().IntVar(&o.warmTokens, "warm-tokens", 1, "the warm mode's --failover-warm-standby-tokens: streams with at least this much context get warm copies")
 	cmd.Flags().IntVar(&o.pacedTokens, "paced-tokens", 2048, "the paced mode's --failover-recompute-per-step")
 	cmd.Flags().IntVar(&o.actives, "engines", 2, "active sims (2 or 3); A is the one killed")
 	return cmd
@@ -89,6 +97,12 @@ type crashResult struct {
 	longestPrompt, longestSent string
 	longestContext             int
 	contextTokens              int // prompt + sent words of every stream A carried
+	// A's streams' inter-token gaps in the 2 s before the crash.
+	gapsBefore []time.Duration
+	// The warm mode: copies held when A died, bytes copied by then, and
+	// streams the Host recovered from a copy.
+	warmCopies, warmRecovered int
+	warmBytes                 int64
 }
 
 func runBenchFailover(ctx context.Context, out io.Writer, o opsBench, interval time.Duration, modes []string) error {
@@ -119,6 +133,11 @@ func runBenchFailover(ctx context.Context, out io.Writer, o opsBench, interval t
 			fc.GatherWindow = 0
 		case "paced":
 			fc.RecomputePerStep = o.pacedTokens
+		case "warm":
+			if o.warmTokens < 1 {
+				return fmt.Errorf("--warm-tokens %d must be at least 1", o.warmTokens)
+			}
+			fc.WarmTokens, fc.WarmInterval = o.warmTokens, o.warmInterval
 		}
 		r, err := o.crashOnce(ctx, reqs, ref, fc)
 		if err != nil {
@@ -135,7 +154,11 @@ func runBenchFailover(ctx context.Context, out io.Writer, o opsBench, interval t
 			own = fmt.Sprintf("; the survivors' own %d streams' worst gap in the 3 s after the crash p50 %s, p99 %s (the run's median gap %s)",
 				len(r.survivorGaps), msText(loadgen.Percentile(r.survivorGaps, 0.5)), msText(loadgen.Percentile(r.survivorGaps, 0.99)), msText(r.medianGap))
 		}
-		fmt.Fprintf(out, "%-13s A carried %d streams, %s; every stream: %s%s\n", mode, r.affected, gaps, r.check, own)
+		before := fmt.Sprintf("; A's streams before the crash: gap p99 %s, median %s", msText(loadgen.Percentile(r.gapsBefore, 0.99)), msText(loadgen.Percentile(r.gapsBefore, 0.5)))
+		if mode == "warm" {
+			before += fmt.Sprintf("; warm copies at the crash %d, %.1f MiB copied, %d streams recovered from them", r.warmCopies, float64(r.warmBytes)/(1<<20), r.warmRecovered)
+		}
+		fmt.Fprintf(out, "%-13s A carried %d streams, %s%s; every stream: %s%s\n", mode, r.affected, gaps, before, r.check, own)
 		if mode != "off" && (r.check.Failed > 0 || r.check.Inexact > 0) {
 			failed = append(failed, mode)
 		}
@@ -179,8 +202,11 @@ func (o opsBench) crashOnce(ctx context.Context, reqs []loadgen.Request, ref []l
 		return r, err
 	}
 	killed := time.Now()
+	r.warmCopies, r.warmBytes = st.Host.Failover().WarmCopies(), st.Host.Failover().WarmBytes()
+	warmBefore := st.Host.Failover().WarmRecovered()
 	st.KillEngine(st.AID)
 	streams := <-done
+	r.warmRecovered = st.Host.Failover().WarmRecovered() - warmBefore
 	r.check = checkStreams(streams, ref)
 	ids := map[string]bool{}
 	for _, q := range onA.Requests {
@@ -201,6 +227,11 @@ func (o opsBench) crashOnce(ctx context.Context, reqs []loadgen.Request, ref []l
 			continue
 		}
 		r.affected++
+		for j := 1; j < len(s.Arrivals); j++ {
+			if at := s.Arrivals[j]; at.After(killed.Add(-2*time.Second)) && !at.After(killed) && s.Arrivals[j-1].After(t0) {
+				r.gapsBefore = append(r.gapsBefore, at.Sub(s.Arrivals[j-1]))
+			}
+		}
 		sent := 0
 		for sent < len(s.Arrivals) && !s.Arrivals[sent].After(killed) {
 			sent++

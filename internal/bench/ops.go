@@ -29,6 +29,9 @@ type opsBench struct {
 	actives int
 	// pacedTokens: vhi bench failover's paced mode's recompute per step.
 	pacedTokens int
+	// warmTokens: vhi bench failover's warm mode's warm standby threshold.
+	warmTokens   int
+	warmInterval time.Duration
 }
 
 func (o *opsBench) register(f *pflag.FlagSet, streams, tokens int, delay time.Duration) {

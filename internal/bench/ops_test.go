@@ -33,15 +33,20 @@ func TestBenchDrain(t *testing.T) {
 
 func TestBenchFailover(t *testing.T) {
 	var out bytes.Buffer
-	err := runBenchFailover(context.Background(), &out, smallOps(12, 150, 400*time.Millisecond), 200*time.Millisecond, []string{"snapshot", "snapshot-only", "off"})
+	o := smallOps(12, 150, 400*time.Millisecond)
+	o.warmTokens, o.warmInterval = 1, 50*time.Millisecond
+	err := runBenchFailover(context.Background(), &out, o, 200*time.Millisecond, []string{"snapshot", "warm", "snapshot-only", "off"})
 	if err != nil {
 		t.Fatalf("%v\n%s", err, out.String())
 	}
 	t.Log(out.String())
 	// Without failover A's streams fail, which the benchmark expects; with
 	// it every one of them goes on.
+	// In the warm mode each of A's streams had a copy on B and went on
+	// from it.
 	for _, want := range []string{"snapshot      A carried 6 streams, 6 went on", "snapshot-only A carried 6 streams, 6 went on",
-		"every stream: 0 failed, 0 inexact", "off           A carried 6 streams, none of them went on; every stream: 6 FAILED", "one prefill of the longest context"} {
+		"warm          A carried 6 streams, 6 went on", "warm copies at the crash 12,", "6 streams recovered from them",
+		"every stream: 0 failed, 0 inexact", "off           A carried 6 streams, none of them went on", "every stream: 6 FAILED", "one prefill of the longest context"} {
 		if !strings.Contains(out.String(), want) {
 			t.Fatalf("the report lacks %q:\n%s", want, out.String())
 		}

@@ -54,17 +54,28 @@ type Config struct {
 	// of context, each once the last one's prefill is done, so that the
 	// survivor's own streams see short steps (0: the whole share at once).
 	RecomputePerStep int
+	// WarmTokens > 0 keeps a warm copy of every stream whose context
+	// reached this many tokens on another instance of its model (a
+	// migration's copy rounds each snapshot interval, no switch), so that
+	// its failover installs the copy and computes only the tokens since
+	// (standby.go). 0: off.
+	WarmTokens int
+	// WarmInterval is how often the warm copies get a round: what a
+	// failover computes again is about this much of each stream's decode.
+	WarmInterval time.Duration
 }
 
 // DefaultConfig is off, with the limits a user turning it on starts from.
 func DefaultConfig() Config {
-	return Config{MaxPerModel: 256, Timeout: 10 * time.Second, RelayTokenIDs: true, GatherWindow: 10 * time.Millisecond}
+	return Config{MaxPerModel: 256, Timeout: 10 * time.Second, RelayTokenIDs: true, GatherWindow: 10 * time.Millisecond,
+		WarmInterval: 200 * time.Millisecond}
 }
 
 // Check says what is wrong with c.
 func (c Config) Check() error {
-	if c.SnapshotInterval < 0 || c.MaxPerModel < 1 || c.Timeout <= 0 || c.GatherWindow < 0 || c.GatherWindow >= c.Timeout || c.RecomputePerStep < 0 {
-		return fmt.Errorf("failover: snapshot interval ≥ 0, max per model ≥ 1, timeout > 0, 0 ≤ gather window < timeout, recompute per step ≥ 0")
+	if c.SnapshotInterval < 0 || c.MaxPerModel < 1 || c.Timeout <= 0 || c.GatherWindow < 0 || c.GatherWindow >= c.Timeout || c.RecomputePerStep < 0 || c.WarmTokens < 0 ||
+		(c.WarmTokens > 0 && (c.WarmInterval <= 0 || c.WarmInterval >= c.Timeout)) {
+		return fmt.Errorf("failover: snapshot interval ≥ 0, max per model ≥ 1, timeout > 0, 0 ≤ gather window < timeout, recompute per step ≥ 0, warm standby tokens ≥ 0, 0 < warm standby interval < timeout")
 	}
 	return nil
 }
@@ -72,6 +83,7 @@ func (c Config) Check() error {
 // Outcomes of a recovery (the vhi_failovers_total label).
 const (
 	OutcomeRecovered = "recovered"
+	OutcomeWarm      = "warm"      // recovered on the standby that held a warm copy of its KV
 	OutcomeReplayed  = "replayed"  // no snapshot: the request was sent again, what the client had skipped
 	OutcomeNoState   = "no_state"  // no snapshot of the stream (too young, or failover off)
 	OutcomeNoTarget  = "no_target" // no healthy instance of the model could take it
@@ -83,6 +95,11 @@ const (
 type Metrics struct {
 	Failovers *prometheus.CounterVec
 	Seconds   prometheus.Histogram
+	// The warm standbys: streams with a copy, bytes copied, tokens whose
+	// KV a recovery installed rather than recomputed.
+	WarmCopies prometheus.Gauge
+	WarmBytes  prometheus.Counter
+	WarmTokens prometheus.Counter
 }
 
 // NewMetrics makes them, named vhi_failover*.
@@ -95,12 +112,21 @@ func NewMetrics() *Metrics {
 			Name: "vhi_failover_seconds", Help: "Recovered streams: from the broken read to the target's stream opened (its first token comes after the recompute).",
 			Buckets: []float64{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5},
 		}),
+		WarmCopies: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "vhi_failover_warm_copies", Help: "Streams whose KV has a warm copy on another instance (--failover-warm-standby-tokens).",
+		}),
+		WarmBytes: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "vhi_failover_warm_bytes_total", Help: "KV bytes copied to warm standbys.",
+		}),
+		WarmTokens: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "vhi_failover_warm_tokens_total", Help: "Context tokens whose KV recoveries installed from warm copies instead of recomputing.",
+		}),
 	}
 }
 
 // Collectors lists the instruments for registration.
 func (m *Metrics) Collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.Failovers, m.Seconds}
+	return []prometheus.Collector{m.Failovers, m.Seconds, m.WarmCopies, m.WarmBytes, m.WarmTokens}
 }
 
 // Manager keeps the snapshots and recovers streams.
@@ -116,12 +142,14 @@ type Manager struct {
 	states    map[string]hooks.RequestState // by request id: the latest snapshot
 	inflight  map[string]int                // recoveries running, by model
 	gathering map[string]*gathering         // by model and dead instance: streams waiting to be placed together
+
+	warm *standbys // the warm copies (standby.go)
 }
 
 // New returns a manager (met may be nil).
 func New(cfg Config, reg *registry.Registry, agents *agentclient.Pool, streams *proxy.Streams, met *Metrics, log *zap.Logger) *Manager {
 	return &Manager{cfg: cfg, reg: reg, agents: agents, streams: streams, met: met, log: log,
-		states: map[string]hooks.RequestState{}, inflight: map[string]int{}, gathering: map[string]*gathering{}}
+		states: map[string]hooks.RequestState{}, inflight: map[string]int{}, gathering: map[string]*gathering{}, warm: newStandbys()}
 }
 
 // Enabled reports whether failover is on.
@@ -136,7 +164,11 @@ func (m *Manager) Run(ctx context.Context) {
 	if !m.Enabled() {
 		return
 	}
-	m.log.Info("failover on", zap.Duration("snapshot_interval", m.cfg.SnapshotInterval), zap.Int("max_per_model", m.cfg.MaxPerModel))
+	m.log.Info("failover on", zap.Duration("snapshot_interval", m.cfg.SnapshotInterval), zap.Int("max_per_model", m.cfg.MaxPerModel),
+		zap.Int("warm_standby_tokens", m.cfg.WarmTokens), zap.Duration("warm_standby_interval", m.cfg.WarmInterval))
+	if m.cfg.WarmTokens > 0 {
+		go periodic.Do(ctx, m.cfg.WarmInterval, func() { m.keepWarm(ctx) })
+	}
 	periodic.Do(ctx, m.cfg.SnapshotInterval, func() {
 		m.snapshot(ctx)
 		m.abandonUnhealthy()
@@ -339,6 +371,10 @@ func (m *Manager) reinstallState(ctx context.Context, s *proxy.Stream, state hoo
 		return "", "", OutcomeLimited, fmt.Errorf("%d streams of %s are being recovered already", m.cfg.MaxPerModel, s.Model)
 	}
 	defer m.leave(s.Model)
+	if url, id, ok := m.installWarm(ctx, s.ID, s.Instance, state); ok {
+		m.abortOn(s)
+		return url, id, OutcomeWarm, nil
+	}
 	if m.cfg.GatherWindow > 0 {
 		url, id, outcome, err = m.placeGathered(ctx, s, state)
 	} else {

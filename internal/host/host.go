@@ -255,6 +255,7 @@ func NewContext(ctx context.Context, cfg Config, log *zap.Logger) (*Host, error)
 	h.failover = failover.New(cfg.Failover, h.reg, h.agents, h.proxy.Streams(), h.m.failover, log.Named("failover"))
 	if h.failover.Enabled() {
 		h.proxy.SetRecover(h.failover.Recover)
+		h.mig.SetWarmCopies(h.failover)
 	}
 	if err := cfg.Scale.Check(); err != nil {
 		h.closeStore()
@@ -303,6 +304,10 @@ func (h *Host) closeStore() {
 
 // Registry exposes the instance registry (tests, the migration orchestrator).
 func (h *Host) Registry() *registry.Registry { return h.reg }
+
+// Failover is the Host's engine-crash failover (its warm copies: what
+// benchmarks report).
+func (h *Host) Failover() *failover.Manager { return h.failover }
 
 // Handler serves gRPC (HTTP/2 with a gRPC content type) and everything else
 // on one address.

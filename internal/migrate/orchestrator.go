@@ -43,6 +43,8 @@ type Orchestrator struct {
 	// relays are the other Hosts of a shared store (nil: none), whose
 	// clients' streams switch too.
 	relays RemoteRelays
+	// warm are the Host's warm standby copies (nil: none).
+	warm WarmCopies
 }
 
 // New returns an orchestrator that reaches agents through agents (the

@@ -82,6 +82,11 @@ func (m *migration) prepare() error {
 	items := m.needs(selected)
 	var blocks []int32
 	if len(items) > 0 {
+		ids := make([]string, len(items))
+		for i, it := range items {
+			ids[i] = it.RequestID
+		}
+		m.releaseWarmCopies(cctx, ids)
 		alloc, err := m.reserve(cctx, items)
 		if err != nil {
 			return err

@@ -222,6 +222,9 @@ func (e *Engine) Allocate(_ context.Context, req hooks.AllocateRequest) (hooks.A
 	if e.kv == nil {
 		return hooks.AllocateResponse{}, conflict("The engine is sleeping: its KV cache is released.")
 	}
+	if req.Extend {
+		return e.extendLocked(req), nil
+	}
 	need := 0
 	// The items earlier in the call that hold blocks, and how many: what a
 	// shared prefix may name.
@@ -280,6 +283,23 @@ func (e *Engine) Allocate(_ context.Context, req hooks.AllocateRequest) (hooks.A
 	}
 	out.FreeBlocks = e.pool.numFree()
 	return out, nil
+}
+
+// extendLocked renews the leases of the reservations req names that are
+// still reservations (hooks.AllocateRequest.Extend).
+func (e *Engine) extendLocked(req hooks.AllocateRequest) hooks.AllocateResponse {
+	until := time.Now().Add(e.lease(req.LeaseMS))
+	out := hooks.AllocateResponse{Requests: []hooks.AllocatedItem{}}
+	for _, it := range req.Requests {
+		r := e.requests[it.RequestID]
+		if r == nil || r.state != stateReserved {
+			continue
+		}
+		r.reserveUntil = until
+		out.Requests = append(out.Requests, hooks.AllocatedItem{RequestID: r.id, BlockIDs: append([]int{}, r.blocks...), Recompute: r.recompute})
+	}
+	out.FreeBlocks = e.pool.numFree()
+	return out
 }
 
 // Install implements hooks.Engine: the KV is already in the reserved

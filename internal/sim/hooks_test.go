@@ -311,11 +311,18 @@ func TestLeasesExpire(t *testing.T) {
 	if mid.ReservedBlocks != 16 {
 		t.Fatalf("reserved %d blocks, want 16", mid.ReservedBlocks)
 	}
+	waitReservationsFreed(t, e, before.FreeBlocks)
+}
+
+// waitReservationsFreed waits up to 2 s for e to hold no reservation and
+// free blocks again.
+func waitReservationsFreed(t *testing.T, e *Engine, free int) {
+	t.Helper()
 	deadline := time.Now().Add(2 * time.Second)
 	for {
-		s, _ := e.Stats(ctx)
-		if s.FreeBlocks == before.FreeBlocks && s.ReservedBlocks == 0 {
-			break
+		s, _ := e.Stats(context.Background())
+		if s.FreeBlocks == free && s.ReservedBlocks == 0 {
+			return
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("reservation not released: %+v", s)
@@ -604,5 +611,37 @@ func TestPauseIgnoresRequestsThatEnded(t *testing.T) {
 		if want := r.RequestID == "live"; r.Paused != want {
 			t.Fatalf("%s paused=%v, want %v", r.RequestID, r.Paused, want)
 		}
+	}
+}
+
+// A reservation renewed (Allocate with Extend) is held past its first
+// lease and ends with the renewed one; an extend of a request that holds
+// no reservation (running, or unknown) renews nothing and changes
+// nothing.
+func TestReservationsAreRenewedByExtend(t *testing.T) {
+	e := startEngine(t, testConfig(t))
+	ctx := context.Background()
+	before, _ := e.Stats(ctx)
+	alloc, err := e.Allocate(ctx, hooks.AllocateRequest{Requests: []hooks.AllocateItem{{RequestID: "r", NumTokens: 64}}, LeaseMS: 150})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 4; i++ {
+		time.Sleep(80 * time.Millisecond)
+		ext, err := e.Allocate(ctx, hooks.AllocateRequest{Requests: []hooks.AllocateItem{{RequestID: "r"}, {RequestID: "nobody"}}, LeaseMS: 150, Extend: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(ext.Requests) != 1 || ext.Requests[0].RequestID != "r" || !slices.Equal(ext.Requests[0].BlockIDs, alloc.Requests[0].BlockIDs) {
+			t.Fatalf("extend %d answered %+v, want r with its blocks %v", i, ext.Requests, alloc.Requests[0].BlockIDs)
+		}
+	}
+	if s, _ := e.Stats(ctx); s.ReservedBlocks != 16 {
+		t.Fatalf("after 320 ms of renewals of a 150 ms lease: %d blocks reserved, want 16", s.ReservedBlocks)
+	}
+	waitReservationsFreed(t, e, before.FreeBlocks)
+	ext, err := e.Allocate(ctx, hooks.AllocateRequest{Requests: []hooks.AllocateItem{{RequestID: "r"}}, LeaseMS: 150, Extend: true})
+	if err != nil || len(ext.Requests) != 0 {
+		t.Fatalf("extend of an expired reservation: %+v, %v", ext.Requests, err)
 	}
 }

@@ -27,50 +27,9 @@ import (
 // output and went on from the next token. A client that did not ask for
 // token ids gets none.
 func TestAKilledVLLMEnginesStreamsGoOnElsewhere(t *testing.T) {
-	needVLLM(t)
-	venv := os.Getenv("VHI_VLLM_VENV")
-	// Two engines of their own, both active (A): one of them is killed.
-	type engine struct {
-		url, core string
-		pgid      int
-	}
-	engines := make([]engine, 2)
-	var wg sync.WaitGroup
-	errs := make([]error, 2)
-	for i := range engines {
-		engines[i].core = filepath.Join(tokDir, fmt.Sprintf("core-failover-%d.sock", i))
-		wg.Add(1)
-		go func(i int) {
-			defer wg.Done()
-			var stop func()
-			engines[i].url, engines[i].pgid, stop, errs[i] = startVLLMGroup(venv, tinyModel, "A", engines[i].core)
-			t.Cleanup(stop)
-		}(i)
-	}
-	wg.Wait()
-	for _, err := range errs {
-		if err != nil {
-			t.Fatalf("%v\n%s", err, tail(vllmLogs.String()))
-		}
-	}
 	cfg := host.DefaultConfig()
 	cfg.Failover.SnapshotInterval = 300 * time.Millisecond
-	hostURL, hostAddr, _ := startHostWith(t, cfg)
-	for _, e := range engines {
-		startAgentWith(t, hostAddr, e.url, "A", e.core)
-	}
-	ids := map[string]string{} // engine URL → instance id
-	for deadline := time.Now().Add(60 * time.Second); len(ids) < 2; time.Sleep(100 * time.Millisecond) {
-		list, _ := hostClient(t, hostURL).Instances(context.Background())
-		for _, in := range list {
-			if in.Migratable && in.Role == "active" {
-				ids[in.EngineURL] = in.ID
-			}
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the agents did not register both engines as active: %v", ids)
-		}
-	}
+	hostURL, engines, ids := twoActiveVLLMs(t, cfg)
 
 	// n greedy streams, then guided ones (structured outputs: the grammar's
 	// position is in no state a survivor can take).
@@ -131,6 +90,106 @@ func TestAKilledVLLMEnginesStreamsGoOnElsewhere(t *testing.T) {
 		t.Fatalf("no stream was recovered (the killed engine had none?):\n%s", grepLines(metrics, "vhi_failover"))
 	}
 	t.Logf("killed %s; %s", ids[victim.url], strings.ReplaceAll(grepLines(metrics, "vhi_failovers_total"), "\n", "; "))
+}
+
+// failoverEngine is one of the two active vLLM servers of a failover test.
+type failoverEngine struct {
+	url, core string
+	pgid      int
+}
+
+// twoActiveVLLMs starts two vLLM servers of their own, both active (A),
+// a Host with cfg and their agents, and waits until both are registered:
+// the Host's URL, the engines, and the instance id of each engine URL.
+func twoActiveVLLMs(t *testing.T, cfg host.Config) (string, []failoverEngine, map[string]string) {
+	t.Helper()
+	needVLLM(t)
+	venv := os.Getenv("VHI_VLLM_VENV")
+	engines := make([]failoverEngine, 2)
+	var wg sync.WaitGroup
+	errs := make([]error, 2)
+	for i := range engines {
+		engines[i].core = filepath.Join(tokDir, fmt.Sprintf("core-failover-%d-%d.sock", i, time.Now().UnixNano()%1e6))
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			var stop func()
+			engines[i].url, engines[i].pgid, stop, errs[i] = startVLLMGroup(venv, tinyModel, "A", engines[i].core)
+			t.Cleanup(stop)
+		}(i)
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			t.Fatalf("%v\n%s", err, tail(vllmLogs.String()))
+		}
+	}
+	hostURL, hostAddr, _ := startHostWith(t, cfg)
+	for _, e := range engines {
+		startAgentWith(t, hostAddr, e.url, "A", e.core)
+	}
+	ids := map[string]string{} // engine URL → instance id
+	for deadline := time.Now().Add(60 * time.Second); len(ids) < 2; time.Sleep(100 * time.Millisecond) {
+		list, _ := hostClient(t, hostURL).Instances(context.Background())
+		for _, in := range list {
+			if in.Migratable && in.Role == "active" {
+				ids[in.EngineURL] = in.ID
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the agents did not register both engines as active: %v", ids)
+		}
+	}
+	return hostURL, engines, ids
+}
+
+// With warm standbys on (copies every 200 ms), a killed vLLM engine's
+// streams go on from the copies of their KV the other engine holds: the
+// survivor installs each client's tokens with what its copy covers
+// computed and computes only the tokens since the copy's last round —
+// vLLM's scheduler takes the rest as a chunk of prefill in the reserved
+// blocks — and every stream equals its run without the crash.
+func TestAKilledVLLMEnginesStreamsGoOnFromWarmCopies(t *testing.T) {
+	cfg := host.DefaultConfig()
+	cfg.Failover.SnapshotInterval = 300 * time.Millisecond
+	cfg.Failover.WarmTokens, cfg.Failover.WarmInterval = 1, 200*time.Millisecond
+	hostURL, engines, ids := twoActiveVLLMs(t, cfg)
+	const n = 6
+	want := runFailoverStreams(t, hostURL, n, 0, nil)
+	victim := engines[0]
+	var copies float64
+	got := runFailoverStreams(t, hostURL, n, 0, func() {
+		// Until every stream has a copy, and a few rounds since.
+		deadline := time.Now().Add(20 * time.Second)
+		for copies = metricOf(t, hostURL, "vhi_failover_warm_copies"); copies < n && time.Now().Before(deadline); copies = metricOf(t, hostURL, "vhi_failover_warm_copies") {
+			time.Sleep(50 * time.Millisecond)
+		}
+		time.Sleep(500 * time.Millisecond)
+		if err := syscall.Kill(-victim.pgid, syscall.SIGKILL); err != nil {
+			t.Errorf("kill the engine's process group: %v", err)
+		}
+	})
+	sameStreams(t, want, got)
+	metrics := hostGet(t, hostURL+"/metrics")
+	warm := metricOf(t, hostURL, `vhi_failovers_total{outcome="warm"}`)
+	t.Logf("killed %s with %v warm copies held; %s", ids[victim.url], copies, strings.ReplaceAll(grepLines(metrics, "vhi_failover"), "\n", "; "))
+	if copies < n || warm == 0 || metricOf(t, hostURL, "vhi_failover_warm_tokens_total") == 0 {
+		t.Fatalf("%v copies of %d streams; %v streams recovered from a copy:\n%s", copies, n, warm, grepLines(metrics, "vhi_failover"))
+	}
+}
+
+// metricOf is the value of the Host's metric (name with its labels as the
+// exposition writes them), 0 when absent.
+func metricOf(t *testing.T, hostURL, name string) float64 {
+	t.Helper()
+	for _, l := range strings.Split(hostGet(t, hostURL+"/metrics"), "\n") {
+		if rest, ok := strings.CutPrefix(l, name+" "); ok {
+			var v float64
+			fmt.Sscan(strings.TrimSpace(rest), &v)
+			return v
+		}
+	}
+	return 0
 }
 
 // guidedOn counts the structured-output requests an engine runs (its

@@ -244,6 +244,35 @@ class CoreInstallTest(unittest.TestCase):
         self.assertEqual(n, full * 16)
         self.assertEqual(list(hit.get_block_ids()[0]), ids[s["request_id"]][:full])
 
+    def test_an_extended_reservation_keeps_its_blocks_and_a_gone_one_is_left_out(self):
+        # A warm standby renews its copies' reservations each cycle.
+        st = self.st
+        a, b, _ = self.states
+        blocks = st.block_ids(a["request_id"])
+        _, until = st.reserved[a["request_id"]]
+        st.abort([b["request_id"]], ignore_missing=False)
+        out = st.allocate([{"request_id": a["request_id"]}, {"request_id": b["request_id"]}, {"request_id": "nobody"}],
+                          600_000, extend=True)
+        self.assertEqual([(r["request_id"], r["block_ids"]) for r in out["requests"]], [(a["request_id"], blocks)])
+        self.assertGreater(st.reserved[a["request_id"]][1], until + 500)
+        st.install([self.snapshot(a, OUTPUT)], True, 60_000)
+        out = st.allocate([{"request_id": a["request_id"]}], 600_000, extend=True)
+        self.assertEqual(out["requests"], [])  # installed: no longer a reservation
+
+    def test_a_request_installed_short_of_its_tokens_computes_the_rest(self):
+        # A warm copy covers the KV up to its last round: the failover
+        # installs the client's tokens with what the copy covers computed,
+        # and vLLM schedules the rest as a chunk, in the reserved blocks.
+        st = self.st
+        s = self.states[0]
+        rid, covered = s["request_id"], PROMPT + 10
+        blocks = st.block_ids(rid)
+        st.install([self.snapshot(s, OUTPUT, num_computed_tokens=covered)], True, 60_000)
+        out = st.sched.schedule()
+        self.assertEqual(out.num_scheduled_tokens[rid], PROMPT + OUTPUT - covered)
+        self.assertEqual(st.sched.requests[rid].num_computed_tokens, PROMPT + OUTPUT)
+        self.assertEqual(st.block_ids(rid)[:len(blocks)], blocks)
+
     def test_a_request_aborted_before_its_blocks_are_cached_is_skipped(self):
         st = self.st
         st.install([self.snapshot(s, OUTPUT) for s in self.states], True, 60_000)

@@ -346,12 +346,25 @@ class CoreState:
             })
         return {"cursor": self.log.cursor, "requests": out}
 
-    def allocate(self, items, lease_ms: int) -> dict:
+    def allocate(self, items, lease_ms: int, extend: bool = False) -> dict:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
         kvm = self.sched.kv_cache_manager
         lease = (lease_ms / 1000.0) if lease_ms else _RESERVATION_LEASE_S
+        if extend:
+            # Renew reservations held already (a warm standby's copies):
+            # one installed since, or gone, is left out, never an error.
+            out = []
+            for it in items:
+                rid = it["request_id"]
+                if rid not in self.reserved or rid in self.uncommitted:
+                    continue
+                ph, _ = self.reserved[rid]
+                self.reserved[rid] = (ph, time.time() + lease)
+                out.append({"request_id": rid, "block_ids": self.block_ids(rid) if ph is not None else [],
+                            "recompute": ph is None})
+            return {"requests": out, "free_blocks": self.free_blocks()}
         for it in items:
             if it["request_id"] in self.sched.requests or it["request_id"] in self.reserved:
                 raise HookError(409, f"Request {it['request_id']} already exists here.", "request_id")
@@ -816,7 +829,8 @@ _OPS = {
     "pause": lambda core, st, p: _pause_op(st, p),
     "resume": lambda core, st, p: st.resume(p.get("request_ids") or []),
     "export": _export,
-    "allocate": lambda core, st, p: st.allocate(p.get("requests") or [], int(p.get("lease_ms") or 0)),
+    "allocate": lambda core, st, p: st.allocate(p.get("requests") or [], int(p.get("lease_ms") or 0),
+                                                bool(p.get("extend"))),
     "install": _install,
     "stage": lambda core, st, p: st.stage(p.get("requests") or []),
     "abort": lambda core, st, p: st.abort(p.get("request_ids") or [], bool(p.get("ignore_missing")),

@@ -1,0 +1,76 @@
+package e2e
+
+import (
+	"bufio"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/vllm-hi/vllm-hi/api/hostapi"
+)
+
+// With warm standbys on, every stream's KV has a copy on the other active
+// instance, refreshed every 100 ms. A migration onto the instance that
+// holds copies of the moving streams first frees those copies (its own
+// reservations would collide with them) and moves every stream exactly;
+// the streams, now on B, get copies on A; then B is killed (SIGKILL) and
+// each of its streams goes on from A from its copy — the tokens since the
+// copy's last round computed there, nothing repeated or lost, every
+// stream equal to its unmigrated run.
+func TestWarmStandbysMoveWithAMigrationAndCarryAFailover(t *testing.T) {
+	d := deployWith(t, deployOptions{bBlocks: 4096, bActive: true, hostArgs: []string{"--failover-snapshot-interval", "200ms",
+		"--failover-warm-standby-tokens", "1", "--failover-warm-standby-interval", "100ms"}})
+	reqs := load(24, 400)
+	want := d.reference(reqs)
+	running := d.startLoad(reqs)
+	waitUntil(t, "the load to run on A and B", func() bool {
+		a, b := d.stats(t, d.aURL), d.stats(t, d.bURL)
+		return a.Running > 0 && b.Running > 0 && a.Running+b.Running == len(reqs)
+	})
+	waitUntil(t, "a warm copy of every stream", func() bool { return hostMetric(t, d.hostURL, "vhi_failover_warm_copies") == float64(len(reqs)) })
+
+	st := d.waitMigration(t, hostapi.MigrateRequest{Src: "A", Dst: "B", Type: hostapi.KeepSourceActive})
+	if st.State != "succeeded" || st.Migrated == 0 || len(st.Recomputed) > 0 {
+		t.Fatalf("migration onto the standby of A's copies: %s (%s), %d moved, %d recomputed", st.State, st.Error, st.Migrated, len(st.Recomputed))
+	}
+	onB := d.stats(t, d.bURL).Running
+	waitUntil(t, "every stream copied from B to A", func() bool {
+		return hostMetric(t, d.hostURL, "vhi_failover_warm_copies") == float64(onB) && d.stats(t, d.aURL).Running == 0
+	})
+	time.Sleep(300 * time.Millisecond) // rounds since the copies began: tokens the failover does not recompute
+	d.simB.kill()
+	got := <-running
+	checkExact(t, got, want)
+	if n := hostMetric(t, d.hostURL, `vhi_failovers_total{outcome="warm"}`); n != float64(onB) {
+		t.Fatalf("%v of B's %d streams recovered from their warm copies", n, onB)
+	}
+	if hostMetric(t, d.hostURL, "vhi_failover_warm_tokens_total") <= 0 || hostMetric(t, d.hostURL, "vhi_failover_warm_bytes_total") <= 0 {
+		t.Fatal("no KV copied to, or installed from, the warm standbys")
+	}
+	waitUntil(t, "A running nothing and holding no reservation", func() bool {
+		a := d.stats(t, d.aURL)
+		return a.Running == 0 && a.Reserved == 0 && a.Free == a.Total
+	})
+}
+
+// hostMetric is the value of the Host's metric (name with its labels as
+// the exposition writes them), 0 when absent.
+func hostMetric(t *testing.T, hostURL, name string) float64 {
+	t.Helper()
+	resp, err := http.Get(hostURL + "/metrics")
+	if err != nil {
+		return 0
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		if rest, ok := strings.CutPrefix(sc.Text(), name+" "); ok {
+			v, _ := strconv.ParseFloat(strings.TrimSpace(rest), 64)
+			return v
+		}
+	}
+	return 0
+}
