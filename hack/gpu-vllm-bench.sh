@@ -8,6 +8,14 @@
 # against an unmigrated run and prints the seed-style report. Everything
 # it started is stopped on exit; logs stay in OUT.
 #
+# With BENCH=failover both engines are active and each run is
+#   vhi bench failover --host … --kill '<SIGKILL of the busiest engine's process group>' "$@"
+# instead: the load through the Host once as the reference, then again with
+# the engine running more of it killed after --delay (its whole process
+# group: API server, engine core, agent), every stream checked. The Host's
+# failover is its flags' (HOST_FLAGS, e.g. "--failover-warm-standby-tokens 1");
+# a killed engine is not restarted, so one failover run per invocation.
+#
 # Usage: hack/gpu-vllm-bench.sh MODEL_DIR [vhi bench migrate flags…] [-- flags of the next run…]…
 #   e.g. hack/gpu-vllm-bench.sh /models/qwen3-8b-shape --streams 256 --max-tokens 1024 --delay 10s
 # Each "--" starts another bench run against the same two engines (they
@@ -40,6 +48,7 @@
 #   HOST_FLAGS     more vhi host flags, e.g. "--log-level info" []
 #   BASE_PORT      engines on BASE_PORT+1, +2, the Host on BASE_PORT [18000]
 #   HEALTH_WAIT_S  how long an engine may take to become healthy [900]
+#   BENCH          migrate or failover [migrate]
 #
 # Exactness needs engines whose output depends on their KV and is the same
 # in every batch: serve a checkpoint with random (not --load-format dummy)
@@ -100,9 +109,10 @@ setsid "$vhi" host --listen "$host_addr" --data-dir "$out/host" --log-level warn
 pids+=($!)
 wait_healthy host "$host_url/health" "$!" "$out/host.log"
 
-# start_engine TYPE PORT DATA_PORT
+# start_engine NAME TYPE PORT DATA_PORT: NAME (A or B) picks the log, the
+# core socket and the per-engine settings; TYPE is the plugin's type.
 start_engine() {
-  local typ=$1 port=$2 data_port=$3 log=$out/vllm-$1.log
+  local name=$1 typ=$2 port=$3 data_port=$4 log=$out/vllm-$1.log
   local args=(serve "$model" --port "$port" --served-model-name m --max-model-len "${MAX_MODEL_LEN:-4096}")
   case "${SCHED:-async}" in
     async) ;;
@@ -111,26 +121,34 @@ start_engine() {
   esac
   local env=(VLLM_HI_TYPE="$typ" VLLM_HI_HOST="$host_addr" VLLM_HI_AGENT="$vhi" VLLM_HI_DATA_PORT="$data_port"
     VLLM_HI_TRANSFER_BACKEND="${BACKEND:-auto}" VLLM_HI_ENGINE_TOKEN_FILE="$out/host/agent-token")
-  [ "${CORE_CHANNEL:-1}" = 1 ] && env+=(VLLM_HI_CORE_SOCKET="$out/core-$typ.sock")
+  [ "${CORE_CHANNEL:-1}" = 1 ] && env+=(VLLM_HI_CORE_SOCKET="$out/core-$name.sock")
   if [ "${CPU:-0}" = 1 ]; then
     env+=(VLLM_TARGET_DEVICE=cpu)
   else
     args+=(--gpu-memory-utilization "${GPU_UTIL:-0.4}")
   fi
-  local own=SERVE_ARGS_$typ gpus=GPUS_$typ
+  local own=SERVE_ARGS_$name gpus=GPUS_$name
   [ -n "${!gpus:-}" ] && env+=(CUDA_VISIBLE_DEVICES="${!gpus}")
-  local cpus=CPUS_$typ
+  local cpus=CPUS_$name
   [ -n "${!cpus:-}" ] && env+=(VLLM_CPU_OMP_THREADS_BIND="${!cpus}")
   read -r -a extra <<<"${SERVE_ARGS:-} ${!own:-}"
   env "${env[@]}" setsid "${vllm[@]}" "${args[@]}" "${extra[@]}" >"$log" 2>&1 &
   pids+=($!)
-  wait_healthy "vLLM $typ" "http://127.0.0.1:$port/health" "$!" "$log"
+  echo $! >"$out/engine-$port.pgid" # setsid: its pid is its process group
+  wait_healthy "vLLM $name" "http://127.0.0.1:$port/health" "$!" "$log"
 }
 
 # B starts after A is healthy: started together, one engine can find no
 # GPU memory left for its KV cache.
-start_engine A $((base + 1)) $((base + 11))
-start_engine B $((base + 2)) $((base + 12))
+bench=${BENCH:-migrate}
+second=B
+case $bench in
+  migrate) ;;
+  failover) second=A ;; # both active: the survivor serves too
+  *) echo "gpu-vllm-bench: BENCH=$bench: want migrate or failover" >&2; exit 2 ;;
+esac
+start_engine A A $((base + 1)) $((base + 11))
+start_engine B $second $((base + 2)) $((base + 12))
 
 t0=$SECONDS
 until [ "$("$vhi" instances --host "$host_url" -o json | grep -o '"migratable": *true' | wc -l)" -ge 2 ]; do
@@ -159,7 +177,14 @@ for i in "${!runs[@]}"; do
   name=""
   ((${#runs[@]} > 1)) && name=-$((i + 1))
   eval "flags=(${runs[i]})"
-  echo "gpu-vllm-bench: run $((i + 1)) of ${#runs[@]}: vhi bench migrate ${flags[*]}" >&2
+  echo "gpu-vllm-bench: run $((i + 1)) of ${#runs[@]}: vhi bench $bench ${flags[*]}" >&2
+  if [ "$bench" = failover ]; then
+    # The victim's engine by its port (VHI_VICTIM_URL ends with it).
+    "$vhi" bench failover --host "$host_url" --admin-token-file "$out/host/admin-token" \
+      --agent-token-file "$out/host/agent-token" --kill "kill -KILL -\$(cat $out/engine-\${VHI_VICTIM_URL##*:}.pgid)" \
+      "${flags[@]}" | tee "$out/bench$name.txt" || rc=1
+    continue
+  fi
   "$vhi" bench migrate --host "$host_url" --admin-token-file "$out/host/admin-token" --json "$out/migrate$name.json" \
     "${flags[@]}" | tee "$out/bench$name.txt" || rc=1
 done

@@ -21,6 +21,7 @@ func newBenchFailoverCommand(g *Options) *cobra.Command {
 	var o opsBench
 	var interval time.Duration
 	var modes []string
+	var x failoverHostFlags
 	cmd := &cobra.Command{
 		Use:   "failover",
 		Short: "Engine-crash failover: the clients' gap when a loaded engine dies, by snapshot and by replay, against none",
@@ -55,10 +56,25 @@ survivors' own streams' longest gap in the 3 s after the crash (p50, p99) agains
 median gap, and every stream is checked against an
 unmigrated run. Then, on B alone, one prefill of the longest context A carried (its prompt
 and the text it had sent) is timed: the goal is a p99 gap within detection (here the cut
-connection, at once) plus that prefill.`,
+connection, at once) plus that prefill.
+
+With --host it starts nothing and runs against a deployment: a running Host with at least
+two active migratable instances of the model, its failover as the Host was started (--mode
+does not apply). The load (greedy) runs through it once as the reference, then again with
+the active instance running the most streams killed after --delay by --kill, a shell command
+run with VHI_VICTIM_ID and VHI_VICTIM_URL set (e.g. 'kill -KILL -$(cat /run/$VHI_VICTIM_ID.pgid)':
+a negative pid, the engine's whole process group); the streams on it are read from its
+engine (--agent-token-file) just before. Exact only on engines whose output is the same in
+every batch (real vLLM: a random-weight checkpoint and VLLM_BATCH_INVARIANT=1).`,
 		Args: cobra.NoArgs,
 		RunE: g.runLogged(func(cmd *cobra.Command, log *zap.Logger) error {
 			o.log = log
+			if x.host != "" {
+				if x.kill == "" {
+					return fmt.Errorf("--host needs --kill: the command that kills the victim's engine")
+				}
+				return runBenchFailoverHost(cmd.Context(), cmd.OutOrStdout(), o, x)
+			}
 			for _, m := range modes {
 				if m != "snapshot" && m != "alone" && m != "paced" && m != "warm" && m != "snapshot-only" && m != "replay" && m != "off" {
 					return fmt.Errorf("--mode %q: want snapshot, alone, paced, warm, snapshot-only, replay or off", m)
@@ -80,6 +96,11 @@ connection, at once) plus that prefill.`,
 	cmd.Flags().IntVar(&o.warmTokens, "warm-tokens", 1, "the warm mode's --failover-warm-standby-tokens: streams with at least this much context get warm copies")
 	cmd.Flags().IntVar(&o.pacedTokens, "paced-tokens", 2048, "the paced mode's --failover-recompute-per-step")
 	cmd.Flags().IntVar(&o.actives, "engines", 2, "active sims (2 or 3); A is the one killed")
+	cmd.Flags().StringVar(&x.host, "host", "", "run against this running Host (its URL) instead of starting sims")
+	cmd.Flags().StringVar(&x.model, "model", "", "with --host: the served model to load (default: the first active instance's)")
+	cmd.Flags().StringVar(&x.adminTokenFile, "admin-token-file", "", "with --host: file holding the admin token (default: the local Host's)")
+	cmd.Flags().StringVar(&x.agentTokenFile, "agent-token-file", "", "with --host: file holding the agent token, to list the victim engine's requests (default: the local Host's)")
+	cmd.Flags().StringVar(&x.kill, "kill", "", "with --host: shell command that kills the victim's engine (VHI_VICTIM_ID, VHI_VICTIM_URL set)")
 	return cmd
 }
 
@@ -143,22 +164,7 @@ func runBenchFailover(ctx context.Context, out io.Writer, o opsBench, interval t
 		if err != nil {
 			return fmt.Errorf("mode %s: %w", mode, err)
 		}
-		gaps := "none of them went on"
-		if len(r.gaps) > 0 {
-			gaps = fmt.Sprintf("%d went on: gap across the crash p50 %s, p99 %s, max %s; crash → its end p50 %s, p99 %s, max %s",
-				len(r.gaps), msText(loadgen.Percentile(r.gaps, 0.5)), msText(loadgen.Percentile(r.gaps, 0.99)), msText(loadgen.Percentile(r.gaps, 1)),
-				msText(loadgen.Percentile(r.resumes, 0.5)), msText(loadgen.Percentile(r.resumes, 0.99)), msText(loadgen.Percentile(r.resumes, 1)))
-		}
-		own := ""
-		if len(r.survivorGaps) > 0 {
-			own = fmt.Sprintf("; the survivors' own %d streams' worst gap in the 3 s after the crash p50 %s, p99 %s (the run's median gap %s)",
-				len(r.survivorGaps), msText(loadgen.Percentile(r.survivorGaps, 0.5)), msText(loadgen.Percentile(r.survivorGaps, 0.99)), msText(r.medianGap))
-		}
-		before := fmt.Sprintf("; A's streams before the crash: gap p99 %s, median %s", msText(loadgen.Percentile(r.gapsBefore, 0.99)), msText(loadgen.Percentile(r.gapsBefore, 0.5)))
-		if mode == "warm" {
-			before += fmt.Sprintf("; warm copies at the crash %d, %.1f MiB copied, %d streams recovered from them", r.warmCopies, float64(r.warmBytes)/(1<<20), r.warmRecovered)
-		}
-		fmt.Fprintf(out, "%-13s A carried %d streams, %s%s; every stream: %s%s\n", mode, r.affected, gaps, before, r.check, own)
+		fmt.Fprintf(out, "%-13s %s\n", mode, r.report(mode == "warm"))
 		if mode != "off" && (r.check.Failed > 0 || r.check.Inexact > 0) {
 			failed = append(failed, mode)
 		}
@@ -207,11 +213,21 @@ func (o opsBench) crashOnce(ctx context.Context, reqs []loadgen.Request, ref []l
 	st.KillEngine(st.AID)
 	streams := <-done
 	r.warmRecovered = st.Host.Failover().WarmRecovered() - warmBefore
-	r.check = checkStreams(streams, ref)
 	ids := map[string]bool{}
 	for _, q := range onA.Requests {
 		ids[q.RequestID] = true
 	}
+	m := crashMetrics(streams, reqs, ref, ids, killed, t0)
+	m.warmCopies, m.warmBytes, m.warmRecovered = r.warmCopies, r.warmBytes, r.warmRecovered
+	return m, nil
+}
+
+// crashMetrics measures a crash run: streams (of reqs, with references
+// ref) whose ids were on the killed engine (ids), killed at killed, the
+// load begun at t0.
+func crashMetrics(streams []loadgen.Stream, reqs []loadgen.Request, ref []loadgen.Stream, ids map[string]bool, killed, t0 time.Time) crashResult {
+	var r crashResult
+	r.check = checkStreams(streams, ref)
 	var all []time.Duration
 	for _, s := range streams {
 		for j := 1; j < len(s.Arrivals); j++ {
@@ -258,7 +274,27 @@ func (o opsBench) crashOnce(ctx context.Context, reqs []loadgen.Request, ref []l
 			r.longestSent = strings.Join(ref[i].Pieces[:min(sent, len(ref[i].Pieces))], "")
 		}
 	}
-	return r, nil
+	return r
+}
+
+// report says what the run measured (warm: with the warm copies).
+func (r crashResult) report(warm bool) string {
+	gaps := "none of them went on"
+	if len(r.gaps) > 0 {
+		gaps = fmt.Sprintf("%d went on: gap across the crash p50 %s, p99 %s, max %s; crash → its end p50 %s, p99 %s, max %s",
+			len(r.gaps), msText(loadgen.Percentile(r.gaps, 0.5)), msText(loadgen.Percentile(r.gaps, 0.99)), msText(loadgen.Percentile(r.gaps, 1)),
+			msText(loadgen.Percentile(r.resumes, 0.5)), msText(loadgen.Percentile(r.resumes, 0.99)), msText(loadgen.Percentile(r.resumes, 1)))
+	}
+	before := fmt.Sprintf("; A's streams before the crash: gap p99 %s, median %s", msText(loadgen.Percentile(r.gapsBefore, 0.99)), msText(loadgen.Percentile(r.gapsBefore, 0.5)))
+	if warm {
+		before += fmt.Sprintf("; warm copies at the crash %d, %.1f MiB copied, %d streams recovered from them", r.warmCopies, float64(r.warmBytes)/(1<<20), r.warmRecovered)
+	}
+	own := ""
+	if len(r.survivorGaps) > 0 {
+		own = fmt.Sprintf("; the survivors' own %d streams' worst gap in the 3 s after the crash p50 %s, p99 %s (the run's median gap %s)",
+			len(r.survivorGaps), msText(loadgen.Percentile(r.survivorGaps, 0.5)), msText(loadgen.Percentile(r.survivorGaps, 0.99)), msText(r.medianGap))
+	}
+	return fmt.Sprintf("A carried %d streams, %s%s; every stream: %s%s", r.affected, gaps, before, r.check, own)
 }
 
 // worstGapIn is the longest gap between arrivals that ends in [from, to].

@@ -16,6 +16,7 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/internal/host"
+	"github.com/vllm-hi/vllm-hi/internal/hostmetrics"
 )
 
 // When a vLLM engine dies mid-stream — its whole process group killed —
@@ -178,18 +179,15 @@ func TestAKilledVLLMEnginesStreamsGoOnFromWarmCopies(t *testing.T) {
 	}
 }
 
-// metricOf is the value of the Host's metric (name with its labels as the
-// exposition writes them), 0 when absent.
+// metricOf is the Host's metric (name with its labels as the exposition
+// writes them), 0 when absent.
 func metricOf(t *testing.T, hostURL, name string) float64 {
 	t.Helper()
-	for _, l := range strings.Split(hostGet(t, hostURL+"/metrics"), "\n") {
-		if rest, ok := strings.CutPrefix(l, name+" "); ok {
-			var v float64
-			fmt.Sscan(strings.TrimSpace(rest), &v)
-			return v
-		}
+	v, err := hostmetrics.Value(hostURL, name)
+	if err != nil {
+		t.Fatal(err)
 	}
-	return 0
+	return v
 }
 
 // guidedOn counts the structured-output requests an engine runs (its

@@ -1,14 +1,14 @@
 package e2e
 
 import (
-	"bufio"
-	"net/http"
-	"strconv"
+	"fmt"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
+	"github.com/vllm-hi/vllm-hi/internal/hostmetrics"
 )
 
 // With warm standbys on, every stream's KV has a copy on the other active
@@ -55,22 +55,43 @@ func TestWarmStandbysMoveWithAMigrationAndCarryAFailover(t *testing.T) {
 	})
 }
 
-// hostMetric is the value of the Host's metric (name with its labels as
-// the exposition writes them), 0 when absent.
+// hostMetric is the Host's metric (name with its labels as the
+// exposition writes them), 0 when absent.
 func hostMetric(t *testing.T, hostURL, name string) float64 {
 	t.Helper()
-	resp, err := http.Get(hostURL + "/metrics")
-	if err != nil {
-		return 0
+	v, _ := hostmetrics.Value(hostURL, name)
+	return v
+}
+
+// vhi bench failover --host runs against a running deployment (what
+// hack/gpu-vllm-bench.sh BENCH=failover does with real vLLM): it takes the
+// reference through the Host, kills the engine running the most streams
+// with the user's command, and checks every stream — here with warm
+// standbys on, so it reports the copies and the streams recovered from
+// them.
+func TestBenchFailoverAgainstADeployment(t *testing.T) {
+	d := deployWith(t, deployOptions{bBlocks: 4096, bActive: true, hostArgs: []string{"--failover-snapshot-interval", "200ms",
+		"--failover-warm-standby-tokens", "1", "--failover-warm-standby-interval", "100ms"}})
+	kill := fmt.Sprintf(`case "$VHI_VICTIM_URL" in %s) kill -KILL %d ;; %s) kill -KILL %d ;; *) exit 3 ;; esac`,
+		d.aURL, d.simA.cmd.Process.Pid, d.bURL, d.simB.cmd.Process.Pid)
+	out, err := exec.Command(vhiBin, "bench", "failover", "--host", d.hostURL, "--admin-token-file", d.tk.adminFile,
+		"--agent-token-file", d.tk.agentFile, "--kill", kill, "--streams", "12", "--max-tokens", "400", "--prompt-words", "20",
+		"--delay", "1s").CombinedOutput()
+	// The bench killed one of the sims: reap it, so that the deployment's
+	// teardown does not take its death for a crash.
+	switch {
+	case strings.Contains(string(out), "killed A ("):
+		d.simA.kill()
+	case strings.Contains(string(out), "killed B ("):
+		d.simB.kill()
 	}
-	defer resp.Body.Close()
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		if rest, ok := strings.CutPrefix(sc.Text(), name+" "); ok {
-			v, _ := strconv.ParseFloat(strings.TrimSpace(rest), 64)
-			return v
+	if err != nil {
+		t.Fatalf("vhi bench failover --host: %v\n%s", err, out)
+	}
+	t.Logf("%s", out)
+	for _, want := range []string{"every stream: 0 failed, 0 inexact", "streams recovered from them", "the Host's failovers in the run: warm "} {
+		if !strings.Contains(string(out), want) {
+			t.Fatalf("the report lacks %q:\n%s", want, out)
 		}
 	}
-	return 0
 }
