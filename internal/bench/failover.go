@@ -149,6 +149,9 @@ func runBenchFailover(ctx context.Context, out io.Writer, o opsBench, interval t
 		}
 		fc := failover.DefaultConfig()
 		fc.SnapshotInterval, fc.RelayTokenIDs = iv, mode != "snapshot-only"
+		if mode == "replay" {
+			fc.NewStreamSnapshot = 0 // no snapshot at all: the replay path
+		}
 		switch mode {
 		case "alone":
 			fc.GatherWindow = 0

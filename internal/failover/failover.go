@@ -60,6 +60,12 @@ type Config struct {
 	// its failover installs the copy and computes only the tokens since
 	// (standby.go). 0: off.
 	WarmTokens int
+	// NewStreamSnapshot is how soon a stream the Host has no snapshot of
+	// gets one: a vLLM stream that already sent tokens cannot go on
+	// without one (its sampling state comes from it), and waiting for the
+	// next SnapshotInterval left streams younger than it with nowhere to
+	// go. 0: at the next interval only.
+	NewStreamSnapshot time.Duration
 	// WarmInterval is how often the warm copies get a round: what a
 	// failover computes again is about this much of each stream's decode.
 	WarmInterval time.Duration
@@ -68,14 +74,14 @@ type Config struct {
 // DefaultConfig is off, with the limits a user turning it on starts from.
 func DefaultConfig() Config {
 	return Config{MaxPerModel: 256, Timeout: 10 * time.Second, RelayTokenIDs: true, GatherWindow: 10 * time.Millisecond,
-		WarmInterval: 200 * time.Millisecond}
+		NewStreamSnapshot: 100 * time.Millisecond, WarmInterval: 200 * time.Millisecond}
 }
 
 // Check says what is wrong with c.
 func (c Config) Check() error {
-	if c.SnapshotInterval < 0 || c.MaxPerModel < 1 || c.Timeout <= 0 || c.GatherWindow < 0 || c.GatherWindow >= c.Timeout || c.RecomputePerStep < 0 || c.WarmTokens < 0 ||
+	if c.SnapshotInterval < 0 || c.MaxPerModel < 1 || c.Timeout <= 0 || c.GatherWindow < 0 || c.GatherWindow >= c.Timeout || c.RecomputePerStep < 0 || c.WarmTokens < 0 || c.NewStreamSnapshot < 0 ||
 		(c.WarmTokens > 0 && (c.WarmInterval <= 0 || c.WarmInterval >= c.Timeout)) {
-		return fmt.Errorf("failover: snapshot interval ≥ 0, max per model ≥ 1, timeout > 0, 0 ≤ gather window < timeout, recompute per step ≥ 0, warm standby tokens ≥ 0, 0 < warm standby interval < timeout")
+		return fmt.Errorf("failover: snapshot interval ≥ 0, max per model ≥ 1, timeout > 0, 0 ≤ gather window < timeout, recompute per step ≥ 0, warm standby tokens ≥ 0, 0 < warm standby interval < timeout, new-stream snapshot ≥ 0")
 	}
 	return nil
 }
@@ -169,6 +175,9 @@ func (m *Manager) Run(ctx context.Context) {
 	if m.cfg.WarmTokens > 0 {
 		go periodic.Do(ctx, m.cfg.WarmInterval, func() { m.keepWarm(ctx) })
 	}
+	if n := m.cfg.NewStreamSnapshot; n > 0 && n < m.cfg.SnapshotInterval {
+		go periodic.Do(ctx, n, func() { m.snapshotNew(ctx) })
+	}
 	periodic.Do(ctx, m.cfg.SnapshotInterval, func() {
 		m.snapshot(ctx)
 		m.abandonUnhealthy()
@@ -179,6 +188,58 @@ func (m *Manager) Run(ctx context.Context) {
 // forgets the streams that ended.
 func (m *Manager) snapshot(ctx context.Context) {
 	byInstance := m.streams.IDsByInstance()
+	fresh := m.export(ctx, byInstance)
+	live := map[string]bool{}
+	for _, ids := range byInstance {
+		for _, id := range ids {
+			live[id] = true
+		}
+	}
+	m.mu.Lock()
+	for id := range m.states {
+		if !live[id] {
+			delete(m.states, id)
+		}
+	}
+	for id, st := range fresh {
+		m.states[id] = st
+	}
+	m.mu.Unlock()
+}
+
+// snapshotNew reads the state of the relayed streams that have no
+// snapshot yet (Config.NewStreamSnapshot).
+func (m *Manager) snapshotNew(ctx context.Context) {
+	byInstance := m.streams.IDsByInstance()
+	m.mu.Lock()
+	n := 0
+	for in, ids := range byInstance {
+		var missing []string
+		for _, id := range ids {
+			if _, ok := m.states[id]; !ok {
+				missing = append(missing, id)
+			}
+		}
+		byInstance[in] = missing
+		n += len(missing)
+	}
+	m.mu.Unlock()
+	if n == 0 {
+		return
+	}
+	fresh := m.export(ctx, byInstance)
+	m.mu.Lock()
+	for id, st := range fresh {
+		if _, ok := m.states[id]; !ok {
+			m.states[id] = st
+		}
+	}
+	m.mu.Unlock()
+}
+
+// export snapshots the streams of byInstance on their engines (an
+// instance that cannot answer is left out).
+func (m *Manager) export(ctx context.Context, byInstance map[string][]string) map[string]hooks.RequestState {
 	fresh := map[string]hooks.RequestState{}
 	for _, in := range m.reg.List() {
 		ids := byInstance[in.ID]
@@ -200,22 +261,7 @@ func (m *Manager) snapshot(ctx context.Context) {
 			fresh[st.RequestID] = st
 		}
 	}
-	live := map[string]bool{}
-	for _, ids := range byInstance {
-		for _, id := range ids {
-			live[id] = true
-		}
-	}
-	m.mu.Lock()
-	for id := range m.states {
-		if !live[id] {
-			delete(m.states, id)
-		}
-	}
-	for id, st := range fresh {
-		m.states[id] = st
-	}
-	m.mu.Unlock()
+	return fresh
 }
 
 // abandonUnhealthy fails over the silent streams of every instance the

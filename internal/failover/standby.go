@@ -123,7 +123,7 @@ func (m *Manager) keepWarm(ctx context.Context) {
 	var stale []*copyOf
 	for id, c := range m.warm.copies {
 		s := m.streams.Get(id)
-		if s == nil || s.Instance != c.src || !usable(c.dst) {
+		if s == nil || s.Upstream() != c.src || !usable(c.dst) {
 			stale = append(stale, c)
 			delete(m.warm.copies, id)
 		}
@@ -141,7 +141,13 @@ func (m *Manager) keepWarm(ctx context.Context) {
 			continue
 		}
 		s := m.streams.Get(id)
-		if s == nil || !usable(s.Instance) {
+		if s == nil {
+			continue
+		}
+		// Upstream, not the field: the relay changes it under the
+		// stream's lock as the stream moves or fails over.
+		upstream := s.Upstream()
+		if !usable(upstream) {
 			continue
 		}
 		m.warm.mu.Lock()
@@ -153,7 +159,7 @@ func (m *Manager) keepWarm(ctx context.Context) {
 		var best string
 		bestFree := 0
 		for _, in := range instances {
-			if in.ID == s.Instance || !usable(in.ID) || !in.Serves(s.Model) {
+			if in.ID == upstream || !usable(in.ID) || !in.Serves(s.Model) {
 				continue
 			}
 			if free := in.Stats.FreeBlocks - assigned[in.ID]; best == "" || free > bestFree {
@@ -170,7 +176,7 @@ func (m *Manager) keepWarm(ctx context.Context) {
 		if bs := instances[best].Engine.Geometry.BlockSize; bs > 0 {
 			assigned[best] += (need + bs - 1) / bs
 		}
-		fresh = append(fresh, &copyOf{id: id, src: s.Instance, dst: best, prompt: len(st.PromptTokenIDs), needs: need})
+		fresh = append(fresh, &copyOf{id: id, src: upstream, dst: best, prompt: len(st.PromptTokenIDs), needs: need})
 	}
 
 	// Group by pair; each pair's cycle runs on its own (pairs share no

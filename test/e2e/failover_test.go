@@ -40,12 +40,16 @@ func notable(s string) string {
 // equal to its unmigrated run — nothing repeated, nothing lost, no error.
 //
 // With snapshots every 200 ms the streams are reinstalled from them
-// (recovered); with none taken yet (an interval of an hour) they are
-// replayed on B, the tokens the client has skipped (replayed: the sim
-// replays exactly).
+// (recovered); with none taken yet (an interval of an hour, and no
+// snapshot of new streams) they are replayed on B, the tokens the client
+// has skipped (replayed: the sim replays exactly). With snapshots an hour
+// apart the streams still get one each soon after they begin
+// (--failover-new-stream-snapshot, 100 ms), and are recovered from it.
 func TestEngineCrashFailover(t *testing.T) {
-	for _, c := range []struct{ interval, outcome string }{{"200ms", "recovered"}, {"1h", "replayed"}} {
-		t.Run(c.outcome, func(t *testing.T) { crashFailover(t, c.interval, c.outcome) })
+	for _, c := range []struct{ name, interval, newSnapshot, outcome string }{
+		{"recovered", "200ms", "100ms", "recovered"}, {"replayed", "1h", "0", "replayed"}, {"recovered from a new stream's snapshot", "1h", "100ms", "recovered"},
+	} {
+		t.Run(c.name, func(t *testing.T) { crashFailover(t, c.interval, c.newSnapshot, c.outcome) })
 	}
 }
 
@@ -53,9 +57,9 @@ func TestEngineCrashFailover(t *testing.T) {
 // every interval, and starts n streams of 400 tokens through the Host:
 // their unmigrated runs, the load's result, and how many run on A once
 // all run.
-func loadOnTwoActives(t *testing.T, n int, interval string) (d *deployment, want []loadgen.Stream, running <-chan []loadgen.Stream, onA int) {
+func loadOnTwoActives(t *testing.T, n int, interval string, more ...string) (d *deployment, want []loadgen.Stream, running <-chan []loadgen.Stream, onA int) {
 	t.Helper()
-	d = deployWith(t, deployOptions{bBlocks: 4096, bActive: true, hostArgs: []string{"--failover-snapshot-interval", interval}})
+	d = deployWith(t, deployOptions{bBlocks: 4096, bActive: true, hostArgs: append([]string{"--failover-snapshot-interval", interval}, more...)})
 	reqs := load(n, 400)
 	want = d.reference(reqs)
 	running = d.startLoad(reqs)
@@ -66,8 +70,8 @@ func loadOnTwoActives(t *testing.T, n int, interval string) (d *deployment, want
 	return d, want, running, d.stats(t, d.aURL).Running
 }
 
-func crashFailover(t *testing.T, interval, outcome string) {
-	d, want, running, onA := loadOnTwoActives(t, 32, interval)
+func crashFailover(t *testing.T, interval, newSnapshot, outcome string) {
+	d, want, running, onA := loadOnTwoActives(t, 32, interval, "--failover-new-stream-snapshot", newSnapshot)
 	time.Sleep(700 * time.Millisecond) // a few snapshots, and tokens since the last
 	killed := time.Now()
 	d.simA.kill()
