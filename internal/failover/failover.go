@@ -250,7 +250,9 @@ func (m *Manager) export(ctx context.Context, byInstance map[string][]string) ma
 		if err != nil {
 			continue
 		}
-		cctx, cancel := context.WithTimeout(ctx, m.cfg.SnapshotInterval+time.Second)
+		// Bounded by the recovery timeout too: with snapshots an hour
+		// apart, a new stream's export must not wait that long.
+		cctx, cancel := context.WithTimeout(ctx, min(m.cfg.SnapshotInterval, m.cfg.Timeout)+time.Second)
 		out, err := a.Engine.Export(cctx, hooks.ExportRequest{RequestIDs: ids, Snapshot: true})
 		cancel()
 		if err != nil {
