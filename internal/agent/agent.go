@@ -424,7 +424,13 @@ func (a *Agent) loop(ctx context.Context, l *hostLink, req *v1.RegisterRequest) 
 				if !sleep(ctx, backoff) {
 					break
 				}
-				backoff = min(backoff*2, 5*time.Second)
+				if !predecessor {
+					// A predecessor's session ends at a moment the Host
+					// decides (its heartbeats missed): retried at the first
+					// pace, the instance is back within it, not up to a
+					// doubled backoff (3 s) later, unlisted meanwhile.
+					backoff = min(backoff*2, 5*time.Second)
+				}
 				continue
 			}
 			backoff = 200 * time.Millisecond

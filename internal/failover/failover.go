@@ -332,7 +332,7 @@ func (m *Manager) recover(ctx context.Context, s *proxy.Stream, sent, text int) 
 	st, ok := m.states[s.ID]
 	m.mu.Unlock()
 	if !ok {
-		return m.replay(s, sent)
+		return m.replay(ctx, s, sent)
 	}
 	if state, ok := withRelayedIDs(st, s); ok {
 		// The relay knows the client's tokens exactly (vLLM's token ids):
@@ -351,7 +351,7 @@ func (m *Manager) recover(ctx context.Context, s *proxy.Stream, sent, text int) 
 	if err != nil && outcome != OutcomeLimited {
 		// No target took the snapshot (an agent restarting, say): a
 		// replay needs only the engine, where it is exact.
-		if rec, routcome, rerr := m.replay(s, sent); rerr == nil {
+		if rec, routcome, rerr := m.replay(ctx, s, sent); rerr == nil {
 			m.log.Info("reinstalling failed; replaying instead", zap.String("request_id", s.ID), zap.Error(err))
 			return rec, routcome, nil
 		}
@@ -363,7 +363,7 @@ func (m *Manager) recover(ctx context.Context, s *proxy.Stream, sent, text int) 
 // interval, or from an engine without hooks): its request is sent again to
 // another instance and what the client has is skipped — when the client
 // has nothing yet, or its engine replays exactly.
-func (m *Manager) replay(s *proxy.Stream, sent int) (proxy.Recovery, string, error) {
+func (m *Manager) replay(ctx context.Context, s *proxy.Stream, sent int) (proxy.Recovery, string, error) {
 	kind := s.EngineKind
 	if old, err := m.reg.Get(s.Instance); err == nil {
 		kind = old.Engine.Kind
@@ -374,12 +374,24 @@ func (m *Manager) replay(s *proxy.Stream, sent int) (proxy.Recovery, string, err
 	case sent > 0 && kind != deterministicEngine:
 		return proxy.Recovery{}, OutcomeNoState, fmt.Errorf("no snapshot of stream %s yet, and a replay on %q engines may not repeat its %d tokens", s.ID, kind, sent)
 	}
-	for _, in := range m.reg.List() {
-		if in.ID != s.Instance && in.Lifecycle() == registry.LifecycleActive && in.Serves(s.Model) {
-			return proxy.Recovery{BaseURL: in.Engine.URL, Instance: in.ID, Replay: true}, OutcomeReplayed, nil
-		}
+	ctx, cancel := context.WithTimeout(ctx, m.cfg.Timeout)
+	defer cancel()
+	if ts := m.awaitTargets(ctx, s, m.replayTargets); len(ts) > 0 {
+		return proxy.Recovery{BaseURL: ts[0].Engine.URL, Instance: ts[0].ID, Replay: true}, OutcomeReplayed, nil
 	}
 	return proxy.Recovery{}, OutcomeNoTarget, fmt.Errorf("no healthy instance of %s besides %s can take the stream", s.Model, s.Instance)
+}
+
+// replayTargets are the instances a request can be sent again to: active,
+// serving s's model, not the one that died (no hooks needed).
+func (m *Manager) replayTargets(s *proxy.Stream) []registry.Instance {
+	var out []registry.Instance
+	for _, in := range m.reg.List() {
+		if in.ID != s.Instance && in.Lifecycle() == registry.LifecycleActive && in.Serves(s.Model) {
+			out = append(out, in)
+		}
+	}
+	return out
 }
 
 // withRelayedIDs is the snapshot st (its sampling and engine state: what
@@ -437,12 +449,12 @@ func (m *Manager) reinstallState(ctx context.Context, s *proxy.Stream, state hoo
 // placeAlone installs state on the first survivor (the most free KV at
 // its last heartbeat) that takes it.
 func (m *Manager) placeAlone(ctx context.Context, s *proxy.Stream, state hooks.RequestState) (url, id, outcome string, err error) {
-	targets := m.targets(s)
+	ctx, cancel := context.WithTimeout(ctx, m.cfg.Timeout)
+	defer cancel()
+	targets := m.awaitTargets(ctx, s, m.targets)
 	if len(targets) == 0 {
 		return "", "", OutcomeNoTarget, fmt.Errorf("no healthy instance of %s besides %s can take the stream", s.Model, s.Instance)
 	}
-	ctx, cancel := context.WithTimeout(ctx, m.cfg.Timeout)
-	defer cancel()
 	var last error
 	for _, t := range targets {
 		if err := m.install(ctx, t, []hooks.RequestState{state}); err != nil {
@@ -495,6 +507,40 @@ func (m *Manager) targets(s *proxy.Stream) []registry.Instance {
 	}
 	sort.SliceStable(out, func(i, j int) bool { return out[i].Stats.FreeBlocks > out[j].Stats.FreeBlocks })
 	return out
+}
+
+// targetPoll is how often a recovery waiting for a survivor looks again.
+const targetPoll = 50 * time.Millisecond
+
+// awaitTargets is pick(s), waiting for an instance while ctx lasts and
+// another instance of s's model is known but unhealthy: its agent may be
+// registering again (a new session is taken only once the old one's
+// heartbeats were missed), or this Host, one of several sharing a store,
+// may not have heard from it since. A stream that broke in that moment
+// waits for it rather than ending; with no such instance (the model's
+// only other instances standbys, say) it ends at once.
+func (m *Manager) awaitTargets(ctx context.Context, s *proxy.Stream, pick func(*proxy.Stream) []registry.Instance) []registry.Instance {
+	for {
+		if ts := pick(s); len(ts) > 0 || !m.survivorExpected(s) {
+			return ts
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(targetPoll):
+		}
+	}
+}
+
+// survivorExpected says whether an active instance of s's model other
+// than the one that died is unhealthy now: one a recovery may wait for.
+func (m *Manager) survivorExpected(s *proxy.Stream) bool {
+	for _, in := range m.reg.List() {
+		if in.ID != s.Instance && in.Serves(s.Model) && in.Role == registry.RoleActive && in.Lifecycle() == registry.LifecycleUnhealthy && !in.Retired {
+			return true
+		}
+	}
+	return false
 }
 
 // install reserves the requests on t as ones to recompute (no KV moves:

@@ -94,7 +94,7 @@ func (m *Manager) placeBatch(batch []*waiting) {
 	// A stream is its relay's again once its waiter is answered (the relay
 	// moves it to its new instance): what the log needs is read first.
 	from := batch[0].s.Instance
-	targets := m.targets(batch[0].s)
+	targets := m.awaitTargets(ctx, batch[0].s, m.targets)
 	if len(targets) == 0 {
 		for _, w := range batch {
 			w.done <- placement{outcome: OutcomeNoTarget, err: fmt.Errorf("no healthy instance of %s besides %s can take the stream", w.s.Model, w.s.Instance)}
