@@ -96,17 +96,34 @@ func Plan(layers, heads int, headSlotBytes int64, src, dst []RegionSpec, copies 
 			}
 		}
 	}
-	n := 0
-	for _, c := range copies {
-		if c.NumSlots > 0 {
-			n++
+	// The runs' list sized once: grown by append, its copies were most of
+	// a slot round's plan (a head-major layout makes a run of each head's
+	// slots: 147,456 runs for 256 one-slot copies at the 8B geometry).
+	lays := make([]layerLayout, layers)
+	regulars := make([]bool, layers)
+	n, counted, perLayer := 0, -1, 0
+	for l := 0; l < layers; l++ {
+		lays[l], regulars[l] = regular(places[l*2*heads:(l+1)*2*heads], heads)
+		if regulars[l] {
+			// Layers laid out alike (all of them, but where regions
+			// differ) plan as many runs: counted once.
+			if counted < 0 || !lays[l].shapedLike(lays[counted]) {
+				counted, perLayer = l, lays[l].count(copies, headSlotBytes)
+			}
+			n += perLayer
+			continue
+		}
+		for _, c := range copies {
+			if c.NumSlots > 0 {
+				n += 2 * heads * c.NumSlots
+			}
 		}
 	}
-	runs := make([]CopyRun, 0, 2*n*layers)
+	runs := make([]CopyRun, 0, n)
 	for l := 0; l < layers; l++ {
 		pl := places[l*2*heads : (l+1)*2*heads]
-		if lay, ok := regular(pl, heads); ok {
-			runs = lay.plan(runs, copies, headSlotBytes)
+		if regulars[l] {
+			runs = lays[l].plan(runs, copies, headSlotBytes)
 			continue
 		}
 		// Anything else (TP shards split a layer's heads over regions):
@@ -195,44 +212,29 @@ func regular(pl []place, heads int) (layerLayout, bool) {
 // whole block of a layer between same-shaped engines is one run, merged
 // over consecutive blocks.
 func (lay layerLayout) plan(runs []CopyRun, copies []BlockCopy, headSlotBytes int64) []CopyRun {
-	kvOuter := abs(lay.dims[dimKV].s) > abs(lay.sBlock)
-	inner := make([]dim, 0, 3)
-	for _, d := range lay.dims {
-		if !kvOuter || d.kind != dimKV {
-			inner = append(inner, d)
-		}
-	}
-	// Largest source stride first (a stable insertion sort of ≤ 3).
-	for i := 1; i < len(inner); i++ {
-		for j := i; j > 0 && abs(inner[j].s) > abs(inner[j-1].s); j-- {
-			inner[j], inner[j-1] = inner[j-1], inner[j]
-		}
-	}
-	kvs := []int64{0}
-	if kvOuter {
-		kvs = []int64{0, 1}
-	}
-	loops := make([]dim, len(inner))
-	idx := make([]int64, len(inner))
-	for _, kv := range kvs {
+	w := lay.walk()
+	idx := w.idx
+	var (
+		loops        []dim
+		n, slots     = 0, -1
+		length       int64
+		sSlot, dSlot = lay.dims[dimSlot].s, lay.dims[dimSlot].d
+	)
+	for _, kv := range w.kvs {
+		sKV, dKV := lay.sBase+kv*lay.dims[dimKV].s, lay.dBase+kv*lay.dims[dimKV].d
 		for _, c := range copies {
 			if c.NumSlots <= 0 {
 				continue
 			}
-			so := lay.sBase + int64(c.Src)*lay.sBlock + int64(c.FirstSlot)*lay.dims[dimSlot].s + kv*lay.dims[dimKV].s
-			do := lay.dBase + int64(c.Dst)*lay.dBlock + int64(c.FirstSlot)*lay.dims[dimSlot].d + kv*lay.dims[dimKV].d
-			copy(loops, inner)
-			for i := range loops {
-				if loops[i].kind == dimSlot {
-					loops[i].count = int64(c.NumSlots)
-				}
+			if c.NumSlots != slots { // a copy's walk depends on its slots alone
+				slots = c.NumSlots
+				loops, n, length = w.fold(c, headSlotBytes)
 			}
-			// Fold the innermost dimensions that continue the run on both
-			// sides into its length.
-			length, n := headSlotBytes, len(loops)
-			for n > 0 && (loops[n-1].count == 1 || (loops[n-1].s == length && loops[n-1].d == length)) {
-				length *= loops[n-1].count
-				n--
+			so := sKV + int64(c.Src)*lay.sBlock + int64(c.FirstSlot)*sSlot
+			do := dKV + int64(c.Dst)*lay.dBlock + int64(c.FirstSlot)*dSlot
+			if n == 0 { // the copy is one run (a whole block of a layer's K, say)
+				runs = appendRun(runs, lay.s, so, lay.d, do, length)
+				continue
 			}
 			// Walk the rest like an odometer, innermost fastest.
 			clear(idx)
@@ -257,6 +259,83 @@ func (lay layerLayout) plan(runs []CopyRun, copies []BlockCopy, headSlotBytes in
 		}
 	}
 	return runs
+}
+
+// count is at most how many runs plan appends for copies (merging makes
+// fewer).
+func (lay layerLayout) count(copies []BlockCopy, headSlotBytes int64) int {
+	w := lay.walk()
+	total, slots, k := 0, -1, 0
+	for _, c := range copies {
+		if c.NumSlots <= 0 {
+			continue
+		}
+		if c.NumSlots != slots { // a copy's runs depend on its slots alone
+			loops, n, _ := w.fold(c, headSlotBytes)
+			slots, k = c.NumSlots, 1
+			for _, l := range loops[:n] {
+				k *= int(l.count)
+			}
+		}
+		total += k
+	}
+	return total * len(w.kvs)
+}
+
+// shapedLike says whether lay and o walk alike (count is the same).
+func (lay layerLayout) shapedLike(o layerLayout) bool {
+	return lay.dims == o.dims && lay.sBlock == o.sBlock
+}
+
+// layerWalk is the order plan walks a layer's bytes in.
+type layerWalk struct {
+	kvs   []int64 // the K/V planes walked apart ({0} when K/V is inside a block)
+	inner []dim   // the dimensions inside a block, largest source stride first
+	loops []dim   // inner with one copy's slot count (fold's scratch)
+	idx   []int64 // the odometer (plan's scratch)
+}
+
+// walk orders the layer's dimensions in the source's memory order: K/V
+// outside the blocks when K and V are planes of their own ([2, blocks,
+// …]), the dimensions inside a block from the largest source stride to
+// the smallest.
+func (lay layerLayout) walk() layerWalk {
+	kvOuter := abs(lay.dims[dimKV].s) > abs(lay.sBlock)
+	inner := make([]dim, 0, 3)
+	for _, d := range lay.dims {
+		if !kvOuter || d.kind != dimKV {
+			inner = append(inner, d)
+		}
+	}
+	// Largest source stride first (a stable insertion sort of ≤ 3).
+	for i := 1; i < len(inner); i++ {
+		for j := i; j > 0 && abs(inner[j].s) > abs(inner[j-1].s); j-- {
+			inner[j], inner[j-1] = inner[j-1], inner[j]
+		}
+	}
+	kvs := []int64{0}
+	if kvOuter {
+		kvs = []int64{0, 1}
+	}
+	return layerWalk{kvs: kvs, inner: inner, loops: make([]dim, len(inner)), idx: make([]int64, len(inner))}
+}
+
+// fold is the walk's loops for copy c: the innermost dimensions that
+// continue a run on both sides folded into its length, n the loops left.
+func (w layerWalk) fold(c BlockCopy, headSlotBytes int64) (loops []dim, n int, length int64) {
+	loops = w.loops
+	copy(loops, w.inner)
+	for i := range loops {
+		if loops[i].kind == dimSlot {
+			loops[i].count = int64(c.NumSlots)
+		}
+	}
+	length, n = headSlotBytes, len(loops)
+	for n > 0 && (loops[n-1].count == 1 || (loops[n-1].s == length && loops[n-1].d == length)) {
+		length *= loops[n-1].count
+		n--
+	}
+	return loops, n, length
 }
 
 func abs(x int64) int64 {

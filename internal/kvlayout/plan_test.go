@@ -370,3 +370,26 @@ func TestPlanAcrossTPMovesHeadsWhole(t *testing.T) {
 		}
 	}
 }
+
+// Plan sizes its list of runs once, from a count of each layer's walk:
+// growing it by append copied the list over and over (most of a slot
+// round's plan at the 8B geometry, 147,456 runs). Where no run merges the
+// count is exact.
+func TestPlanSizesItsRunsOnce(t *testing.T) {
+	p, _ := LookupProfile("qwen3-8b")
+	g, _ := p.Scaled(32, 16, 4096)
+	r := NewRegionLayout(g, Shard{TPSize: 1, PPSize: 1}).Spec()
+	for _, slots := range []int{1, 5, 16} {
+		var copies []BlockCopy
+		for i := 0; i < 64; i++ {
+			copies = append(copies, BlockCopy{Src: 1 + i*7, Dst: 2 + i*5, FirstSlot: (i % 2) * (16 - slots), NumSlots: slots})
+		}
+		runs, err := Plan(g.Layers, g.KVHeads, int64(g.HeadSlotBytes()), []RegionSpec{r}, []RegionSpec{r}, copies)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if cap(runs) != len(runs) {
+			t.Fatalf("%d slots a copy: %d runs in a list of %d", slots, len(runs), cap(runs))
+		}
+	}
+}
