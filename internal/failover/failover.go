@@ -69,6 +69,10 @@ type Config struct {
 	// WarmInterval is how often the warm copies get a round: what a
 	// failover computes again is about this much of each stream's decode.
 	WarmInterval time.Duration
+	// InjectWarmFault is a data-plane fault every warm round is sent with
+	// (transfer.ParseFault: "silent_corrupt", say). Tests only: no flag
+	// sets it.
+	InjectWarmFault string
 }
 
 // DefaultConfig is off, with the limits a user turning it on starts from.
@@ -106,6 +110,9 @@ type Metrics struct {
 	WarmCopies prometheus.Gauge
 	WarmBytes  prometheus.Counter
 	WarmTokens prometheus.Counter
+	// WarmDiffer counts copies dropped because they differed from their
+	// source's KV when checked (warmcheck.go).
+	WarmDiffer prometheus.Counter
 }
 
 // NewMetrics makes them, named vhi_failover*.
@@ -127,12 +134,15 @@ func NewMetrics() *Metrics {
 		WarmTokens: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "vhi_failover_warm_tokens_total", Help: "Context tokens whose KV recoveries installed from warm copies instead of recomputing.",
 		}),
+		WarmDiffer: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "vhi_failover_warm_copies_differed_total", Help: "Warm copies dropped because the standby's KV differed from the source's when checked after a round.",
+		}),
 	}
 }
 
 // Collectors lists the instruments for registration.
 func (m *Metrics) Collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.Failovers, m.Seconds, m.WarmCopies, m.WarmBytes, m.WarmTokens}
+	return []prometheus.Collector{m.Failovers, m.Seconds, m.WarmCopies, m.WarmBytes, m.WarmTokens, m.WarmDiffer}
 }
 
 // Manager keeps the snapshots and recovers streams.

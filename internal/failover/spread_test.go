@@ -3,7 +3,6 @@ package failover_test
 import (
 	"context"
 	"fmt"
-	"strings"
 	"testing"
 	"time"
 
@@ -11,9 +10,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/vllm-hi/vllm-hi/internal/host"
-	"github.com/vllm-hi/vllm-hi/internal/loadgen"
 	"github.com/vllm-hi/vllm-hi/internal/sim"
-	"github.com/vllm-hi/vllm-hi/internal/stack"
 )
 
 // Three active sims; A dies under load. Its streams, gathered, are spread
@@ -45,55 +42,26 @@ func TestAPacedRecoveryFeedsEachSurvivorInParts(t *testing.T) {
 // how many of A's streams each survivor took, and in how many installs.
 func crashOneOfThree(t *testing.T, window time.Duration, perStep int) (map[string]int, int64) {
 	t.Helper()
-	c := sim.DefaultConfig()
-	c.Profile, c.KVScale, c.NumBlocks, c.MaxModelLen = "tiny", 1, 2048, 512
-	c.Step = sim.StepModel{Fixed: 3 * time.Millisecond}
-	c.ShmDir = t.TempDir()
 	core, logs := observer.New(zap.InfoLevel)
-	st, err := stack.Start(stack.Options{Model: "m", SimA: c, SimB: c, BActive: true, MoreActives: 1, Log: zap.New(core),
-		TuneHost: func(hc *host.Config) {
-			hc.Failover.SnapshotInterval = 200 * time.Millisecond
-			hc.Failover.GatherWindow = window
-			hc.Failover.RecomputePerStep = perStep
-		}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(st.Stop)
-	var reqs []loadgen.Request
-	for i := range 15 {
-		seed := int64(i)
-		reqs = append(reqs, loadgen.Request{Prompt: fmt.Sprintf("spread %d %s", i, strings.Repeat(" word", 3*i)),
-			MaxTokens: 300 + i%5, Seed: &seed, Temperature: float64(i%3) * 0.4, IgnoreEOS: true})
-	}
-	ctx := context.Background()
-	want := loadgen.Run(ctx, loadgen.Config{BaseURL: st.AURL, Model: "m"}, reqs)
-	done := make(chan []loadgen.Stream, 1)
-	go func() { done <- loadgen.Run(ctx, loadgen.Config{BaseURL: st.HostURL, Model: "m"}, reqs) }()
+	st := simsUnderAHost(t, 512, 1, zap.New(core), func(hc *host.Config) {
+		hc.Failover.SnapshotInterval = 200 * time.Millisecond
+		hc.Failover.GatherWindow = window
+		hc.Failover.RecomputePerStep = perStep
+	})
+	reqs := seededLoad(15, "spread", func(i int) int { return 3 * i }, func(i int) int { return 300 + i%5 },
+		func(i int) float64 { return float64(i%3) * 0.4 })
 	engines := []*sim.Engine{st.A, st.B, st.More[0].Engine}
 	onA := 0
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(2 * time.Millisecond) {
+	crashUnderLoad(t, st, reqs, func() (bool, string) {
 		running := 0
 		for _, e := range engines {
-			s, _ := e.Stats(ctx)
+			s, _ := e.Stats(context.Background())
 			running += s.NumRunning
 		}
-		a, _ := st.A.Stats(ctx)
-		if onA = a.NumRunning; running == len(reqs) && onA >= 2 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the load did not spread over the three engines (A runs %d)", onA)
-		}
-	}
-	time.Sleep(300 * time.Millisecond) // a snapshot, and tokens since
-	st.KillEngine(st.AID)
-	got := <-done
-	for i := range reqs {
-		if got[i].Err != nil || got[i].Text != want[i].Text || got[i].Done != 1 {
-			t.Fatalf("stream %d: %v; equal to its run without the crash: %v", i, got[i].Err, got[i].Text == want[i].Text)
-		}
-	}
+		a, _ := st.A.Stats(context.Background())
+		onA = a.NumRunning
+		return running == len(reqs) && onA >= 2, fmt.Sprintf("the load did not spread over the three engines (A runs %d)", onA)
+	}, 300*time.Millisecond) // a snapshot, and tokens since
 	to := map[string]int{}
 	for _, e := range logs.FilterMessage("stream recovered on another instance").All() {
 		to[e.ContextMap()["to"].(string)]++

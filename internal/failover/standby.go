@@ -43,6 +43,7 @@ type copyOf struct {
 	blocks   *v1.RequestBlocks // source and standby block ids, as the last round left them
 	prompt   int               // prompt tokens (the copy is of a request in decode)
 	covered  int               // positions [0, covered) of the KV are on the standby (0: no round finished yet)
+	checked  int               // positions [0, checked) were found equal on both sides (warmcheck.go)
 	needs    int               // tokens reserved on the standby
 }
 
@@ -61,6 +62,8 @@ type standbys struct {
 	pairs  map[[2]string]*pairing // by source and standby instance
 	bytes  int64                  // copied since start
 	used   int                    // recoveries that installed a copy
+	// differed counts copies dropped by the check after a round.
+	differed int
 	// batches gather a dead engine's recoveries by pair (installWarm).
 	batches map[[2]string]*warmBatch
 }
@@ -94,6 +97,14 @@ func (m *Manager) WarmRecovered() int {
 	m.warm.mu.Lock()
 	defer m.warm.mu.Unlock()
 	return m.warm.used
+}
+
+// WarmDiffered is how many copies were dropped because they differed
+// from their source's KV when checked (warmcheck.go).
+func (m *Manager) WarmDiffered() int {
+	m.warm.mu.Lock()
+	defer m.warm.mu.Unlock()
+	return m.warm.differed
 }
 
 // keepWarm runs one cycle of the warm standbys after a snapshot: copies
@@ -341,7 +352,8 @@ func (m *Manager) warmPair(ctx context.Context, src, dst registry.Instance, have
 			reqs[i] = c.blocks
 		}
 		return sa.RPC.CopyRound(rctx, &v1.CopyRoundRequest{MigrationId: session, Kind: kind, SinceCursor: since, Requests: reqs,
-			TargetDataAddress: pt.GetDataAddress(), TargetLayout: pt.GetLayout(), Secret: secret[:], TargetTls: dst.TLS, TargetRdma: pt.GetRdma()})
+			TargetDataAddress: pt.GetDataAddress(), TargetLayout: pt.GetLayout(), Secret: secret[:], TargetTls: dst.TLS, TargetRdma: pt.GetRdma(),
+			InjectFault: m.cfg.InjectWarmFault})
 	}
 	// Copies that had a round take what their engine wrote since it;
 	// new ones (and all of them after a lost cursor) everything.
@@ -352,6 +364,17 @@ func (m *Manager) warmPair(ctx context.Context, src, dst registry.Instance, have
 		} else {
 			full = append(full, c)
 		}
+	}
+	// A round copies again whole the blocks written since the last one,
+	// the block of the first unchecked position among them: until the
+	// check after the rounds, only the blocks before it count as checked
+	// (a recovery claiming the pair meanwhile installs no more than that).
+	if bs := dl.Geometry.BlockSize; bs > 0 {
+		m.warm.mu.Lock()
+		for _, c := range have {
+			c.checked -= c.checked % bs
+		}
+		m.warm.mu.Unlock()
 	}
 	cursor := uint64(0)
 	for _, r := range []struct {
@@ -396,6 +419,24 @@ func (m *Manager) warmPair(ctx context.Context, src, dst registry.Instance, have
 		m.warm.mu.Unlock()
 	}
 	p.cursor, p.fresh = cursor, false
+	differ, err := m.checkWarm(rctx, sa, da, session, dl, have)
+	if err != nil {
+		// Unchecked, nothing is dropped: the next cycle checks the
+		// same positions and those since.
+		log.Debug("warm standby: checking the copies failed", zap.Error(err))
+	}
+	if len(differ) > 0 {
+		for _, c := range differ {
+			m.forget(c)
+		}
+		m.release(context.WithoutCancel(ctx), differ, map[string]registry.Instance{dst.ID: dst})
+		m.warm.mu.Lock()
+		m.warm.differed += len(differ)
+		m.warm.mu.Unlock()
+		if m.met != nil && m.met.WarmDiffer != nil {
+			m.met.WarmDiffer.Add(float64(len(differ)))
+		}
+	}
 	log.Debug("warm standby: copies refreshed", zap.Int("incremental", len(incr)), zap.Int("full", len(full)), zap.Uint64("cursor", cursor))
 }
 
@@ -629,9 +670,11 @@ func (m *Manager) installBatch(ctx context.Context, dst registry.Instance, list 
 			w := byCopy[c]
 			st := w.state
 			total := len(st.PromptTokenIDs) + len(st.OutputTokenIDs)
-			st.NumComputedTokens = min(c.covered, total-1)
+			// Only what was checked equal to the source's KV (warmcheck.go)
+			// is installed; the rest is computed again.
+			st.NumComputedTokens = min(c.checked, total-1)
 			if st.NumComputedTokens < c.prompt {
-				unusable = append(unusable, c.id) // no round finished yet
+				unusable = append(unusable, c.id) // no round checked yet
 				continue
 			}
 			states, ids, ws = append(states, st), append(ids, c.id), append(ws, w)

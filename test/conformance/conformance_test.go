@@ -211,7 +211,7 @@ func startVLLMGroup(venv, model, typ, core string) (string, int, func(), error) 
 	port := ln.Addr().(*net.TCPAddr).Port
 	ln.Close()
 	cmd := exec.Command(filepath.Join(venv, "bin", "vllm"), "serve", model, "--port", fmt.Sprint(port),
-		"--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "16",
+		"--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16",
 		"--vllm-hi-type", typ)
 	cmd.Env = append(os.Environ(), "VLLM_TARGET_DEVICE=cpu", "VLLM_CPU_KVCACHE_SPACE=1", "HF_HUB_OFFLINE=1", "VLLM_HI_AGENT=off",
 		"VLLM_HI_ENGINE_TOKEN_FILE="+agentTokenFile, "VLLM_HI_CORE_SOCKET="+core)

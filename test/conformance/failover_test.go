@@ -97,6 +97,7 @@ func TestAKilledVLLMEnginesStreamsGoOnElsewhere(t *testing.T) {
 type failoverEngine struct {
 	url, core string
 	pgid      int
+	hostAddr  string // the Host's gRPC address its agent registers with
 }
 
 // twoActiveVLLMs starts two vLLM servers of their own, both active (A),
@@ -126,22 +127,74 @@ func twoActiveVLLMs(t *testing.T, cfg host.Config) (string, []failoverEngine, ma
 		}
 	}
 	hostURL, hostAddr, _ := startHostWith(t, cfg)
-	for _, e := range engines {
+	for i, e := range engines {
 		startAgentWith(t, hostAddr, e.url, "A", e.core)
+		engines[i].hostAddr = hostAddr
 	}
 	ids := map[string]string{} // engine URL → instance id
-	for deadline := time.Now().Add(60 * time.Second); len(ids) < 2; time.Sleep(100 * time.Millisecond) {
+	for _, e := range engines {
+		ids[e.url] = waitActive(t, hostURL, e.url)
+	}
+	return hostURL, engines, ids
+}
+
+// waitActive waits until the Host lists the engine at url as an active,
+// migratable instance and returns its id.
+func waitActive(t *testing.T, hostURL, url string) string {
+	t.Helper()
+	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(100 * time.Millisecond) {
 		list, _ := hostClient(t, hostURL).Instances(context.Background())
 		for _, in := range list {
-			if in.Migratable && in.Role == "active" {
-				ids[in.EngineURL] = in.ID
+			if in.EngineURL == url && in.Migratable && in.Lifecycle == "active" {
+				return in.ID
 			}
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("the agents did not register both engines as active: %v", ids)
+			t.Fatalf("the Host did not list the engine at %s as active: %+v", url, list)
 		}
 	}
-	return hostURL, engines, ids
+}
+
+// Chaos on real vLLM: the engines are killed in turn under load, each
+// whole process group SIGKILLed mid-stream — one, then (once a new engine
+// took its place, its agent registering with the running Host) the other
+// — and every stream of each round equals its run without a crash.
+func TestVLLMEnginesKilledInTurn(t *testing.T) {
+	cfg := host.DefaultConfig()
+	cfg.Failover.SnapshotInterval = 300 * time.Millisecond
+	hostURL, engines, ids := twoActiveVLLMs(t, cfg)
+	const n = 6
+	want := runFailoverStreams(t, hostURL, n, 0, nil)
+	kill := func(e failoverEngine) func() {
+		return func() {
+			time.Sleep(900 * time.Millisecond) // past a snapshot, well before the streams end
+			if err := syscall.Kill(-e.pgid, syscall.SIGKILL); err != nil {
+				t.Errorf("kill the engine's process group: %v", err)
+			}
+		}
+	}
+	sameStreams(t, want, runFailoverStreams(t, hostURL, n, 0, kill(engines[0])))
+	t.Logf("round 1: %s killed, every stream exact", ids[engines[0].url])
+
+	// A new engine in the dead one's place.
+	next := failoverEngine{core: filepath.Join(tokDir, fmt.Sprintf("core-failover-next-%d.sock", time.Now().UnixNano()%1e6)), hostAddr: engines[0].hostAddr}
+	var stop func()
+	var err error
+	next.url, next.pgid, stop, err = startVLLMGroup(os.Getenv("VHI_VLLM_VENV"), tinyModel, "A", next.core)
+	t.Cleanup(stop)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, tail(vllmLogs.String()))
+	}
+	startAgentWith(t, next.hostAddr, next.url, "A", next.core)
+	ids[next.url] = waitActive(t, hostURL, next.url)
+
+	sameStreams(t, want, runFailoverStreams(t, hostURL, n, 0, kill(engines[1])))
+	t.Logf("round 2: %s killed, every stream exact on %s", ids[engines[1].url], ids[next.url])
+	metrics := hostGet(t, hostURL+"/metrics")
+	if metricOf(t, hostURL, `vhi_failovers_total{outcome="recovered"}`) < 2 {
+		t.Fatalf("want streams recovered in both rounds:\n%s", grepLines(metrics, "vhi_failover"))
+	}
+	t.Logf("%s", strings.ReplaceAll(grepLines(metrics, "vhi_failovers_total"), "\n", "; "))
 }
 
 // With warm standbys on (copies every 200 ms), a killed vLLM engine's
@@ -174,7 +227,8 @@ func TestAKilledVLLMEnginesStreamsGoOnFromWarmCopies(t *testing.T) {
 	metrics := hostGet(t, hostURL+"/metrics")
 	warm := metricOf(t, hostURL, `vhi_failovers_total{outcome="warm"}`)
 	t.Logf("killed %s with %v warm copies held; %s", ids[victim.url], copies, strings.ReplaceAll(grepLines(metrics, "vhi_failover"), "\n", "; "))
-	if copies < n || warm == 0 || metricOf(t, hostURL, "vhi_failover_warm_tokens_total") == 0 {
+	if copies < n || warm == 0 || metricOf(t, hostURL, "vhi_failover_warm_tokens_total") == 0 ||
+		metricOf(t, hostURL, "vhi_failover_warm_copies_differed_total") != 0 {
 		t.Fatalf("%v copies of %d streams; %v streams recovered from a copy:\n%s", copies, n, warm, grepLines(metrics, "vhi_failover"))
 	}
 }

@@ -84,10 +84,13 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 	// stop string keeps the detokenizer holding text back across both
 	// moves.
 	t.Run("a stream moves there and back, cut over, with a stop string held back", func(t *testing.T) {
+		// 1,800 tokens (the engines serve 2,048): both migrations land well
+		// inside the streams with vLLM's asynchronous scheduling too, where
+		// the tiny model decodes at ~1.7 ms a token.
 		const sampling = `"temperature":0,"stop":["zzzq","qqqqqz"]`
-		want := runStreamsOf(t, hostURL, 0, 2, 470, sampling, 0, nil)
+		want := runStreamsOf(t, hostURL, 0, 2, 1800, sampling, 0, nil)
 		var sts []hostapi.MigrationStatus
-		got := runStreamsOf(t, hostURL, 0, 2, 470, sampling, 30*time.Millisecond, func() {
+		got := runStreamsOf(t, hostURL, 0, 2, 1800, sampling, 30*time.Millisecond, func() {
 			sts = append(sts, migrateAndWait(t, hostURL, hostapi.MigrateRequest{Src: src, Dst: dst, Type: hostapi.PreserveSource}))
 			sts = append(sts, migrateAndWait(t, hostURL, hostapi.MigrateRequest{Src: dst, Dst: src, Type: hostapi.PreserveSource}))
 		})

