@@ -126,7 +126,7 @@ func NewMetrics() *Metrics {
 			Buckets: []float64{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5},
 		}),
 		WarmCopies: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "vhi_failover_warm_copies", Help: "Streams whose KV has a warm copy on another instance (--failover-warm-standby-tokens).",
+			Name: "vhi_failover_warm_copies", Help: "Streams whose KV has a warm copy on another instance that a failover could install now, checked against its source (--failover-warm-standby-tokens).",
 		}),
 		WarmBytes: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "vhi_failover_warm_bytes_total", Help: "KV bytes copied to warm standbys.",

@@ -78,12 +78,23 @@ func (m *Manager) warmLease() time.Duration {
 	return 3*max(m.cfg.SnapshotInterval, m.cfg.WarmInterval) + 2*time.Second
 }
 
-// WarmCopies is how many streams have a warm copy on a standby.
+// WarmCopies is how many streams have a warm copy on a standby that a
+// recovery could install now (checked against its source: warmcheck.go).
 func (m *Manager) WarmCopies() int {
 	m.warm.mu.Lock()
 	defer m.warm.mu.Unlock()
-	return len(m.warm.copies)
+	n := 0
+	for _, c := range m.warm.copies {
+		if c.usable() {
+			n++
+		}
+	}
+	return n
 }
+
+// usable says whether a recovery could install c now: its prompt's KV at
+// least was checked equal to its source's (installBatch).
+func (c *copyOf) usable() bool { return c.checked > 0 && c.checked >= c.prompt }
 
 // WarmBytes is the KV bytes copied to warm standbys since start.
 func (m *Manager) WarmBytes() int64 {

@@ -35,14 +35,14 @@ func TestAKilledVLLMEnginesStreamsGoOnElsewhere(t *testing.T) {
 	// n greedy streams, then guided ones (structured outputs: the grammar's
 	// position is in no state a survivor can take).
 	const n, guided = 6, 4
-	want := runFailoverStreams(t, hostURL, n, guided, nil)
+	want := runFailoverStreams(t, hostURL, n, guided, 400, nil)
 	for i, w := range want {
 		if strings.Contains(w.raw, "token_ids\":[") {
 			t.Fatalf("stream %d: the client got token ids it did not ask for: %s", i, w.raw[:min(len(w.raw), 300)])
 		}
 	}
 	victim := engines[0]
-	got := runFailoverStreams(t, hostURL, n, guided, func() {
+	got := runFailoverStreams(t, hostURL, n, guided, 400, func() {
 		// Past a snapshot (the sampling state comes from one), well before
 		// the streams end.
 		time.Sleep(900 * time.Millisecond)
@@ -164,7 +164,7 @@ func TestVLLMEnginesKilledInTurn(t *testing.T) {
 	cfg.Failover.SnapshotInterval = 300 * time.Millisecond
 	hostURL, engines, ids := twoActiveVLLMs(t, cfg)
 	const n = 6
-	want := runFailoverStreams(t, hostURL, n, 0, nil)
+	want := runFailoverStreams(t, hostURL, n, 0, 400, nil)
 	kill := func(e failoverEngine) func() {
 		return func() {
 			time.Sleep(900 * time.Millisecond) // past a snapshot, well before the streams end
@@ -173,7 +173,7 @@ func TestVLLMEnginesKilledInTurn(t *testing.T) {
 			}
 		}
 	}
-	sameStreams(t, want, runFailoverStreams(t, hostURL, n, 0, kill(engines[0])))
+	sameStreams(t, want, runFailoverStreams(t, hostURL, n, 0, 400, kill(engines[0])))
 	t.Logf("round 1: %s killed, every stream exact", ids[engines[0].url])
 
 	// A new engine in the dead one's place.
@@ -188,7 +188,7 @@ func TestVLLMEnginesKilledInTurn(t *testing.T) {
 	startAgentWith(t, next.hostAddr, next.url, "A", next.core)
 	ids[next.url] = waitActive(t, hostURL, next.url)
 
-	sameStreams(t, want, runFailoverStreams(t, hostURL, n, 0, kill(engines[1])))
+	sameStreams(t, want, runFailoverStreams(t, hostURL, n, 0, 400, kill(engines[1])))
 	t.Logf("round 2: %s killed, every stream exact on %s", ids[engines[1].url], ids[next.url])
 	metrics := hostGet(t, hostURL+"/metrics")
 	if metricOf(t, hostURL, `vhi_failovers_total{outcome="recovered"}`) < 2 {
@@ -208,17 +208,21 @@ func TestAKilledVLLMEnginesStreamsGoOnFromWarmCopies(t *testing.T) {
 	cfg.Failover.SnapshotInterval = 300 * time.Millisecond
 	cfg.Failover.WarmTokens, cfg.Failover.WarmInterval = 1, 200*time.Millisecond
 	hostURL, engines, ids := twoActiveVLLMs(t, cfg)
-	const n = 6
-	want := runFailoverStreams(t, hostURL, n, 0, nil)
+	// 1,200 tokens: vLLM CPU's blocks (128 tokens) are opaque, so a copy
+	// is checked, and can be installed, a whole block at a time; with
+	// asynchronous scheduling the tiny model decodes 400 tokens in ~0.7 s.
+	const n, tokens = 6, 1200
+	want := runFailoverStreams(t, hostURL, n, 0, tokens, nil)
 	victim := engines[0]
 	var copies float64
-	got := runFailoverStreams(t, hostURL, n, 0, func() {
-		// Until every stream has a copy, and a few rounds since.
+	got := runFailoverStreams(t, hostURL, n, 0, tokens, func() {
+		// Until every stream has a copy a failover can install (checked
+		// against its source), and a round or two since.
 		deadline := time.Now().Add(20 * time.Second)
 		for copies = metricOf(t, hostURL, "vhi_failover_warm_copies"); copies < n && time.Now().Before(deadline); copies = metricOf(t, hostURL, "vhi_failover_warm_copies") {
 			time.Sleep(50 * time.Millisecond)
 		}
-		time.Sleep(500 * time.Millisecond)
+		time.Sleep(300 * time.Millisecond)
 		if err := syscall.Kill(-victim.pgid, syscall.SIGKILL); err != nil {
 			t.Errorf("kill the engine's process group: %v", err)
 		}
@@ -265,21 +269,21 @@ func guidedOn(t *testing.T, engine string) int {
 // then guided greedy completions (a regular expression), all spread over
 // the model's engines by the Host, and calls during once each had its
 // first token.
-func runFailoverStreams(t *testing.T, hostURL string, n, guided int, during func()) []streamResult {
+func runFailoverStreams(t *testing.T, hostURL string, n, guided, tokens int, during func()) []streamResult {
 	t.Helper()
 	reqs := make([]streamRequest, n, n+guided)
 	for i := range reqs {
 		reqs[i] = streamRequest{path: "/v1/completions",
-			body: fmt.Sprintf(`{"model":"tiny","prompt":"failover number %d failover","max_tokens":400,"temperature":0,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, i)}
+			body: fmt.Sprintf(`{"model":"tiny","prompt":"failover number %d failover","max_tokens":%d,"temperature":0,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, i, tokens)}
 		if i%2 == 1 {
 			reqs[i] = streamRequest{path: "/v1/chat/completions",
-				body: fmt.Sprintf(`{"model":"tiny","messages":[{"role":"user","content":"failover chat %d"}],"max_tokens":400,"temperature":0,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, i)}
+				body: fmt.Sprintf(`{"model":"tiny","messages":[{"role":"user","content":"failover chat %d"}],"max_tokens":%d,"temperature":0,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`, i, tokens)}
 		}
 	}
 	for i := range guided {
 		reqs = append(reqs, streamRequest{path: "/v1/completions",
-			body: fmt.Sprintf(`{"model":"tiny","prompt":"guided number %d","max_tokens":400,"temperature":0,"stream":true,`+
-				`"structured_outputs":{"regex":"[a-z ]{400}"}}`, i)})
+			body: fmt.Sprintf(`{"model":"tiny","prompt":"guided number %d","max_tokens":%d,"temperature":0,"stream":true,`+
+				`"structured_outputs":{"regex":"[a-z ]{%d}"}}`, i, tokens, tokens)})
 	}
 	return runRequests(t, hostURL, reqs, 0, during)
 }
