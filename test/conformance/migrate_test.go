@@ -41,16 +41,20 @@ func TestMigrateBetweenVLLMServers(t *testing.T) {
 	t.Run("a failed migration changes nothing", func(t *testing.T) {
 		freeA, freeB := freeBlocks(t, vllmA), freeBlocks(t, vllmBURL)
 		var st hostapi.MigrationStatus
-		// Migrated as soon as every stream has its first token: the tiny
-		// model's 460 tokens take ~1.5 s on a busy 2-core machine, and a
-		// migration that starts as they end moves nothing to corrupt.
-		got := runStreamsOf(t, hostURL, 0, n, 460, `"temperature":0`, 0, func() {
+		// Migrated as soon as every stream has its first token, and 1,800
+		// tokens long (the engines serve 2,048): a migration that starts as
+		// the streams end moves nothing to corrupt, and with asynchronous
+		// scheduling the tiny model's 460 tokens took ~0.8 s — a clean-clone
+		// run on 0.32 found them ended before the final round.
+		const sampling = `"temperature":0`
+		want := runStreamsOf(t, hostURL, 0, n, 1800, sampling, 0, nil)
+		got := runStreamsOf(t, hostURL, 0, n, 1800, sampling, 0, func() {
 			st = migrateAndWait(t, hostURL, hostapi.MigrateRequest{Src: ids["A"], Dst: ids["B"], InjectFault: "corrupt"})
 		})
 		if st.State != "aborted" {
 			t.Fatalf("a corrupted copy: migration %s (%s), %d requests moved, rounds %+v; want aborted", st.State, st.Error, st.Migrated, st.Rounds)
 		}
-		sameStreams(t, baseline, got)
+		sameStreams(t, want, got)
 		waitFree(t, vllmA, freeA)
 		waitFree(t, vllmBURL, freeB)
 	})
