@@ -133,6 +133,11 @@ func (m *Manager) keepWarm(ctx context.Context) {
 		in, ok := instances[id]
 		return ok && in.Lifecycle() == registry.LifecycleActive && in.Engine.Migratable
 	}
+	// No new copy onto or from an instance an operation holds (a
+	// migration, a drain): a migration frees the copies its target holds
+	// of the requests it moves and reserves them there, and a copy made
+	// in between collided with its reservation.
+	idle := func(id string) bool { return instances[id].Busy == (registry.Operation{}) }
 	m.mu.Lock()
 	states := make(map[string]hooks.RequestState, len(m.states))
 	for id, st := range m.states {
@@ -169,7 +174,7 @@ func (m *Manager) keepWarm(ctx context.Context) {
 		// Upstream, not the field: the relay changes it under the
 		// stream's lock as the stream moves or fails over.
 		upstream := s.Upstream()
-		if !usable(upstream) {
+		if !usable(upstream) || !idle(upstream) {
 			continue
 		}
 		m.warm.mu.Lock()
@@ -181,7 +186,7 @@ func (m *Manager) keepWarm(ctx context.Context) {
 		var best string
 		bestFree := 0
 		for _, in := range instances {
-			if in.ID == upstream || !usable(in.ID) || !in.Serves(s.Model) {
+			if in.ID == upstream || !usable(in.ID) || !idle(in.ID) || !in.Serves(s.Model) {
 				continue
 			}
 			if free := in.Stats.FreeBlocks - assigned[in.ID]; best == "" || free > bestFree {
@@ -489,24 +494,33 @@ func (m *Manager) release(ctx context.Context, cs []*copyOf, instances map[strin
 // ReleaseCopies frees the warm copies of ids held on instance: a
 // migration is about to reserve those requests there.
 func (m *Manager) ReleaseCopies(ctx context.Context, instance string, ids []string) {
-	var cs []*copyOf
-	m.warm.mu.Lock()
-	for _, id := range ids {
-		if c := m.warm.copies[id]; c != nil && c.dst == instance {
-			cs = append(cs, c)
+	// A pair's cycle in flight may be reserving a new copy of one of ids
+	// as this runs: the claim waits for it, and the next pass frees what
+	// it made. (No cycle starts a copy onto or from an instance that an
+	// operation holds: keepWarm.)
+	for pass := 0; pass < 3; pass++ {
+		var cs []*copyOf
+		m.warm.mu.Lock()
+		for _, id := range ids {
+			if c := m.warm.copies[id]; c != nil && c.dst == instance {
+				cs = append(cs, c)
+			}
 		}
-	}
-	m.warm.mu.Unlock()
-	var claimed []*copyOf
-	byPair := map[[2]string][]*copyOf{}
-	for _, c := range cs {
-		byPair[[2]string{c.src, c.dst}] = append(byPair[[2]string{c.src, c.dst}], c)
-	}
-	for _, pc := range byPair {
-		m.claim(ctx, pc, func(mine []*copyOf) { claimed = append(claimed, mine...) })
-	}
-	if in, err := m.reg.Get(instance); err == nil && len(claimed) > 0 {
-		m.release(ctx, claimed, map[string]registry.Instance{instance: in})
+		m.warm.mu.Unlock()
+		if len(cs) == 0 {
+			return
+		}
+		var claimed []*copyOf
+		byPair := map[[2]string][]*copyOf{}
+		for _, c := range cs {
+			byPair[[2]string{c.src, c.dst}] = append(byPair[[2]string{c.src, c.dst}], c)
+		}
+		for _, pc := range byPair {
+			m.claim(ctx, pc, func(mine []*copyOf) { claimed = append(claimed, mine...) })
+		}
+		if in, err := m.reg.Get(instance); err == nil && len(claimed) > 0 {
+			m.release(ctx, claimed, map[string]registry.Instance{instance: in})
+		}
 	}
 }
 
