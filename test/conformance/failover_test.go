@@ -213,6 +213,15 @@ func TestAKilledVLLMEnginesStreamsGoOnFromWarmCopies(t *testing.T) {
 	// asynchronous scheduling the tiny model decodes 400 tokens in ~0.7 s.
 	const n, tokens = 6, 1200
 	want := runFailoverStreams(t, hostURL, n, 0, tokens, nil)
+	// The gauge counts the reference run's copies until a cycle after its
+	// streams ended drops them: read before that, it says nothing of the
+	// run below (a clean-clone run killed the engine at once, before its
+	// streams' copies had a block checked, and nothing could be installed).
+	for deadline := time.Now().Add(20 * time.Second); metricOf(t, hostURL, "vhi_failover_warm_copies") != 0; time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the reference run's warm copies were not dropped once its streams ended")
+		}
+	}
 	victim := engines[0]
 	var copies float64
 	got := runFailoverStreams(t, hostURL, n, 0, tokens, func() {

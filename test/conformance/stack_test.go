@@ -6,8 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/zap"
-
 	"github.com/vllm-hi/vllm-hi/internal/agent"
 	"github.com/vllm-hi/vllm-hi/internal/host"
 	"github.com/vllm-hi/vllm-hi/internal/host/hosttest"
@@ -44,7 +42,7 @@ func startAgent(t *testing.T, hostAddr, engineURL, typ string) {
 func startAgentWith(t *testing.T, hostAddr, engineURL, typ, core string) {
 	t.Helper()
 	a, err := agent.New(agent.Config{Type: typ, HostAddr: hostAddr, EngineURL: engineURL, Listen: "127.0.0.1:0",
-		AdvertiseHost: "127.0.0.1", TP: 1, PP: 1, EngineWait: time.Minute, AgentToken: agentToken, EngineCoreSocket: core}, zap.NewNop())
+		AdvertiseHost: "127.0.0.1", TP: 1, PP: 1, EngineWait: time.Minute, AgentToken: agentToken, EngineCoreSocket: core}, hosttest.TailLogger(t, "the agent of "+engineURL))
 	if err != nil {
 		t.Fatal(err)
 	}
