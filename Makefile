@@ -78,7 +78,9 @@ fuzz:
 # failover onto an engine that runs that way, and failover from warm
 # copies of an engine that runs that way (the copies' extent is read
 # with steps in flight). Without -race (the plugin is what they test;
-# the Go side ran under it above).
+# the Go side ran under it above). The relay's tests, and the end-to-end
+# migrations, failovers, drain and chaos, run once more with the relay's
+# event loop (--relay-event-loop).
 VLLM_VERSIONS := 0.32.0 0.26.0
 unit: vllm-env ucx chromium
 	python3 -m unittest discover -s deploy/vllm-plugin/tests
@@ -86,6 +88,8 @@ unit: vllm-env ucx chromium
 	for v in 0.26.0 0.32.0; do for p in test_detok_replay.py test_async_pause_vllm.py test_core_install_vllm.py test_chunk_shape_vllm.py test_layout_cache_vllm.py test_api_install_vllm.py; do $$(hack/vllm-env.sh $$v)/bin/python -m unittest discover -s deploy/vllm-plugin/tests -p $$p || exit 1; done; done
 	cd api && $(GO) test -race -count=1 ./...
 	VHI_REQUIRE_UCX=1 VHI_REQUIRE_BROWSER=1 VHI_VLLM_VENV=$$(hack/vllm-env.sh 0.32.0) $(GO) test -race -count=1 -p 1 -timeout 30m ./...
+	VLLM_HI_RELAY_EVENT_LOOP=true $(GO) test -race -count=1 ./internal/proxy/
+	VLLM_HI_RELAY_EVENT_LOOP=true $(GO) test -race -count=1 -timeout 15m -run 'TestMigrationEveryStreamExact|TestEngineCrashFailover|TestAHungEngineFailsOverOnItsAgentsWord|TestChaos$$|TestDrainByCLI' ./test/e2e/
 	VHI_VLLM_VENV=$$(hack/vllm-env.sh 0.26.0) $(GO) test -race -count=1 -timeout 20m -run 'TestMigrateBetweenVLLMServers|TestHostRoutesToVLLM|TestVLLMOutputDependsOnItsKV|TestCoreChannelOnVLLM|TestAKilledVLLMEnginesStreamsGoOnElsewhere' ./test/conformance
 	for v in 0.26.0 0.32.0; do VHI_VLLM_ASYNC_SCHEDULING=1 VHI_VLLM_VENV=$$(hack/vllm-env.sh $$v) $(GO) test -count=1 -timeout 20m -run 'TestMigrateBetweenVLLMServers|TestAKilledVLLMEnginesStreamsGoOnElsewhere|TestAKilledVLLMEnginesStreamsGoOnFromWarmCopies' ./test/conformance || exit 1; done
 

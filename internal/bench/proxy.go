@@ -63,15 +63,28 @@ type proxyBenchConfig struct {
 	tokens   int
 	interval time.Duration
 	nginx    string // "auto", "on", "off"
-	jsonOut  string
-	spread   bool
+	// extra: another proxy's command line, {listen} and {upstream} in it
+	// replaced with its listen and upstream addresses.
+	extra string
+	// eventLoop: also run a Host with --relay-event-loop.
+	eventLoop bool
+	jsonOut   string
+	spread    bool
 	// hostProfile: write a CPU profile of the Host during its first path.
 	hostProfile string
 	debugPort   int
+	// loopDebugPort serves the event-loop Host's pprof.
+	loopDebugPort int
 }
 
-// debugAddr is where the Host under test serves pprof.
-func (c *proxyBenchConfig) debugAddr() string { return fmt.Sprintf("127.0.0.1:%d", c.debugPort) }
+// debugAddr is where the Host under test serves pprof (loop: the Host
+// with the event loop, on the next port).
+func (c *proxyBenchConfig) debugAddr(loop bool) string {
+	if loop {
+		return fmt.Sprintf("127.0.0.1:%d", c.loopDebugPort)
+	}
+	return fmt.Sprintf("127.0.0.1:%d", c.debugPort)
+}
 
 func newBenchProxyCommand() *cobra.Command {
 	c := proxyBenchConfig{}
@@ -94,9 +107,11 @@ delivered tokens/s, completed streams, and the proxy process's CPU.`,
 	cmd.Flags().IntVar(&c.tokens, "tokens", 150, "tokens per stream")
 	cmd.Flags().DurationVar(&c.interval, "interval", 40*time.Millisecond, "time between two tokens of a stream")
 	cmd.Flags().StringVar(&c.nginx, "nginx", "auto", "compare with nginx: auto (when installed), on, off")
+	cmd.Flags().StringVar(&c.extra, "extra-proxy", "", "also run this proxy command (its {listen} and {upstream} replaced by host:port), as path \"extra\"; e.g. hack/relayfloor")
+	cmd.Flags().BoolVar(&c.eventLoop, "event-loop", true, "also run a second Host with --relay-event-loop, as path \"vhi host, event loop\"")
 	cmd.Flags().StringVar(&c.jsonOut, "json", "", "also write the results as JSON to this file")
 	cmd.Flags().BoolVar(&c.spread, "spread", false, "streams tick at their own phases (no per-step burst)")
-	cmd.Flags().StringVar(&c.hostProfile, "host-cpuprofile", "", "write a CPU profile of the Host over its first level's run to this file")
+	cmd.Flags().StringVar(&c.hostProfile, "host-cpuprofile", "", "write a CPU profile of the Host over its first level's run to this file (the event-loop Host's: FILE.event-loop)")
 	return cmd
 }
 
@@ -196,6 +211,66 @@ http {
 }
 `
 
+// startHost starts a Host (args added to its command line) and an agent
+// registering the upstream at upURL with it, each with state and tokens
+// of their own, so that the benchmark neither needs nor touches a Host
+// already on this machine; debug: serve pprof on debugAddr.
+func (c *proxyBenchConfig) startHost(ctx context.Context, exe, upURL string, debugAddr string, args ...string) (url string, pid int, stop func(), err error) {
+	var stops []func()
+	stop = func() {
+		for i := len(stops) - 1; i >= 0; i-- {
+			stops[i]()
+		}
+	}
+	defer func() {
+		if err != nil {
+			stop()
+		}
+	}()
+	hostPort, _ := pickPort()
+	stateDir, err := os.MkdirTemp("", "vhi-bench-proxy-")
+	if err != nil {
+		return "", 0, stop, err
+	}
+	stops = append(stops, func() { os.RemoveAll(stateDir) })
+	admin, agentToken := credentials.NewToken(), credentials.NewToken()
+	adminFile, agentFile := filepath.Join(stateDir, "admin-token"), filepath.Join(stateDir, "agent-token")
+	for f, tok := range map[string]string{adminFile: admin, agentFile: agentToken} {
+		if err := os.WriteFile(f, []byte(tok+"\n"), 0o600); err != nil {
+			return "", 0, stop, err
+		}
+	}
+	hostAddr := fmt.Sprintf("127.0.0.1:%d", hostPort)
+	hostArgs := append([]string{"host", "--listen", hostAddr, "--log-level", "warn", "--data-dir", filepath.Join(stateDir, "host"),
+		"--admin-token-file", adminFile, "--agent-token-file", agentFile}, args...)
+	if debugAddr != "" {
+		hostArgs = append(hostArgs, "--debug-addr", debugAddr)
+	}
+	h, err := startProc(ctx, "host", exe, hostArgs...)
+	if err != nil {
+		return "", 0, stop, err
+	}
+	stops = append(stops, h.stop)
+	ag, err := startProc(ctx, "agent", exe, "agent", "--type", "A", "--host", hostAddr, "--engine", upURL, "--log-level", "warn",
+		"--token-file", agentFile)
+	if err != nil {
+		return "", 0, stop, err
+	}
+	stops = append(stops, ag.stop)
+	url = "http://" + hostAddr
+	hc, err := hostapi.New(url, hostapi.Options{Timeout: 2 * time.Second, AdminToken: admin})
+	if err != nil {
+		return "", 0, stop, err
+	}
+	wctx, wcancel := context.WithTimeout(ctx, 20*time.Second)
+	err = hc.WaitInstances(wctx, 1)
+	wcancel()
+	if err != nil {
+		return "", 0, stop, fmt.Errorf("the agent did not register: %w", err)
+	}
+	return url, h.cmd.Process.Pid, stop, nil
+}
+
 // pathResult is one (level, path) measurement.
 type pathResult struct {
 	Level        int     `json:"streams"`
@@ -221,8 +296,14 @@ func runBenchProxy(ctx context.Context, out io.Writer, c proxyBenchConfig) error
 		return err
 	}
 	upPort, _ := pickPort()
-	hostPort, _ := pickPort()
 	c.debugPort, _ = pickPort()
+	c.loopDebugPort, _ = pickPort()
+	debugAddr := func(loop bool) string {
+		if c.hostProfile == "" {
+			return ""
+		}
+		return c.debugAddr(loop)
+	}
 	up, err := startProc(ctx, "upstream", exe, "bench", "sse-upstream", "--port", strconv.Itoa(upPort), "--interval", c.interval.String(),
 		"--spread="+strconv.FormatBool(c.spread))
 	if err != nil {
@@ -233,54 +314,29 @@ func runBenchProxy(ctx context.Context, out io.Writer, c proxyBenchConfig) error
 	if err := waitHTTP(upURL+"/health", func(r *http.Response) bool { return r.StatusCode == 200 }); err != nil {
 		return err
 	}
-	// The Host and its agent get their own state and tokens, so the
-	// benchmark neither needs nor touches a Host already on this machine.
-	stateDir, err := os.MkdirTemp("", "vhi-bench-proxy-")
+	hostURL, hostPID, stopHost, err := c.startHost(ctx, exe, upURL, debugAddr(false))
 	if err != nil {
 		return err
 	}
-	defer os.RemoveAll(stateDir)
-	admin, agentToken := credentials.NewToken(), credentials.NewToken()
-	adminFile, agentFile := filepath.Join(stateDir, "admin-token"), filepath.Join(stateDir, "agent-token")
-	for f, tok := range map[string]string{adminFile: admin, agentFile: agentToken} {
-		if err := os.WriteFile(f, []byte(tok+"\n"), 0o600); err != nil {
-			return err
-		}
-	}
-	hostAddr := fmt.Sprintf("127.0.0.1:%d", hostPort)
-	hostArgs := []string{"host", "--listen", hostAddr, "--log-level", "warn", "--data-dir", filepath.Join(stateDir, "host"),
-		"--admin-token-file", adminFile, "--agent-token-file", agentFile}
-	if c.hostProfile != "" {
-		hostArgs = append(hostArgs, "--debug-addr", c.debugAddr())
-	}
-	h, err := startProc(ctx, "host", exe, hostArgs...)
-	if err != nil {
-		return err
-	}
-	defer h.stop()
-	ag, err := startProc(ctx, "agent", exe, "agent", "--type", "A", "--host", hostAddr, "--engine", upURL, "--log-level", "warn",
-		"--token-file", agentFile)
-	if err != nil {
-		return err
-	}
-	defer ag.stop()
-	hostURL := "http://" + hostAddr
-	hc, err := hostapi.New(hostURL, hostapi.Options{Timeout: 2 * time.Second, AdminToken: admin})
-	if err != nil {
-		return err
-	}
-	wctx, wcancel := context.WithTimeout(ctx, 20*time.Second)
-	err = hc.WaitInstances(wctx, 1)
-	wcancel()
-	if err != nil {
-		return fmt.Errorf("the agent did not register: %w", err)
-	}
-
+	defer stopHost()
 	paths := []struct {
 		name string
 		url  string
 		pid  int
-	}{{"direct", upURL, 0}, {"vhi host", hostURL, h.cmd.Process.Pid}}
+	}{{"direct", upURL, 0}, {"vhi host", hostURL, hostPID}}
+	if c.eventLoop {
+		// The same Host with the relay's event loop, side by side.
+		loopURL, loopPID, stopLoopHost, err := c.startHost(ctx, exe, upURL, debugAddr(true), "--relay-event-loop")
+		if err != nil {
+			return err
+		}
+		defer stopLoopHost()
+		paths = append(paths, struct {
+			name string
+			url  string
+			pid  int
+		}{"vhi host, event loop", loopURL, loopPID})
+	}
 	nginxBin, lookErr := exec.LookPath("nginx")
 	if lookErr != nil {
 		nginxBin = "/usr/sbin/nginx"
@@ -321,6 +377,29 @@ func runBenchProxy(ctx context.Context, out io.Writer, c proxyBenchConfig) error
 		}{"nginx", nURL, ng.cmd.Process.Pid})
 	}
 
+	if c.extra != "" {
+		xport, _ := pickPort()
+		listen, upstream := fmt.Sprintf("127.0.0.1:%d", xport), fmt.Sprintf("127.0.0.1:%d", upPort)
+		args := strings.Fields(strings.NewReplacer("{listen}", listen, "{upstream}", upstream).Replace(c.extra))
+		if len(args) == 0 {
+			return fmt.Errorf("--extra-proxy: no command")
+		}
+		x, err := startProc(ctx, "extra proxy", args[0], args[1:]...)
+		if err != nil {
+			return err
+		}
+		defer x.stop()
+		xURL := "http://" + listen
+		if err := waitHTTP(xURL+"/health", func(r *http.Response) bool { return r.StatusCode == 200 }); err != nil {
+			return fmt.Errorf("extra proxy: %w", err)
+		}
+		paths = append(paths, struct {
+			name string
+			url  string
+			pid  int
+		}{"extra", xURL, x.cmd.Process.Pid})
+	}
+
 	mode := "all streams tick together (one burst per engine step)"
 	if c.spread {
 		mode = "each stream ticks at its own phase (no bursts)"
@@ -337,9 +416,10 @@ func runBenchProxy(ctx context.Context, out io.Writer, c proxyBenchConfig) error
 				cpu0 = cpuOfTree(p.pid)
 			}
 			var profiled chan error
-			if p.name == "vhi host" && c.hostProfile != "" && n == c.levels[0] {
+			if strings.HasPrefix(p.name, "vhi host") && c.hostProfile != "" && n == c.levels[0] {
 				profiled = make(chan error, 1)
-				go func() { profiled <- c.profileHost(ctx) }()
+				loop := p.name != "vhi host"
+				go func() { profiled <- c.profileHost(ctx, loop) }()
 			}
 			r := loadgen.RunLatency(ctx, p.url+"/v1/completions", "bench", n, c.tokens, time.Second)
 			if profiled != nil {
@@ -383,7 +463,7 @@ func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond)
 
 // profileHost takes a CPU profile of the Host under test while a level
 // runs: from its ramp's end to just before its last tokens.
-func (c *proxyBenchConfig) profileHost(ctx context.Context) error {
+func (c *proxyBenchConfig) profileHost(ctx context.Context, loop bool) error {
 	seconds := int((time.Duration(c.tokens)*c.interval - time.Second) / time.Second)
 	if seconds < 1 {
 		seconds = 1
@@ -393,7 +473,7 @@ func (c *proxyBenchConfig) profileHost(ctx context.Context) error {
 		return ctx.Err()
 	case <-time.After(time.Second):
 	}
-	url := fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", c.debugAddr(), seconds)
+	url := fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", c.debugAddr(loop), seconds)
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
 		return err
@@ -406,7 +486,11 @@ func (c *proxyBenchConfig) profileHost(ctx context.Context) error {
 	if resp.StatusCode != http.StatusOK {
 		return fmt.Errorf("profile the Host: HTTP %d", resp.StatusCode)
 	}
-	f, err := os.Create(c.hostProfile)
+	file := c.hostProfile
+	if loop {
+		file += ".event-loop"
+	}
+	f, err := os.Create(file)
 	if err != nil {
 		return err
 	}

@@ -142,6 +142,8 @@ across restarts.`,
 	f.Int64Var(&cfg.BodyMemory, "request-body-memory", cfg.BodyMemory, "bytes of request bodies the Host holds at once (beyond: 503)")
 	f.DurationVar(&cfg.UpstreamTimeout, "upstream-timeout", cfg.UpstreamTimeout, "wait this long for an engine's answer to begin (504 after)")
 	f.DurationVar(&cfg.StreamIdleTimeout, "stream-idle-timeout", cfg.StreamIdleTimeout, "end a stream whose engine sends nothing for this long")
+	f.BoolVar(&cfg.RelayEventLoop, "relay-event-loop", envDefault("VLLM_HI_RELAY_EVENT_LOOP", "false") == "true",
+		"relay streams whose client and engine speak plain HTTP/1.1 on epoll loops of the Host's own, one per CPU, instead of a goroutine each: about nginx's CPU per event; such a client's connection closes at its stream's end [VLLM_HI_RELAY_EVENT_LOOP]")
 	f.DurationVar(&cfg.InstanceRetention, "instance-retention", cfg.InstanceRetention, "forget an instance whose agent has been gone this long")
 	f.DurationVar(&cfg.Migration.RPCTimeout, "migration-rpc-timeout", cfg.Migration.RPCTimeout, "bound on one control call to an agent during a migration")
 	f.DurationVar(&cfg.Migration.PauseCallTimeout, "migration-pause-call-timeout", cfg.Migration.PauseCallTimeout,

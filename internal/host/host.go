@@ -22,7 +22,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/zap"
-	"golang.org/x/net/netutil"
 	"google.golang.org/grpc"
 
 	"github.com/vllm-hi/vllm-hi/api/hostapi"
@@ -87,6 +86,9 @@ type Config struct {
 	BodyMemory         int64         // bytes of request bodies held at once
 	UpstreamTimeout    time.Duration // for an engine's response headers
 	StreamIdleTimeout  time.Duration // between two events of a stream
+	// RelayEventLoop relays plain HTTP/1.1 streams on epoll loops of the
+	// proxy's own instead of a goroutine each (proxy.Options.EventLoop).
+	RelayEventLoop bool
 	// InstanceRetention bounds how long an instance without an agent is
 	// remembered.
 	InstanceRetention time.Duration
@@ -212,7 +214,7 @@ func NewContext(ctx context.Context, cfg Config, log *zap.Logger) (*Host, error)
 	h.prom.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	h.m = newMetrics(h.prom, h.reg)
 	h.proxy = proxy.New(proxy.Options{ClientWriteTimeout: cfg.ClientWriteTimeout, UpstreamTimeout: cfg.UpstreamTimeout,
-		StreamIdleTimeout: cfg.StreamIdleTimeout, EngineToken: cfg.AgentToken, TLS: agentTLS}, h.m.proxy, log.Named("proxy"))
+		StreamIdleTimeout: cfg.StreamIdleTimeout, EngineToken: cfg.AgentToken, TLS: agentTLS, EventLoop: cfg.RelayEventLoop}, h.m.proxy, log.Named("proxy"))
 	tp, stopTraces, err := tracing.Setup(ctx, cfg.OTLPTracesEndpoint, "vhi-host")
 	if err != nil {
 		h.closeStore()
@@ -391,7 +393,7 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 		srv.Protocols.SetUnencryptedHTTP2(true) // gRPC from agents, without TLS
 	}
 	if h.cfg.MaxConnections > 0 {
-		ln = netutil.LimitListener(ln, h.cfg.MaxConnections)
+		ln = newLimitListener(ln, h.cfg.MaxConnections)
 	}
 	sweepCtx, stopSweep := context.WithCancel(context.Background())
 	defer stopSweep()

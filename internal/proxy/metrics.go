@@ -11,7 +11,17 @@ type Metrics struct {
 	StreamTokens    prometheus.Counter // token events forwarded
 	Rerouted        prometheus.Counter // requests sent to another engine because theirs was unreachable
 	Held            prometheus.Counter // requests held through an engine's 503 (an elastic-EP commit) and sent again
+	// LoopStreams counts streams the event loop took, by how they left it
+	// (outcome: done, client_closed, handed_back).
+	LoopStreams *prometheus.CounterVec
 }
+
+// Outcomes of a stream on the event loop (Metrics.LoopStreams).
+const (
+	LoopDone         = "done"          // relayed to its [DONE] on the loop
+	LoopClientClosed = "client_closed" // its client went away
+	LoopHandedBack   = "handed_back"   // the goroutine relay went on with it (a migration, a failover, a slow client)
+)
 
 // NewMetrics makes the proxy's instruments.
 func NewMetrics() *Metrics {
@@ -35,10 +45,13 @@ func NewMetrics() *Metrics {
 		Held: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "vhi_requests_held_total", Help: "Requests held through an engine's 503 while it scaled (elastic EP commit) and sent again, instead of failing.",
 		}),
+		LoopStreams: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "vhi_proxy_event_loop_streams_total", Help: "Streams the relay's event loop took (--relay-event-loop), by how they left it: done, client_closed, handed_back (to the goroutine relay: a migration, a failover, a slow client).",
+		}, []string{"outcome"}),
 	}
 }
 
 // Collectors lists the instruments for registration.
 func (m *Metrics) Collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.AddedLatency, m.UpstreamErrors, m.StreamsInFlight, m.StreamTokens, m.Rerouted, m.Held}
+	return []prometheus.Collector{m.AddedLatency, m.UpstreamErrors, m.StreamsInFlight, m.StreamTokens, m.Rerouted, m.Held, m.LoopStreams}
 }

@@ -10,6 +10,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"runtime"
 	"strings"
 	"syscall"
 	"time"
@@ -30,6 +31,11 @@ type Proxy struct {
 	engineToken  string
 	streams      *Streams
 	recover      RecoverFunc // nil: a broken stream ends with an error
+	// loops relay plain HTTP/1.1 streams (Options.EventLoop; nil: off),
+	// over engine connections of the relay's own (dialer).
+	loops           *eventLoops
+	dialer          *net.Dialer
+	upstreamTimeout time.Duration
 }
 
 // Options configure a Proxy.
@@ -52,6 +58,10 @@ type Options struct {
 	EngineToken string
 	// TLS verifies https engines (nil: the system roots).
 	TLS *tls.Config
+	// EventLoop relays streams on epoll loops of the relay's own, one per
+	// CPU Go uses, where client and engine speak plain HTTP/1.1
+	// (evloop_linux.go): nginx's cost per event rather than a goroutine's.
+	EventLoop bool
 }
 
 // Defaults of Options.
@@ -88,15 +98,31 @@ func New(o Options, m *Metrics, log *zap.Logger) *Proxy {
 		ResponseHeaderTimeout: o.UpstreamTimeout,
 		TLSClientConfig:       o.TLS,
 	}
-	return &Proxy{client: &http.Client{Transport: tr}, log: log, m: m, writeTimeout: o.ClientWriteTimeout,
-		idleTimeout: o.StreamIdleTimeout, engineToken: o.EngineToken, streams: NewStreams()}
+	p := &Proxy{client: &http.Client{Transport: tr}, log: log, m: m, writeTimeout: o.ClientWriteTimeout,
+		idleTimeout: o.StreamIdleTimeout, engineToken: o.EngineToken, streams: NewStreams(),
+		dialer: &net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}, upstreamTimeout: o.UpstreamTimeout}
+	if o.EventLoop {
+		loops, err := newEventLoops(runtime.GOMAXPROCS(0), log)
+		if err != nil {
+			log.Warn("the relay's event loop is off", zap.Error(err))
+		} else {
+			p.loops = loops
+		}
+	}
+	return p
 }
 
 // Streams is the table of live streams (for splicing).
 func (p *Proxy) Streams() *Streams { return p.streams }
 
-// Close releases idle upstream connections.
-func (p *Proxy) Close() { p.client.CloseIdleConnections() }
+// Close releases idle upstream connections and stops the event loops
+// (their streams go on on their goroutines).
+func (p *Proxy) Close() {
+	p.client.CloseIdleConnections()
+	if p.loops != nil {
+		p.loops.close()
+	}
+}
 
 // Upstream is where one request goes.
 type Upstream struct {
@@ -240,7 +266,7 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 		}
 		s.mu.Unlock()
 	}()
-	resp, err := p.client.Do(req)
+	resp, err := p.do(req, p.laneFits(r, up.BaseURL, up))
 	tried := []string{up.InstanceID}
 	for n := 0; err != nil && (unreachable(err) || s.abandonedUnanswered(upCtx)) && up.Reroute != nil && ctx.Err() == nil && n < maxReroutes; n++ {
 		url, id, ok := up.Reroute(tried)
@@ -266,7 +292,7 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 		if req, err = post(upCtx, url, up); err != nil {
 			break
 		}
-		resp, err = p.client.Do(req)
+		resp, err = p.do(req, p.laneFits(r, url, up))
 	}
 	for n := 0; err == nil && resp.StatusCode == http.StatusServiceUnavailable && up.Hold != nil && n < maxHolds; n++ {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
@@ -279,7 +305,7 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 		if req, err = post(upCtx, up.BaseURL, up); err != nil {
 			break
 		}
-		resp, err = p.client.Do(req)
+		resp, err = p.do(req, p.laneFits(r, up.BaseURL, up))
 	}
 	if up.Sent != nil {
 		up.Sent()
@@ -303,6 +329,9 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 	defer resp.Body.Close()
 	if !isEventStream(resp) {
 		return p.passThrough(w, resp, up)
+	}
+	if res, ok := p.relayOnLoop(ctx, w, resp, s, up); ok {
+		return res
 	}
 	return p.relay(ctx, w, resp.Body, s, up)
 }
@@ -330,29 +359,36 @@ func (p *Proxy) passThrough(w http.ResponseWriter, resp *http.Response, up Upstr
 // (see Stream.Splice) swaps the upstream once exactly the source's tokens
 // went to the client.
 func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader, s *Stream, up Upstream) Result {
-	h := w.Header()
-	h.Set("Content-Type", "text/event-stream; charset=utf-8")
-	h.Set("Cache-Control", "no-cache")
-	h.Set("X-Accel-Buffering", "no")
-	rc := http.NewResponseController(w)
+	writeStreamHead(w.Header())
 	w.WriteHeader(http.StatusOK)
 	p.m.StreamsInFlight.Inc()
 	defer p.m.StreamsInFlight.Dec()
+	return p.relayFrom(ctx, w, body, s, up, &relayState{res: Result{Status: http.StatusOK}}, nil)
+}
 
-	res := Result{Status: http.StatusOK}
+// writeStreamHead sets the headers of a relayed stream.
+func writeStreamHead(h http.Header) {
+	h.Set("Content-Type", "text/event-stream; charset=utf-8")
+	h.Set("Cache-Control", "no-cache")
+	h.Set("X-Accel-Buffering", "no")
+}
+
+// relayFrom is the relay's loop from state st on, the stream's head
+// written; watchdog is the one that watches body (nil: a new one).
+func (p *Proxy) relayFrom(ctx context.Context, w http.ResponseWriter, body io.Reader, s *Stream, up Upstream, st *relayState, watchdog *idleWatchdog) Result {
+	rc := http.NewResponseController(w)
+	res := &st.res
 	er := NewEventReader(body)
 	onTarget := false
-	// sawRole: the client got chat's role event; a replayed stream skips
-	// that and the skipTokens token events the client has.
-	sawRole, skipRole, skipTokens := false, false, 0
 	var pending []time.Time // read times of events written but not yet flushed
-	var stripBuf []byte     // an event without the token ids the Host asked for
 	var deadline time.Time  // the client write deadline currently set
 	// An engine that goes silent mid-stream (hung, or paused and never
 	// resumed) is cut after the idle timeout: the read fails and the
 	// client gets an error event instead of waiting for ever.
-	watchdog := newIdleWatchdog(p.idleTimeout, s.cancelUpstream)
-	defer watchdog.stop()
+	if watchdog == nil {
+		watchdog = newIdleWatchdog(p.idleTimeout, s.cancelUpstream)
+	}
+	defer func() { watchdog.stop() }()
 	// goOn reads from where a failover took the stream: another engine;
 	// a replay's first events, which the client has, are skipped.
 	var recoveredBodies []io.Closer
@@ -366,7 +402,7 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 		er = NewEventReader(next.body)
 		onTarget = true
 		if next.replay {
-			skipTokens, skipRole = res.Tokens, sawRole
+			st.skipTokens, st.skipRole = res.Tokens, st.sawRole
 		}
 	}
 	for {
@@ -374,7 +410,7 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 		if err != nil {
 			if ctx.Err() != nil {
 				res.Status = StatusClientClosed
-				return res
+				return *res
 			}
 			if watchdog.fired() {
 				p.m.UpstreamErrors.WithLabelValues(up.Model, "idle").Inc()
@@ -385,18 +421,17 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 					goOn(next)
 					watchdog.stop() // fired: a new one watches the new engine
 					watchdog = newIdleWatchdog(p.idleTimeout, s.cancelUpstream)
-					defer watchdog.stop()
 					continue
 				}
 				p.writeStreamError(w, rc, fmt.Sprintf("the engine sent nothing for %v after %d tokens%s", p.idleTimeout, res.Tokens, next.failedOver()))
 				res.Truncated = true
-				return res
+				return *res
 			}
 			if next, ok := p.trySwitch(ctx, s); ok {
 				if next == nil {
 					p.writeStreamError(w, rc, fmt.Sprintf("moving the stream to another engine failed after %d tokens", res.Tokens))
 					res.Truncated = true
-					return res
+					return *res
 				}
 				defer next.Close()
 				er = NewEventReader(next)
@@ -416,31 +451,17 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 			p.log.Warn("upstream stream ended early", zap.String("instance", up.InstanceID), zap.Error(err), zap.Int("tokens", res.Tokens))
 			p.writeStreamError(w, rc, fmt.Sprintf("the engine stream ended unexpectedly after %d tokens: %v%s", res.Tokens, err, next.failedOver()))
 			res.Truncated = true
-			return res
+			return *res
 		}
 		read := time.Now()
 		watchdog.saw(read)
-		kind, textLen, _ := ClassifyText(ev.Data)
-		switch {
-		case kind == KindRole && skipRole:
-			skipRole = false
+		raw, kind, step := p.admit(st, s, ev, read, true)
+		switch step {
+		case stepSkip:
 			continue
-		case kind == KindToken && skipTokens > 0:
-			skipTokens--
+		case stepCut:
+			s.cancelUpstream() // switch instead
 			continue
-		case kind == KindRole:
-			sawRole = true
-		}
-		if kind == KindToken {
-			if !s.countToken(textLen, read, ev.Data) {
-				// The source went on past what it exported (its pause lease
-				// ran out): the target produces these tokens now, so this
-				// one must not reach the client. Switch instead.
-				s.cancelUpstream()
-				continue
-			}
-			res.Tokens++
-			p.m.StreamTokens.Inc()
 		}
 		// Moving the deadline costs a runtime timer update; refresh it
 		// only when half of it has passed.
@@ -448,28 +469,9 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 			deadline = read.Add(p.writeTimeout)
 			_ = rc.SetWriteDeadline(deadline)
 		}
-		raw := ev.Raw
-		if s.ids != nil {
-			heldBack := kind == KindOther && heldBackChunk(ev.Data)
-			switch {
-			case heldBack && !s.countHeldBackIDs(ev.Data):
-				// Held past the switch: its id comes from the target.
-				s.cancelUpstream()
-				continue
-			case !heldBack && kind != KindToken: // a token event's ids were noted as it was counted
-				s.noteTokenIDs(kind, ev.Data)
-			}
-			if !s.ids.clients && heldBack {
-				continue // sent only because the Host asked for ids
-			}
-			if !s.ids.clients && hasTokenIDLists(ev.Data) {
-				raw = withoutTokenIDs(raw, stripBuf)
-				stripBuf = raw[:0]
-			}
-		}
 		if _, err := w.Write(raw); err != nil {
 			res.Status = StatusClientClosed
-			return res
+			return *res
 		}
 		if kind == KindToken && res.FirstToken.IsZero() {
 			res.FirstToken = read
@@ -481,7 +483,7 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 		if kind == KindDone || !er.Buffered() {
 			if err := rc.Flush(); err != nil {
 				res.Status = StatusClientClosed
-				return res
+				return *res
 			}
 			now := time.Now()
 			for _, t := range pending {
@@ -500,7 +502,7 @@ func (p *Proxy) relay(ctx context.Context, w http.ResponseWriter, body io.Reader
 		}
 		if kind == KindDone {
 			res.Done = true
-			return res
+			return *res
 		}
 	}
 }

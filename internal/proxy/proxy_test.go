@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -19,6 +20,13 @@ import (
 	"go.uber.org/zap"
 )
 
+// newTestProxy is New, with the event loop on where the environment has
+// VLLM_HI_RELAY_EVENT_LOOP=true (make test runs the package's tests both ways).
+func newTestProxy(o Options, m *Metrics, log *zap.Logger) *Proxy {
+	o.EventLoop = o.EventLoop || os.Getenv("VLLM_HI_RELAY_EVENT_LOOP") == "true"
+	return New(o, m, log)
+}
+
 func testMetrics() *Metrics {
 	return &Metrics{
 		AddedLatency:    prometheus.NewHistogram(prometheus.HistogramOpts{Name: "l"}),
@@ -26,6 +34,7 @@ func testMetrics() *Metrics {
 		StreamsInFlight: prometheus.NewGauge(prometheus.GaugeOpts{Name: "s"}),
 		StreamTokens:    prometheus.NewCounter(prometheus.CounterOpts{Name: "t"}),
 		Rerouted:        prometheus.NewCounter(prometheus.CounterOpts{Name: "r"}),
+		LoopStreams:     prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ls"}, []string{"outcome"}),
 	}
 }
 
@@ -91,10 +100,10 @@ func TestEventReader(t *testing.T) {
 func serveProxy(t *testing.T, upstream string) (*httptest.Server, *Metrics) {
 	t.Helper()
 	m := testMetrics()
-	p := New(Options{ClientWriteTimeout: 200 * time.Millisecond}, m, zap.NewNop())
+	p := newTestProxy(Options{ClientWriteTimeout: 200 * time.Millisecond}, m, zap.NewNop())
 	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		body, _ := io.ReadAll(r.Body)
-		p.Forward(w, r, Upstream{BaseURL: upstream, Path: r.URL.Path, Body: body, Model: "m", InstanceID: "i",
+		p.Forward(w, r, Upstream{BaseURL: upstream, Path: r.URL.Path, Body: body, Model: "m", InstanceID: "i", Stream: true,
 			Header: http.Header{"Content-Type": {"application/json"}}})
 	}))
 	t.Cleanup(front.Close)
@@ -317,10 +326,10 @@ func TestAStreamAbandonedBeforeItsEngineAnsweredGoesElsewhere(t *testing.T) {
 	}))
 	defer other.Close()
 	m := testMetrics()
-	p := New(Options{}, m, zap.NewNop())
+	p := newTestProxy(Options{}, m, zap.NewNop())
 	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		body, _ := io.ReadAll(r.Body)
-		p.Forward(w, r, Upstream{BaseURL: stuck.URL, Path: r.URL.Path, Body: body, Model: "m", InstanceID: "B", RequestID: "r1",
+		p.Forward(w, r, Upstream{BaseURL: stuck.URL, Path: r.URL.Path, Body: body, Model: "m", InstanceID: "B", RequestID: "r1", Stream: true,
 			Header: http.Header{"Content-Type": {"application/json"}},
 			Reroute: func(tried []string) (string, string, bool) {
 				if slices.Contains(tried, "A") {
@@ -364,7 +373,7 @@ func TestAStreamMovedBeforeItsEngineAnsweredOpensOnTheTarget(t *testing.T) {
 	defer source.Close()
 	target := tokensTarget("", 0, 3, func(*http.Request) {})
 	defer target.Close()
-	p := New(Options{}, testMetrics(), zap.NewNop())
+	p := newTestProxy(Options{}, testMetrics(), zap.NewNop())
 	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		body, _ := io.ReadAll(r.Body)
 		p.Forward(w, r, Upstream{BaseURL: source.URL, Path: r.URL.Path, Body: body, Model: "m", InstanceID: "A", RequestID: "cmpl-x", Stream: true,

@@ -35,10 +35,10 @@ func BenchmarkRelayPerEvent(b *testing.B) {
 		}
 	}))
 	defer up.Close()
-	p := New(Options{}, testMetrics(), zap.NewNop())
+	p := newTestProxy(Options{}, testMetrics(), zap.NewNop())
 	defer p.Close()
 	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		p.Forward(w, r, Upstream{BaseURL: up.URL, Path: "/v1/completions", Body: []byte(`{}`), Model: "m", InstanceID: "i",
+		p.Forward(w, r, Upstream{BaseURL: up.URL, Path: "/v1/completions", Body: []byte(`{}`), Model: "m", InstanceID: "i", Stream: true,
 			Header: http.Header{"Content-Type": {"application/json"}}})
 	}))
 	defer front.Close()

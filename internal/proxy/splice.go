@@ -432,6 +432,22 @@ func (s *Stream) countToken(textLen int, read time.Time, data []byte) bool {
 	if !s.waitHoldLocked() {
 		return false
 	}
+	return s.countTokenLocked(textLen, read, data)
+}
+
+// countTokenNow is countToken for a relay that must not wait (the event
+// loop's, evloop_linux.go): held is true, and nothing counted, while the
+// stream is held — the goroutine relay takes the stream and waits.
+func (s *Stream) countTokenNow(textLen int, read time.Time, data []byte) (ok, held bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.held != nil {
+		return false, true
+	}
+	return s.countTokenLocked(textLen, read, data), false
+}
+
+func (s *Stream) countTokenLocked(textLen int, read time.Time, data []byte) bool {
 	if s.beyondSpliceLocked(textLen) || s.cutLocked() {
 		// Past the fence, or a cut is pending: the target sends the text
 		// the client lacks from where it is now.
@@ -460,7 +476,25 @@ func (s *Stream) countToken(textLen int, read time.Time, data []byte) bool {
 func (s *Stream) countHeldBackIDs(data []byte) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if !s.waitHoldLocked() || s.beyondSpliceLocked(0) || s.cutLocked() {
+	if !s.waitHoldLocked() {
+		return false
+	}
+	return s.countHeldBackIDsLocked(data)
+}
+
+// countHeldBackIDsNow is countHeldBackIDs that does not wait (held: the
+// stream is held, nothing counted).
+func (s *Stream) countHeldBackIDsNow(data []byte) (ok, held bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.held != nil {
+		return false, true
+	}
+	return s.countHeldBackIDsLocked(data), false
+}
+
+func (s *Stream) countHeldBackIDsLocked(data []byte) bool {
+	if s.beyondSpliceLocked(0) || s.cutLocked() {
 		return false
 	}
 	s.noteTokenIDsLocked(KindOther, data)

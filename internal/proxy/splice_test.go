@@ -54,7 +54,7 @@ func TestSpliceMovesAStreamAtATokenIndex(t *testing.T) {
 			defer b.Close()
 
 			m := testMetrics()
-			p := New(Options{}, m, zap.NewNop())
+			p := newTestProxy(Options{}, m, zap.NewNop())
 			got := streamThrough(t, p, a.URL)
 			s := waitStream(t, p, k-inFlight)
 			switched := s.Splice(b.URL, "B", k, -1)
@@ -98,7 +98,7 @@ func TestSpliceFollowsTextWhenTheSourceMergesTokens(t *testing.T) {
 	var from string
 	b := tokensTarget("", k, total, func(r *http.Request) { from = r.URL.Query().Get("from") })
 	defer b.Close()
-	p := New(Options{}, testMetrics(), zap.NewNop())
+	p := newTestProxy(Options{}, testMetrics(), zap.NewNop())
 	got := streamThrough(t, p, a.URL)
 	var s *Stream
 	for deadline := time.Now().Add(5 * time.Second); s == nil || s.Tokens() < 1; time.Sleep(time.Millisecond) {
@@ -149,7 +149,7 @@ func TestTextLenCountsCodePoints(t *testing.T) {
 func streamThrough(t *testing.T, p *Proxy, aURL string) <-chan string {
 	t.Helper()
 	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		p.Forward(w, r, Upstream{BaseURL: aURL, Path: "/v1/completions", Body: []byte(`{}`), Model: "m", InstanceID: "A", RequestID: "cmpl-x"})
+		p.Forward(w, r, Upstream{BaseURL: aURL, Path: "/v1/completions", Body: []byte(`{}`), Model: "m", InstanceID: "A", RequestID: "cmpl-x", Stream: true})
 	}))
 	t.Cleanup(front.Close)
 	got := make(chan string, 1)
@@ -236,7 +236,7 @@ func TestSpliceFencesASourceThatGoesOn(t *testing.T) {
 		_, _ = io.WriteString(w, "data: [DONE]\n\n")
 	}))
 	defer b.Close()
-	p := New(Options{StreamIdleTimeout: 3 * time.Second}, testMetrics(), zap.NewNop())
+	p := newTestProxy(Options{StreamIdleTimeout: 3 * time.Second}, testMetrics(), zap.NewNop())
 	got := streamThrough(t, p, a.URL)
 	s := waitStream(t, p, k-1)
 	switched := s.Splice(b.URL, "B", k, -1)
@@ -267,7 +267,7 @@ func TestCutSwitchesAtOnceAndTheTargetFillsTheGap(t *testing.T) {
 		from, textFrom = r.URL.Query().Get("from"), r.URL.Query().Get("text_from")
 	})
 	defer b.Close()
-	p := New(Options{}, testMetrics(), zap.NewNop())
+	p := newTestProxy(Options{}, testMetrics(), zap.NewNop())
 	got := streamThrough(t, p, a.URL)
 	s := waitStream(t, p, sent)
 	visible := len(" t0 t1 t2 t3 t4 t5")
@@ -331,7 +331,7 @@ func TestHoldThenCutReadsThePreAttachedStream(t *testing.T) {
 				mu.Unlock()
 			})
 			defer b.Close()
-			p := New(Options{}, testMetrics(), zap.NewNop())
+			p := newTestProxy(Options{}, testMetrics(), zap.NewNop())
 			got := streamThrough(t, p, a.URL)
 			s := waitStream(t, p, sent)
 			at, _, ok := s.Hold()
@@ -452,7 +452,7 @@ func TestASecondMoveHoldsAndFencesTheEngineTheStreamReadsNow(t *testing.T) {
 	c := tokensTarget("", k2, total, func(r *http.Request) { fromC = r.URL.Query().Get("from") })
 	defer c.Close()
 
-	p := New(Options{StreamIdleTimeout: 3 * time.Second}, testMetrics(), zap.NewNop())
+	p := newTestProxy(Options{StreamIdleTimeout: 3 * time.Second}, testMetrics(), zap.NewNop())
 	got := streamThrough(t, p, a.URL)
 	s := waitStream(t, p, k1)
 	waitSplice(t, s.Splice(b.URL, "B", k1, -1))

@@ -174,7 +174,7 @@ func TestAClientThatAskedForTokenIDsKeepsThem(t *testing.T) {
 		clients bool
 		want    string
 	}{{true, firstAsked + mergedAsked}, {false, firstPlain + mergedPlain}} {
-		p := New(Options{}, testMetrics(), zap.NewNop())
+		p := newTestProxy(Options{}, testMetrics(), zap.NewNop())
 		var ids []int
 		front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			p.Forward(w, r, Upstream{BaseURL: engine.URL, Path: "/v1/completions", Body: []byte(`{}`), Model: "m", InstanceID: "A",

@@ -31,13 +31,16 @@ func TestBenchProxySmoke(t *testing.T) {
 	if err := json.Unmarshal(b, &rows); err != nil {
 		t.Fatal(err)
 	}
-	if len(rows) != 2 {
-		t.Fatalf("want the direct and the Host rows, got %+v", rows)
+	if len(rows) != 3 {
+		t.Fatalf("want the direct, the Host's and the event-loop Host's rows, got %+v", rows)
 	}
 	for _, r := range rows {
 		if r.Completed != 20 || r.Tokens != 200 {
 			t.Fatalf("%s: %d streams completed, %d tokens; want 20 and 200", r.Path, r.Completed, r.Tokens)
 		}
+	}
+	if rows[2].Path != "vhi host, event loop" || rows[2].CPUPerEvnt <= 0 {
+		t.Fatalf("the event-loop Host's row has no CPU per event: %+v", rows[2])
 	}
 	if rows[1].Path != "vhi host" || rows[1].CPUPerEvnt <= 0 {
 		t.Fatalf("the Host's row has no CPU per event: %+v", rows[1])

@@ -309,6 +309,11 @@ func TestMigrationEveryStreamExact(t *testing.T) {
 	}
 	hostMetrics(t, d.hostURL, `vhi_migrations_total{state="succeeded"} 1`, "vhi_migration_downtime_seconds_count 1",
 		"vhi_migration_client_downtime_seconds_count 1", "vhi_migrated_requests_total 64")
+	if os.Getenv("VLLM_HI_RELAY_EVENT_LOOP") == "true" {
+		// The Host relayed on its event loop (make test runs this so), and
+		// every moved stream left it for the goroutine relay's switch.
+		hostMetrics(t, d.hostURL, `vhi_proxy_event_loop_streams_total{outcome="handed_back"} 64`)
+	}
 	waitUntil(t, "A's KV released", func() bool {
 		resp, err := http.Get(d.aURL + "/is_sleeping")
 		if err != nil {

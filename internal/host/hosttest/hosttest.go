@@ -21,6 +21,9 @@ import (
 // load that does not come again is understood from its log or not at all.
 func Serve(t testing.TB, cfg host.Config, ln net.Listener) (h *host.Host, stop func()) {
 	t.Helper()
+	// VLLM_HI_RELAY_EVENT_LOOP=true runs a test's Hosts with the relay's
+	// event loop (as vhi host reads it).
+	cfg.RelayEventLoop = cfg.RelayEventLoop || os.Getenv("VLLM_HI_RELAY_EVENT_LOOP") == "true"
 	h, err := host.New(cfg, TailLogger(t, "the Host"))
 	if err != nil {
 		t.Fatal(err)

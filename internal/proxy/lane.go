@@ -1,0 +1,318 @@
+package proxy
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httputil"
+	"strings"
+	"sync"
+	"time"
+)
+
+// A stream the event loop relays (evloop_linux.go) reaches its engine
+// over a connection of the relay's own rather than net/http's pool, and
+// its client's connection is taken from net/http's server: both sockets
+// leave Go's poller for the loop's. Only plain HTTP/1.1 on both sides
+// qualifies (a TLS socket's bytes are not the stream's), and the client's
+// connection closes when the stream ends (Connection: close; net/http's
+// server cannot take a connection back).
+
+// Detacher is a connection whose socket can outlive its Close (the
+// event loop holds a duplicate of it): Detach, called before Close,
+// returns what frees the rest of what the connection held (a Host's
+// connection slot), which the relay calls when it closes the socket.
+type Detacher interface {
+	Detach() (release func())
+}
+
+// laneStream is one stream on an event loop.
+type laneStream struct {
+	p        *Proxy
+	s        *Stream
+	up       Upstream
+	st       *relayState
+	watchdog *idleWatchdog
+	cfd, ufd int
+	raw      []byte      // the engine's chunked bytes not yet decoded (whole chunks from its start)
+	sse      []byte      // decoded SSE bytes not yet taken as events
+	out      []byte      // bytes for the client not yet written
+	pending  []time.Time // read times of the events in out
+	data     []byte      // an event's data lines joined
+	doneUp   bool        // [DONE] was taken
+	// registered: on its loop (the loop's own).
+	registered bool
+	ends       chan laneEnd // buffered: how the stream left its loop
+}
+
+// laneEnd is how a stream left its loop.
+type laneEnd struct {
+	clientGone bool // the client went away
+	handBack   bool // the goroutine relay goes on with it
+	cancelled  bool // ... and the engine's stream is not read any more (a fence, a cut, a cancel)
+}
+
+// laneConn is an engine connection of the relay's own.
+type laneConn struct {
+	conn  net.Conn
+	br    *bufio.Reader
+	taken bool // the event loop has its socket
+}
+
+// laneBody is the body of an answer read over a laneConn: closing it
+// closes the connection, unless the event loop took it.
+type laneBody struct {
+	io.ReadCloser
+	lc   *laneConn
+	stop func() bool // ends the context's watch
+}
+
+func (b *laneBody) Close() error {
+	// The connection first: closing a body net/http did not make drains
+	// it, which on a stream the client left would wait for its end.
+	b.stop()
+	if !b.lc.taken {
+		b.lc.conn.Close()
+	}
+	_ = b.ReadCloser.Close()
+	return nil
+}
+
+// laneFits says whether the event loop may relay a stream of r sent to
+// baseURL.
+func (p *Proxy) laneFits(r *http.Request, baseURL string, up Upstream) bool {
+	return p.loops != nil && up.Stream && r.ProtoMajor == 1 && r.TLS == nil && strings.HasPrefix(baseURL, "http://")
+}
+
+// do sends req: over net/http's pool, or (lane) over a connection of the
+// relay's own.
+func (p *Proxy) do(req *http.Request, lane bool) (*http.Response, error) {
+	if !lane {
+		return p.client.Do(req)
+	}
+	ctx := req.Context()
+	conn, err := p.dialer.DialContext(ctx, "tcp", req.URL.Host)
+	if err != nil {
+		return nil, fmt.Errorf("post %s: %w", req.URL, err)
+	}
+	// Cancelling the request's context ends a read of the answer, as it
+	// does on net/http's connections.
+	stop := context.AfterFunc(ctx, func() { conn.Close() })
+	// No "Connection: close" although the relay closes the connection at
+	// the stream's end: Go's server (the sim's) does not watch such a
+	// request's connection, and would not see a relay that left.
+	_ = conn.SetDeadline(time.Now().Add(p.upstreamTimeout))
+	bw := bufio.NewWriterSize(conn, 16<<10)
+	if err = req.Write(bw); err == nil {
+		err = bw.Flush()
+	}
+	var resp *http.Response
+	br := bufio.NewReaderSize(conn, 32<<10)
+	if err == nil {
+		resp, err = http.ReadResponse(br, req)
+	}
+	if err != nil {
+		stop()
+		conn.Close()
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		return nil, fmt.Errorf("post %s: %w", req.URL, err)
+	}
+	_ = conn.SetDeadline(time.Time{})
+	resp.Body = &laneBody{ReadCloser: resp.Body, lc: &laneConn{conn: conn, br: br}, stop: stop}
+	return resp, nil
+}
+
+// relayOnLoop relays resp's stream on an event loop, and on its goroutine
+// once the loop hands it back. ok false: the stream could not go on a
+// loop (nothing was written; the caller relays it).
+func (p *Proxy) relayOnLoop(ctx context.Context, w http.ResponseWriter, resp *http.Response, s *Stream, up Upstream) (res Result, ok bool) {
+	lb, isLane := resp.Body.(*laneBody)
+	if !isLane || len(resp.TransferEncoding) != 1 || resp.TransferEncoding[0] != "chunked" {
+		return Result{}, false
+	}
+	h := w.Header().Clone()
+	client, _, err := http.NewResponseController(w).Hijack()
+	if err != nil {
+		return Result{}, false
+	}
+	writeStreamHead(h)
+	h.Del("Content-Length")
+	h.Set("Connection", "close")
+	h.Set("Date", time.Now().UTC().Format(http.TimeFormat))
+	var head bytes.Buffer
+	head.WriteString("HTTP/1.1 200 OK\r\n")
+	_ = h.Write(&head)
+	head.WriteString("Transfer-Encoding: chunked\r\n\r\n")
+	_ = client.SetWriteDeadline(time.Now().Add(p.writeTimeout))
+	if _, err := client.Write(head.Bytes()); err != nil {
+		client.Close()
+		return Result{Status: StatusClientClosed}, true
+	}
+	_ = client.SetWriteDeadline(time.Time{})
+	// The gauge falls before the client sees the stream's end, as it does
+	// on the goroutine relay (net/http ends the body once it returns).
+	p.m.StreamsInFlight.Inc()
+	var once sync.Once
+	ended := func() { once.Do(p.m.StreamsInFlight.Dec) }
+	defer ended()
+
+	st := &relayState{res: Result{Status: http.StatusOK}}
+	// What the head's read took of the body goes first.
+	first := make([]byte, lb.lc.br.Buffered(), max(lb.lc.br.Buffered(), 64<<10))
+	_, _ = io.ReadFull(lb.lc.br, first)
+	lb.lc.taken = true
+	cfd, releaseClient, cerr := dupFD(client)
+	defer releaseClient() // once the client's socket is closed: the relay ends with it
+	ufd, _, uerr := dupFD(lb.lc.conn)
+	if cerr != nil || uerr != nil {
+		// Neither socket is usable as the loop's: the client has the
+		// head and nothing else; it ends as a broken stream does.
+		if cerr == nil {
+			closeFD(cfd)
+		}
+		if uerr == nil {
+			closeFD(ufd)
+		}
+		st.res.Truncated = true
+		return st.res, true
+	}
+	ln := &laneStream{p: p, s: s, up: up, st: st, cfd: cfd, ufd: ufd, raw: first, ends: make(chan laneEnd, 1)}
+	ln.watchdog = newIdleWatchdog(p.idleTimeout, s.cancelUpstream)
+	loop := p.loops.pick()
+	s.mu.Lock()
+	cancelUp := s.cancelA
+	s.cancelA = func() { cancelUp(); loop.cancel(ln) }
+	s.mu.Unlock()
+	if !loop.add(ln) {
+		ln.ends <- laneEnd{handBack: true}
+	}
+	end := <-ln.ends
+	if p.m.LoopStreams != nil {
+		outcome := LoopDone
+		switch {
+		case end.handBack:
+			outcome = LoopHandedBack
+		case end.clientGone:
+			outcome = LoopClientClosed
+		}
+		p.m.LoopStreams.WithLabelValues(outcome).Inc()
+	}
+	if !end.handBack {
+		ln.watchdog.stop()
+		ended()
+		if end.clientGone {
+			st.res.Status = StatusClientClosed
+		} else {
+			_ = writeFD(cfd, lastChunk, time.Second)
+		}
+		closeFD(cfd)
+		closeFD(ufd)
+		return st.res, true
+	}
+	return p.relayHandedBack(ctx, ln, end, cancelUp, ended), true
+}
+
+// relayHandedBack goes on with a stream its loop gave back: the goroutine
+// relay over the same sockets, from where the loop was.
+func (p *Proxy) relayHandedBack(ctx context.Context, ln *laneStream, end laneEnd, cancelUp context.CancelFunc, ended func()) Result {
+	client, err := fdConn(ln.cfd)
+	if err != nil {
+		closeFD(ln.ufd)
+		ln.watchdog.stop()
+		ln.st.res.Status = StatusClientClosed
+		return ln.st.res
+	}
+	defer client.Close()
+	cw := &connStreamWriter{conn: client, header: http.Header{}, pending: ln.out}
+	// The engine's stream: what the loop had not decoded, then the
+	// socket — or, cancelled, nothing more (the read fails as a cancelled
+	// upstream's does, and the relay switches or fails over).
+	var engine io.Reader = errReader{context.Canceled}
+	cancel := cancelUp
+	if end.cancelled {
+		closeFD(ln.ufd)
+		cancelUp()
+	} else if uc, err := fdConn(ln.ufd); err != nil {
+		engine = errReader{err}
+	} else {
+		defer uc.Close()
+		engine = httputil.NewChunkedReader(io.MultiReader(bytes.NewReader(ln.raw), uc))
+		cancel = func() { cancelUp(); uc.Close() }
+	}
+	ln.s.mu.Lock()
+	ln.s.cancelA = cancel
+	ln.s.mu.Unlock()
+	body := io.MultiReader(bytes.NewReader(ln.sse), engine)
+	res := p.relayFrom(ctx, cw, body, ln.s, ln.up, ln.st, ln.watchdog)
+	ended()
+	cw.finish()
+	return res
+}
+
+// lastChunk ends a chunked body.
+var lastChunk = []byte("0\r\n\r\n")
+
+// errReader fails every read with err.
+type errReader struct{ err error }
+
+func (r errReader) Read([]byte) (int, error) { return 0, r.err }
+
+// connStreamWriter is the http.ResponseWriter of a stream whose client
+// connection the relay took from net/http: the head is written, each
+// flush is one chunk.
+type connStreamWriter struct {
+	conn    net.Conn
+	header  http.Header
+	buf     []byte
+	pending []byte // bytes (framed) the loop had not written
+	err     error
+}
+
+func (w *connStreamWriter) Header() http.Header { return w.header }
+func (w *connStreamWriter) WriteHeader(int)     {}
+
+func (w *connStreamWriter) Write(b []byte) (int, error) {
+	if w.err != nil {
+		return 0, w.err
+	}
+	w.buf = append(w.buf, b...)
+	return len(b), nil
+}
+
+// FlushError writes what was written since the last flush as one chunk.
+func (w *connStreamWriter) FlushError() error {
+	if w.err != nil {
+		return w.err
+	}
+	if len(w.buf) > 0 {
+		w.pending = fmt.Appendf(w.pending, "%x\r\n", len(w.buf))
+		w.pending = append(append(w.pending, w.buf...), "\r\n"...)
+		w.buf = w.buf[:0]
+	}
+	if len(w.pending) > 0 {
+		if _, err := w.conn.Write(w.pending); err != nil {
+			w.err = err
+			return err
+		}
+		w.pending = w.pending[:0]
+	}
+	return nil
+}
+
+func (w *connStreamWriter) Flush() { _ = w.FlushError() }
+
+func (w *connStreamWriter) SetWriteDeadline(t time.Time) error { return w.conn.SetWriteDeadline(t) }
+
+// finish ends the client's chunked body.
+func (w *connStreamWriter) finish() {
+	if w.FlushError() == nil {
+		_ = w.conn.SetWriteDeadline(time.Now().Add(time.Second))
+		_, _ = w.conn.Write(lastChunk)
+	}
+}

@@ -1,0 +1,151 @@
+//go:build linux
+
+package proxy
+
+import (
+	"fmt"
+	"io"
+	"math/rand"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"go.uber.org/zap"
+)
+
+// Many streams at once on the event loop: every client gets exactly its
+// engine's bytes, every token is counted, and every stream ended on the
+// loop with its [DONE] (none handed back to a goroutine).
+func TestTheEventLoopRelaysStreamsByteExact(t *testing.T) {
+	const streams, tokens = 64, 40
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		id := r.URL.Query().Get("s")
+		for i := 0; i < tokens; i++ {
+			_, _ = fmt.Fprintf(w, "data: {\"id\":\"%s\",\"choices\":[{\"index\":0,\"text\":\" t%d\",\"finish_reason\":null}]}\n\n", id, i)
+			w.(http.Flusher).Flush()
+			if i%8 == 0 {
+				time.Sleep(time.Millisecond)
+			}
+		}
+		_, _ = io.WriteString(w, "data: [DONE]\n\n")
+	}))
+	defer engine.Close()
+	m := testMetrics()
+	p := New(Options{EventLoop: true}, m, zap.NewNop())
+	defer p.Close()
+	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		p.Forward(w, r, Upstream{BaseURL: engine.URL, Path: "/v1/completions?" + r.URL.RawQuery, Body: []byte(`{}`), Model: "m", InstanceID: "A", Stream: true})
+	}))
+	defer front.Close()
+	var wg sync.WaitGroup
+	errs := make(chan error, streams)
+	for s := 0; s < streams; s++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			resp, err := http.Post(fmt.Sprintf("%s/v1/completions?s=%d", front.URL, s), "application/json", strings.NewReader(`{}`))
+			if err != nil {
+				errs <- err
+				return
+			}
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			var want strings.Builder
+			for i := 0; i < tokens; i++ {
+				fmt.Fprintf(&want, "data: {\"id\":\"%d\",\"choices\":[{\"index\":0,\"text\":\" t%d\",\"finish_reason\":null}]}\n\n", s, i)
+			}
+			want.WriteString("data: [DONE]\n\n")
+			if string(b) != want.String() {
+				errs <- fmt.Errorf("stream %d: got %q", s, b)
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if got := testutil.ToFloat64(m.StreamTokens); got != streams*tokens {
+		t.Fatalf("counted %v tokens, want %d", got, streams*tokens)
+	}
+	if got := testutil.ToFloat64(m.LoopStreams.WithLabelValues(LoopDone)); got != streams {
+		t.Fatalf("%v streams ended on the loop, want %d (handed back: %v)", got, streams, testutil.ToFloat64(m.LoopStreams.WithLabelValues(LoopHandedBack)))
+	}
+	if testutil.ToFloat64(m.StreamsInFlight) != 0 {
+		t.Fatal("stream gauge not back to 0")
+	}
+}
+
+// The loop's event parser reads what EventReader reads, from any split of
+// the bytes into reads.
+func TestNextEventReadsAsTheEventReader(t *testing.T) {
+	rng := rand.New(rand.NewSource(1))
+	pieces := []string{"data: {\"a\":1}\n\n", "data: x\r\ndata: y\r\n\r\n", ": comment\n\n", "\n", "event: e\ndata: z\n\n",
+		"data:nospace\n\n", "id: 7\n\n", "data: one\ndata: two\ndata: three\n\n"}
+	for round := 0; round < 200; round++ {
+		var all strings.Builder
+		for i := 0; i < 1+rng.Intn(12); i++ {
+			all.WriteString(pieces[rng.Intn(len(pieces))])
+		}
+		text := all.String()
+		var want []Event
+		er := NewEventReader(strings.NewReader(text))
+		for {
+			ev, err := er.Next()
+			if err != nil {
+				break
+			}
+			want = append(want, Event{Raw: append([]byte(nil), ev.Raw...), Data: append([]byte(nil), ev.Data...)})
+		}
+		// The loop sees the bytes arrive in random pieces.
+		var buf, scratch []byte
+		var got []Event
+		for rest := text; len(rest) > 0 || len(buf) > 0; {
+			if len(rest) > 0 {
+				n := 1 + rng.Intn(len(rest))
+				buf, rest = append(buf, rest[:n]...), rest[n:]
+			}
+			off := 0
+			for {
+				ev, n, ok, err := nextEvent(buf[off:], &scratch)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !ok {
+					break
+				}
+				got = append(got, Event{Raw: append([]byte(nil), ev.Raw...), Data: append([]byte(nil), ev.Data...)})
+				off += n
+			}
+			buf = buf[off:]
+			if len(rest) == 0 {
+				break
+			}
+		}
+		if fmt.Sprintf("%q", got) != fmt.Sprintf("%q", want) {
+			t.Fatalf("from %q\ngot  %q\nwant %q", text, got, want)
+		}
+	}
+}
+
+// The loop decodes whole chunks only, so what it keeps starts at a chunk
+// that a goroutine's chunked reader can go on from.
+func TestDecodeTakesWholeChunks(t *testing.T) {
+	ln := &laneStream{raw: []byte("5;ext=1\r\nhello\r\n3\r\nab")}
+	if ended, bad := ln.decode(); ended || bad || string(ln.sse) != "hello" || string(ln.raw) != "3\r\nab" {
+		t.Fatalf("ended %v bad %v sse %q raw %q", ended, bad, ln.sse, ln.raw)
+	}
+	ln.raw = append(ln.raw, "c\r\n0\r\n\r\n"...)
+	if ended, bad := ln.decode(); !ended || bad || string(ln.sse) != "helloabc" || string(ln.raw) != "0\r\n\r\n" {
+		t.Fatalf("ended %v bad %v sse %q raw %q", ended, bad, ln.sse, ln.raw)
+	}
+	ln = &laneStream{raw: []byte("zz\r\n")}
+	if _, bad := ln.decode(); !bad {
+		t.Fatal("a size that is not hex was taken")
+	}
+}
