@@ -21,8 +21,8 @@ import (
 )
 
 // The event loop relays a stream the way nginx does: edge-triggered epoll
-// over the client's and the engine's sockets, a few loops each on an OS
-// thread of its own, no goroutine woken per event, one read (until a
+// over the client's and the engine's sockets, a loop per CPU Go uses, no
+// goroutine woken per event, one read (until a
 // short read: the socket is drained and the next byte brings a new edge)
 // and one write per batch of events. Go's poller cannot read that way —
 // it reads once more into EAGAIN before it parks a goroutine — and
@@ -68,7 +68,12 @@ func (ls *eventLoops) close() {
 
 type eventLoop struct {
 	ep, wake int
-	log      *zap.Logger
+	// epFile is ep in Go's poller: an idle loop parks there, woken when
+	// one of its sockets has something (an epoll descriptor is readable
+	// then), like any goroutine waiting on a socket.
+	epFile *os.File
+	epRaw  syscall.RawConn
+	log    *zap.Logger
 
 	mu      sync.Mutex // guards what other goroutines hand the loop
 	adds    []*laneStream
@@ -76,6 +81,9 @@ type eventLoop struct {
 	stopped bool
 
 	byFD map[int32]*laneStream // the loop's own
+	// The loop's buffers for one read: the engine's bytes, their chunks'
+	// data, the events the client gets, and those framed.
+	rbuf, sse, frame, out []byte
 }
 
 func newEventLoop(log *zap.Logger) (*eventLoop, error) {
@@ -93,7 +101,19 @@ func newEventLoop(log *zap.Logger) (*eventLoop, error) {
 		unix.Close(wake)
 		return nil, fmt.Errorf("epoll: %w", err)
 	}
-	return &eventLoop{ep: ep, wake: wake, log: log, byFD: map[int32]*laneStream{}}, nil
+	if err := unix.SetNonblock(ep, true); err != nil {
+		unix.Close(ep)
+		unix.Close(wake)
+		return nil, fmt.Errorf("epoll: %w", err)
+	}
+	l := &eventLoop{ep: ep, wake: wake, log: log, byFD: map[int32]*laneStream{}, rbuf: make([]byte, 64<<10)}
+	l.epFile = os.NewFile(uintptr(ep), "epoll")
+	if l.epRaw, err = l.epFile.SyscallConn(); err != nil {
+		l.epFile.Close()
+		unix.Close(wake)
+		return nil, fmt.Errorf("epoll: %w", err)
+	}
+	return l, nil
 }
 
 // add gives the loop a stream; false when the loop stopped.
@@ -131,23 +151,30 @@ func (l *eventLoop) poke() {
 }
 
 func (l *eventLoop) run() {
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
 	events := make([]unix.EpollEvent, 256)
 	for {
-		// Under load something is ready on most turns: a poll that does
-		// not block needs no word with Go's scheduler. Only an idle loop
-		// blocks — as a system call the scheduler knows of, which gives
-		// its P up to the rest of the program meanwhile.
-		n, err := epollPoll(l.ep, events)
-		if err == nil && n == 0 {
-			n, err = unix.EpollWait(l.ep, events, -1)
+		// The loop asks its epoll without blocking (a raw system call,
+		// no word with Go's scheduler); with nothing ready it parks in
+		// Go's poller until there is. A loop blocked in epoll_wait
+		// instead holds a P in a system call, which Go's monitor (sysmon)
+		// takes away after 20 µs and the loop takes back on every wake:
+		// 8 % of a loaded Host's CPU. A busy loop yields between its
+		// turns: Go preempts a goroutine that runs 10 ms without one,
+		// which keeps that monitor waking every 20 µs too.
+		var n int
+		var perr error
+		err := l.epRaw.Read(func(fd uintptr) bool {
+			n, perr = epollPoll(int(fd), events)
+			return perr != nil || n > 0
+		})
+		if err == nil {
+			err = perr
 		}
 		if errors.Is(err, unix.EINTR) {
 			continue
 		}
 		if err != nil {
-			l.log.Error("event loop: epoll_wait failed; its streams go back to their goroutines", zap.Error(err))
+			l.log.Error("event loop: epoll failed; its streams go back to their goroutines", zap.Error(err))
 			l.shutdown()
 			return
 		}
@@ -168,11 +195,12 @@ func (l *eventLoop) run() {
 					l.end(ln, laneEnd{clientGone: true})
 					continue
 				}
-				l.flush(ln)
+				l.flush(ln, nil)
 				continue
 			}
 			l.relay(ln, true)
 		}
+		runtime.Gosched()
 	}
 }
 
@@ -220,7 +248,7 @@ func (l *eventLoop) shutdown() {
 			l.end(ln, laneEnd{handBack: true})
 		}
 	}
-	unix.Close(l.ep)
+	l.epFile.Close()
 	unix.Close(l.wake)
 }
 
@@ -229,35 +257,55 @@ func (l *eventLoop) shutdown() {
 // deadline cuts it off.
 const maxLaneOut = 1 << 20
 
-// relay reads what the engine has (read), decodes its complete chunks,
-// takes their events as the goroutine relay does (admit), and writes
-// what the client gets in one call.
+// relay reads what the engine has (read: until a read that does not fill
+// the loop's buffer), and takes each read's events (take).
 func (l *eventLoop) relay(ln *laneStream, read bool) {
-	eof := false
-	for read {
-		if cap(ln.raw)-len(ln.raw) < 16<<10 {
-			ln.raw = append(ln.raw[:cap(ln.raw)], make([]byte, 64<<10)...)[:len(ln.raw)]
+	for {
+		var data []byte
+		eof, more := false, false
+		if read {
+			n, err := rawRead(ln.ufd, l.rbuf)
+			switch {
+			case n > 0:
+				data, more = l.rbuf[:n], n == len(l.rbuf)
+			case errors.Is(err, unix.EAGAIN):
+			default:
+				eof = true // the goroutine relay reads the end and decides
+			}
 		}
-		space := ln.raw[len(ln.raw):cap(ln.raw)]
-		n, err := rawRead(ln.ufd, space)
-		if n > 0 {
-			ln.raw = ln.raw[:len(ln.raw)+n]
-		}
-		if errors.Is(err, unix.EAGAIN) || (err == nil && n > 0 && n < len(space)) {
-			break
-		}
-		if err != nil || n == 0 {
-			eof = true // the goroutine relay reads the end and decides
-			break
+		if !l.take(ln, data, eof) || !more {
+			return
 		}
 	}
+}
+
+// take decodes the engine's complete chunks (what ln kept of the last
+// read, then data), takes their events as the goroutine relay does
+// (admit), and writes what the client gets as one chunk. The loop's
+// buffers hold a read's bytes; a stream keeps only what a read left
+// unfinished (part of a chunk or of an event), so a thousand streams
+// cost a thousand small slices, not a thousand buffers. False: the
+// stream left the loop.
+func (l *eventLoop) take(ln *laneStream, data []byte, eof bool) bool {
 	now := time.Now()
-	ended, bad := ln.decode()
-	var frame []byte // this batch's events, one chunk to the client
+	src := data
+	if len(ln.raw) > 0 {
+		ln.raw = append(ln.raw, data...)
+		src = ln.raw
+	}
+	sse := append(l.sse[:0], ln.sse...)
+	used, ended, bad, sse := decodeChunks(src, sse)
+	l.sse = sse[:0]
+	if rest := src[used:]; len(ln.raw) > 0 {
+		ln.raw = ln.raw[:copy(ln.raw, rest)]
+	} else if len(rest) > 0 {
+		ln.raw = append(ln.raw[:0], rest...)
+	}
+	frame := l.frame[:0] // this read's events, one chunk to the client
 	handBack, cancelled := false, false
 	off := 0
 	for !ln.doneUp && !handBack {
-		ev, n, ok, err := nextEvent(ln.sse[off:], &ln.data)
+		ev, n, ok, err := nextEvent(sse[off:], &ln.data)
 		if err != nil {
 			handBack = true // the goroutine's reader says what is wrong
 			break
@@ -293,33 +341,52 @@ func (l *eventLoop) relay(ln *laneStream, read bool) {
 			ln.st.res.Done = true
 		}
 	}
-	ln.sse = ln.sse[:copy(ln.sse, ln.sse[off:])]
+	l.frame = frame[:0]
+	ln.sse = append(ln.sse[:0], sse[off:]...)
 	// The engine's stream ended (or broke) before its [DONE]: the
 	// goroutine relay reads that end and fails over or says so.
 	handBack = handBack || (!ln.doneUp && (eof || ended || bad))
+	out := l.out[:0]
 	if len(frame) > 0 {
-		ln.out = strconv.AppendInt(ln.out, int64(len(frame)), 16)
-		ln.out = append(ln.out, "\r\n"...)
-		ln.out = append(ln.out, frame...)
-		ln.out = append(ln.out, "\r\n"...)
+		out = strconv.AppendInt(out, int64(len(frame)), 16)
+		out = append(out, "\r\n"...)
+		out = append(out, frame...)
+		out = append(out, "\r\n"...)
 	}
-	if !l.flush(ln) {
-		return // ended
+	l.out = out[:0]
+	if !l.flush(ln, out) {
+		return false // ended
 	}
 	if handBack {
 		l.end(ln, laneEnd{handBack: true, cancelled: cancelled})
+		return false
 	}
+	return true
 }
 
-// flush writes what the client has not taken; false when the stream
-// ended (its client went away, or it is done).
-func (l *eventLoop) flush(ln *laneStream) bool {
-	for len(ln.out) > 0 {
-		n, err := rawWrite(ln.cfd, ln.out)
-		if n > 0 {
+// flush writes to the client what it has not taken, then fresh; false
+// when the stream ended (its client went away, or it is done).
+func (l *eventLoop) flush(ln *laneStream, fresh []byte) bool {
+	if len(ln.out) > 0 {
+		ln.out = append(ln.out, fresh...)
+		fresh = nil
+	}
+	for len(ln.out) > 0 || len(fresh) > 0 {
+		b := ln.out
+		if len(b) == 0 {
+			b = fresh
+		}
+		n, err := rawWrite(ln.cfd, b)
+		if n < 0 {
+			n = 0
+		}
+		if len(ln.out) > 0 {
 			ln.out = ln.out[:copy(ln.out, ln.out[n:])]
+		} else {
+			fresh = fresh[n:]
 		}
 		if errors.Is(err, unix.EAGAIN) {
+			ln.out = append(ln.out, fresh...) // the client is behind: the stream keeps the rest
 			if len(ln.out) > maxLaneOut {
 				l.end(ln, laneEnd{handBack: true})
 				return false
@@ -358,18 +425,16 @@ func (l *eventLoop) end(ln *laneStream, e laneEnd) {
 	ln.ends <- e
 }
 
-// decode moves the engine's complete chunks from raw to sse: only whole
-// ones, so that what raw keeps starts at a chunk (a goroutine taking the
-// stream reads it with a chunked reader). ended: the last chunk came;
-// bad: raw is not chunked.
-func (ln *laneStream) decode() (ended, bad bool) {
-	off := 0
+// decodeChunks appends the data of src's complete chunks to dst: only
+// whole ones, so that what is left of src starts at a chunk (a goroutine
+// taking the stream reads it with a chunked reader). used: the bytes of
+// src taken; ended: the last chunk came; bad: src is not chunked.
+func decodeChunks(src, dst []byte) (used int, ended, bad bool, out []byte) {
 	for {
-		rest := ln.raw[off:]
+		rest := src[used:]
 		i := bytes.Index(rest, crlf)
 		if i < 0 {
-			bad = len(rest) > 4096
-			break
+			return used, false, len(rest) > 4096, dst
 		}
 		sizeText := rest[:i]
 		if j := bytes.IndexByte(sizeText, ';'); j >= 0 {
@@ -377,26 +442,21 @@ func (ln *laneStream) decode() (ended, bad bool) {
 		}
 		size, err := strconv.ParseUint(string(bytes.TrimSpace(sizeText)), 16, 31)
 		if err != nil {
-			bad = true
-			break
+			return used, false, true, dst
 		}
 		if size == 0 {
-			ended = true // the engine's body ended: the goroutine reads the rest
-			break
+			return used, true, false, dst // the engine's body ended: the goroutine reads the rest
 		}
 		end := i + 2 + int(size) + 2
 		if len(rest) < end {
-			break
+			return used, false, false, dst
 		}
 		if !bytes.Equal(rest[end-2:end], crlf) {
-			bad = true
-			break
+			return used, false, true, dst
 		}
-		ln.sse = append(ln.sse, rest[i+2:i+2+int(size)]...)
-		off += end
+		dst = append(dst, rest[i+2:i+2+int(size)]...)
+		used += end
 	}
-	ln.raw = ln.raw[:copy(ln.raw, ln.raw[off:])]
-	return ended, bad
 }
 
 var crlf = []byte("\r\n")

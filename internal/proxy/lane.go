@@ -38,8 +38,8 @@ type laneStream struct {
 	st       *relayState
 	watchdog *idleWatchdog
 	cfd, ufd int
-	raw      []byte      // the engine's chunked bytes not yet decoded (whole chunks from its start)
-	sse      []byte      // decoded SSE bytes not yet taken as events
+	raw      []byte      // the engine's bytes a read left undecoded (from the start of a chunk)
+	sse      []byte      // decoded SSE bytes a read left untaken (from the start of an event)
 	out      []byte      // bytes for the client not yet written
 	pending  []time.Time // read times of the events in out
 	data     []byte      // an event's data lines joined
@@ -164,7 +164,7 @@ func (p *Proxy) relayOnLoop(ctx context.Context, w http.ResponseWriter, resp *ht
 
 	st := &relayState{res: Result{Status: http.StatusOK}}
 	// What the head's read took of the body goes first.
-	first := make([]byte, lb.lc.br.Buffered(), max(lb.lc.br.Buffered(), 64<<10))
+	first := make([]byte, lb.lc.br.Buffered())
 	_, _ = io.ReadFull(lb.lc.br, first)
 	lb.lc.taken = true
 	cfd, releaseClient, cerr := dupFD(client)

@@ -136,16 +136,17 @@ func TestNextEventReadsAsTheEventReader(t *testing.T) {
 // The loop decodes whole chunks only, so what it keeps starts at a chunk
 // that a goroutine's chunked reader can go on from.
 func TestDecodeTakesWholeChunks(t *testing.T) {
-	ln := &laneStream{raw: []byte("5;ext=1\r\nhello\r\n3\r\nab")}
-	if ended, bad := ln.decode(); ended || bad || string(ln.sse) != "hello" || string(ln.raw) != "3\r\nab" {
-		t.Fatalf("ended %v bad %v sse %q raw %q", ended, bad, ln.sse, ln.raw)
+	src := []byte("5;ext=1\r\nhello\r\n3\r\nab")
+	used, ended, bad, out := decodeChunks(src, nil)
+	if ended || bad || string(out) != "hello" || string(src[used:]) != "3\r\nab" {
+		t.Fatalf("ended %v bad %v data %q left %q", ended, bad, out, src[used:])
 	}
-	ln.raw = append(ln.raw, "c\r\n0\r\n\r\n"...)
-	if ended, bad := ln.decode(); !ended || bad || string(ln.sse) != "helloabc" || string(ln.raw) != "0\r\n\r\n" {
-		t.Fatalf("ended %v bad %v sse %q raw %q", ended, bad, ln.sse, ln.raw)
+	src = append(src[used:], "c\r\n0\r\n\r\n"...)
+	used, ended, bad, out = decodeChunks(src, out)
+	if !ended || bad || string(out) != "helloabc" || string(src[used:]) != "0\r\n\r\n" {
+		t.Fatalf("ended %v bad %v data %q left %q", ended, bad, out, src[used:])
 	}
-	ln = &laneStream{raw: []byte("zz\r\n")}
-	if _, bad := ln.decode(); !bad {
+	if _, _, bad, _ := decodeChunks([]byte("zz\r\n"), nil); !bad {
 		t.Fatal("a size that is not hex was taken")
 	}
 }
