@@ -85,7 +85,9 @@ func (b *laneBody) Close() error {
 // laneFits says whether the event loop may relay a stream of r sent to
 // baseURL.
 func (p *Proxy) laneFits(r *http.Request, baseURL string, up Upstream) bool {
-	return p.loops != nil && up.Stream && r.ProtoMajor == 1 && r.TLS == nil && strings.HasPrefix(baseURL, "http://")
+	// HTTP/1.1 exactly: the loop writes a chunked body, which neither an
+	// HTTP/1.0 client reads nor an HTTP/2 connection carries.
+	return p.loops != nil && up.Stream && r.ProtoMajor == 1 && r.ProtoMinor == 1 && r.TLS == nil && strings.HasPrefix(baseURL, "http://")
 }
 
 // do sends req: over net/http's pool, or (lane) over a connection of the

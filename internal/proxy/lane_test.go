@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"math/rand"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -16,6 +17,19 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"go.uber.org/zap"
 )
+
+// loopFront serves a proxy with the event loop on, relaying each stream
+// (its query passed on) to the engine at engineURL.
+func loopFront(t *testing.T, engineURL string) (*httptest.Server, *Metrics) {
+	t.Helper()
+	m := testMetrics()
+	p := New(Options{EventLoop: true}, m, zap.NewNop())
+	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		p.Forward(w, r, Upstream{BaseURL: engineURL, Path: "/v1/completions?" + r.URL.RawQuery, Body: []byte(`{}`), Model: "m", InstanceID: "A", Stream: true})
+	}))
+	t.Cleanup(func() { front.Close(); p.Close() })
+	return front, m
+}
 
 // Many streams at once on the event loop: every client gets exactly its
 // engine's bytes, every token is counted, and every stream ended on the
@@ -35,13 +49,7 @@ func TestTheEventLoopRelaysStreamsByteExact(t *testing.T) {
 		_, _ = io.WriteString(w, "data: [DONE]\n\n")
 	}))
 	defer engine.Close()
-	m := testMetrics()
-	p := New(Options{EventLoop: true}, m, zap.NewNop())
-	defer p.Close()
-	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		p.Forward(w, r, Upstream{BaseURL: engine.URL, Path: "/v1/completions?" + r.URL.RawQuery, Body: []byte(`{}`), Model: "m", InstanceID: "A", Stream: true})
-	}))
-	defer front.Close()
+	front, m := loopFront(t, engine.URL)
 	var wg sync.WaitGroup
 	errs := make(chan error, streams)
 	for s := 0; s < streams; s++ {
@@ -148,5 +156,35 @@ func TestDecodeTakesWholeChunks(t *testing.T) {
 	}
 	if _, _, bad, _ := decodeChunks([]byte("zz\r\n"), nil); !bad {
 		t.Fatal("a size that is not hex was taken")
+	}
+}
+
+// An HTTP/1.0 client cannot read the loop's chunked body: its stream
+// stays on the goroutine relay, and it gets the engine's events whole.
+func TestAnHTTP10ClientStaysOffTheLoop(t *testing.T) {
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, tokenEvent(0))
+		w.(http.Flusher).Flush() // a chunked body, as an engine's stream is
+		_, _ = io.WriteString(w, "data: [DONE]\n\n")
+	}))
+	defer engine.Close()
+	front, m := loopFront(t, engine.URL)
+	c, err := net.Dial("tcp", strings.TrimPrefix(front.URL, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_, _ = io.WriteString(c, "POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	b, _ := io.ReadAll(c)
+	if !strings.HasPrefix(string(b), "HTTP/1.0 200") || strings.Contains(string(b), "Transfer-Encoding: chunked") ||
+		!strings.HasSuffix(string(b), tokenEvent(0)+"data: [DONE]\n\n") {
+		t.Fatalf("the HTTP/1.0 client read:\n%s", b)
+	}
+	for _, o := range []string{LoopDone, LoopClientClosed, LoopHandedBack} {
+		if n := testutil.ToFloat64(m.LoopStreams.WithLabelValues(o)); n != 0 {
+			t.Fatalf("the loop took an HTTP/1.0 stream (%s %v)", o, n)
+		}
 	}
 }
