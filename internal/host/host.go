@@ -32,6 +32,7 @@ import (
 	"github.com/vllm-hi/vllm-hi/internal/drain"
 	"github.com/vllm-hi/vllm-hi/internal/failover"
 	"github.com/vllm-hi/vllm-hi/internal/grpcauth"
+	"github.com/vllm-hi/vllm-hi/internal/listener"
 	"github.com/vllm-hi/vllm-hi/internal/migrate"
 	"github.com/vllm-hi/vllm-hi/internal/periodic"
 	"github.com/vllm-hi/vllm-hi/internal/proxy"
@@ -392,9 +393,12 @@ func (h *Host) Serve(ctx context.Context, ln net.Listener) error {
 	} else {
 		srv.Protocols.SetUnencryptedHTTP2(true) // gRPC from agents, without TLS
 	}
-	if h.cfg.MaxConnections > 0 {
-		ln = newLimitListener(ln, h.cfg.MaxConnections)
-	}
+	// The client listener bounds the connections served at once, and
+	// takes back a connection whose stream the relay's event loop ended,
+	// for its next request (keep-alive).
+	cl := listener.New(ln, h.cfg.MaxConnections)
+	ln = cl
+	h.proxy.SetKeepAlive(cl.Reserve)
 	sweepCtx, stopSweep := context.WithCancel(context.Background())
 	defer stopSweep()
 	go h.sweep(sweepCtx)

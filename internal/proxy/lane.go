@@ -133,19 +133,25 @@ func (p *Proxy) do(req *http.Request, lane bool) (*http.Response, error) {
 // relayOnLoop relays resp's stream on an event loop, and on its goroutine
 // once the loop hands it back. ok false: the stream could not go on a
 // loop (nothing was written; the caller relays it).
-func (p *Proxy) relayOnLoop(ctx context.Context, w http.ResponseWriter, resp *http.Response, s *Stream, up Upstream) (res Result, ok bool) {
+func (p *Proxy) relayOnLoop(ctx context.Context, w http.ResponseWriter, r *http.Request, resp *http.Response, s *Stream, up Upstream) (res Result, ok bool) {
 	lb, isLane := resp.Body.(*laneBody)
 	if !isLane || len(resp.TransferEncoding) != 1 || resp.TransferEncoding[0] != "chunked" {
 		return Result{}, false
 	}
 	h := w.Header().Clone()
-	client, _, err := http.NewResponseController(w).Hijack()
+	client, buffered, err := http.NewResponseController(w).Hijack()
 	if err != nil {
 		return Result{}, false
 	}
+	// The connection is served again after the stream (SetKeepAlive)
+	// unless the client asked otherwise, or sent more than this request
+	// already (what net/http read of it would be lost).
+	keepAlive := p.keepAlive != nil && !r.Close && buffered.Reader.Buffered() == 0
 	writeStreamHead(h)
 	h.Del("Content-Length")
-	h.Set("Connection", "close")
+	if !keepAlive {
+		h.Set("Connection", "close")
+	}
 	h.Set("Date", time.Now().UTC().Format(http.TimeFormat))
 	var head bytes.Buffer
 	head.WriteString("HTTP/1.1 200 OK\r\n")
@@ -208,21 +214,40 @@ func (p *Proxy) relayOnLoop(ctx context.Context, w http.ResponseWriter, resp *ht
 	if !end.handBack {
 		ln.watchdog.stop()
 		ended()
+		closeFD(ufd)
+		whole := false
 		if end.clientGone {
 			st.res.Status = StatusClientClosed
 		} else {
-			_ = writeFD(cfd, lastChunk, time.Second)
+			whole = writeFD(cfd, lastChunk, time.Second) == nil
 		}
-		closeFD(cfd)
-		closeFD(ufd)
+		if !whole || !keepAlive {
+			closeFD(cfd)
+			return st.res, true
+		}
+		conn, err := fdConn(cfd) // cfd is closed: conn holds a duplicate
+		if err != nil {
+			return st.res, true
+		}
+		releaseClient() // the connection's slot: accepted again, it takes one
+		p.serveAgain(conn)
 		return st.res, true
 	}
-	return p.relayHandedBack(ctx, ln, end, cancelUp, ended), true
+	return p.relayHandedBack(ctx, ln, end, cancelUp, ended, keepAlive, releaseClient), true
+}
+
+// serveAgain hands a client connection whose response is whole to the
+// server for the client's next request, or closes it.
+func (p *Proxy) serveAgain(conn net.Conn) {
+	_ = conn.SetDeadline(time.Time{})
+	if !p.keepAlive(conn) {
+		conn.Close()
+	}
 }
 
 // relayHandedBack goes on with a stream its loop gave back: the goroutine
 // relay over the same sockets, from where the loop was.
-func (p *Proxy) relayHandedBack(ctx context.Context, ln *laneStream, end laneEnd, cancelUp context.CancelFunc, ended func()) Result {
+func (p *Proxy) relayHandedBack(ctx context.Context, ln *laneStream, end laneEnd, cancelUp context.CancelFunc, ended func(), keepAlive bool, releaseClient func()) Result {
 	client, err := fdConn(ln.cfd)
 	if err != nil {
 		closeFD(ln.ufd)
@@ -230,7 +255,6 @@ func (p *Proxy) relayHandedBack(ctx context.Context, ln *laneStream, end laneEnd
 		ln.st.res.Status = StatusClientClosed
 		return ln.st.res
 	}
-	defer client.Close()
 	cw := &connStreamWriter{conn: client, header: http.Header{}, pending: ln.out}
 	// The engine's stream: what the loop had not decoded, then the
 	// socket — or, cancelled, nothing more (the read fails as a cancelled
@@ -253,7 +277,12 @@ func (p *Proxy) relayHandedBack(ctx context.Context, ln *laneStream, end laneEnd
 	body := io.MultiReader(bytes.NewReader(ln.sse), engine)
 	res := p.relayFrom(ctx, cw, body, ln.s, ln.up, ln.st, ln.watchdog)
 	ended()
-	cw.finish()
+	if cw.finish() != nil || !keepAlive || res.Status == StatusClientClosed {
+		client.Close()
+		return res
+	}
+	releaseClient()
+	p.serveAgain(client)
 	return res
 }
 
@@ -312,9 +341,11 @@ func (w *connStreamWriter) Flush() { _ = w.FlushError() }
 func (w *connStreamWriter) SetWriteDeadline(t time.Time) error { return w.conn.SetWriteDeadline(t) }
 
 // finish ends the client's chunked body.
-func (w *connStreamWriter) finish() {
-	if w.FlushError() == nil {
-		_ = w.conn.SetWriteDeadline(time.Now().Add(time.Second))
-		_, _ = w.conn.Write(lastChunk)
+func (w *connStreamWriter) finish() error {
+	if err := w.FlushError(); err != nil {
+		return err
 	}
+	_ = w.conn.SetWriteDeadline(time.Now().Add(time.Second))
+	_, err := w.conn.Write(lastChunk)
+	return err
 }

@@ -3,12 +3,14 @@
 package proxy
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"math/rand"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httptrace"
 	"strings"
 	"sync"
 	"testing"
@@ -16,6 +18,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"go.uber.org/zap"
+
+	"github.com/vllm-hi/vllm-hi/internal/listener"
 )
 
 // loopFront serves a proxy with the event loop on, relaying each stream
@@ -186,5 +190,57 @@ func TestAnHTTP10ClientStaysOffTheLoop(t *testing.T) {
 		if n := testutil.ToFloat64(m.LoopStreams.WithLabelValues(o)); n != 0 {
 			t.Fatalf("the loop took an HTTP/1.0 stream (%s %v)", o, n)
 		}
+	}
+}
+
+// With a listener that takes connections back (the Host's), a client's
+// connection outlives its stream on the loop: its next requests go over
+// the same connection, each relayed on the loop, each body whole.
+func TestTheLoopKeepsAClientsConnection(t *testing.T) {
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for i := 0; i < 3; i++ {
+			_, _ = io.WriteString(w, tokenEvent(i))
+			w.(http.Flusher).Flush()
+		}
+		_, _ = io.WriteString(w, "data: [DONE]\n\n")
+	}))
+	defer engine.Close()
+	m := testMetrics()
+	p := New(Options{EventLoop: true}, m, zap.NewNop())
+	defer p.Close()
+	front := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.ReadAll(r.Body) // as the Host does: what net/http has buffered is then nobody's
+		p.Forward(w, r, Upstream{BaseURL: engine.URL, Path: "/v1/completions", Body: []byte(`{}`), Model: "m", InstanceID: "A", Stream: true})
+	}))
+	ln := listener.New(front.Listener, 0)
+	front.Listener = ln
+	p.SetKeepAlive(ln.Reserve)
+	front.Start()
+	defer front.Close()
+	client := &http.Client{Transport: &http.Transport{MaxConnsPerHost: 1}}
+	reused := 0
+	for i := 0; i < 3; i++ {
+		ctx := httptrace.WithClientTrace(context.Background(), &httptrace.ClientTrace{GotConn: func(info httptrace.GotConnInfo) {
+			if info.Reused {
+				reused++
+			}
+		}})
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, front.URL+"/v1/completions", strings.NewReader(`{}`))
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if string(b) != tokensThenDone(3) || resp.Close {
+			t.Fatalf("request %d: close %v, read %q", i, resp.Close, b)
+		}
+	}
+	if reused != 2 {
+		t.Fatalf("%d of the 2 later requests went over the first one's connection", reused)
+	}
+	if got := testutil.ToFloat64(m.LoopStreams.WithLabelValues(LoopDone)); got != 3 {
+		t.Fatalf("%v streams ended on the loop, want 3", got)
 	}
 }

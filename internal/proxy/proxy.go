@@ -34,6 +34,7 @@ type Proxy struct {
 	// loops relay plain HTTP/1.1 streams (Options.EventLoop; nil: off),
 	// over engine connections of the relay's own (dialer).
 	loops           *eventLoops
+	keepAlive       func(net.Conn) bool // SetKeepAlive
 	dialer          *net.Dialer
 	upstreamTimeout time.Duration
 }
@@ -330,7 +331,7 @@ func (p *Proxy) Forward(w http.ResponseWriter, r *http.Request, up Upstream) Res
 	if !isEventStream(resp) {
 		return p.passThrough(w, resp, up)
 	}
-	if res, ok := p.relayOnLoop(ctx, w, resp, s, up); ok {
+	if res, ok := p.relayOnLoop(ctx, w, r, resp, s, up); ok {
 		return res
 	}
 	return p.relay(ctx, w, resp.Body, s, up)
@@ -584,6 +585,13 @@ const maxReplayBody = 256 << 10
 // SetRecover turns on failover: a stream whose upstream breaks goes on
 // from where recover installs it. Set before serving.
 func (p *Proxy) SetRecover(recover RecoverFunc) { p.recover = recover }
+
+// SetKeepAlive sets where a client connection whose stream the event loop
+// relayed goes once the stream's body is whole: keepAlive serves it again
+// for the client's next request (the Host's listener takes it back);
+// false, or none set, closes it — and then the stream's head says
+// Connection: close. Call before serving.
+func (p *Proxy) SetKeepAlive(keepAlive func(net.Conn) bool) { p.keepAlive = keepAlive }
 
 // recovered is where a broken stream goes on: the new engine's stream
 // (nil: nowhere) and whether it replays the request from its start.

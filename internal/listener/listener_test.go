@@ -1,4 +1,4 @@
-package host
+package listener
 
 import (
 	"net"
@@ -15,7 +15,7 @@ func TestLimitListenerHoldsASlotPerConnection(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ln := newLimitListener(inner, 1)
+	ln := New(inner, 1)
 	defer ln.Close()
 	accepted := make(chan net.Conn, 2)
 	go func() {
@@ -59,5 +59,38 @@ func TestLimitListenerHoldsASlotPerConnection(t *testing.T) {
 		second.Close()
 	case <-time.After(5 * time.Second):
 		t.Fatal("the slot was not freed by the release")
+	}
+}
+
+// A connection handed back (Reserve) is accepted again, and served.
+func TestAConnectionHandedBackIsAcceptedAgain(t *testing.T) {
+	inner, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln := New(inner, 0)
+	defer ln.Close()
+	client, err := net.Dial("tcp", inner.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	first, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !ln.Reserve(first) {
+		t.Fatal("the listener did not take the connection back")
+	}
+	again, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer again.Close()
+	_, _ = client.Write([]byte("x"))
+	b := make([]byte, 1)
+	_ = again.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := again.Read(b); err != nil || b[0] != 'x' {
+		t.Fatalf("read %q, %v from the connection accepted again", b, err)
 	}
 }
