@@ -296,6 +296,10 @@ func (l *eventLoop) take(ln *laneStream, data []byte, eof bool) bool {
 	sse := append(l.sse[:0], ln.sse...)
 	used, ended, bad, sse := decodeChunks(src, sse)
 	l.sse = sse[:0]
+	// The answer ended exactly: once its [DONE] is taken below, the
+	// connection can carry another stream. (Its last chunk stays in raw:
+	// a goroutine taking a stream that ended without [DONE] reads it.)
+	ln.engineDone = ended && bytes.Equal(src[used:], lastChunk)
 	if rest := src[used:]; len(ln.raw) > 0 {
 		ln.raw = ln.raw[:copy(ln.raw, rest)]
 	} else if len(rest) > 0 {
@@ -555,6 +559,15 @@ func fdConn(fd int) (net.Conn, error) {
 }
 
 func closeFD(fd int) { _ = unix.Close(fd) }
+
+// idleAlive says whether an idle connection's peer still keeps it:
+// nothing to read on it (a peer that closed it, or sent something
+// unasked, makes it readable).
+func idleAlive(fd int) bool {
+	fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+	n, err := unix.Poll(fds, 0)
+	return err == nil && n == 0
+}
 
 // The loop's reads, writes and polls never block (its sockets are
 // non-blocking): made as raw system calls, they cost no entry to and exit

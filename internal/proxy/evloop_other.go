@@ -27,3 +27,4 @@ func fdConn(int) (net.Conn, error)          { return nil, errNoLoops }
 func closeFD(int)                           {}
 
 func writeFD(int, []byte, time.Duration) error { return errNoLoops }
+func idleAlive(int) bool                       { return false }

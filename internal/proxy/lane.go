@@ -44,6 +44,11 @@ type laneStream struct {
 	pending  []time.Time // read times of the events in out
 	data     []byte      // an event's data lines joined
 	doneUp   bool        // [DONE] was taken
+	// engineAddr is the engine's host:port; engineDone says its answer
+	// ended exactly (its last chunk read, nothing after it): the
+	// connection can carry another stream (enginePool).
+	engineAddr string
+	engineDone bool
 	// registered: on its loop (the loop's own).
 	registered bool
 	ends       chan laneEnd // buffered: how the stream left its loop
@@ -60,7 +65,8 @@ type laneEnd struct {
 type laneConn struct {
 	conn  net.Conn
 	br    *bufio.Reader
-	taken bool // the event loop has its socket
+	addr  string // the engine's host:port, where it keeps the connection after the answer ("": it does not)
+	taken bool   // the event loop has its socket
 }
 
 // laneBody is the body of an answer read over a laneConn: closing it
@@ -97,19 +103,38 @@ func (p *Proxy) do(req *http.Request, lane bool) (*http.Response, error) {
 		return p.client.Do(req)
 	}
 	ctx := req.Context()
+	// An engine connection a stream on the loop left open, where there is
+	// one; one its engine closed meanwhile fails before any answer, and
+	// the request goes again on a new connection (it was not taken).
+	if fd, ok := p.engines.get(req.URL.Host); ok {
+		if conn, err := fdConn(fd); err == nil {
+			resp, err := p.send(req, conn)
+			if err == nil || ctx.Err() != nil || req.GetBody == nil {
+				return resp, err
+			}
+			if req.Body, err = req.GetBody(); err != nil {
+				return nil, err
+			}
+		}
+	}
 	conn, err := p.dialer.DialContext(ctx, "tcp", req.URL.Host)
 	if err != nil {
 		return nil, fmt.Errorf("post %s: %w", req.URL, err)
 	}
+	return p.send(req, conn)
+}
+
+// send sends req over conn, a connection of the relay's own, and reads
+// the answer's head.
+func (p *Proxy) send(req *http.Request, conn net.Conn) (*http.Response, error) {
+	ctx := req.Context()
 	// Cancelling the request's context ends a read of the answer, as it
 	// does on net/http's connections.
 	stop := context.AfterFunc(ctx, func() { conn.Close() })
-	// No "Connection: close" although the relay closes the connection at
-	// the stream's end: Go's server (the sim's) does not watch such a
-	// request's connection, and would not see a relay that left.
 	_ = conn.SetDeadline(time.Now().Add(p.upstreamTimeout))
 	bw := bufio.NewWriterSize(conn, 16<<10)
-	if err = req.Write(bw); err == nil {
+	err := req.Write(bw)
+	if err == nil {
 		err = bw.Flush()
 	}
 	var resp *http.Response
@@ -126,7 +151,11 @@ func (p *Proxy) do(req *http.Request, lane bool) (*http.Response, error) {
 		return nil, fmt.Errorf("post %s: %w", req.URL, err)
 	}
 	_ = conn.SetDeadline(time.Time{})
-	resp.Body = &laneBody{ReadCloser: resp.Body, lc: &laneConn{conn: conn, br: br}, stop: stop}
+	lc := &laneConn{conn: conn, br: br}
+	if !resp.Close { // an engine that closes after answering keeps nothing for another stream
+		lc.addr = req.URL.Host
+	}
+	resp.Body = &laneBody{ReadCloser: resp.Body, lc: lc, stop: stop}
 	return resp, nil
 }
 
@@ -190,7 +219,7 @@ func (p *Proxy) relayOnLoop(ctx context.Context, w http.ResponseWriter, r *http.
 		st.res.Truncated = true
 		return st.res, true
 	}
-	ln := &laneStream{p: p, s: s, up: up, st: st, cfd: cfd, ufd: ufd, raw: first, ends: make(chan laneEnd, 1)}
+	ln := &laneStream{p: p, s: s, up: up, st: st, cfd: cfd, ufd: ufd, raw: first, engineAddr: lb.lc.addr, ends: make(chan laneEnd, 1)}
 	ln.watchdog = newIdleWatchdog(p.idleTimeout, s.cancelUpstream)
 	loop := p.loops.pick()
 	s.mu.Lock()
@@ -214,7 +243,9 @@ func (p *Proxy) relayOnLoop(ctx context.Context, w http.ResponseWriter, r *http.
 	if !end.handBack {
 		ln.watchdog.stop()
 		ended()
-		closeFD(ufd)
+		if !ln.engineDone || ln.engineAddr == "" || !p.engines.put(ln.engineAddr, ufd) {
+			closeFD(ufd)
+		}
 		whole := false
 		if end.clientGone {
 			st.res.Status = StatusClientClosed

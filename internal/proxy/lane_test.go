@@ -195,9 +195,13 @@ func TestAnHTTP10ClientStaysOffTheLoop(t *testing.T) {
 
 // With a listener that takes connections back (the Host's), a client's
 // connection outlives its stream on the loop: its next requests go over
-// the same connection, each relayed on the loop, each body whole.
+// the same connection, each relayed on the loop, each body whole. And
+// the engine's connection outlives it too, until the engine closes it:
+// the next stream then goes over a new one.
 func TestTheLoopKeepsAClientsConnection(t *testing.T) {
-	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	var mu sync.Mutex
+	engineConns := 0
+	engine := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/event-stream")
 		for i := 0; i < 3; i++ {
 			_, _ = io.WriteString(w, tokenEvent(i))
@@ -205,6 +209,14 @@ func TestTheLoopKeepsAClientsConnection(t *testing.T) {
 		}
 		_, _ = io.WriteString(w, "data: [DONE]\n\n")
 	}))
+	engine.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			mu.Lock()
+			engineConns++
+			mu.Unlock()
+		}
+	}
+	engine.Start()
 	defer engine.Close()
 	m := testMetrics()
 	p := New(Options{EventLoop: true}, m, zap.NewNop())
@@ -220,7 +232,13 @@ func TestTheLoopKeepsAClientsConnection(t *testing.T) {
 	defer front.Close()
 	client := &http.Client{Transport: &http.Transport{MaxConnsPerHost: 1}}
 	reused := 0
-	for i := 0; i < 3; i++ {
+	for i := 0; i < 4; i++ {
+		if i == 3 {
+			// The engine closes its idle connections (as vLLM's does after
+			// 5 s): the next stream finds its pooled one closed.
+			engine.CloseClientConnections()
+			time.Sleep(50 * time.Millisecond)
+		}
 		ctx := httptrace.WithClientTrace(context.Background(), &httptrace.ClientTrace{GotConn: func(info httptrace.GotConnInfo) {
 			if info.Reused {
 				reused++
@@ -237,10 +255,15 @@ func TestTheLoopKeepsAClientsConnection(t *testing.T) {
 			t.Fatalf("request %d: close %v, read %q", i, resp.Close, b)
 		}
 	}
-	if reused != 2 {
-		t.Fatalf("%d of the 2 later requests went over the first one's connection", reused)
+	if reused != 3 {
+		t.Fatalf("%d of the 3 later requests went over the first one's connection", reused)
 	}
-	if got := testutil.ToFloat64(m.LoopStreams.WithLabelValues(LoopDone)); got != 3 {
-		t.Fatalf("%v streams ended on the loop, want 3", got)
+	if got := testutil.ToFloat64(m.LoopStreams.WithLabelValues(LoopDone)); got != 4 {
+		t.Fatalf("%v streams ended on the loop, want 4", got)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if engineConns != 2 {
+		t.Fatalf("the engine served 4 streams over %d connections, want 2 (one, then one after it closed it)", engineConns)
 	}
 }

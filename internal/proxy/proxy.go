@@ -35,6 +35,7 @@ type Proxy struct {
 	// over engine connections of the relay's own (dialer).
 	loops           *eventLoops
 	keepAlive       func(net.Conn) bool // SetKeepAlive
+	engines         *enginePool         // engine connections the loop's streams left open
 	dialer          *net.Dialer
 	upstreamTimeout time.Duration
 }
@@ -108,6 +109,7 @@ func New(o Options, m *Metrics, log *zap.Logger) *Proxy {
 			log.Warn("the relay's event loop is off", zap.Error(err))
 		} else {
 			p.loops = loops
+			p.engines = newEnginePool(o.MaxIdleConnsPerEngine, engine.IdleConnTimeout)
 		}
 	}
 	return p
@@ -122,6 +124,7 @@ func (p *Proxy) Close() {
 	p.client.CloseIdleConnections()
 	if p.loops != nil {
 		p.loops.close()
+		p.engines.close()
 	}
 }
 
