@@ -43,9 +43,11 @@ func TestBenchFailover(t *testing.T) {
 	// Without failover A's streams fail, which the benchmark expects; with
 	// it every one of them goes on.
 	// In the warm mode each of A's streams had a copy on B and went on
-	// from it.
+	// from it. (How many copies existed at the crash — B's streams' on A
+	// among them — depends on the machine's speed: a clean-clone run
+	// under -race counted 10 of 12, with all 6 of A's recovered.)
 	for _, want := range []string{"snapshot      A carried 6 streams, 6 went on", "snapshot-only A carried 6 streams, 6 went on",
-		"warm          A carried 6 streams, 6 went on", "warm copies at the crash 12,", "6 streams recovered from them",
+		"warm          A carried 6 streams, 6 went on", "warm copies at the crash ", "6 streams recovered from them",
 		"every stream: 0 failed, 0 inexact", "off           A carried 6 streams, none of them went on", "every stream: 6 FAILED", "one prefill of the longest context"} {
 		if !strings.Contains(out.String(), want) {
 			t.Fatalf("the report lacks %q:\n%s", want, out.String())
