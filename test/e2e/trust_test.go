@@ -57,6 +57,12 @@ func (d *deployment) wake(t *testing.T, id string) {
 	if err != nil || !strings.Contains(string(out), "standby") {
 		t.Fatalf("vhi wake %s: %v\n%s", id, err, out)
 	}
+	// A heartbeat the agent sent before the wake can still land after it
+	// and list the engine asleep until the next one: a clean-clone run's
+	// next migration onto it was refused (409, "target is sleeping"). The
+	// registry taking such a stale heartbeat is the Host's to fix; the
+	// test waits it out.
+	waitUntil(t, id+" listed awake", func() bool { return instance(t, d.hostURL, id).Lifecycle == "standby" })
 }
 
 // An engine that sleeps and wakes re-creates its KV under the same path;
