@@ -271,6 +271,14 @@ func (c *proxyBenchConfig) startHost(ctx context.Context, exe, upURL string, deb
 	return url, h.cmd.Process.Pid, stop, nil
 }
 
+// benchPath is one way to the upstream the benchmark runs its load over
+// (pid: the proxy's process, whose CPU is measured; 0: none).
+type benchPath struct {
+	name string
+	url  string
+	pid  int
+}
+
 // pathResult is one (level, path) measurement.
 type pathResult struct {
 	Level        int     `json:"streams"`
@@ -319,11 +327,7 @@ func runBenchProxy(ctx context.Context, out io.Writer, c proxyBenchConfig) error
 		return err
 	}
 	defer stopHost()
-	paths := []struct {
-		name string
-		url  string
-		pid  int
-	}{{"direct", upURL, 0}, {"vhi host", hostURL, hostPID}}
+	paths := []benchPath{{"direct", upURL, 0}, {"vhi host", hostURL, hostPID}}
 	if c.eventLoop {
 		// The same Host with the relay's event loop, side by side.
 		loopURL, loopPID, stopLoopHost, err := c.startHost(ctx, exe, upURL, debugAddr(true), "--relay-event-loop")
@@ -331,11 +335,7 @@ func runBenchProxy(ctx context.Context, out io.Writer, c proxyBenchConfig) error
 			return err
 		}
 		defer stopLoopHost()
-		paths = append(paths, struct {
-			name string
-			url  string
-			pid  int
-		}{"vhi host, event loop", loopURL, loopPID})
+		paths = append(paths, benchPath{"vhi host, event loop", loopURL, loopPID})
 	}
 	nginxBin, lookErr := exec.LookPath("nginx")
 	if lookErr != nil {
@@ -370,11 +370,7 @@ func runBenchProxy(ctx context.Context, out io.Writer, c proxyBenchConfig) error
 		if err := waitHTTP(nURL+"/health", func(r *http.Response) bool { return r.StatusCode == 200 }); err != nil {
 			return fmt.Errorf("nginx: %w", err)
 		}
-		paths = append(paths, struct {
-			name string
-			url  string
-			pid  int
-		}{"nginx", nURL, ng.cmd.Process.Pid})
+		paths = append(paths, benchPath{"nginx", nURL, ng.cmd.Process.Pid})
 	}
 
 	if c.extra != "" {
@@ -393,11 +389,7 @@ func runBenchProxy(ctx context.Context, out io.Writer, c proxyBenchConfig) error
 		if err := waitHTTP(xURL+"/health", func(r *http.Response) bool { return r.StatusCode == 200 }); err != nil {
 			return fmt.Errorf("extra proxy: %w", err)
 		}
-		paths = append(paths, struct {
-			name string
-			url  string
-			pid  int
-		}{"extra", xURL, x.cmd.Process.Pid})
+		paths = append(paths, benchPath{"extra", xURL, x.cmd.Process.Pid})
 	}
 
 	mode := "all streams tick together (one burst per engine step)"
