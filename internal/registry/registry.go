@@ -166,6 +166,11 @@ type Instance struct {
 	LastHeartbeat time.Time
 	Stats         Stats
 	Reachable     bool
+	// wokenAt is when the Host last woke the engine (Woken): an agent
+	// collects its stats before it sends them, so a heartbeat that
+	// arrives up to one heartbeat interval later may still say the
+	// engine sleeps.
+	wokenAt time.Time
 }
 
 // EffectiveState is the state to show and route by.
@@ -388,6 +393,11 @@ func (r *Registry) forget(id string) {
 // HeartbeatInterval is what agents are told to use.
 func (r *Registry) HeartbeatInterval() time.Duration { return r.interval }
 
+// staleAfterWake is how long after a wake a heartbeat's "sleeping" is
+// taken for one collected before it: one heartbeat interval, and at
+// least a second for the stats call and the RPC.
+func (r *Registry) staleAfterWake() time.Duration { return max(r.interval, time.Second) }
+
 func validate(reg Registration) error {
 	switch {
 	case reg.ID == "":
@@ -482,7 +492,13 @@ func (r *Registry) Heartbeat(id, session string, s Stats) error {
 	if !ok || inst.Session != session {
 		return errdefs.Newf(errdefs.ErrNotFound, "unknown instance %s", id)
 	}
-	inst.LastHeartbeat = r.now()
+	now := r.now()
+	inst.LastHeartbeat = now
+	if s.Sleeping && !inst.Stats.Sleeping && !inst.wokenAt.IsZero() && now.Sub(inst.wokenAt) < r.staleAfterWake() {
+		// Collected before the wake landed: a sleep that is real shows
+		// again in the next heartbeat.
+		s.Sleeping = false
+	}
 	inst.Stats = s
 	if !inst.Reachable {
 		inst.Reachable = true
@@ -661,6 +677,7 @@ func (r *Registry) SetRetired(id string, retired bool) (Instance, error) {
 func (r *Registry) Woken(id string) (Instance, error) {
 	return r.update(id, func(inst *Instance) error {
 		inst.Retired, inst.Stats.Sleeping = false, false
+		inst.wokenAt = r.now()
 		return nil
 	})
 }

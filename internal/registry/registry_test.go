@@ -354,3 +354,36 @@ func TestNotReadySaysWhichAndWhy(t *testing.T) {
 		t.Fatalf("unhealthy: %q", w)
 	}
 }
+
+// A heartbeat collected before a wake landed still says the engine
+// sleeps; within a heartbeat interval of the wake it does not put the
+// instance back to sleep, and a sleep that is real shows after that.
+func TestAHeartbeatFromBeforeAWakeDoesNotPutItBackToSleep(t *testing.T) {
+	r, c := newTestRegistry()
+	if _, err := r.Register(reg("b", "B", "s", "m")); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Heartbeat("b", "s", Stats{Healthy: true, Sleeping: true}); err != nil {
+		t.Fatal(err)
+	}
+	if i, _ := r.Get("b"); i.Lifecycle() != LifecycleSleeping {
+		t.Fatalf("before the wake: %s, want sleeping", i.Lifecycle())
+	}
+	if _, err := r.Woken("b"); err != nil {
+		t.Fatal(err)
+	}
+	c.advance(300 * time.Millisecond)
+	if err := r.Heartbeat("b", "s", Stats{Healthy: true, Sleeping: true}); err != nil {
+		t.Fatal(err)
+	}
+	if i, _ := r.Get("b"); i.Lifecycle() == LifecycleSleeping || !i.Serves("m") {
+		t.Fatalf("a heartbeat 300 ms after the wake put it back to sleep: %s", i.Lifecycle())
+	}
+	c.advance(time.Second)
+	if err := r.Heartbeat("b", "s", Stats{Healthy: true, Sleeping: true}); err != nil {
+		t.Fatal(err)
+	}
+	if i, _ := r.Get("b"); i.Lifecycle() != LifecycleSleeping {
+		t.Fatalf("a sleep reported 1.3 s after the wake: %s, want sleeping", i.Lifecycle())
+	}
+}
