@@ -504,21 +504,31 @@ func endAndReuse(ctx context.Context, a *sim.Engine, block int) (string, error) 
 	if ended == "" {
 		return "", fmt.Errorf("no request holds checked block %d", block)
 	}
-	st, _ := a.Stats(ctx)
-	var hold hooks.AllocateRequest
-	per := a.Config().MaxModelLen / bs
-	for i := 0; i*per < st.FreeBlocks; i++ {
-		hold.Requests = append(hold.Requests, hooks.AllocateItem{RequestID: fmt.Sprintf("hold-%d", i), NumTokens: min(per, st.FreeBlocks-i*per) * bs})
-	}
+	// Hold every free block. Stats answers while a step is in flight, and
+	// the next step may take blocks before the allocation lands: count
+	// again and retry then.
 	var holds []string
-	if len(hold.Requests) > 0 {
+	per := a.Config().MaxModelLen / bs
+	for try := 0; ; try++ {
+		st, _ := a.Stats(ctx)
+		var hold hooks.AllocateRequest
+		for i := 0; i*per < st.FreeBlocks; i++ {
+			hold.Requests = append(hold.Requests, hooks.AllocateItem{RequestID: fmt.Sprintf("hold-%d-%d", try, i), NumTokens: min(per, st.FreeBlocks-i*per) * bs})
+		}
+		if len(hold.Requests) == 0 {
+			break
+		}
 		got, err := a.Allocate(ctx, hold)
 		if err != nil {
+			if try < 10 {
+				continue
+			}
 			return ended, err
 		}
 		for _, it := range got.Requests {
 			holds = append(holds, it.RequestID)
 		}
+		break
 	}
 	defer func() {
 		if len(holds) > 0 {

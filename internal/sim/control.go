@@ -21,7 +21,7 @@ const (
 // PauseGeneration is vLLM's POST /pause. New requests queue (they do not
 // fail) until ResumeGeneration.
 func (e *Engine) PauseGeneration(ctx context.Context, mode PauseMode) error {
-	e.mu.Lock()
+	e.lock()
 	switch mode {
 	case PauseKeep:
 		e.pausedAll = true
@@ -43,7 +43,7 @@ func (e *Engine) PauseGeneration(ctx context.Context, mode PauseMode) error {
 
 // ResumeGeneration is vLLM's POST /resume.
 func (e *Engine) ResumeGeneration() {
-	e.mu.Lock()
+	e.lock()
 	e.pausedAll, e.pausedNew = false, false
 	e.mu.Unlock()
 	e.signal()
@@ -51,7 +51,7 @@ func (e *Engine) ResumeGeneration() {
 
 // IsPaused is vLLM's GET /is_paused.
 func (e *Engine) IsPaused() bool {
-	e.mu.Lock()
+	e.lock()
 	defer e.mu.Unlock()
 	return e.pausedAll || e.pausedNew
 }
@@ -76,7 +76,7 @@ func (e *Engine) waitIdle(ctx context.Context, timeout time.Duration) error {
 	tick := time.NewTicker(10 * time.Millisecond)
 	defer tick.Stop()
 	for {
-		e.mu.Lock()
+		e.lock()
 		idle := len(e.running) == 0 && (e.pausedNew || len(e.waiting) == 0)
 		e.mu.Unlock()
 		if idle {
@@ -104,7 +104,7 @@ func (e *Engine) Retire(ctx context.Context, req hooks.RetireRequest) (hooks.Ret
 	}
 	deadline := time.Now().Add(time.Duration(req.WaitS * float64(time.Second)))
 	for {
-		e.mu.Lock()
+		e.lock()
 		if e.sleeping {
 			e.mu.Unlock()
 			return hooks.RetireResponse{Released: true, Note: "the engine was already sleeping"}, nil

@@ -51,7 +51,7 @@ func (e *Engine) ScaleElasticEP(ctx context.Context, newDP int, drain time.Durat
 		return conflict("A scale operation is already in progress.")
 	}
 	defer e.scaleMu.Unlock()
-	e.mu.Lock()
+	e.lock()
 	old := e.dpSize
 	e.mu.Unlock()
 	if newDP == old {
@@ -62,12 +62,12 @@ func (e *Engine) ScaleElasticEP(ctx context.Context, newDP int, drain time.Durat
 	if err := waitFor(ctx, prepare); err != nil {
 		return err
 	}
-	e.mu.Lock()
+	e.lock()
 	e.scaling.Store(true)
 	e.pausedNew = true
 	e.mu.Unlock()
 	defer func() {
-		e.mu.Lock()
+		e.lock()
 		e.scaling.Store(false)
 		e.pausedNew, e.elasticPaused = false, false
 		e.mu.Unlock()
@@ -81,14 +81,14 @@ func (e *Engine) ScaleElasticEP(ctx context.Context, newDP int, drain time.Durat
 			return err
 		}
 	}
-	e.mu.Lock()
+	e.lock()
 	e.elasticPaused = true
 	e.mu.Unlock()
 	tc := time.Now()
 	if err := waitFor(ctx, commit); err != nil {
 		return err
 	}
-	e.mu.Lock()
+	e.lock()
 	e.dpSize = newDP
 	e.lastScale = [2]time.Duration{tc.Sub(t0), time.Since(tc)}
 	e.mu.Unlock()
@@ -100,14 +100,14 @@ func (e *Engine) ScaleElasticEP(ctx context.Context, newDP int, drain time.Durat
 // LastScale is the last scale's prepare and commit as the engine ran them
 // (what a benchmark compares the Host's view with).
 func (e *Engine) LastScale() (prepare, commit time.Duration) {
-	e.mu.Lock()
+	e.lock()
 	defer e.mu.Unlock()
 	return e.lastScale[0], e.lastScale[1]
 }
 
 // DataParallelSize is the current DP size.
 func (e *Engine) DataParallelSize() int {
-	e.mu.Lock()
+	e.lock()
 	defer e.mu.Unlock()
 	return e.dpSize
 }

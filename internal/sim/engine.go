@@ -22,8 +22,14 @@ import (
 )
 
 // Engine is the continuous-batching engine. One goroutine (Run) steps it;
-// HTTP handlers and hooks call in under mu. Steps run entirely under mu, so
-// whenever a caller holds mu the engine is at a step boundary.
+// HTTP handlers and hooks call in under mu. A step is scheduled and
+// committed under mu, and its compute (the KV it writes, the hashes its
+// tokens come from) runs between with a step in flight (inFlight), as
+// vLLM's forward pass runs beside its scheduler: lock() waits for the
+// boundary, so whoever takes it sees the engine between steps; only the
+// calls that read what a step does not change until it commits (the write
+// log, the request list, stats, the export of paused requests) and a pause
+// that drops the step's work take mu during the compute (inflight.go).
 type Engine struct {
 	cfg  Config
 	geo  kvlayout.Geometry
@@ -37,12 +43,16 @@ type Engine struct {
 
 	failpointFired atomic.Bool
 
-	mu       sync.Mutex
-	kv       *kvMemory // nil while sleeping
-	kvGen    uint64    // bumped each time the KV memory is (re-)created
-	pool     *blockPool
-	requests map[string]*request // live and reserved requests
-	done     map[string]*request // finished, kept for attach until retention ends
+	mu sync.Mutex
+	// boundary (on mu) is broadcast when a step's KV writes have landed
+	// and when it commits; inFlight and writesLanded say where it is.
+	boundary               sync.Cond
+	inFlight, writesLanded bool
+	kv                     *kvMemory // nil while sleeping
+	kvGen                  uint64    // bumped each time the KV memory is (re-)created
+	pool                   *blockPool
+	requests               map[string]*request // live and reserved requests
+	done                   map[string]*request // finished, kept for attach until retention ends
 	// watchable indexes the submitted and installed requests of both maps
 	// for Watcher, which must not wait for e.mu: a step holds it for its
 	// whole compute, and a migration attaches hundreds of streams at once.
@@ -109,6 +119,7 @@ func NewEngine(cfg Config, log *zap.Logger) (*Engine, error) {
 		done:     map[string]*request{},
 		dpSize:   max(cfg.DataParallelSize, 1),
 	}
+	e.boundary.L = &e.mu
 	e.pool = e.newPool()
 	e.met = newEngineMetrics(e)
 	return e, nil
@@ -134,7 +145,7 @@ func (e *Engine) Tokenizer() *tokenizer.Tokenizer { return e.tok }
 
 // Close removes the KV memory. Call it after Run has returned.
 func (e *Engine) Close() {
-	e.mu.Lock()
+	e.lock()
 	defer e.mu.Unlock()
 	if e.kv != nil {
 		e.kv.close()
@@ -163,7 +174,9 @@ func (e *Engine) signal() {
 
 // Generations: a mutation (a step, an abort, a lease expiry) stamps what it
 // writes and frees with e.cursor+1 and then advances e.cursor, all under mu,
-// so a reader that sees cursor X has seen every change stamped ≤ X.
+// so a reader that sees cursor X has seen every change stamped ≤ X (and,
+// while a step is in flight, maybe its schedule's frees, stamped X+1: a
+// reader asking again since X sees them again).
 
 // Run steps the engine until ctx ends.
 func (e *Engine) Run(ctx context.Context) {
@@ -173,12 +186,16 @@ func (e *Engine) Run(ctx context.Context) {
 		e.mu.Lock()
 		now := time.Now()
 		e.expireLeases(now)
-		var model time.Duration
-		stepped := false
+		var st *stepWork
 		if !e.sleeping && e.kv != nil {
-			stepped, model = e.step(now)
+			st = e.beginStep(now)
 		}
 		e.mu.Unlock()
+		stepped := st != nil
+		var model time.Duration
+		if stepped {
+			model = e.runStep(st, now)
+		}
 
 		if stepped {
 			// Fill the modelled step time; the real work above is small.
@@ -211,34 +228,75 @@ type work struct {
 	tokens int
 }
 
-// step schedules and executes one step. It reports whether anything ran
-// and the modelled duration.
+// step schedules, computes and commits one step with mu held (tests and
+// benchmarks; Run releases mu for the compute). It reports whether
+// anything ran and the modelled duration.
 func (e *Engine) step(now time.Time) (bool, time.Duration) {
-	batch := e.schedule(now)
-	if len(batch) == 0 {
+	st := e.beginStep(now)
+	if st == nil {
 		return false, 0
 	}
-	gen := e.cursor + 1 // every write and free of this step
+	e.writeStep(st)
+	e.writesLanded = true
+	e.sampleStep(st)
+	return true, e.endStep(st, now)
+}
+
+// runStep computes a step put in flight by beginStep with mu released
+// (see Engine) and commits it.
+func (e *Engine) runStep(st *stepWork, now time.Time) time.Duration {
+	e.writeStep(st)
+	e.mu.Lock()
+	e.writesLanded = true
+	e.mu.Unlock()
+	e.boundary.Broadcast()
+	e.sampleStep(st)
+	e.mu.Lock()
+	model := e.endStep(st, now)
+	e.mu.Unlock()
+	e.boundary.Broadcast()
+	return model
+}
+
+// stepWork is one step in flight: its batch, the generation its writes
+// are stamped with, and what its compute produced.
+type stepWork struct {
+	batch   []work
+	gen     uint64
+	start   time.Time
+	sampled []int    // indexes into batch of the requests that draw a token
+	sums    []uint64 // their KV hashes, nil if the read failed
+}
+
+// beginStep schedules a step and puts it in flight (under mu); nil when
+// nothing is runnable.
+func (e *Engine) beginStep(now time.Time) *stepWork {
+	batch := e.schedule(now)
+	if len(batch) == 0 {
+		return nil
+	}
 	e.steps++
-	start := time.Now()
-	ctxTokens, prefill := 0, 0
-	var sampled []*request
-	for _, w := range batch {
+	st := &stepWork{batch: batch, gen: e.cursor + 1, start: time.Now()}
+	for i, w := range batch {
+		w.r.inFlight = true
+		if w.r.numComputed+w.tokens == w.r.numTokens() {
+			st.sampled = append(st.sampled, i)
+		}
+	}
+	e.inFlight, e.writesLanded = true, false
+	return st
+}
+
+// writeStep writes the batch's KV. It runs without mu: nothing it reads
+// (the batch's block tables and positions) changes while the step is in
+// flight, and nothing frees its blocks before it commits.
+func (e *Engine) writeStep(st *stepWork) {
+	for _, w := range st.batch {
 		r := w.r
 		for i := 0; i < w.tokens; i++ {
 			pos := r.numComputed + i
 			b, slot := r.blocks[pos/e.geo.BlockSize], pos%e.geo.BlockSize
 			e.kv.writeToken(b, slot, r.kvSeed(pos, e.geo.BlockSize), r.token(pos), pos)
-			e.pool.markWritten(b, slot, gen)
-		}
-		if w.tokens > 1 || r.numComputed < len(r.prompt) {
-			prefill += w.tokens
-		}
-		r.numComputed += w.tokens
-		e.cacheComputed(r, r.numComputed-w.tokens)
-		ctxTokens += r.numComputed
-		if r.numComputed == r.numTokens() {
-			sampled = append(sampled, r)
 		}
 	}
 	// Writes land before any read of this step; requests never write a
@@ -248,23 +306,63 @@ func (e *Engine) step(now time.Time) (bool, time.Duration) {
 	if err := e.kv.flushWrites(); err != nil {
 		e.log.Error("KV write failed", zap.Error(err))
 	}
-	sums, err := e.kv.sampleSums(sampled, e.sampleHash)
+}
+
+// sampleStep hashes the KV each sampling request's next token comes from
+// (without mu, as writeStep).
+func (e *Engine) sampleStep(st *stepWork) {
+	rs := make([]*request, len(st.sampled))
+	for i, j := range st.sampled {
+		rs[i] = st.batch[j].r
+	}
+	sums, err := e.kv.sampleSums(rs, e.sampleHash)
 	if err != nil {
 		e.log.Error("KV read failed", zap.Error(err))
 	}
-	for i, r := range sampled {
-		if sums != nil {
-			e.sampleEmit(r, sums[i], now)
+	st.sums = sums
+}
+
+// endStep commits a step (under mu): each request's computed positions,
+// the write log, its token; a request whose pause dropped the step keeps
+// none of it (inflight.go). It returns the modelled step duration.
+func (e *Engine) endStep(st *stepWork, now time.Time) time.Duration {
+	ctxTokens, prefill := 0, 0
+	dropped := make([]bool, len(st.batch))
+	for i, w := range st.batch {
+		r := w.r
+		r.inFlight = false
+		if w.tokens > 1 || r.numComputed < len(r.prompt) {
+			prefill += w.tokens
+		}
+		if r.dropStep {
+			r.dropStep, dropped[i] = false, true
+			ctxTokens += r.numComputed + w.tokens
+			continue
+		}
+		for k := 0; k < w.tokens; k++ {
+			pos := r.numComputed + k
+			e.pool.markWritten(r.blocks[pos/e.geo.BlockSize], pos%e.geo.BlockSize, st.gen)
+		}
+		r.numComputed += w.tokens
+		e.cacheComputed(r, r.numComputed-w.tokens)
+		ctxTokens += r.numComputed
+	}
+	if st.sums != nil {
+		for i, j := range st.sampled {
+			if !dropped[j] {
+				e.sampleEmit(st.batch[j].r, st.sums[i], now)
+			}
 		}
 	}
-	e.cursor = gen
-	e.lastCompute = time.Since(start)
+	e.cursor = st.gen
+	e.inFlight, e.writesLanded = false, false
+	e.lastCompute = time.Since(st.start)
 	// Data-parallel ranks step together (DP attention with EP MoE
 	// synchronizes them), each over its share of the batch.
 	dp := e.dpSize
-	e.lastStep = e.cfg.Step.Duration((len(batch)+dp-1)/dp, ctxTokens/dp, prefill/dp)
+	e.lastStep = e.cfg.Step.Duration((len(st.batch)+dp-1)/dp, ctxTokens/dp, prefill/dp)
 	e.met.stepDone(e.lastStep, e.lastCompute)
-	return true, e.lastStep
+	return e.lastStep
 }
 
 // schedule picks this step's batch: running requests first (decode or the
@@ -575,7 +673,7 @@ func containsInt(xs []int, x int) bool {
 
 // Preemptions is how many times a request was preempted by recompute.
 func (e *Engine) Preemptions() int {
-	e.mu.Lock()
+	e.lock()
 	defer e.mu.Unlock()
 	n := 0
 	for _, r := range e.requests {

@@ -95,7 +95,7 @@ func FuzzHooks(f *testing.F) {
 			checkBlocks(t, e)
 		}
 		// Clean up for the next input: nothing may stay held.
-		e.mu.Lock()
+		e.lock()
 		var ids []string
 		for id := range e.requests {
 			ids = append(ids, id)
@@ -106,7 +106,7 @@ func FuzzHooks(f *testing.F) {
 				t.Fatal(err)
 			}
 		}
-		e.mu.Lock()
+		e.lock()
 		free, total := e.pool.numFree(), e.pool.total()
 		e.done = map[string]*request{}
 		e.mu.Unlock()
@@ -119,7 +119,7 @@ func FuzzHooks(f *testing.F) {
 // checkBlocks: every block is free or held by exactly one live request.
 func checkBlocks(t *testing.T, e *Engine) {
 	t.Helper()
-	e.mu.Lock()
+	e.lock()
 	defer e.mu.Unlock()
 	held := 0
 	for _, r := range e.requests {

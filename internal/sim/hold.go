@@ -17,7 +17,7 @@ import (
 // HoldTail makes the engine keep every request that has at most n output
 // tokens left from decoding further; n = 0 lifts the hold.
 func (e *Engine) HoldTail(n int) {
-	e.mu.Lock()
+	e.lock()
 	e.holdTail = max(n, 0)
 	e.mu.Unlock()
 	e.signal()

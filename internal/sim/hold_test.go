@@ -84,7 +84,7 @@ func TestHoldTailRoute(t *testing.T) {
 			t.Errorf("%s (token %q): %d, want %d", tc.body, tc.token, got, tc.want)
 		}
 	}
-	e.mu.Lock()
+	e.lock()
 	defer e.mu.Unlock()
 	if e.holdTail != 4 {
 		t.Fatalf("hold %d after the accepted call, want 4", e.holdTail)

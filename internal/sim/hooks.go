@@ -135,11 +135,12 @@ func (e *Engine) lease(ms int) time.Duration {
 	return time.Duration(ms) * time.Millisecond
 }
 
-// Pause implements hooks.Engine. Steps run under mu, so once Pause holds mu
-// no step is in flight: the requests stop at a step boundary.
+// Pause implements hooks.Engine. It lands at a step boundary, or with
+// DropInFlight as soon as the step in flight has written its KV, that
+// step's work for the paused requests dropped (inflight.go).
 func (e *Engine) Pause(_ context.Context, req hooks.PauseRequest) (hooks.PauseResponse, error) {
 	called := time.Now()
-	e.mu.Lock()
+	e.lockForPause(req.DropInFlight)
 	defer e.mu.Unlock()
 	wait := time.Since(called)
 	ids, missing := req.RequestIDs, []string(nil)
@@ -159,13 +160,17 @@ func (e *Engine) Pause(_ context.Context, req hooks.PauseRequest) (hooks.PauseRe
 		r.paused = true
 		r.pauseDeadline = deadline
 		out.Paused = append(out.Paused, r.id)
+		if r.inFlight && !r.dropStep {
+			r.dropStep = true
+			out.DroppedInFlight++
+		}
 	}
 	return out, nil
 }
 
 // Resume implements hooks.Engine.
 func (e *Engine) Resume(_ context.Context, req hooks.ResumeRequest) (hooks.ResumeResponse, error) {
-	e.mu.Lock()
+	e.lock()
 	rs, err := e.lookup(req.RequestIDs, false)
 	if err != nil {
 		e.mu.Unlock()
@@ -187,7 +192,11 @@ func (e *Engine) Resume(_ context.Context, req hooks.ResumeRequest) (hooks.Resum
 // Export implements hooks.Engine. Only paused requests can be exported: a
 // running one would change under the caller.
 func (e *Engine) Export(_ context.Context, req hooks.ExportRequest) (hooks.ExportResponse, error) {
-	e.mu.Lock()
+	if req.Snapshot {
+		e.lock() // running requests: as they are between steps
+	} else {
+		e.mu.Lock() // paused ones do not move (inflight.go)
+	}
 	defer e.mu.Unlock()
 	if len(req.RequestIDs) == 0 {
 		return hooks.ExportResponse{}, badRequest("request_ids", "request_ids must name at least one request.")
@@ -217,7 +226,7 @@ func (e *Engine) Export(_ context.Context, req hooks.ExportRequest) (hooks.Expor
 
 // Allocate implements hooks.Engine: all or nothing.
 func (e *Engine) Allocate(_ context.Context, req hooks.AllocateRequest) (hooks.AllocateResponse, error) {
-	e.mu.Lock()
+	e.lock()
 	defer e.mu.Unlock()
 	if e.kv == nil {
 		return hooks.AllocateResponse{}, conflict("The engine is sleeping: its KV cache is released.")
@@ -307,7 +316,7 @@ func (e *Engine) extendLocked(req hooks.AllocateRequest) hooks.AllocateResponse 
 // running batch, paused unless Resume.
 func (e *Engine) Install(_ context.Context, req hooks.InstallRequest) (hooks.InstallResponse, error) {
 	e.failAt(FailpointStopOnInstall)
-	e.mu.Lock()
+	e.lock()
 	defer e.mu.Unlock()
 	// Everything is checked before anything changes: a refused install
 	// leaves the engine as it was.
@@ -440,7 +449,7 @@ func (e *Engine) checkState(st hooks.RequestState, reservedBlocks int, recompute
 
 // Abort implements hooks.Engine.
 func (e *Engine) Abort(_ context.Context, req hooks.AbortRequest) (hooks.AbortResponse, error) {
-	e.mu.Lock()
+	e.lock()
 	defer e.mu.Unlock()
 	if len(req.RequestIDs) == 0 {
 		return hooks.AbortResponse{}, badRequest("request_ids", "request_ids must name at least one request.")

@@ -387,7 +387,7 @@ func TestPauseReportsItsStepWait(t *testing.T) {
 	if _, err := e.Watch(ctx, "w", 2); err != nil {
 		t.Fatal(err)
 	}
-	e.mu.Lock() // a step in flight
+	e.lock() // a step in flight
 	got := make(chan hooks.PauseResponse, 1)
 	go func() {
 		p, _ := e.Pause(ctx, hooks.PauseRequest{RequestIDs: []string{"w"}})
@@ -456,7 +456,7 @@ func TestWatchersDoNotWaitForAStep(t *testing.T) {
 		}
 		n = o.NumOutput
 	}
-	e.mu.Lock() // a step in flight
+	e.lock() // a step in flight
 	defer e.mu.Unlock()
 	got := make(chan error, 1)
 	go func() {

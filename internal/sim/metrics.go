@@ -41,7 +41,7 @@ func newEngineMetrics(e *Engine) *engineMetrics {
 	}
 	gauge := func(name, help string, fn func(*Engine) float64) {
 		f(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help, ConstLabels: labels}, func() float64 {
-			e.mu.Lock()
+			e.lock()
 			defer e.mu.Unlock()
 			return fn(e)
 		}))
@@ -78,7 +78,7 @@ func newEngineMetrics(e *Engine) *engineMetrics {
 		Name: "vllm:engine_sleep_state", Help: "Engine sleep state; awake = 0 means engine is sleeping.", ConstLabels: labels,
 	}, []string{"sleep_state"})
 	f(collectFunc{desc: sleepState, collect: func(ch chan<- prometheus.Metric) {
-		e.mu.Lock()
+		e.lock()
 		sleeping, level := e.sleeping, e.sleepLevel
 		e.mu.Unlock()
 		set := func(state string, on bool) {

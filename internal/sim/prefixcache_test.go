@@ -81,7 +81,7 @@ func TestPrefixCacheSharesAPromptsFullBlocks(t *testing.T) {
 		if want := map[bool]int{true: 3, false: 0}[on]; shared != want {
 			t.Fatalf("cache %v: a %v and b %v share %d leading blocks, want %d", on, ta, tb, shared, want)
 		}
-		e.mu.Lock()
+		e.lock()
 		used := total - e.pool.numFree()
 		e.mu.Unlock()
 		if used != len(ta)+len(tb)-shared {
@@ -92,7 +92,7 @@ func TestPrefixCacheSharesAPromptsFullBlocks(t *testing.T) {
 			if _, err := e.Abort(context.Background(), hooks.AbortRequest{RequestIDs: []string{"a"}}); err != nil {
 				t.Fatal(err)
 			}
-			e.mu.Lock()
+			e.lock()
 			used, held := total-e.pool.numFree(), e.pool.allocated[tb[0]] && e.pool.refs[tb[0]] == 1
 			e.mu.Unlock()
 			if tb = blocksOf(t, e, "b"); used != len(tb) || !held {
@@ -130,7 +130,7 @@ func TestPrefixCacheSharesAPromptsFullBlocks(t *testing.T) {
 			t.Fatalf("c generated %v from the cache, %v alone", got, wantC)
 		}
 		// Handed out again, a cached block leaves the cache.
-		e.mu.Lock()
+		e.lock()
 		all, _ := e.pool.allocate(e.pool.numFree(), "x")
 		cached := len(e.pool.cache)
 		e.pool.release(all, e.cursor+1)

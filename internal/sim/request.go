@@ -29,6 +29,9 @@ type request struct {
 	textOffsets []int
 	numComputed int // tokens whose KV is in the blocks
 	blocks      []int
+	// inFlight: the step in flight computes this request; dropStep: a
+	// pause dropped that step's work for it (inflight.go).
+	inFlight, dropStep bool
 	// blockHashes are the prompt's full blocks' hashes with the prefix
 	// cache (prefixcache.go), nil without.
 	blockHashes []uint64

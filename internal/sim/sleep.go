@@ -39,11 +39,11 @@ func (e *Engine) Sleep(ctx context.Context, level int, mode PauseMode) error {
 	switch mode {
 	case PauseAbort, PauseKeep:
 	case PauseWait:
-		e.mu.Lock()
+		e.lock()
 		e.pausedNew = true
 		e.mu.Unlock()
 		err := e.waitIdle(ctx, 0)
-		e.mu.Lock()
+		e.lock()
 		e.pausedNew = false
 		e.mu.Unlock()
 		if err != nil {
@@ -52,7 +52,7 @@ func (e *Engine) Sleep(ctx context.Context, level int, mode PauseMode) error {
 	default:
 		return badRequest("mode", "Invalid pause mode: %s", mode)
 	}
-	e.mu.Lock()
+	e.lock()
 	if e.weightsAsleep {
 		e.mu.Unlock()
 		return nil
@@ -104,7 +104,7 @@ func (e *Engine) WakeUp(ctx context.Context, tags ...string) error {
 	}
 	all := len(tags) == 0
 	weights, kv := all || slices.Contains(tags, TagWeights), all || slices.Contains(tags, TagKVCache)
-	e.mu.Lock()
+	e.lock()
 	asleep := (weights && e.weightsAsleep) || (kv && e.kv == nil)
 	e.mu.Unlock()
 	if !asleep {
@@ -113,7 +113,7 @@ func (e *Engine) WakeUp(ctx context.Context, tags ...string) error {
 	if err := waitFor(ctx, e.cfg.WakeUpTime); err != nil {
 		return err
 	}
-	e.mu.Lock()
+	e.lock()
 	defer e.mu.Unlock()
 	if weights && e.weightsAsleep {
 		// Level 2 discarded them: the memory is back, its contents are not.
@@ -140,7 +140,7 @@ func (e *Engine) WakeUp(ctx context.Context, tags ...string) error {
 // loaded again (after --weights-load-time), so a level-2 sleep's wake-up
 // answers correctly.
 func (e *Engine) ReloadWeights(ctx context.Context) error {
-	e.mu.Lock()
+	e.lock()
 	asleep := e.weightsAsleep
 	e.mu.Unlock()
 	if asleep {
@@ -149,7 +149,7 @@ func (e *Engine) ReloadWeights(ctx context.Context) error {
 	if err := waitFor(ctx, e.cfg.WeightsLoadTime); err != nil {
 		return err
 	}
-	e.mu.Lock()
+	e.lock()
 	e.weightsStale = false
 	e.mu.Unlock()
 	return nil
@@ -157,7 +157,7 @@ func (e *Engine) ReloadWeights(ctx context.Context) error {
 
 // IsSleeping is vLLM's GET /is_sleeping.
 func (e *Engine) IsSleeping() bool {
-	e.mu.Lock()
+	e.lock()
 	defer e.mu.Unlock()
 	return e.sleeping
 }

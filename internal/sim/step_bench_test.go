@@ -28,7 +28,7 @@ func BenchmarkDecodeStep(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
-	e.mu.Lock()
+	e.lock()
 	defer e.mu.Unlock()
 	for len(e.waiting) > 0 || e.running[0].numComputed < len(e.running[0].prompt) {
 		e.step(time.Now())

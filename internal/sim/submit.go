@@ -42,7 +42,7 @@ func (e *Engine) Submit(nr NewRequest) error {
 		arrival: now, priority: nr.Priority, state: stateWaiting,
 		blockHashes: e.promptBlockHashes(nr.Prompt),
 	}
-	e.mu.Lock()
+	e.lock()
 	if e.sleeping || e.kv == nil {
 		// As vLLM's sleep mode answers the routes that need the model: at
 		// once, with the reason, never a request left waiting.
@@ -107,7 +107,7 @@ func (e *Engine) AwaitInstalled(ctx context.Context, id string, wait time.Durati
 	t := time.NewTimer(wait)
 	defer t.Stop()
 	for {
-		e.mu.Lock()
+		e.lock()
 		r, sig := e.requests[id], e.installs
 		installed := r != nil && r.installed
 		from := 0
@@ -179,7 +179,7 @@ func (e *Engine) Watch(ctx context.Context, id string, from int) (Output, error)
 // AbortClient aborts a request whose client went away. Unknown ids are
 // ignored: the request may have finished or moved.
 func (e *Engine) AbortClient(id string) {
-	e.mu.Lock()
+	e.lock()
 	defer e.mu.Unlock()
 	if r := e.requests[id]; r != nil && r.state != stateReserved {
 		e.finish(r, "abort", nil, time.Now())

@@ -154,7 +154,8 @@ func (d *deployment) fault(t *testing.T, id, kind string) {
 // reservations are released and both instances are back in their roles.
 // (Issue 44: the check waited on it for 47.7 s, both instances
 // `migrating` meanwhile.) Round 0 moves ~0.7 GB here, so the stop lands
-// well before the pause on any machine.
+// well before the pause; the migration usually has not reached the pause
+// when the heartbeat misses (when it has, the pause's heartbeat ends it).
 func TestChaosTargetEngineFrozenBeforeThePause(t *testing.T) {
 	d := deployWith(t, deployOptions{bBlocks: 4096, kvScale: 4})
 	reqs := load(48, 400)
@@ -177,12 +178,28 @@ func TestChaosTargetEngineFrozenBeforeThePause(t *testing.T) {
 		t.Fatalf("want aborted by the target's heartbeat: %s: %s", st.State, st.Error)
 	}
 	took := st.FinishedAt.Sub(frozen)
-	// Generous for a loaded 2-core machine; the heartbeat timeout is 3 s.
-	if took > 8*time.Second {
-		t.Fatalf("rolled back %v after B froze: %s", took, st.Error)
+	got := <-running
+	if strings.Contains(st.Error, "--migration-pause-heartbeat-timeout") {
+		// The copy rounds and the check need only the agents, and the
+		// sim answers their questions while it steps: on a busy machine
+		// the migration can reach the pause before the 3 s heartbeat
+		// misses, and the pause's own heartbeat (500 ms) ends it there.
+		// What clients see is then bounded as in TestChaosFaultsInsideThePause
+		// (the rollback's release of the frozen target's blocks is not).
+		gap, at := worstGap(got, frozen, st.FinishedAt)
+		if gap > 1500*time.Millisecond {
+			t.Fatalf("reached the pause; the clients' worst gap was %v (at %s): %s", gap, at, st.Error)
+		}
+		t.Logf("reached the pause before the heartbeat missed; rolled back %v after B froze, the clients' worst gap %v: %s",
+			took.Round(time.Millisecond), gap.Round(time.Millisecond), st.Error)
+	} else {
+		// Generous for a loaded 2-core machine; the heartbeat timeout is 3 s.
+		if took > 8*time.Second {
+			t.Fatalf("rolled back %v after B froze: %s", took, st.Error)
+		}
+		t.Logf("rolled back %v after B froze (at step %s): %s", took.Round(time.Millisecond), lastStep(st), st.Error)
 	}
-	t.Logf("rolled back %v after B froze (at step %s): %s", took.Round(time.Millisecond), lastStep(st), st.Error)
-	checkExact(t, <-running, want)
+	checkExact(t, got, want)
 	var last string
 	t.Cleanup(func() {
 		if t.Failed() {
