@@ -48,6 +48,7 @@ type Engine struct {
 	// and when it commits; inFlight and writesLanded say where it is.
 	boundary               sync.Cond
 	inFlight, writesLanded bool
+	boundaryWaiters        int       // callers waiting for the boundary (inflight.go)
 	kv                     *kvMemory // nil while sleeping
 	kvGen                  uint64    // bumped each time the KV memory is (re-)created
 	pool                   *blockPool
@@ -184,6 +185,7 @@ func (e *Engine) Run(ctx context.Context) {
 	defer idle.Stop()
 	for {
 		e.mu.Lock()
+		e.waitersServed()
 		now := time.Now()
 		e.expireLeases(now)
 		var st *stepWork

@@ -29,16 +29,39 @@ package sim
 // lock takes mu at a step boundary.
 func (e *Engine) lock() {
 	e.mu.Lock()
-	for e.inFlight {
-		e.boundary.Wait()
-	}
+	e.awaitBoundary(func() bool { return !e.inFlight })
 }
 
 // lockForPause takes mu where a pause may land: at a boundary, or with
 // drop once the step in flight has written its KV.
 func (e *Engine) lockForPause(drop bool) {
 	e.mu.Lock()
-	for e.inFlight && !(drop && e.writesLanded) {
+	e.awaitBoundary(func() bool { return !e.inFlight || (drop && e.writesLanded) })
+}
+
+// awaitBoundary waits (mu held) until ok. While anyone waits, Run does not
+// start its next step (see waitersServed): where the sim's compute outlasts
+// its modelled step, Run takes mu again the moment it commits, and a caller
+// woken at that boundary would otherwise find the next step in flight,
+// every time.
+func (e *Engine) awaitBoundary(ok func() bool) {
+	if ok() {
+		return
+	}
+	e.boundaryWaiters++
+	for !ok() {
+		e.boundary.Wait()
+	}
+	e.boundaryWaiters--
+	if e.boundaryWaiters == 0 {
+		e.boundary.Broadcast() // Run may go on
+	}
+}
+
+// waitersServed lets every caller waiting for the boundary in before Run
+// starts another step (mu held).
+func (e *Engine) waitersServed() {
+	for e.boundaryWaiters > 0 {
 		e.boundary.Wait()
 	}
 }
