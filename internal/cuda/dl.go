@@ -616,10 +616,8 @@ func (l *Lib) kernelCopy(dev int, s Stream, copies []Copy, timed bool) (upload, 
 	if err := l.loaded(); err != nil || len(copies) == 0 {
 		return 0, 0, err
 	}
-	for _, c := range copies {
-		if (uint64(c.Dst)|uint64(c.Src)|c.Len)%16 != 0 {
-			return 0, 0, ErrUnaligned
-		}
+	if !Aligned(copies) {
+		return 0, 0, ErrUnaligned
 	}
 	if err := l.PrepareKernels(dev); err != nil {
 		return 0, 0, err
@@ -678,6 +676,49 @@ func (l *Lib) kernelCopy(dev int, s Stream, copies []Copy, timed bool) (upload, 
 	}
 	ms := func(f C.float) time.Duration { return time.Duration(float64(f) * float64(time.Millisecond)) }
 	return ms(up), ms(k), nil
+}
+
+// KernelCopyFill runs n copies with the copy kernel, their descriptors
+// written by fill straight into the stream's page-locked buffer, a chunk
+// at a time (EachChunk): each chunk's upload and launch are enqueued as
+// soon as it is written, so the GPU copies the first chunks while fill
+// writes the next, and no list of n copies is allocated, written and
+// copied again. A chunk with an address or length off 16 bytes stops the
+// call with ErrUnaligned (the chunks before it were enqueued: the caller
+// checks alignment first where it must fall back).
+func (l *Lib) KernelCopyFill(dev int, s Stream, n int, fill func(chunk []Copy)) error {
+	if err := l.loaded(); err != nil || n == 0 {
+		return err
+	}
+	if err := l.PrepareKernels(dev); err != nil {
+		return err
+	}
+	l.descMu.Lock() // as in kernelCopy: one upload-and-launch at a time per stream
+	defer l.descMu.Unlock()
+	bytes := uint64(n) * 24
+	buf, err := l.descBufferLocked(dev, s, bytes)
+	if err != nil {
+		return err
+	}
+	h, err := l.hostDescLocked(dev, s, bytes)
+	if err != nil {
+		return err
+	}
+	desc := unsafe.Slice((*Copy)(unsafe.Pointer(&h.buf[0])), n)
+	return EachChunk(n, func(lo, hi int) error {
+		chunk := desc[lo:hi]
+		fill(chunk)
+		if !Aligned(chunk) {
+			return ErrUnaligned
+		}
+		m := hi - lo
+		warp, block, grid := C.int(0), 512, min(m, 132*16)
+		if l.CopyKernel == KernelPerWarp {
+			warp, block, grid = 1, 256, min((m+7)/8, 132*32)
+		}
+		return l.check("vhi_copy", C.w_kernel_copies(C.int(dev), C.uintptr_t(s), C.CUdeviceptr(buf)+C.CUdeviceptr(lo*24),
+			(*C.ulonglong)(unsafe.Pointer(&chunk[0])), C.uint(m), C.uint(grid), C.uint(block), warp, C.uintptr_t(h.uploaded), 0, 0))
+	})
 }
 
 // A Copy is the copy kernel's descriptor, byte for byte.

@@ -81,6 +81,10 @@ type Driver interface {
 	EnablePeer(dev, peer int) error
 	// KernelCopy runs copies with one kernel launch (16-byte aligned).
 	KernelCopy(dev int, s Stream, copies []Copy) error
+	// KernelCopyFill runs n copies with the copy kernel, fill writing
+	// their descriptors chunk by chunk (EachChunk's chunks, in order)
+	// where the launch reads them: no list of n copies is built first.
+	KernelCopyFill(dev int, s Stream, n int, fill func(chunk []Copy)) error
 	// HostAlloc and HostFree manage page-locked host memory; HtoDAsync
 	// and DtoHAsync copy between it and dev on s.
 	HostAlloc(dev int, n uint64) ([]byte, error)
@@ -91,6 +95,41 @@ type Driver interface {
 	HasBatchCopy() bool
 	// Close releases this reference to the library.
 	Close() error
+}
+
+// EachChunk calls f with the consecutive chunks [lo, hi) that cut n
+// descriptors for KernelCopyFill: a small first chunk, so that the GPU
+// starts copying while the host writes the next, then chunks doubling to
+// 64 Ki descriptors (1.5 MiB; a launch and an upload each).
+func EachChunk(n int, f func(lo, hi int) error) error {
+	size := 4096
+	for lo := 0; lo < n; {
+		hi := min(lo+size, n)
+		if err := f(lo, hi); err != nil {
+			return err
+		}
+		lo, size = hi, min(2*size, 65536)
+	}
+	return nil
+}
+
+// FilledCopies is KernelCopyFill's list built in Go memory, chunk by chunk
+// as the GPU path fills it: drivers without a GPU (tests) pass it on to
+// their KernelCopy.
+func FilledCopies(n int, fill func(chunk []Copy)) []Copy {
+	out := make([]Copy, n)
+	_ = EachChunk(n, func(lo, hi int) error { fill(out[lo:hi]); return nil })
+	return out
+}
+
+// Aligned says whether every copy's addresses and length are multiples of
+// 16 (what the copy kernel moves).
+func Aligned(copies []Copy) bool {
+	var or uint64
+	for _, c := range copies {
+		or |= uint64(c.Dst) | uint64(c.Src) | c.Len
+	}
+	return or%16 == 0
 }
 
 // FormatUUID writes a CUuuid the way NVML and nvidia-smi do:

@@ -10,9 +10,7 @@
 package cudaipc
 
 import (
-	"errors"
 	"fmt"
-	"math"
 
 	"github.com/vllm-hi/vllm-hi/internal/cuda"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
@@ -78,71 +76,54 @@ func KernelCopies(src, dst Regions, runs []kvlayout.CopyRun) ([]cuda.Copy, error
 // Run copies runs from src to dst regions and waits until they landed.
 func (c *Copier) Run(src, dst Regions, runs []kvlayout.CopyRun) error {
 	useKernel := c.Method == MethodKernel || c.Method == MethodAuto
-	max := c.MaxBatch
-	switch {
-	case useKernel:
-		// One launch for the round: the descriptors' upload and the
-		// launch are paid once, not once per 16k runs with the GPU idle
-		// while the next batch is built.
-		max = math.MaxInt
-	case max <= 0:
-		max = DefaultMaxBatch
-	}
-	// Sized once: a round 0 of 8B-shaped blocks is ~150,000 runs, and
-	// growing the batch as it filled cost most of the host's part of the
-	// copy (memmoves and the collections they caused).
-	pieces := 0
+	pieces, aligned := 0, true
 	for _, r := range runs {
+		if r.SrcRegion >= len(src) || r.DstRegion >= len(dst) {
+			return fmt.Errorf("cuda_ipc: run names region %d→%d of %d→%d", r.SrcRegion, r.DstRegion, len(src), len(dst))
+		}
 		switch {
 		case r.Length <= 0:
+			continue
 		case useKernel && r.Length > kernelPiece:
 			pieces += int((r.Length + kernelPiece - 1) / kernelPiece)
 		default:
 			pieces++
 		}
+		aligned = aligned && (uint64(src[r.SrcRegion])|uint64(dst[r.DstRegion])|uint64(r.SrcOffset)|uint64(r.DstOffset)|uint64(r.Length))%16 == 0
+	}
+	if useKernel && aligned {
+		// One launch a chunk, the descriptors written where the launch
+		// reads them while the GPU copies the chunks before: a round 0 of
+		// 8B-shaped blocks is ~400,000 pieces, whose list built in Go and
+		// copied again cost as long as the kernel (benchmarks.md).
+		if err := c.Driver.KernelCopyFill(c.Device, c.Stream, pieces, kernelPieces(src, dst, runs)); err != nil {
+			return err
+		}
+		return c.Driver.Sync(c.Device, c.Stream)
+	}
+	// Unaligned runs (or the copy engines asked for): batched copy-engine
+	// calls.
+	max := c.MaxBatch
+	if max <= 0 {
+		max = DefaultMaxBatch
 	}
 	batch := make([]cuda.Copy, 0, min(pieces, max))
 	flush := func() error {
 		if len(batch) == 0 {
 			return nil
 		}
-		var err error
-		if useKernel {
-			if err = c.Driver.KernelCopy(c.Device, c.Stream, batch); errors.Is(err, cuda.ErrUnaligned) {
-				err = c.Driver.CopyBatch(c.Device, c.Stream, batch)
-			}
-		} else {
-			err = c.Driver.CopyBatch(c.Device, c.Stream, batch)
-		}
+		err := c.Driver.CopyBatch(c.Device, c.Stream, batch)
 		batch = batch[:0]
 		return err
 	}
 	for _, r := range runs {
-		if r.SrcRegion >= len(src) || r.DstRegion >= len(dst) {
-			return fmt.Errorf("cuda_ipc: run names region %d→%d of %d→%d", r.SrcRegion, r.DstRegion, len(src), len(dst))
-		}
 		if r.Length <= 0 {
 			continue
 		}
-		sb, db := src[r.SrcRegion]+cuda.DevicePtr(r.SrcOffset), dst[r.DstRegion]+cuda.DevicePtr(r.DstOffset)
-		if !useKernel || r.Length <= kernelPiece {
-			// Most runs: one copy each.
-			batch = append(batch, cuda.Copy{Src: sb, Dst: db, Len: uint64(r.Length)})
-			if len(batch) == max {
-				if err := flush(); err != nil {
-					return err
-				}
-			}
-			continue
-		}
-		piece := int64(kernelPiece)
-		for off := int64(0); off < r.Length; off += piece {
-			n := min(piece, r.Length-off)
-			batch = append(batch, cuda.Copy{Src: sb + cuda.DevicePtr(off), Dst: db + cuda.DevicePtr(off), Len: uint64(n)})
-			if len(batch) == max {
-				if err := flush(); err != nil {
-					return err
-				}
+		batch = append(batch, cuda.Copy{Src: src[r.SrcRegion] + cuda.DevicePtr(r.SrcOffset), Dst: dst[r.DstRegion] + cuda.DevicePtr(r.DstOffset), Len: uint64(r.Length)})
+		if len(batch) == max {
+			if err := flush(); err != nil {
+				return err
 			}
 		}
 	}
@@ -150,4 +131,22 @@ func (c *Copier) Run(src, dst Regions, runs []kvlayout.CopyRun) error {
 		return err
 	}
 	return c.Driver.Sync(c.Device, c.Stream)
+}
+
+// kernelPieces is the fill of KernelCopyFill for runs (regions checked):
+// each run's copies in turn, runs longer than kernelPiece cut in pieces,
+// chunk after chunk from where the last one stopped.
+func kernelPieces(src, dst Regions, runs []kvlayout.CopyRun) func(chunk []cuda.Copy) {
+	ri, off := 0, int64(0) // the next piece: run ri from off
+	return func(chunk []cuda.Copy) {
+		for i := range chunk {
+			for runs[ri].Length <= off {
+				ri, off = ri+1, 0
+			}
+			r := &runs[ri]
+			n := min(kernelPiece, r.Length-off)
+			chunk[i] = cuda.Copy{Src: src[r.SrcRegion] + cuda.DevicePtr(r.SrcOffset+off), Dst: dst[r.DstRegion] + cuda.DevicePtr(r.DstOffset+off), Len: uint64(n)}
+			off += n
+		}
+	}
 }

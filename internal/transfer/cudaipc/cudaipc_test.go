@@ -58,6 +58,10 @@ func TestRunTranslatesRunsAndBatches(t *testing.T) {
 	}
 }
 
+func (f *fakeDriver) KernelCopyFill(dev int, s cuda.Stream, n int, fill func([]cuda.Copy)) error {
+	return f.KernelCopy(dev, s, cuda.FilledCopies(n, fill))
+}
+
 func (f *fakeDriver) KernelCopy(dev int, s cuda.Stream, cs []cuda.Copy) error {
 	f.kernel++
 	return f.CopyBatch(dev, s, cs)
@@ -94,5 +98,61 @@ func TestAutoUsesTheKernelAndCutsLongRuns(t *testing.T) {
 	}
 	if f.kernel != 1 || len(f.batches) != 1 || f.batches[0] != len(many) {
 		t.Fatalf("%d runs: %d launches, batches %v; want one launch of all", len(many), f.kernel, f.batches)
+	}
+}
+
+// recordDriver keeps the copies of the last KernelCopyFill, chunk by chunk.
+type recordDriver struct {
+	cuda.Driver
+	chunks [][]cuda.Copy
+}
+
+func (r *recordDriver) KernelCopyFill(_ int, _ cuda.Stream, n int, fill func([]cuda.Copy)) error {
+	r.chunks = nil
+	return cuda.EachChunk(n, func(lo, hi int) error {
+		c := make([]cuda.Copy, hi-lo)
+		fill(c)
+		r.chunks = append(r.chunks, c)
+		return nil
+	})
+}
+
+func (r *recordDriver) Sync(int, cuda.Stream) error { return nil }
+
+// The kernel's descriptors, written chunk by chunk where the launch reads
+// them, are the round's pieces in order: runs that straddle a chunk's end,
+// long runs cut in pieces and empty runs skipped.
+func TestKernelPiecesFillChunkAfterChunk(t *testing.T) {
+	var runs []kvlayout.CopyRun
+	for i := 0; i < 30000; i++ {
+		n := int64(32 << 10)
+		switch {
+		case i%997 == 0:
+			n = 5*kernelPiece/2 + 16 // three pieces
+		case i%1009 == 0:
+			n = 0
+		}
+		runs = append(runs, kvlayout.CopyRun{SrcRegion: i % 2, SrcOffset: int64(i) << 20, DstOffset: int64(i) << 21, Length: n})
+	}
+	src, dst := Regions{1 << 40, 2 << 40}, Regions{3 << 40}
+	want, err := KernelCopies(src, dst, runs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &recordDriver{}
+	if err := (&Copier{Driver: r}).Run(src, dst, runs); err != nil {
+		t.Fatal(err)
+	}
+	var got []cuda.Copy
+	for _, c := range r.chunks {
+		got = append(got, c...)
+	}
+	if len(r.chunks) < 3 || len(got) != len(want) {
+		t.Fatalf("%d copies in %d chunks, want %d in several", len(got), len(r.chunks), len(want))
+	}
+	for i := range want {
+		if got[i] != want[i] {
+			t.Fatalf("copy %d: %+v, want %+v", i, got[i], want[i])
+		}
 	}
 }

@@ -14,6 +14,10 @@ type descDriver struct {
 	desc []cuda.Copy
 }
 
+func (f *descDriver) KernelCopyFill(dev int, s cuda.Stream, n int, fill func([]cuda.Copy)) error {
+	return f.KernelCopy(dev, s, cuda.FilledCopies(n, fill))
+}
+
 func (f *descDriver) KernelCopy(_ int, _ cuda.Stream, cs []cuda.Copy) error {
 	for _, c := range cs {
 		if (uint64(c.Dst)|uint64(c.Src)|c.Len)%16 != 0 {

@@ -73,6 +73,10 @@ func (f *fakeGPU) IPCClose(_ int, p cuda.DevicePtr) error {
 	return nil
 }
 
+func (f *fakeGPU) KernelCopyFill(dev int, s cuda.Stream, n int, fill func([]cuda.Copy)) error {
+	return f.KernelCopy(dev, s, cuda.FilledCopies(n, fill))
+}
+
 func (f *fakeGPU) KernelCopy(dev int, _ cuda.Stream, cs []cuda.Copy) error {
 	f.copyDevs = append(f.copyDevs, dev)
 	if f.failCopy {

@@ -80,6 +80,10 @@ func (m *memDriver) CopyBatch(_ int, _ cuda.Stream, cs []cuda.Copy) error {
 	}
 	return nil
 }
+func (m *memDriver) KernelCopyFill(dev int, s cuda.Stream, n int, fill func([]cuda.Copy)) error {
+	return m.KernelCopy(dev, s, cuda.FilledCopies(n, fill))
+}
+
 func (m *memDriver) KernelCopy(d int, s cuda.Stream, cs []cuda.Copy) error {
 	return m.CopyBatch(d, s, cs)
 }
