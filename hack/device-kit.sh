@@ -13,12 +13,16 @@
 # after one ends):
 #   carry [".v01"] … [".v03"]: bash .gpu/install-on-device.sh stage
 #   carry [".gpu", ".v04"]:     bash .gpu/device-kit.sh setup STEP…
-# or, without vLLM: carry [".gpu"]: bash .gpu/device-kit.sh vhionly STEP…
+# or, without vLLM: carry [".gpu", ".gput"]: bash .gpu/device-kit.sh vhionly STEP…
+# (.gput/: the GPU tests, for the gputests step)
 #
 # There, STEP is one of (each writes under $OUT/STEP):
 #   copy      vhi bench cuda-copy, 2.36 MB and 32 KiB pieces, 10,000 and 400,000
 #   micro     vhi bench migrate with the sims' KV on cuda:0 at the 8B geometry,
-#             256 streams, final rounds slot and block, the pause dropping and waiting
+#             256 streams, final rounds slot and block, the pause dropping the
+#             step in flight, for each of MICRO_LAYOUTS (default "HND NHD")
+#   gputests  the Go tests that need a GPU (built here with go test -c):
+#             internal/cuda, internal/transfer/cudaipc, internal/sim
 #   proxy     vhi bench proxy at 1k/2k/3k streams against nginx and the relay floor
 #   seed      hack/gpu-vllm-bench.sh, the seed's full load on real vLLM (SEED_ARGS
 #             to cut it, e.g. "--streams 256 --max-tokens 400 --prompt-words 40
@@ -30,12 +34,19 @@ set -uo pipefail
 build() {
   set -e
   grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || printf '/.v[0-9][0-9]/\n/.gpu/\n' >>.git/info/exclude
+  grep -qx '/.gput/' .git/info/exclude || printf '/.gput/\n' >>.git/info/exclude
   CAP_MIB=55 ../shared/gpu-vllm/prepare.sh .
   rm -rf .gpu && mkdir -p .gpu/ngx/lib
   cp hack/device-kit.sh ../shared/gpu-vllm/install-on-device.sh .gpu/
   CGO_ENABLED=1 CGO_CFLAGS="-O2 -Wno-deprecated-declarations" go build -trimpath -ldflags "-s -w" -o .gpu/vhi ./cmd/vhi
   gzip -f .gpu/vhi
   (cd hack/relayfloor && go build -o ../../.gpu/relayfloor .)
+  # The GPU tests apart (.gput/), carried only where no vLLM wheels are.
+  rm -rf .gput && mkdir -p .gput
+  for p in cuda transfer/cudaipc sim; do
+    CGO_ENABLED=1 go test -c -trimpath -ldflags "-s -w" -o ".gput/$(basename $p).test" ./internal/$p
+    gzip -f ".gput/$(basename $p).test"
+  done
   local venv
   venv=$(hack/vllm-env.sh 0.26.0)
   "$venv/bin/python" -m pip wheel -q --no-deps --no-build-isolation deploy/vllm-plugin -w .gpu/
@@ -46,7 +57,7 @@ build() {
   cp "$tmp/root/usr/sbin/nginx" .gpu/ngx/
   for l in libcrypt.so.1 libpcre2-8.so.0 libssl.so.3 libcrypto.so.3 libz.so.1; do cp -L "/lib/x86_64-linux-gnu/$l" .gpu/ngx/lib/; done
   rm -rf "$tmp"
-  du -sh .gpu .v0*
+  du -sh .gpu .gput .v0*
 }
 
 OUT=${OUT:-/tmp/out}
@@ -75,10 +86,23 @@ copy() {
 
 micro() {
   mkdir -p "$OUT/micro"
-  /tmp/vhi bench migrate --device-a cuda:0 --device-b cuda:0 --kv-scale 1 --num-blocks 12000 \
-    --max-num-batched-tokens 1024 --streams 256 --max-tokens 400 --prompt-words 100 --delay 6s \
-    --final-granularity slot,block --pause-in-flight drop,wait --json "$OUT/micro/migrate.json" \
-    2>"$OUT/micro/stderr.txt" | tee "$OUT/micro/bench.txt"
+  for layout in ${MICRO_LAYOUTS:-HND NHD}; do
+    /tmp/vhi bench migrate --device-a cuda:0 --device-b cuda:0 --kv-scale 1 --kv-layout "$layout" --num-blocks 12000 \
+      --max-num-batched-tokens 1024 --streams 256 --max-tokens 400 --prompt-words 100 --delay 6s \
+      --final-granularity slot,block --pause-in-flight drop --json "$OUT/micro/migrate-$layout.json" \
+      --log-level debug 2>"$OUT/micro/stderr-$layout.txt" | tee "$OUT/micro/bench-$layout.txt"
+    gzip -f "$OUT/micro/stderr-$layout.txt"
+  done
+}
+
+gputests() {
+  mkdir -p "$OUT/gputests"
+  for t in cuda cudaipc sim; do
+    gunzip -c ".gput/$t.test.gz" >"/tmp/$t.test" && chmod +x "/tmp/$t.test"
+  done
+  (cd internal/cuda && /tmp/cuda.test -test.count=1 -test.v 2>&1 | tail -40) | tee "$OUT/gputests/cuda.txt"
+  (cd internal/transfer/cudaipc && /tmp/cudaipc.test -test.count=1 2>&1 | tail -20) | tee "$OUT/gputests/cudaipc.txt"
+  (cd internal/sim && /tmp/sim.test -test.count=1 -test.v -test.run 'TestLayoutsAndDevices' 2>&1 | tail -20) | tee "$OUT/gputests/sim.txt"
 }
 
 proxy() {
@@ -130,6 +154,7 @@ for step in "$@"; do
     vhionly) vhionly ;;
     copy) copy ;;
     micro) micro ;;
+    gputests) gputests ;;
     proxy) proxy ;;
     seed) seed ;;
     failover) failover_run failover ;;

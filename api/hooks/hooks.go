@@ -133,7 +133,10 @@ type Layout struct {
 	ServedModels  []string `json:"served_model_names"`
 	Geometry      Geometry `json:"geometry"`
 	Parallel      Parallel `json:"parallel"`
-	KVLayout      string   `json:"kv_layout"` // "HND": (2, blocks, heads, block_size, head_dim) per layer
+	// KVLayout names each layer's KV tensor shape: "HND" (2, blocks,
+	// heads, block_size, head_dim) or "NHD" (2, blocks, block_size, heads,
+	// head_dim). The regions' strides say the same; copies follow those.
+	KVLayout string `json:"kv_layout"`
 	// OpaqueBlocks says a block's bytes are laid out by the engine in a
 	// way the strides describe only as a whole: copy whole blocks, never
 	// single token slots (vLLM's CPU attention tiles slots inside a block).

@@ -214,6 +214,7 @@ func (d *externalDeployment) swap(ctx context.Context, typ string) error {
 func (g *simGeometryFlags) register(f *pflag.FlagSet) {
 	f.StringVar(&g.profile, "profile", "", "KV geometry profile (default: the sim's)")
 	f.IntVar(&g.kvScale, "kv-scale", 0, "head-dim divisor (default: the sim's; 1 = the model's real size)")
+	f.StringVar(&g.kvLayout, "kv-layout", "", "the sims' KV layout, HND or NHD (vLLM's default; default: the sim's)")
 	f.IntVar(&g.numBlocks, "num-blocks", 0, "KV blocks per engine (default: the sim's)")
 	f.IntVar(&g.maxNumSeqs, "max-num-seqs", 0, "engine seats (default: the sim's)")
 	f.IntVar(&g.maxBatched, "max-num-batched-tokens", 0, "tokens per step, prefill chunks included (default: the sim's)")
@@ -223,7 +224,7 @@ func (g *simGeometryFlags) register(f *pflag.FlagSet) {
 
 // simGeometryFlags override the sims' KV geometry (0 / "" keep the default).
 type simGeometryFlags struct {
-	profile                        string
+	profile, kvLayout              string
 	kvScale, numBlocks, maxNumSeqs int
 	maxBatched, blockSize          int
 	prefixCaching                  bool
@@ -235,6 +236,9 @@ func (g simGeometryFlags) apply(c *sim.Config) {
 	}
 	if g.kvScale > 0 {
 		c.KVScale = g.kvScale
+	}
+	if g.kvLayout != "" {
+		c.KVLayout = g.kvLayout
 	}
 	if g.numBlocks > 0 {
 		c.NumBlocks = g.numBlocks
@@ -270,8 +274,8 @@ func runBenchMigrate(ctx context.Context, out io.Writer, sc scenario, geo simGeo
 	} else {
 		tpA, ppA := sizes(sc.ShapeA)
 		tpB, ppB := sizes(sc.ShapeB)
-		fmt.Fprintf(out, "vhi bench migrate: %d streams × %d tokens, sim %s / kv-scale %d, %d blocks, KV on %s TP%d×PP%d → %s TP%d×PP%d, delay %v, tn %d\n",
-			sc.Streams, sc.MaxTokens, g.Profile, g.KVScale, g.NumBlocks, sc.DeviceA, tpA, ppA, sc.DeviceB, tpB, ppB, sc.Delay, sc.TN)
+		fmt.Fprintf(out, "vhi bench migrate: %d streams × %d tokens, sim %s / kv-scale %d / %s, %d blocks, KV on %s TP%d×PP%d → %s TP%d×PP%d, delay %v, tn %d\n",
+			sc.Streams, sc.MaxTokens, g.Profile, g.KVScale, g.KVLayout, g.NumBlocks, sc.DeviceA, tpA, ppA, sc.DeviceB, tpB, ppB, sc.Delay, sc.TN)
 	}
 	var all []hostapi.MigrationStatus
 	if jsonOut != "" {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"os"
 	"strings"
 	"time"
 
@@ -37,7 +38,8 @@ different continuation as soon as one byte is lost or altered.
 The KV geometry comes from a model profile (` + strings.Join(kvlayout.ProfileNames(), ", ") + `) with
 the head dimension divided by --kv-scale so a CPU run fits in a few GiB: the
 default qwen3-8b at scale 32 keeps 36 layers and 8 KV heads and stores 4.5 KiB
-per token (72 KiB per 16-token block). The step time follows a model of an 8B
+per token (72 KiB per 16-token block), head-major (--kv-layout HND; NHD is
+vLLM's own default: a slot's heads side by side). The step time follows a model of an 8B
 model on one H200 (see --step-* flags): ~25-30 ms per decode step at 256
 sequences.`,
 		Args: cobra.NoArgs,
@@ -78,6 +80,10 @@ sequences.`,
 	f.StringSliceVar(&served, "served-model-name", nil, "name(s) clients use in the model field (default: --model)")
 	f.StringVar(&cfg.Profile, "profile", cfg.Profile, "KV geometry profile: "+strings.Join(kvlayout.ProfileNames(), ", "))
 	f.IntVar(&cfg.KVScale, "kv-scale", cfg.KVScale, "divide the profile's head dim by this to shrink KV bytes (1 = full size)")
+	if l := os.Getenv("VLLM_KV_CACHE_LAYOUT"); l != "" {
+		cfg.KVLayout = l // vLLM's own setting of the same thing
+	}
+	f.StringVar(&cfg.KVLayout, "kv-layout", cfg.KVLayout, "each layer's KV shape: HND (a block's heads, then slots) or NHD (slots, then heads: vLLM's default); default from VLLM_KV_CACHE_LAYOUT")
 	f.StringVar(&cfg.Failpoint, "failpoint", "", "fail at a chosen point of a migration (tests): stop-on-install")
 	_ = f.MarkHidden("failpoint")
 	f.IntVar(&cfg.TP, "tensor-parallel-size", cfg.TP, "TP size: KV heads are split across this many ranks (one KV region each)")

@@ -110,3 +110,61 @@ func TestRuns(t *testing.T) {
 		t.Fatal("first slot run offset")
 	}
 }
+
+// Both layouts place every (layer, K/V, block, head, slot) once inside the
+// region, and a block's slot runs cover exactly those slots' bytes.
+func TestHeadMajorAndSlotMajorLayouts(t *testing.T) {
+	g := Geometry{Layers: 3, KVHeads: 4, HeadDim: 4, DTypeBytes: 2, BlockSize: 4, NumBlocks: 5}
+	hsb := int64(g.HeadSlotBytes())
+	for _, slotMajor := range []bool{false, true} {
+		r := NewRegionLayout(g, Shard{TPSize: 2, TPRank: 1, PPSize: 1})
+		r.SlotMajor = slotMajor
+		seen := map[int64]bool{}
+		for l := 0; l < r.NumLayers; l++ {
+			for kv := 0; kv < 2; kv++ {
+				for b := 0; b < g.NumBlocks; b++ {
+					for h := 0; h < r.NumHeads; h++ {
+						for s := 0; s < g.BlockSize; s++ {
+							o := r.Offset(l, kv, b, h, s)
+							if o < 0 || o+hsb > r.Size() || o%hsb != 0 || seen[o] {
+								t.Fatalf("%s: (%d,%d,%d,%d,%d) at %d: outside, unaligned or taken", r.Name(), l, kv, b, h, s, o)
+							}
+							seen[o] = true
+						}
+					}
+				}
+			}
+		}
+		if int64(len(seen))*hsb != r.Size() {
+			t.Fatalf("%s: %d slots of %d bytes in a region of %d", r.Name(), len(seen), hsb, r.Size())
+		}
+		if slotMajor && r.Offset(0, 0, 2, 1, 3)-r.Offset(0, 0, 2, 0, 3) != hsb {
+			t.Fatal("NHD: a slot's heads are not side by side")
+		}
+		want := map[int64]bool{}
+		for l := 0; l < r.NumLayers; l++ {
+			for kv := 0; kv < 2; kv++ {
+				for h := 0; h < r.NumHeads; h++ {
+					for s := 1; s < 3; s++ {
+						want[r.Offset(l, kv, 2, h, s)] = true
+					}
+				}
+			}
+		}
+		runs := r.SlotRuns(2, 1, 2)
+		if n := 2 * r.NumLayers; slotMajor && len(runs) != n {
+			t.Fatalf("NHD: %d slot runs, want one per layer and K/V (%d)", len(runs), n)
+		}
+		for _, run := range runs {
+			for o := run.Offset; o < run.Offset+run.Length; o += hsb {
+				if !want[o] {
+					t.Fatalf("%s: slot run %+v covers %d, not one of the slots", r.Name(), run, o)
+				}
+				delete(want, o)
+			}
+		}
+		if len(want) != 0 {
+			t.Fatalf("%s: %d slots not covered by the slot runs", r.Name(), len(want))
+		}
+	}
+}

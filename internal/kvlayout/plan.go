@@ -17,7 +17,7 @@ type RegionSpec struct {
 
 // Strides of a RegionLayout.
 func (r RegionLayout) Strides() Strides {
-	return Strides{Layer: r.LayerStride(), KV: r.KVStride(), Block: r.BlockStride(), Head: r.HeadStride(), Slot: int64(r.Geometry.HeadSlotBytes())}
+	return Strides{Layer: r.LayerStride(), KV: r.KVStride(), Block: r.BlockStride(), Head: r.HeadStride(), Slot: r.SlotStride()}
 }
 
 // Spec of a RegionLayout.

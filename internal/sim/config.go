@@ -41,10 +41,15 @@ func (m StepModel) Duration(seqs, contextTokens, prefillTokens int) time.Duratio
 
 // Config configures one simulated engine.
 type Config struct {
-	Model               string   // the model "path", as vLLM's positional model argument
-	ServedModelNames    []string // names clients use; defaults to Model
-	Profile             string   // KV geometry profile, e.g. qwen3-8b
-	KVScale             int      // head-dim divisor applied to the profile
+	Model            string   // the model "path", as vLLM's positional model argument
+	ServedModelNames []string // names clients use; defaults to Model
+	Profile          string   // KV geometry profile, e.g. qwen3-8b
+	KVScale          int      // head-dim divisor applied to the profile
+	// KVLayout orders a block's heads and slots in each layer's K and V:
+	// "HND" (head-major, a head's slots side by side: the default) or
+	// "NHD" (slot-major, a slot's heads side by side: vLLM's own default
+	// layout, where a few slots of a block are one run per layer and K/V).
+	KVLayout            string
 	TP, PP              int
 	BlockSize           int
 	NumBlocks           int
@@ -117,6 +122,7 @@ func DefaultConfig() Config {
 		Model:               "Qwen/Qwen3-8B",
 		Profile:             "qwen3-8b",
 		KVScale:             32,
+		KVLayout:            "HND",
 		TP:                  1,
 		PP:                  1,
 		BlockSize:           16,
@@ -154,6 +160,18 @@ func (c *Config) geometry() (kvlayout.Geometry, kvlayout.Parallel, error) {
 	par := kvlayout.Parallel{TP: c.TP, PP: c.PP}
 	if err := par.Validate(geo); err != nil {
 		return geo, par, err
+	}
+	switch c.KVLayout {
+	case "", "HND":
+		c.KVLayout = "HND"
+	case "NHD":
+		// The hash reads a slot-major block head by head, slot by slot: in
+		// 8-byte words, so that it equals the head-major one.
+		if geo.HeadSlotBytes()%8 != 0 {
+			return geo, par, fmt.Errorf("kv-layout NHD needs head_dim × dtype bytes to be a multiple of 8 (it is %d; lower --kv-scale)", geo.HeadSlotBytes())
+		}
+	default:
+		return geo, par, fmt.Errorf("kv-layout %q: want HND or NHD", c.KVLayout)
 	}
 	switch {
 	case c.MaxNumSeqs < 1:

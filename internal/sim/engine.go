@@ -161,9 +161,9 @@ func (e *Engine) Close() {
 // newKV creates the KV memory where cfg.Device says.
 func newKV(cfg Config, drv *cuda.Lib, geo kvlayout.Geometry, par kvlayout.Parallel) (*kvMemory, error) {
 	if gpu, devs, _ := cfg.devices(); gpu {
-		return newGPUKVMemory(drv, devs, geo, par, cfg.MaxNumSeqs, cfg.MaxNumBatchedTokens)
+		return newGPUKVMemory(drv, devs, geo, par, cfg.KVLayout == "NHD", cfg.MaxNumSeqs, cfg.MaxNumBatchedTokens)
 	}
-	return newKVMemory(geo, par, cfg.ShmDir, cfg.ShmPrefix)
+	return newKVMemory(geo, par, cfg.KVLayout == "NHD", cfg.ShmDir, cfg.ShmPrefix)
 }
 
 func (e *Engine) signal() {

@@ -82,6 +82,13 @@ func TestBatchInvariance(t *testing.T) {
 	tp := testConfig(t)
 	tp.TP, tp.PP = 2, 2
 	check("tp2pp2", tp, true)
+	// vLLM's own layout: a slot's heads side by side, each TP rank's
+	// slice of them in its own region.
+	nhd := testConfig(t)
+	nhd.KVLayout = "NHD"
+	check("nhd", nhd, false)
+	nhd.TP, nhd.PP = 2, 2
+	check("nhd-tp2pp2", nhd, true)
 }
 
 // Flipping one byte of a running request's KV in the shared-memory file
@@ -249,6 +256,8 @@ func TestConfigValidation(t *testing.T) {
 		"unknown profile":  func(c *Config) { c.Profile = "gpt-9" },
 		"bad scale":        func(c *Config) { c.KVScale = 3 },
 		"tp not dividing":  func(c *Config) { c.TP = 3 },
+		"unknown layout":   func(c *Config) { c.KVLayout = "HDN" },
+		"NHD, odd slots":   func(c *Config) { c.KVLayout, c.Profile, c.KVScale = "NHD", "qwen3-8b", 64 },
 		"too few blocks":   func(c *Config) { c.NumBlocks = 10 },
 		"zero seqs":        func(c *Config) { c.MaxNumSeqs = 0 },
 		"budget < seqs":    func(c *Config) { c.MaxNumBatchedTokens = 1 },

@@ -22,7 +22,7 @@ func (e *Engine) Layout(context.Context) (hooks.Layout, error) {
 	l := hooks.Layout{
 		Engine: "vhi-sim", EngineVersion: version.Version(), HooksVersion: hooks.Version,
 		Model: e.cfg.Model, ServedModels: e.cfg.ServedModelNames,
-		Geometry: e.geo, Parallel: e.par, KVLayout: "HND", KVGeneration: e.kvGen, Regions: []hooks.Region{},
+		Geometry: e.geo, Parallel: e.par, KVLayout: e.cfg.KVLayout, KVGeneration: e.kvGen, Regions: []hooks.Region{},
 	}
 	if e.kv == nil {
 		// Sleeping: the geometry stands, the memory is gone.
@@ -48,7 +48,7 @@ func (e *Engine) Layout(context.Context) (hooks.Layout, error) {
 			TPRank: rl.Shard.TPRank, PPStage: rl.Shard.PPStage,
 			FirstLayer: rl.FirstLayer, NumLayers: rl.NumLayers, FirstHead: rl.FirstHead, NumHeads: rl.NumHeads,
 			Size: rl.Size(), LayerStride: rl.LayerStride(), KVStride: rl.KVStride(),
-			BlockStride: rl.BlockStride(), HeadStride: rl.HeadStride(), SlotStride: int64(e.geo.HeadSlotBytes()),
+			BlockStride: rl.BlockStride(), HeadStride: rl.HeadStride(), SlotStride: rl.SlotStride(),
 			Memory: mem,
 		})
 	}

@@ -18,34 +18,48 @@ import (
 )
 
 // copyBlocks copies whole blocks from one engine's KV files to another's,
-// as a data plane would (same TP/PP on both sides).
+// as a data plane would: by kvlayout.Plan over the layouts' strides, so the
+// two sides may order a block differently (HND and NHD).
 func copyBlocks(t *testing.T, src, dst hooks.Layout, from, to []int) {
 	t.Helper()
-	for i, reg := range src.Regions {
-		rs := kvlayout.NewRegionLayout(src.Geometry, kvlayout.Shard{TPRank: reg.TPRank, PPStage: reg.PPStage, TPSize: src.Parallel.TP, PPSize: src.Parallel.PP})
-		rd := kvlayout.NewRegionLayout(dst.Geometry, kvlayout.Shard{TPRank: reg.TPRank, PPStage: reg.PPStage, TPSize: dst.Parallel.TP, PPSize: dst.Parallel.PP})
-		fs, err := os.Open(reg.Memory.Path)
-		if err != nil {
-			t.Fatal(err)
+	specs := func(l hooks.Layout) []kvlayout.RegionSpec {
+		out := make([]kvlayout.RegionSpec, len(l.Regions))
+		for i, r := range l.Regions {
+			out[i] = kvlayout.RegionSpec{FirstLayer: r.FirstLayer, NumLayers: r.NumLayers, FirstHead: r.FirstHead, NumHeads: r.NumHeads,
+				Strides: kvlayout.Strides{Layer: r.LayerStride, KV: r.KVStride, Block: r.BlockStride, Head: r.HeadStride, Slot: r.SlotStride}}
 		}
-		fd, err := os.OpenFile(dst.Regions[i].Memory.Path, os.O_RDWR, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for j := range from {
-			srcRuns, dstRuns := rs.BlockRuns(from[j]), rd.BlockRuns(to[j])
-			for k := range srcRuns {
-				buf := make([]byte, srcRuns[k].Length)
-				if _, err := fs.ReadAt(buf, srcRuns[k].Offset); err != nil {
-					t.Fatal(err)
-				}
-				if _, err := fd.WriteAt(buf, dstRuns[k].Offset); err != nil {
-					t.Fatal(err)
-				}
+		return out
+	}
+	var copies []kvlayout.BlockCopy
+	for j := range from {
+		copies = append(copies, kvlayout.BlockCopy{Src: from[j], Dst: to[j], NumSlots: src.Geometry.BlockSize})
+	}
+	g := src.Geometry
+	runs, err := kvlayout.Plan(g.Layers, g.KVHeads, int64(g.HeadDim*g.DTypeBytes), specs(src), specs(dst), copies)
+	if err != nil {
+		t.Fatal(err)
+	}
+	open := func(l hooks.Layout, flag int) []*os.File {
+		var fs []*os.File
+		for _, r := range l.Regions {
+			f, err := os.OpenFile(r.Memory.Path, flag, 0)
+			if err != nil {
+				t.Fatal(err)
 			}
+			t.Cleanup(func() { f.Close() })
+			fs = append(fs, f)
 		}
-		fs.Close()
-		fd.Close()
+		return fs
+	}
+	fs, fd := open(src, os.O_RDONLY), open(dst, os.O_RDWR)
+	for _, r := range runs {
+		buf := make([]byte, r.Length)
+		if _, err := fs[r.SrcRegion].ReadAt(buf, r.SrcOffset); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := fd[r.DstRegion].WriteAt(buf, r.DstOffset); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
 
@@ -100,9 +114,18 @@ func textOf(t *testing.T, events []string) (string, int) {
 // The hooks carry a request from A to B mid-stream: pause, export,
 // allocate, copy KV, install, silent abort on A, attach on B. The text the
 // client would see (A's part, then B's from the next token) equals an
-// unmigrated run, and both engines end with every block free.
+// unmigrated run, and both engines end with every block free — between
+// engines of either KV layout, since the tokens follow the KV's values,
+// not where a layout puts them.
 func TestHooksMoveARequest(t *testing.T) {
+	for _, ls := range [][2]string{{"HND", "HND"}, {"HND", "NHD"}, {"NHD", "HND"}, {"NHD", "NHD"}} {
+		t.Run(ls[0]+"→"+ls[1], func(t *testing.T) { testHooksMoveARequest(t, ls[0], ls[1]) })
+	}
+}
+
+func testHooksMoveARequest(t *testing.T, layoutA, layoutB string) {
 	ca, cb := testConfig(t), testConfig(t)
+	ca.KVLayout, cb.KVLayout = layoutA, layoutB
 	ca.Step.Fixed, cb.Step.Fixed = 4*time.Millisecond, 4*time.Millisecond
 	a, b := startEngine(t, ca), startEngine(t, cb)
 	_, tsA := startServer(t, a)

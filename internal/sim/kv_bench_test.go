@@ -10,7 +10,7 @@ import (
 func benchKV(b *testing.B) *kvMemory {
 	c := DefaultConfig()
 	geo, par, _ := c.geometry()
-	m, err := newKVMemory(geo, par, "/dev/shm", "vhi-kvbench")
+	m, err := newKVMemory(geo, par, false, "/dev/shm", "vhi-kvbench")
 	if err != nil {
 		b.Fatal(err)
 	}

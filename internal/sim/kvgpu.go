@@ -61,11 +61,11 @@ type tokenJob struct {
 // tokens written, maxSeqs sampled) up front: pinning a gigabyte of host
 // memory takes long enough to stall the first step that needs it, which
 // could be a migration target's first step.
-func newGPUKVMemory(drv *cuda.Lib, devices []int, geo kvlayout.Geometry, par kvlayout.Parallel, maxSeqs, maxBatched int) (*kvMemory, error) {
+func newGPUKVMemory(drv *cuda.Lib, devices []int, geo kvlayout.Geometry, par kvlayout.Parallel, slotMajor bool, maxSeqs, maxBatched int) (*kvMemory, error) {
 	if geo.HeadSlotBytes()%16 != 0 {
 		return nil, fmt.Errorf("--device cuda needs head_dim × dtype bytes to be a multiple of 16 (it is %d)", geo.HeadSlotBytes())
 	}
-	shards := kvlayout.Shards(par)
+	shards := regionLayouts(geo, par, slotMajor)
 	if len(devices) != 1 && len(devices) != len(shards) {
 		return nil, fmt.Errorf("--device lists %d GPUs for %d ranks: give one, or one per rank", len(devices), len(shards))
 	}
@@ -83,10 +83,9 @@ func newGPUKVMemory(drv *cuda.Lib, devices []int, geo kvlayout.Geometry, par kvl
 		}
 		g.devs = append(g.devs, &gpuDev{dev: dev, stream: s})
 	}
-	for i, sh := range shards {
+	for i, l := range shards {
 		at := min(i, len(g.devs)-1)
 		d := g.devs[at]
-		l := kvlayout.NewRegionLayout(geo, sh)
 		p, err := drv.Alloc(d.dev, uint64(l.Size()))
 		if err != nil {
 			m.close()
@@ -94,12 +93,10 @@ func newGPUKVMemory(drv *cuda.Lib, devices []int, geo kvlayout.Geometry, par kvl
 		}
 		d.regions = append(d.regions, len(m.regions))
 		d.tokenBytes += l.NumLayers * 2 * l.NumHeads * geo.HeadSlotBytes()
-		d.tokenPieces += l.NumLayers * 2 * l.NumHeads
-		m.regions = append(m.regions, kvRegion{
-			layout: l, dptr: p, gpuAt: at,
-			layerStride: int(l.LayerStride()), kvStride: int(l.KVStride()), blockStride: int(l.BlockStride()),
-			headStride: int(l.HeadStride()), slotBytes: geo.HeadSlotBytes(),
-		})
+		r := newKVRegion(l)
+		r.dptr, r.gpuAt = p, at
+		d.tokenPieces += l.NumLayers * 2 * r.headRuns()
+		m.regions = append(m.regions, r)
 	}
 	for _, d := range g.devs {
 		up := maxBatched * d.tokenBytes
@@ -248,22 +245,37 @@ func (m *kvMemory) fillToken(out []byte, cs []cuda.Copy, src cuda.DevicePtr, j t
 	for _, i := range regions {
 		r := &m.regions[i]
 		l := &r.layout
-		base := j.block*r.blockStride + j.slot*r.slotBytes
+		base := j.block*r.blockStride + j.slot*r.slotStride
+		// A slot-major region holds the token's heads side by side, as
+		// they are staged: one copy for each layer's K or V.
+		runs := r.headRuns()
+		runLen := l.NumHeads / runs * r.slotBytes
 		for layer := 0; layer < l.NumLayers; layer++ {
 			for kv := 0; kv < 2; kv++ {
 				off := layer*r.layerStride + kv*r.kvStride + base
 				for h := 0; h < l.NumHeads; h++ {
-					dst := out[at : at+r.slotBytes]
 					gl, gh := l.FirstLayer+layer, l.FirstHead+h
-					fillSlot(dst, k, gl, kv, gh)
-					cs[n] = cuda.Copy{Dst: r.dptr + cuda.DevicePtr(off), Src: src + cuda.DevicePtr(at), Len: uint64(r.slotBytes)}
-					at += r.slotBytes
+					fillSlot(out[at+h*r.slotBytes:at+(h+1)*r.slotBytes], k, gl, kv, gh)
+				}
+				for h := 0; h < runs; h++ {
+					cs[n] = cuda.Copy{Dst: r.dptr + cuda.DevicePtr(off), Src: src + cuda.DevicePtr(at), Len: uint64(runLen)}
+					at += runLen
 					n++
 					off += r.headStride
 				}
 			}
 		}
 	}
+}
+
+// headRuns is how many runs one token's heads of one layer's K or V make
+// in r: one per head where heads are a block's slowest dimension (HND),
+// one where a slot's heads are side by side (NHD).
+func (r *kvRegion) headRuns() int {
+	if r.headStride == r.slotBytes {
+		return 1
+	}
+	return r.layout.NumHeads
 }
 
 // parallel runs f over [0, n) in up to GOMAXPROCS chunks.

@@ -30,8 +30,30 @@ type kvRegion struct {
 	dptr   cuda.DevicePtr // GPU: the region's allocation
 	gpuAt  int            // GPU: which of gpuKV.devs holds it
 	// Strides, precomputed: the decode step touches every layer and head of
-	// every token, so this is the sim's hottest arithmetic.
-	layerStride, kvStride, blockStride, headStride, slotBytes int
+	// every token, so this is the sim's hottest arithmetic. slotBytes is
+	// one head's vector of one slot (head_dim × dtype).
+	layerStride, kvStride, blockStride, headStride, slotStride, slotBytes int
+}
+
+// newKVRegion is a region of layout l with its strides.
+func newKVRegion(l kvlayout.RegionLayout) kvRegion {
+	return kvRegion{
+		layout:      l,
+		layerStride: int(l.LayerStride()), kvStride: int(l.KVStride()), blockStride: int(l.BlockStride()),
+		headStride: int(l.HeadStride()), slotStride: int(l.SlotStride()), slotBytes: l.Geometry.HeadSlotBytes(),
+	}
+}
+
+// regionLayouts are the layouts of par's shards of geo, slot-major (NHD)
+// or head-major (HND).
+func regionLayouts(geo kvlayout.Geometry, par kvlayout.Parallel, slotMajor bool) []kvlayout.RegionLayout {
+	var out []kvlayout.RegionLayout
+	for _, s := range kvlayout.Shards(par) {
+		l := kvlayout.NewRegionLayout(geo, s)
+		l.SlotMajor = slotMajor
+		out = append(out, l)
+	}
+	return out
 }
 
 // newKVMemory creates one file per shard under dir, named
@@ -42,28 +64,26 @@ type kvRegion struct {
 // The pages are allocated up front (fallocate) so that a tmpfs too small
 // for the KV is a clear error here, not a SIGBUS at the first write into
 // a page that cannot be backed.
-func newKVMemory(geo kvlayout.Geometry, par kvlayout.Parallel, dir, prefix string) (*kvMemory, error) {
+func newKVMemory(geo kvlayout.Geometry, par kvlayout.Parallel, slotMajor bool, dir, prefix string) (*kvMemory, error) {
 	m := &kvMemory{geo: geo}
+	layouts := regionLayouts(geo, par, slotMajor)
 	var total int64
-	for _, s := range kvlayout.Shards(par) {
-		total += kvlayout.NewRegionLayout(geo, s).Size()
+	for _, l := range layouts {
+		total += l.Size()
 	}
 	if err := checkRoom(dir, total); err != nil {
 		return nil, err
 	}
-	for _, s := range kvlayout.Shards(par) {
-		l := kvlayout.NewRegionLayout(geo, s)
-		path := filepath.Join(dir, fmt.Sprintf("%s-tp%d-pp%d.kv", prefix, s.TPRank, s.PPStage))
+	for _, l := range layouts {
+		path := filepath.Join(dir, fmt.Sprintf("%s-tp%d-pp%d.kv", prefix, l.Shard.TPRank, l.Shard.PPStage))
 		f, data, err := mapFile(path, l.Size())
 		if err != nil {
 			m.close()
 			return nil, err
 		}
-		m.regions = append(m.regions, kvRegion{
-			layout: l, path: fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), f.Fd()), file: f, data: data,
-			layerStride: int(l.LayerStride()), kvStride: int(l.KVStride()), blockStride: int(l.BlockStride()),
-			headStride: int(l.HeadStride()), slotBytes: geo.HeadSlotBytes(),
-		})
+		r := newKVRegion(l)
+		r.path, r.file, r.data = fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), f.Fd()), f, data
+		m.regions = append(m.regions, r)
 	}
 	return m, nil
 }
@@ -153,7 +173,7 @@ func (m *kvMemory) writeToken(block, slot int, seed int64, token, pos int) {
 	for i := range m.regions {
 		r := &m.regions[i]
 		l := &r.layout
-		base := block*r.blockStride + slot*r.slotBytes
+		base := block*r.blockStride + slot*r.slotStride
 		for layer := 0; layer < l.NumLayers; layer++ {
 			for kv := 0; kv < 2; kv++ {
 				off := layer*r.layerStride + kv*r.kvStride + base
@@ -187,12 +207,14 @@ func fillSlot(dst []byte, k uint64, layer, kv, head int) {
 }
 
 // hashSlots feeds slots [0, n) of block into d in a canonical order —
-// global layer, K/V, global head, slot — whatever the TP/PP sharding, so
-// the same KV gives the same hash (and the same tokens) at any shape. A
-// full block goes in as whole per-layer runs of each rank (xxhash streams
-// them at memory speed); a partial one is folded word by word, head by head,
-// into one value (cheaper than many tiny digest writes), so stale bytes past
-// the written slots never reach the hash.
+// global layer, K/V, global head, slot — whatever the TP/PP sharding and
+// the layout (head- or slot-major), so the same KV gives the same hash (and
+// the same tokens) at any shape. A full block goes in as whole per-layer
+// runs of each rank (xxhash streams them at memory speed; a slot-major run
+// head by head, slot by slot); a partial one is folded word by word, head by
+// head, into one value (cheaper than many tiny digest writes), so stale bytes
+// past the written slots never reach the hash. Each rank's bytes of a layer's
+// K or V are read at once: one read of the block's first n slots.
 //
 // With groups > 1 only the layers whose global index ≡ group (mod groups)
 // are read: a 1/groups sample of the block.
@@ -212,19 +234,35 @@ func (m *kvMemory) hashSlots(d *xxhash.Digest, rd kvReader, block, n, group, gro
 				for i := range ranks {
 					r := &ranks[i]
 					off := layer*r.layerStride + kv*r.kvStride + block*r.blockStride
-					if full {
+					switch {
+					case r.layout.SlotMajor:
+						b := rd.read(stage*tp+i, off, n*r.slotStride)
+						if plan {
+							continue
+						}
+						for h := 0; h < r.layout.NumHeads; h++ {
+							for s := 0; s < n; s++ {
+								at := s*r.slotStride + h*r.slotBytes
+								if full {
+									_, _ = d.Write(b[at : at+r.slotBytes])
+								} else {
+									fold = foldBytes(fold, b[at:at+r.slotBytes])
+								}
+							}
+						}
+					case full:
 						b := rd.read(stage*tp+i, off, r.blockStride)
 						if !plan {
 							_, _ = d.Write(b)
 						}
-						continue
-					}
-					for h := 0; h < r.layout.NumHeads; h++ {
-						b := rd.read(stage*tp+i, off, length)
-						if !plan {
-							fold = foldBytes(fold, b)
+					default:
+						for h := 0; h < r.layout.NumHeads; h++ {
+							b := rd.read(stage*tp+i, off, length)
+							if !plan {
+								fold = foldBytes(fold, b)
+							}
+							off += r.headStride
 						}
-						off += r.headStride
 					}
 				}
 			}
