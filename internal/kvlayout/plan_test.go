@@ -3,6 +3,8 @@ package kvlayout
 import (
 	"iter"
 	"math/rand/v2"
+	"runtime"
+	"slices"
 	"testing"
 )
 
@@ -390,6 +392,48 @@ func TestPlanSizesItsRunsOnce(t *testing.T) {
 		}
 		if cap(runs) != len(runs) {
 			t.Fatalf("%d slots a copy: %d runs in a list of %d", slots, len(runs), cap(runs))
+		}
+	}
+}
+
+// A large plan, its layers planned side by side, is the plan made one
+// layer after another: the same runs in the same order, whatever the
+// layout on each side (one region each, or TP shards on one side).
+func TestPlanInParallelEqualsPlanInTurn(t *testing.T) {
+	p, _ := LookupProfile("qwen3-8b")
+	g, _ := p.Scaled(32, 16, 4096)
+	one := NewRegionLayout(g, Shard{TPSize: 1, PPSize: 1})
+	nhd := one
+	nhd.SlotMajor = true
+	var tp2 []RegionSpec
+	for _, sh := range Shards(Parallel{TP: 2, PP: 1}) {
+		tp2 = append(tp2, NewRegionLayout(g, sh).Spec())
+	}
+	var copies []BlockCopy
+	for i := 0; i < 300; i++ {
+		copies = append(copies, BlockCopy{Src: 1 + i*7, Dst: 2 + i*5, FirstSlot: i % 16, NumSlots: 1 + (i%3)*(15-i%16)/2})
+	}
+	for name, sides := range map[string][2][]RegionSpec{
+		"HND→HND": {{one.Spec()}, {one.Spec()}},
+		"HND→NHD": {{one.Spec()}, {nhd.Spec()}},
+		"TP2→NHD": {tp2, {nhd.Spec()}},
+	} {
+		plan := func() []CopyRun {
+			runs, err := Plan(g.Layers, g.KVHeads, int64(g.HeadSlotBytes()), sides[0], sides[1], copies)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return runs
+		}
+		side := plan()
+		procs := runtime.GOMAXPROCS(1)
+		inTurn := plan()
+		runtime.GOMAXPROCS(procs)
+		if len(inTurn) < parallelPlanRuns {
+			t.Fatalf("%s: %d runs, too few to plan in parallel", name, len(inTurn))
+		}
+		if !slices.Equal(side, inTurn) {
+			t.Fatalf("%s: %d runs side by side, %d in turn, or in another order", name, len(side), len(inTurn))
 		}
 	}
 }
