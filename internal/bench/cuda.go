@@ -189,14 +189,22 @@ func benchOneSize(w io.Writer, drv *cuda.Lib, srcDev, dstDev int, src, dst cuda.
 			}
 		}
 		if m.kernel != "" && perm != nil {
-			// The same copies from one list built first (the copier's
-			// path before the descriptors were written in chunks where
-			// the launch reads them), side by side.
-			d, err := timeListFirst(drv, srcDev, stream, src, dst, runs, reps)
+			// The same copies with their descriptors written in chunks
+			// where each launch reads them (VLLM_HI_COPY_DESCRIPTORS=chunks),
+			// side by side with the list built first above.
+			// A permutation of its own: the check proves these copies.
+			perm, runs := scatter(uint64(k + 101))
+			was := drv.ChunkedDescriptors
+			drv.ChunkedDescriptors = !was
+			d, err := timeIt(runs, m.method, m.loop)
+			drv.ChunkedDescriptors = was
 			if err != nil {
-				return fmt.Errorf("%s, list first: %w", m.name, err)
+				return fmt.Errorf("%s, descriptors %s: %w", m.name, descriptorsName(!was), err)
 			}
-			fmt.Fprintf(w, "%-12s %-28s %10s %10.1f %8.0f%%\n", label, "  one list first", d.Round(time.Microsecond), bytes/d.Seconds()/1e9, 100*base.Seconds()/d.Seconds())
+			fmt.Fprintf(w, "%-12s %-28s %10s %10.1f %8.0f%%\n", label, "  descriptors "+descriptorsName(!was), d.Round(time.Microsecond), bytes/d.Seconds()/1e9, 100*base.Seconds()/d.Seconds())
+			if err := checkBlocks(drv, srcDev, dstDev, src, dst, bsz, perm); err != nil {
+				return fmt.Errorf("%s, descriptors %s: %w", m.name, descriptorsName(!was), err)
+			}
 		}
 		if m.kernel != "" {
 			// The same launch with the GPU's own times: the host's part
@@ -209,29 +217,12 @@ func benchOneSize(w io.Writer, drv *cuda.Lib, srcDev, dstDev int, src, dst cuda.
 	return benchKVSum(w, drv, srcDev, stream, src, bsz, blocks, reps, base, label)
 }
 
-// timeListFirst is the median time of the kernel copy of runs made the
-// way the copier made it before KernelCopyFill: the whole list of copies
-// built in Go, then one upload and launch, then the wait.
-func timeListFirst(drv *cuda.Lib, dev int, stream cuda.Stream, src, dst cuda.DevicePtr, runs []kvlayout.CopyRun, reps int) (time.Duration, error) {
-	var ds []time.Duration
-	for r := 0; r < reps+1; r++ { // the first is a warm-up
-		start := time.Now()
-		copies, err := cudaipc.KernelCopies(cudaipc.Regions{src}, cudaipc.Regions{dst}, runs)
-		if err != nil {
-			return 0, err
-		}
-		if err := drv.KernelCopy(dev, stream, copies); err != nil {
-			return 0, err
-		}
-		if err := drv.Sync(dev, stream); err != nil {
-			return 0, err
-		}
-		if r > 0 {
-			ds = append(ds, time.Since(start))
-		}
+// descriptorsName is how VLLM_HI_COPY_DESCRIPTORS names a Lib's choice.
+func descriptorsName(chunked bool) string {
+	if chunked {
+		return "in chunks"
 	}
-	sort.Slice(ds, func(a, b int) bool { return ds[a] < ds[b] })
-	return ds[len(ds)/2], nil
+	return "as one list"
 }
 
 // gpuTimes launches runs' copies with KernelCopyTimed and prints the

@@ -107,6 +107,47 @@ func TestCopiesOnTheGPU(t *testing.T) {
 			t.Fatalf("copies (%s) did not land", method)
 		}
 	}
+	// The same swap in pieces of 16-112 bytes (84,000 descriptors), their
+	// descriptors written in chunks where each launch reads them: several
+	// chunks, each a launch of its own.
+	var small []Copy
+	smallLengths := []uint64{16, 48, 32, 80, 16, 112}
+	for off, i := uint64(0), 0; off < size/2; i++ {
+		n := min(smallLengths[i%len(smallLengths)], size/2-off)
+		small = append(small, Copy{Dst: b + DevicePtr(size/2+off), Src: a + DevicePtr(off), Len: n},
+			Copy{Dst: b + DevicePtr(off), Src: a + DevicePtr(size/2+off), Len: n})
+		off += n
+	}
+	for _, kernel := range []string{KernelPerCTA, KernelPerWarp} {
+		for _, chunked := range []bool{false, true} {
+			if err := l.HtoD(n-1, b, make([]byte, size)); err != nil {
+				t.Fatal(err)
+			}
+			l.CopyKernel, l.ChunkedDescriptors = kernel, chunked
+			next, calls := 0, 0
+			if err := l.KernelCopyFill(0, s, len(small), func(chunk []Copy) {
+				next += copy(chunk, small[next:])
+				calls++
+			}); err != nil {
+				t.Fatal(kernel, chunked, err)
+			}
+			if err := l.Sync(0, s); err != nil {
+				t.Fatal(err)
+			}
+			got := make([]byte, size)
+			if err := l.DtoH(n-1, got, b); err != nil {
+				t.Fatal(err)
+			}
+			if next != len(small) || calls < 4 || !bytes.Equal(got[:size/2], host[size/2:]) || !bytes.Equal(got[size/2:], host[:size/2]) {
+				t.Fatalf("%d small copies (%s, chunked %v; %d filled in %d chunks) did not land", len(small), kernel, chunked, next, calls)
+			}
+		}
+	}
+	l.ChunkedDescriptors = true
+	if err := l.KernelCopyFill(0, s, 1, func(c []Copy) { c[0] = Copy{Dst: b + 8, Src: a, Len: 16} }); !errors.Is(err, ErrUnaligned) {
+		t.Fatalf("an unaligned chunk: %v", err)
+	}
+	l.ChunkedDescriptors = false
 	if err := l.KernelCopy(0, s, []Copy{{Dst: b + 8, Src: a, Len: 16}}); !errors.Is(err, ErrUnaligned) {
 		t.Fatalf("an unaligned kernel copy: %v", err)
 	}

@@ -354,6 +354,12 @@ type Lib struct {
 	// CopyKernel is the kernel KernelCopy launches: KernelPerCTA or
 	// KernelPerWarp (VLLM_HI_COPY_KERNEL at Load; benchmarks compare).
 	CopyKernel string
+	// ChunkedDescriptors makes KernelCopyFill write the descriptors in
+	// chunks where each launch reads them (VLLM_HI_COPY_DESCRIPTORS=chunks
+	// at Load); off, it builds the whole list first and launches once, as
+	// the copier always did. Off by default until it is measured on a GPU
+	// (benchmarks compare).
+	ChunkedDescriptors bool
 }
 
 // The copy kernels (Lib.CopyKernel).
@@ -366,6 +372,10 @@ const (
 
 // CopyKernelEnv names the copy kernel a process's Lib launches.
 const CopyKernelEnv = "VLLM_HI_COPY_KERNEL"
+
+// CopyDescriptorsEnv says how a process's Lib hands a copy's descriptors
+// to the kernel: "list" (the default) or "chunks" (Lib.ChunkedDescriptors).
+const CopyDescriptorsEnv = "VLLM_HI_COPY_DESCRIPTORS"
 
 var _ Driver = (*Lib)(nil)
 
@@ -392,16 +402,27 @@ func Load() (*Lib, error) {
 	}
 	lib.refs++
 	l := &Lib{CopyKernel: KernelPerCTA}
+	var bad error
 	switch k := os.Getenv(CopyKernelEnv); k {
 	case "":
 	case KernelPerCTA, KernelPerWarp:
 		l.CopyKernel = k
 	default:
+		bad = fmt.Errorf("cuda: %s=%q: want %s or %s", CopyKernelEnv, k, KernelPerCTA, KernelPerWarp)
+	}
+	switch d := os.Getenv(CopyDescriptorsEnv); d {
+	case "", "list":
+	case "chunks":
+		l.ChunkedDescriptors = true
+	default:
+		bad = fmt.Errorf("cuda: %s=%q: want list or chunks", CopyDescriptorsEnv, d)
+	}
+	if bad != nil {
 		lib.refs--
 		if lib.refs == 0 {
 			C.vhi_close()
 		}
-		return nil, fmt.Errorf("cuda: %s=%q: want %s or %s", CopyKernelEnv, k, KernelPerCTA, KernelPerWarp)
+		return nil, bad
 	}
 	return l, nil
 }
@@ -686,9 +707,15 @@ func (l *Lib) kernelCopy(dev int, s Stream, copies []Copy, timed bool) (upload, 
 // copied again. A chunk with an address or length off 16 bytes stops the
 // call with ErrUnaligned (the chunks before it were enqueued: the caller
 // checks alignment first where it must fall back).
+//
+// Without ChunkedDescriptors it is KernelCopy of the whole list, built
+// first (the same chunks of fill into Go memory).
 func (l *Lib) KernelCopyFill(dev int, s Stream, n int, fill func(chunk []Copy)) error {
 	if err := l.loaded(); err != nil || n == 0 {
 		return err
+	}
+	if !l.ChunkedDescriptors {
+		return l.KernelCopy(dev, s, FilledCopies(n, fill))
 	}
 	if err := l.PrepareKernels(dev); err != nil {
 		return err

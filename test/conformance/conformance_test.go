@@ -210,9 +210,12 @@ func startVLLMGroup(venv, model, typ, core string) (string, int, func(), error) 
 	}
 	port := ln.Addr().(*net.TCPAddr).Port
 	ln.Close()
+	// --enforce-eager: these tests drive the plugin and the engine core,
+	// not torch.compile, whose warm-up was ~30 s of each server's ~80 s
+	// start on the 2-core machine (and ~25 starts make a CI run).
 	cmd := exec.Command(filepath.Join(venv, "bin", "vllm"), "serve", model, "--port", fmt.Sprint(port),
 		"--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16",
-		"--vllm-hi-type", typ)
+		"--enforce-eager", "--vllm-hi-type", typ)
 	cmd.Env = append(os.Environ(), "VLLM_TARGET_DEVICE=cpu", "VLLM_CPU_KVCACHE_SPACE=1", "HF_HUB_OFFLINE=1", "VLLM_HI_AGENT=off",
 		"VLLM_HI_ENGINE_TOKEN_FILE="+agentTokenFile, "VLLM_HI_CORE_SOCKET="+core)
 	if os.Getenv("VHI_VLLM_ASYNC_SCHEDULING") == "1" {
