@@ -73,9 +73,13 @@ func newStandbys() *standbys {
 }
 
 // warmLease is how long a standby holds a copy's reservation (and takes
-// its rounds' data) without hearing from this Host: a few cycles.
+// its rounds' data) without hearing from this Host: a few cycles, and at
+// least one cycle held up for its whole deadline by a source that stopped
+// answering (a pair's next renewal waits for its last cycle to end), so
+// that the copies outlast the time it takes to decide that source failed.
 func (m *Manager) warmLease() time.Duration {
-	return 3*max(m.cfg.SnapshotInterval, m.cfg.WarmInterval) + 2*time.Second
+	cycle := max(m.cfg.SnapshotInterval, m.cfg.WarmInterval)
+	return max(3*cycle+2*time.Second, m.cfg.Timeout+2*cycle)
 }
 
 // WarmCopies is how many streams have a warm copy on a standby that a
@@ -281,23 +285,13 @@ func (m *Manager) warmPair(ctx context.Context, src, dst registry.Instance, have
 		return
 	}
 	lease := m.warmLease()
-	// What each copy will cover once the rounds are done: the tokens
-	// the source had output before they start, less the last (whose KV
-	// its next step writes). Read before the reservations too: a request
-	// whose state cannot move (structured output) gets no copy.
-	list, err := sa.Engine.Requests(rctx)
-	if err != nil {
-		log.Debug("warm standby: listing the source's requests failed", zap.Error(err))
-		return
-	}
-	tokens := make(map[string]int, len(list.Requests))
-	for _, q := range list.Requests {
-		if q.Status == hooks.StatusRunning && q.Unmovable == "" {
-			tokens[q.RequestID] = q.NumPromptTokens + q.NumOutputTokens
-		}
-	}
-	// Renew what the standby holds; a copy whose reservation is gone
-	// (it expired: this Host was away) starts over.
+	// Renew what the standby holds first, whatever the source answers: a
+	// source that stopped answering is the one whose copies a failover
+	// is about to need, and a renewal that waited on it let them lapse
+	// when the failure took longer to establish than the lease (a
+	// conformance run under load: 0 of 6 streams from their copies). A
+	// copy whose reservation is gone (it expired: this Host was away)
+	// starts over.
 	if len(have) > 0 {
 		items := make([]hooks.AllocateItem, len(have))
 		for i, c := range have {
@@ -321,6 +315,21 @@ func (m *Manager) warmPair(ctx context.Context, src, dst registry.Instance, have
 			m.forget(c)
 		}
 		have = kept
+	}
+	// What each copy will cover once the rounds are done: the tokens
+	// the source had output before they start, less the last (whose KV
+	// its next step writes). Read before the new reservations: a request
+	// whose state cannot move (structured output) gets no copy.
+	list, err := sa.Engine.Requests(rctx)
+	if err != nil {
+		log.Debug("warm standby: listing the source's requests failed", zap.Error(err))
+		return
+	}
+	tokens := make(map[string]int, len(list.Requests))
+	for _, q := range list.Requests {
+		if q.Status == hooks.StatusRunning && q.Unmovable == "" {
+			tokens[q.RequestID] = q.NumPromptTokens + q.NumOutputTokens
+		}
 	}
 	// Reserve the new ones, each alone: one the standby cannot take now
 	// (no room) is left for a later cycle.
