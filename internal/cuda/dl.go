@@ -677,10 +677,7 @@ func (l *Lib) kernelCopy(dev int, s Stream, copies []Copy, timed bool) (upload, 
 	// copy of the slice's bytes.
 	desc := unsafe.Slice((*Copy)(unsafe.Pointer(&h.buf[0])), len(copies))
 	copy(desc, copies)
-	warp, block, grid := C.int(0), 512, min(len(copies), 132*16)
-	if l.CopyKernel == KernelPerWarp {
-		warp, block, grid = 1, 256, min((len(copies)+7)/8, 132*32)
-	}
+	warp, block, grid := l.launchShape(len(copies))
 	if err := l.check("vhi_copy", C.w_kernel_copies(C.int(dev), C.uintptr_t(s), C.CUdeviceptr(buf),
 		(*C.ulonglong)(unsafe.Pointer(&h.buf[0])), C.uint(len(copies)), C.uint(grid), C.uint(block), warp, C.uintptr_t(h.uploaded), before, after)); err != nil || !timed {
 		return 0, 0, err
@@ -739,13 +736,19 @@ func (l *Lib) KernelCopyFill(dev int, s Stream, n int, fill func(chunk []Copy)) 
 			return ErrUnaligned
 		}
 		m := hi - lo
-		warp, block, grid := C.int(0), 512, min(m, 132*16)
-		if l.CopyKernel == KernelPerWarp {
-			warp, block, grid = 1, 256, min((m+7)/8, 132*32)
-		}
+		warp, block, grid := l.launchShape(m)
 		return l.check("vhi_copy", C.w_kernel_copies(C.int(dev), C.uintptr_t(s), C.CUdeviceptr(buf)+C.CUdeviceptr(lo*24),
 			(*C.ulonglong)(unsafe.Pointer(&chunk[0])), C.uint(m), C.uint(grid), C.uint(block), warp, C.uintptr_t(h.uploaded), 0, 0))
 	})
+}
+
+// launchShape is the copy kernel's launch for n descriptors: whether it
+// is the per-warp kernel, threads per CTA, CTAs.
+func (l *Lib) launchShape(n int) (warp C.int, block, grid int) {
+	if l.CopyKernel == KernelPerWarp {
+		return 1, 256, min((n+7)/8, 132*32)
+	}
+	return 0, 512, min(n, 132*16)
 }
 
 // A Copy is the copy kernel's descriptor, byte for byte.

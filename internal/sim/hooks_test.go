@@ -15,6 +15,7 @@ import (
 
 	"github.com/vllm-hi/vllm-hi/api/hooks"
 	"github.com/vllm-hi/vllm-hi/internal/kvlayout"
+	"github.com/vllm-hi/vllm-hi/internal/transfer"
 )
 
 // copyBlocks copies whole blocks from one engine's KV files to another's,
@@ -22,20 +23,12 @@ import (
 // two sides may order a block differently (HND and NHD).
 func copyBlocks(t *testing.T, src, dst hooks.Layout, from, to []int) {
 	t.Helper()
-	specs := func(l hooks.Layout) []kvlayout.RegionSpec {
-		out := make([]kvlayout.RegionSpec, len(l.Regions))
-		for i, r := range l.Regions {
-			out[i] = kvlayout.RegionSpec{FirstLayer: r.FirstLayer, NumLayers: r.NumLayers, FirstHead: r.FirstHead, NumHeads: r.NumHeads,
-				Strides: kvlayout.Strides{Layer: r.LayerStride, KV: r.KVStride, Block: r.BlockStride, Head: r.HeadStride, Slot: r.SlotStride}}
-		}
-		return out
-	}
 	var copies []kvlayout.BlockCopy
 	for j := range from {
 		copies = append(copies, kvlayout.BlockCopy{Src: from[j], Dst: to[j], NumSlots: src.Geometry.BlockSize})
 	}
 	g := src.Geometry
-	runs, err := kvlayout.Plan(g.Layers, g.KVHeads, int64(g.HeadDim*g.DTypeBytes), specs(src), specs(dst), copies)
+	runs, err := kvlayout.Plan(g.Layers, g.KVHeads, int64(g.HeadDim*g.DTypeBytes), transfer.Specs(src), transfer.Specs(dst), copies)
 	if err != nil {
 		t.Fatal(err)
 	}
